@@ -1,0 +1,62 @@
+"""Filesystems (usage per real mount) and disk io (bytes and operations per device)."""
+
+from __future__ import annotations
+
+import psutil
+
+from otel_forge.collectors.base import Collector, Readings
+from otel_forge.config import ForgeConfig
+
+# Filesystems that hold no disk space of their own. psutil's all=False already drops most.
+PSEUDO_FILESYSTEMS = frozenset({
+    "autofs", "binfmt_misc", "bpf", "cgroup", "cgroup2", "configfs", "debugfs", "devpts", "devtmpfs",
+    "efivarfs", "fusectl", "hugetlbfs", "mqueue", "nsfs", "overlay", "proc", "pstore", "ramfs",
+    "rpc_pipefs", "securityfs", "squashfs", "sysfs", "tmpfs", "tracefs", "fuse.lxcfs", "fuse.gvfsd-fuse",
+})
+_PSEUDO_DISK_PREFIXES = ("loop", "ram", "zram")
+
+
+def is_real_filesystem(fstype: str, mountpoint: str) -> bool:
+    return fstype not in PSEUDO_FILESYSTEMS and not mountpoint.startswith(("/proc", "/sys", "/dev", "/run"))
+
+
+class DiskCollector(Collector):
+    name = "disk"
+
+    @classmethod
+    def create(cls, config: ForgeConfig) -> DiskCollector:
+        return cls()
+
+    def read(self, readings: Readings) -> None:
+        self._read_filesystems(readings)
+        self._read_io(readings)
+
+    def _read_filesystems(self, readings: Readings) -> None:
+        seen_devices: set[str] = set()
+        for partition in psutil.disk_partitions(all=False):
+            # Bind mounts repeat a device; report it once, at its first mountpoint.
+            if not is_real_filesystem(partition.fstype, partition.mountpoint) or partition.device in seen_devices:
+                continue
+            try:
+                usage = psutil.disk_usage(partition.mountpoint)
+            except OSError:
+                continue  # unmounted or unreadable between listing and stat
+            seen_devices.add(partition.device)
+            attributes = {"system.device": partition.device, "system.filesystem.mountpoint": partition.mountpoint,
+                          "system.filesystem.type": partition.fstype}
+            reserved = max(0, usage.total - usage.used - usage.free)
+            for state, value in (("used", usage.used), ("free", usage.free), ("reserved", reserved)):
+                readings.add("system.filesystem.usage", value, {**attributes, "system.filesystem.state": state})
+            readings.add("system.filesystem.limit", usage.total, attributes)
+            readings.add("system.filesystem.utilization", usage.percent / 100.0, attributes)
+
+    def _read_io(self, readings: Readings) -> None:
+        counters = psutil.disk_io_counters(perdisk=True, nowrap=True) or {}
+        for device, io in counters.items():
+            if device.startswith(_PSEUDO_DISK_PREFIXES):
+                continue
+            for direction, nbytes, count in (("read", io.read_bytes, io.read_count),
+                                              ("write", io.write_bytes, io.write_count)):
+                attributes = {"system.device": device, "disk.io.direction": direction}
+                readings.add("system.disk.io", nbytes, attributes)
+                readings.add("system.disk.operations", count, attributes)

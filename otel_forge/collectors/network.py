@@ -1,0 +1,45 @@
+"""Network: bytes, packets, errors and drops per interface; loopback and virtual ones filtered."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from otel_forge.collectors.base import Collector, Readings
+from otel_forge.config import ForgeConfig
+
+_VIRTUAL_PREFIXES = ("lo", "docker", "veth", "br-", "virbr", "cni", "flannel", "cali", "ifb", "tun", "tap")
+_SYSFS_VIRTUAL = "/sys/devices/virtual/net"
+
+
+def is_physical_interface(name: str) -> bool:
+    """Loopback, bridges, veths and other software interfaces carry no traffic off the node."""
+    if name.startswith(_VIRTUAL_PREFIXES):
+        return False
+    return not os.path.exists(os.path.join(_SYSFS_VIRTUAL, name))
+
+
+class NetworkCollector(Collector):
+    name = "network"
+
+    def __init__(self, include_virtual: bool = False) -> None:
+        self._include_virtual = include_virtual
+
+    @classmethod
+    def create(cls, config: ForgeConfig) -> NetworkCollector:
+        return cls()
+
+    def read(self, readings: Readings) -> None:
+        for interface, io in psutil.net_io_counters(pernic=True, nowrap=True).items():
+            if not self._include_virtual and not is_physical_interface(interface):
+                continue
+            for direction, nbytes, packets, errors, dropped in (
+                ("receive", io.bytes_recv, io.packets_recv, io.errin, io.dropin),
+                ("transmit", io.bytes_sent, io.packets_sent, io.errout, io.dropout),
+            ):
+                attributes = {"network.interface.name": interface, "network.io.direction": direction}
+                readings.add("system.network.io", nbytes, attributes)
+                readings.add("system.network.packet.count", packets, attributes)
+                readings.add("system.network.errors", errors, attributes)
+                readings.add("system.network.packet.dropped", dropped, attributes)

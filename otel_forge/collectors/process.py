@@ -1,0 +1,98 @@
+"""The monitored process tree (a root pid and its descendants): CPU, memory, threads, fds."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+
+from otel_forge.collectors.base import Collector, CollectorUnavailable, Readings
+from otel_forge.config import ForgeConfig
+
+
+class ProcessTree:
+    """A root process and its descendants, found anew at each ``processes()`` call.
+
+    ``psutil.Process`` objects are kept across calls so CPU times are read from the same
+    objects; a child that exits between listing and reading is skipped.
+    """
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self.root = psutil.Process(pid)
+        except psutil.Error as error:
+            raise CollectorUnavailable(f"process {pid}: {error}") from None
+        self.pid = pid
+
+    def processes(self) -> list[psutil.Process]:
+        try:
+            return [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def pids(self) -> set[int]:
+        return {process.pid for process in self.processes()}
+
+
+class ProcessCollector(Collector):
+    """Sums over the tree; CPU utilization is the CPU-time delta over real elapsed time."""
+
+    name = "process"
+
+    def __init__(self, tree: ProcessTree) -> None:
+        self._tree = tree
+        self._logical_cpus = psutil.cpu_count() or 1
+        # Primed so the first utilization covers real time since start.
+        self._previous_cpu_s, self._previous_at_s = self._cpu_seconds(self._tree.processes()), time.monotonic()
+
+    @classmethod
+    def create(cls, config: ForgeConfig) -> ProcessCollector:
+        return cls(ProcessTree(config.pid or os.getpid()))
+
+    def read(self, readings: Readings) -> None:
+        processes = self._tree.processes()
+        if not processes:
+            raise RuntimeError(f"monitored process {self._tree.pid} has exited")
+        attributes = {"process.pid": self._tree.pid}
+        totals = {"rss": 0, "vms": 0, "threads": 0, "fds": 0, "user": 0.0, "system": 0.0}
+        counted = 0
+        for process in processes:
+            try:
+                with process.oneshot():
+                    memory = process.memory_info()
+                    cpu = process.cpu_times()
+                    totals["rss"] += memory.rss
+                    totals["vms"] += memory.vms
+                    totals["threads"] += process.num_threads()
+                    totals["fds"] += process.num_fds()
+                    totals["user"] += cpu.user + cpu.children_user
+                    totals["system"] += cpu.system + cpu.children_system
+                counted += 1
+            except psutil.Error:
+                continue  # exited or became unreadable during the read
+        now = time.monotonic()
+        cpu_s = totals["user"] + totals["system"]
+        elapsed = now - self._previous_at_s
+        if elapsed > 0 and cpu_s >= self._previous_cpu_s:
+            readings.add("process.cpu.utilization",
+                         (cpu_s - self._previous_cpu_s) / elapsed / self._logical_cpus, attributes)
+        self._previous_cpu_s, self._previous_at_s = cpu_s, now
+        readings.add("process.cpu.time", totals["user"], {**attributes, "cpu.mode": "user"})
+        readings.add("process.cpu.time", totals["system"], {**attributes, "cpu.mode": "system"})
+        readings.add("process.memory.usage", totals["rss"], attributes)
+        readings.add("process.memory.virtual", totals["vms"], attributes)
+        readings.add("process.thread.count", totals["threads"], attributes)
+        readings.add("process.unix.file_descriptor.count", totals["fds"], attributes)
+        readings.add("otel_forge.process.count", counted, attributes)
+
+    @staticmethod
+    def _cpu_seconds(processes: list[psutil.Process]) -> float:
+        total = 0.0
+        for process in processes:
+            try:
+                cpu = process.cpu_times()
+            except psutil.Error:
+                continue
+            total += cpu.user + cpu.system + cpu.children_user + cpu.children_system
+        return total

@@ -1,0 +1,255 @@
+"""Every knob of otel_forge, its environment variables and its default, in one table.
+
+A value is resolved as: explicit argument > the first environment variable of its row that is
+set > the default. ``OTEL_*`` and ``MLFLOW_*`` variables mean what their own specifications say;
+``OTEL_FORGE_*`` variables are ours. ``ForgeConfig.sources`` remembers where each value came from,
+so an error (and ``otel-forge doctor``) can say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+COLLECTOR_NAMES = ("cpu", "memory", "disk", "network", "process", "nvidia", "amd")
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+MLFLOW_STATS = ("mean", "max", "min")
+
+
+class ConfigError(ValueError):
+    """A setting has an invalid value; the message names the setting and where it came from."""
+
+
+# --- parsers: each takes the raw text and returns the typed value or raises ValueError ---------
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"must be a port number 0-65535, got {text!r}")
+    return value
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
+def _optional_text(text: str) -> str | None:
+    return text.strip() or None
+
+
+def _pid(text: str) -> int | None:
+    if not text.strip():
+        return None
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be a process id >= 1, got {text!r}")
+    return value
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {text!r}")
+        return value
+
+    return parse
+
+
+def _subset_of(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise ValueError(f"unknown {', '.join(unknown)}; known: {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def _gpus(text: str) -> str:
+    value = text.strip()
+    if not value:
+        raise ValueError("must be 'all', 'visible' or a list of GPU indices/UUIDs")
+    return value.lower() if value.lower() in ("all", "visible") else value
+
+
+def _url(text: str) -> str | None:
+    value = text.strip()
+    if not value:
+        return None
+    parsed = urllib.parse.urlsplit(value)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+    return value
+
+
+def _resource_attributes(text: str) -> dict[str, str]:
+    """Parse ``key1=value1,key2=value2`` (values percent-decoded), as the OTel spec defines."""
+    attributes: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected key=value pairs, got {pair!r}")
+        attributes[key.strip()] = urllib.parse.unquote(value.strip())
+    return attributes
+
+
+# --- the table ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One knob: the ``ForgeConfig`` field, its environment variables (first set wins)."""
+
+    name: str
+    env: tuple[str, ...]
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("sampling_interval_s", ("OTEL_FORGE_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"),
+            _positive_float, 10.0, "Seconds between two samples of the hardware (periodic readers' interval)."),
+    Setting("samples_per_window", ("OTEL_FORGE_SAMPLES_PER_WINDOW", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING"),
+            _positive_int, 1, "Samples folded into one MLflow step."),
+    Setting("max_age_s", ("OTEL_FORGE_MAX_AGE",), _positive_float, None,
+            "A snapshot younger than this is served from cache (default: 0.9 x sampling interval)."),
+    Setting("node_id", ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID"), _optional_text, None,
+            "Node id in metric keys and the resource (default: derived from SLURM/torchrun when the job spans nodes)."),
+    Setting("service_name", ("OTEL_SERVICE_NAME",), _optional_text, "otel-forge", "OTel `service.name`."),
+    Setting("resource_attributes", ("OTEL_RESOURCE_ATTRIBUTES",), _resource_attributes, {},
+            "Extra resource attributes, `key=value,...`."),
+    Setting("collectors", ("OTEL_FORGE_COLLECTORS",), _subset_of(COLLECTOR_NAMES), COLLECTOR_NAMES,
+            "Collectors to run, comma-separated."),
+    Setting("gpus", ("OTEL_FORGE_GPUS",), _gpus, "all",
+            "GPUs to read: `all`, `visible` (CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES) or a list of indices/UUIDs."),
+    Setting("per_cpu", ("OTEL_FORGE_PER_CPU",), _bool, False, "Also report utilization per logical CPU."),
+    Setting("pid", ("OTEL_FORGE_PID",), _pid, None, "Root of the monitored process tree (default: this process)."),
+    Setting("prometheus", ("OTEL_FORGE_PROMETHEUS",), _bool, True, "Serve a Prometheus `/metrics` endpoint."),
+    Setting("prometheus_host", ("OTEL_EXPORTER_PROMETHEUS_HOST",), _optional_text, "localhost",
+            "Address the Prometheus endpoint binds."),
+    Setting("prometheus_port", ("OTEL_EXPORTER_PROMETHEUS_PORT",), _port, 9464,
+            "Port of the Prometheus endpoint (0 picks a free one)."),
+    Setting("otlp_endpoint", ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"), _url, None,
+            "OTLP endpoint; unset means no OTLP export."),
+    Setting("otlp_protocol", ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+            _one_of(OTLP_PROTOCOLS), "http/protobuf", "OTLP transport: `grpc` or `http/protobuf`."),
+)
+
+SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
+
+# The source recorded for a value that was not read from the environment.
+ARGUMENT = "argument"
+DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class ForgeConfig:
+    """The resolved settings. Build it with ``ForgeConfig.resolve``; every field is in ``SETTINGS``."""
+
+    sampling_interval_s: float = 10.0
+    samples_per_window: int = 1
+    max_age_s: float | None = None
+    node_id: str | None = None
+    service_name: str = "otel-forge"
+    resource_attributes: Mapping[str, str] = field(default_factory=dict)
+    collectors: tuple[str, ...] = COLLECTOR_NAMES
+    gpus: str = "all"
+    per_cpu: bool = False
+    pid: int | None = None
+    prometheus: bool = True
+    prometheus_host: str = "localhost"
+    prometheus_port: int = 9464
+    otlp_endpoint: str | None = None
+    otlp_protocol: str = "http/protobuf"
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> ForgeConfig:
+        """Resolve every setting: ``explicit`` (None means unset) > environment > default."""
+        environ = os.environ if environ is None else environ
+        unknown = set(explicit) - set(SETTINGS_BY_NAME)
+        if unknown:
+            raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for setting in SETTINGS:
+            values[setting.name], sources[setting.name] = _resolve_one(setting, explicit.get(setting.name), environ)
+        return cls(**values, sources=sources)
+
+    @property
+    def snapshot_max_age_s(self) -> float:
+        """How old a cached snapshot may be: a little under the sampling interval."""
+        return self.max_age_s if self.max_age_s is not None else 0.9 * self.sampling_interval_s
+
+    @property
+    def otlp_metrics_url(self) -> str | None:
+        """The URL the OTLP exporter posts to: a generic HTTP endpoint gains ``/v1/metrics``."""
+        if self.otlp_endpoint is None or self.otlp_protocol == "grpc":
+            return self.otlp_endpoint
+        if self.sources.get("otlp_endpoint") == "env OTEL_EXPORTER_OTLP_METRICS_ENDPOINT":
+            return self.otlp_endpoint
+        return self.otlp_endpoint.rstrip("/") + "/v1/metrics"
+
+    def replace(self, **changes: Any) -> ForgeConfig:
+        """A copy with ``changes`` applied as explicit arguments (validated the same way)."""
+        sources = dict(self.sources)
+        values = {}
+        for name, raw in changes.items():
+            values[name], sources[name] = _resolve_one(SETTINGS_BY_NAME[name], raw, {})
+        return dataclasses.replace(self, **values, sources=sources)
+
+
+def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str]) -> tuple[Any, str]:
+    if explicit is not None:
+        source = ARGUMENT
+        raw = explicit
+    else:
+        env_name = next((name for name in setting.env if environ.get(name, "").strip()), None)
+        if env_name is None:
+            return setting.default, DEFAULT
+        source = f"env {env_name}"
+        raw = environ[env_name]
+    try:
+        return _parse(setting, raw), source
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"invalid {setting.name} (from {source}): {error}") from None
+
+
+def _parse(setting: Setting, raw: Any) -> Any:
+    if isinstance(raw, str):
+        return setting.parse(raw)
+    # Typed explicit values go through the same parser, so an argument obeys the env's rules.
+    if isinstance(raw, (list, tuple)):
+        return setting.parse(",".join(str(item) for item in raw))
+    if isinstance(raw, Mapping):
+        return setting.parse(",".join(f"{k}={v}" for k, v in raw.items()))
+    if isinstance(raw, bool):
+        return setting.parse("true" if raw else "false")
+    return setting.parse(str(raw))

@@ -1,0 +1,184 @@
+"""The agent: collectors on a MeterProvider with the readers the config asks for, or on yours.
+
+``Agent`` builds its own ``MeterProvider`` with a Prometheus endpoint, an OTLP exporter and any
+extra readers (the MLflow reader); ``instrument`` registers the same collectors on a provider
+the application already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from otel_forge.collectors import OpenedCollectors, open_collectors
+from otel_forge.config import ForgeConfig
+from otel_forge.instruments import INSTRUMENTATION_SCOPE, InstrumentSet
+from otel_forge.node import NodeIdentity, build_resource
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider as ApiMeterProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricReader
+
+_logger = logging.getLogger(__name__)
+
+# Builds an extra reader once the node identity is known (the MLflow reader needs the node id).
+ReaderFactory = Callable[[ForgeConfig, NodeIdentity], "MetricReader"]
+
+
+class EndpointError(OSError):
+    """An endpoint could not be served (e.g. the Prometheus port is in use)."""
+
+
+@dataclass
+class _PrometheusServer:
+    server: Any
+    thread: threading.Thread
+    url: str
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def _start_prometheus(config: ForgeConfig) -> tuple[MetricReader, _PrometheusServer]:
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    # Our own registry: two agents in one process (or the app's own metrics) never collide.
+    registry = CollectorRegistry(auto_describe=True)
+    reader = PrometheusMetricReader(registry=registry)
+    try:
+        server, thread = start_http_server(config.prometheus_port, addr=config.prometheus_host, registry=registry)
+    except OSError as error:
+        reader.shutdown()
+        where = f"{config.prometheus_host}:{config.prometheus_port}"
+        raise EndpointError(f"cannot serve Prometheus on {where} "
+                            f"(prometheus_port from {config.sources.get('prometheus_port', 'default')}): "
+                            f"{error.strerror or error}") from None
+    host, port = server.server_address[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/metrics"
+    return reader, _PrometheusServer(server, thread, url)
+
+
+def _otlp_reader(config: ForgeConfig) -> MetricReader:
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    url = config.otlp_metrics_url
+    if config.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
+
+        exporter = GrpcExporter(endpoint=url, insecure=url.startswith("http://"))
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
+
+        exporter = HttpExporter(endpoint=url)
+    return PeriodicExportingMetricReader(exporter, export_interval_millis=config.sampling_interval_s * 1000)
+
+
+class Agent:
+    """The node agent. ``start()`` opens collectors and serves them; ``shutdown()`` undoes it all.
+
+    Only local rank 0 of a node samples: on other ranks ``start()`` does nothing, so the same
+    code can run in every rank of a job. A stopped agent can be started again.
+    """
+
+    def __init__(self, config: ForgeConfig | None = None, extra_readers: Sequence[ReaderFactory] = (),
+                 node: NodeIdentity | None = None) -> None:
+        self.config = config or ForgeConfig.resolve()
+        self.node = node or NodeIdentity.detect(self.config.node_id)
+        self._extra_readers = extra_readers
+        self.collectors: OpenedCollectors | None = None
+        self.instruments: InstrumentSet | None = None
+        self.meter_provider: MeterProvider | None = None
+        self.endpoints: list[str] = []
+        self._prometheus: _PrometheusServer | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.meter_provider is not None
+
+    def start(self) -> Agent:
+        if self.running:
+            return self
+        if not self.node.runs_agent:
+            _logger.info("local rank %s: the node's agent runs on local rank 0", self.node.local_rank)
+            return self
+        from opentelemetry.sdk.metrics import MeterProvider
+
+        readers = self._build_readers()
+        self.collectors = open_collectors(self.config)
+        self.meter_provider = MeterProvider(metric_readers=readers, resource=build_resource(self.config, self.node))
+        self.instruments = InstrumentSet(self.meter_provider.get_meter(INSTRUMENTATION_SCOPE),
+                                         self.collectors.present, self.config.snapshot_max_age_s)
+        return self
+
+    def _build_readers(self) -> list[MetricReader]:
+        readers: list[MetricReader] = []
+        self.endpoints = []
+        if self.config.prometheus:
+            reader, self._prometheus = _start_prometheus(self.config)
+            readers.append(reader)
+            self.endpoints.append(f"prometheus {self._prometheus.url}")
+        if self.config.otlp_endpoint:
+            readers.append(_otlp_reader(self.config))
+            self.endpoints.append(f"otlp {self.config.otlp_protocol} {self.config.otlp_metrics_url}")
+        readers.extend(factory(self.config, self.node) for factory in self._extra_readers)
+        return readers
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop readers (each exports one last time), free the port, close the collectors."""
+        if self._prometheus is not None:
+            self._prometheus.close()
+            self._prometheus = None
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+            self.meter_provider = None
+        if self.instruments is not None:
+            self.instruments.unregister()
+            self.instruments = None
+        if self.collectors is not None:
+            self.collectors.close()
+            self.collectors = None
+
+    def __enter__(self) -> Agent:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+class Instrumentation:
+    """What ``instrument`` registered on an application's provider; ``unregister()`` removes it."""
+
+    def __init__(self, collectors: OpenedCollectors, instruments: InstrumentSet) -> None:
+        self.collectors = collectors
+        self.instruments = instruments
+        self._lock = threading.Lock()
+
+    def unregister(self) -> None:
+        with self._lock:
+            if self.instruments.active:
+                self.instruments.unregister()
+                self.collectors.close()
+
+
+def instrument(meter_provider: ApiMeterProvider | None = None, config: ForgeConfig | None = None,
+               **settings: Any) -> Instrumentation:
+    """Register the collectors on ``meter_provider`` (default: the global one).
+
+    ``settings`` are ``ForgeConfig`` fields (e.g. ``collectors=["cpu", "nvidia"]``). The
+    provider's readers and resource are the application's; only the instruments are ours.
+    """
+    from opentelemetry import metrics
+
+    config = (config or ForgeConfig.resolve()).replace(**settings) if settings else (config or ForgeConfig.resolve())
+    provider = meter_provider or metrics.get_meter_provider()
+    collectors = open_collectors(config)
+    instruments = InstrumentSet(provider.get_meter(INSTRUMENTATION_SCOPE), collectors.present,
+                                config.snapshot_max_age_s)
+    return Instrumentation(collectors, instruments)
