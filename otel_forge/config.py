@@ -191,16 +191,23 @@ class ForgeConfig:
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def resolve(cls, environ: Mapping[str, str] | None = None, **explicit: Any) -> ForgeConfig:
-        """Resolve every setting: ``explicit`` (None means unset) > environment > default."""
+    def resolve(cls, environ: Mapping[str, str] | None = None, argument_names: Mapping[str, str] | None = None,
+                **explicit: Any) -> ForgeConfig:
+        """Resolve every setting: ``explicit`` (None means unset) > environment > default.
+
+        ``argument_names`` maps a field to what the user typed for it (a CLI flag), so an
+        error says ``from --prometheus-port`` rather than ``from argument``.
+        """
         environ = os.environ if environ is None else environ
+        argument_names = argument_names or {}
         unknown = set(explicit) - set(SETTINGS_BY_NAME)
         if unknown:
             raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for setting in SETTINGS:
-            values[setting.name], sources[setting.name] = _resolve_one(setting, explicit.get(setting.name), environ)
+            values[setting.name], sources[setting.name] = _resolve_one(
+                setting, explicit.get(setting.name), environ, argument_names.get(setting.name, ARGUMENT))
         return cls(**values, sources=sources)
 
     @property
@@ -226,9 +233,10 @@ class ForgeConfig:
         return dataclasses.replace(self, **values, sources=sources)
 
 
-def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str]) -> tuple[Any, str]:
+def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str],
+                 argument_source: str = ARGUMENT) -> tuple[Any, str]:
     if explicit is not None:
-        source = ARGUMENT
+        source = argument_source
         raw = explicit
     else:
         env_name = next((name for name in setting.env if environ.get(name, "").strip()), None)

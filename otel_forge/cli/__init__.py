@@ -1,0 +1,46 @@
+"""``otel-forge``: the command line. The only place that configures logging or prints."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from otel_forge.cli import doctor, monitor
+from otel_forge.config import ConfigError
+from otel_forge.pipeline import EndpointError
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="otel-forge", description="Hardware metrics of a training machine, "
+                                                       "to MLflow, Prometheus and OpenTelemetry.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for command in (monitor, doctor):
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="otel-forge: %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except (ConfigError, EndpointError) as error:
+        print(f"otel-forge: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        return 130
+

@@ -1,0 +1,5 @@
+import sys
+
+from otel_forge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,112 @@
+"""``otel-forge doctor``: what was detected, the resolved config and where each value came from,
+and whether the configured endpoints answer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import urllib.parse
+import urllib.request
+from dataclasses import asdict
+from typing import Any
+
+from otel_forge.cli.options import add_agent_options, config_from_args
+from otel_forge.collectors import collector_class, open_collectors
+from otel_forge.config import SETTINGS, ForgeConfig
+from otel_forge.node import NodeIdentity
+
+_PROBE_TIMEOUT_S = 2.0
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("doctor", help="explain what the agent finds on this machine")
+    add_agent_options(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(run=run)
+
+
+def _tcp_check(host: str, port: int) -> str:
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S):
+            return "answers"
+    except OSError as error:
+        return f"unreachable ({error.strerror or error})"
+
+
+def _prometheus_check(config: ForgeConfig) -> str:
+    if not config.prometheus:
+        return "disabled"
+    url = f"http://{config.prometheus_host}:{config.prometheus_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT_S) as response:
+            return f"in use: {url} answers ({response.status}); an agent may already serve it"
+    except OSError:
+        pass
+    try:
+        with socket.create_server((config.prometheus_host, config.prometheus_port)):
+            return f"free: an agent would serve {url}"
+    except OSError as error:
+        return f"cannot bind {config.prometheus_host}:{config.prometheus_port} ({error.strerror or error})"
+
+
+def _otlp_check(config: ForgeConfig) -> str:
+    if not config.otlp_endpoint:
+        return "disabled (no OTLP endpoint set)"
+    parsed = urllib.parse.urlsplit(config.otlp_endpoint)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return f"{config.otlp_protocol} {config.otlp_metrics_url}: {_tcp_check(parsed.hostname or '', port)}"
+
+
+def diagnose(config: ForgeConfig) -> dict[str, Any]:
+    """Everything doctor reports, as plain data."""
+    opened = open_collectors(config)
+    try:
+        collectors = {c.name: {"present": True, "details": c.describe()} for c in opened.present}
+        collectors.update({name: {"present": False, "reason": reason} for name, reason in opened.absent.items()})
+    finally:
+        opened.close()
+    for name in ("cpu", "memory", "disk", "network", "process", "nvidia", "amd"):
+        collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
+    return {
+        "collectors": collectors,
+        "node": asdict(NodeIdentity.detect(config.node_id)),
+        "config": {s.name: {"value": _plain(getattr(config, s.name)), "source": config.sources.get(s.name, "default")}
+                   for s in SETTINGS},
+        "endpoints": {"prometheus": _prometheus_check(config), "otlp": _otlp_check(config)},
+    }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return dict(value) if hasattr(value, "items") else value
+
+
+def _print_text(report: dict[str, Any]) -> None:
+    print("collectors:")
+    for name, entry in report["collectors"].items():
+        if entry["present"]:
+            print(f"  {name:<8} present")
+            for line in entry["details"]:
+                print(f"           {line}")
+        else:
+            print(f"  {name:<8} absent: {entry['reason']}")
+    node = report["node"]
+    print(f"node: id={node['node_id']} host={node['hostname']} rank={node['rank']} "
+          f"local_rank={node['local_rank']} world_size={node['world_size']}")
+    print("config:")
+    for name, entry in report["config"].items():
+        print(f"  {name:<22} {entry['value']!s:<30} ({entry['source']})")
+    print("endpoints:")
+    for name, status in report["endpoints"].items():
+        print(f"  {name:<10} {status}")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = diagnose(config_from_args(args))
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_text(report)
+    return 0

@@ -1,0 +1,54 @@
+"""``otel-forge monitor``: the node agent, until SIGINT/SIGTERM or ``--duration``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from otel_forge.cli.options import add_agent_options, config_from_args
+from otel_forge.config import ConfigError
+from otel_forge.pipeline import Agent
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("monitor", help="run the node agent")
+    add_agent_options(parser)
+    parser.add_argument("--duration", metavar="S", help="stop after S seconds (default: until stopped)")
+    parser.set_defaults(run=run)
+
+
+def _duration_s(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"invalid duration (from --duration): must be a number > 0, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    duration_s = _duration_s(args.duration)
+    agent = Agent(config_from_args(args))
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        agent.start()
+        if not agent.node.runs_agent:
+            print(f"otel-forge: local rank {agent.node.local_rank}: the agent runs on local rank 0", flush=True)
+            return 0
+        for endpoint in agent.endpoints:
+            print(f"otel-forge: serving {endpoint}", flush=True)
+        for name, reason in (agent.collectors.absent.items() if agent.collectors else ()):
+            print(f"otel-forge: collector {name} absent: {reason}", file=sys.stderr, flush=True)
+        stop.wait(duration_s)
+    finally:
+        agent.shutdown(timeout_s=2.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

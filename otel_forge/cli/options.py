@@ -1,0 +1,52 @@
+"""The agent options shared by the commands that run an agent, mapped onto ``ForgeConfig``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from otel_forge.config import ForgeConfig
+
+# flag -> ForgeConfig field; argparse stores each under the field's name.
+AGENT_FLAGS = {
+    "--interval": "sampling_interval_s",
+    "--samples-per-window": "samples_per_window",
+    "--prometheus-host": "prometheus_host",
+    "--prometheus-port": "prometheus_port",
+    "--otlp-endpoint": "otlp_endpoint",
+    "--otlp-protocol": "otlp_protocol",
+    "--collectors": "collectors",
+    "--gpus": "gpus",
+    "--node-id": "node_id",
+    "--pid": "pid",
+}
+_HELP = {
+    "--interval": "seconds between samples",
+    "--samples-per-window": "samples folded into one MLflow step",
+    "--prometheus-host": "address of the /metrics endpoint (default localhost)",
+    "--prometheus-port": "port of the /metrics endpoint (default 9464)",
+    "--otlp-endpoint": "OTLP endpoint URL (enables OTLP export)",
+    "--otlp-protocol": "grpc or http/protobuf",
+    "--collectors": "comma-separated: cpu,memory,disk,network,process,nvidia,amd",
+    "--gpus": "all, visible, or a list of GPU indices/UUIDs",
+    "--node-id": "node id (default: from the launcher)",
+    "--pid": "root of the monitored process tree (default: the agent)",
+}
+
+
+def add_agent_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("agent options")
+    for flag, field in AGENT_FLAGS.items():
+        # Plain strings: ForgeConfig parses and validates them, naming the flag on error.
+        group.add_argument(flag, dest=field, metavar=field.split("_")[-1].upper(), help=_HELP[flag])
+    group.add_argument("--no-prometheus", dest="prometheus", action="store_const", const=False,
+                       help="do not serve a Prometheus endpoint")
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> ForgeConfig:
+    explicit = {field: getattr(args, field, None) for field in AGENT_FLAGS.values()}
+    explicit["prometheus"] = getattr(args, "prometheus", None)
+    explicit.update(overrides)
+    names = {field: flag for flag, field in AGENT_FLAGS.items()}
+    names["prometheus"] = "--no-prometheus"
+    return ForgeConfig.resolve(argument_names=names, **explicit)
