@@ -6,6 +6,8 @@ Callbacks read the cached snapshot of the collector that owns the metric, so eve
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -55,10 +57,11 @@ class InstrumentSet:
     callbacks: an observable that observes nothing is not exported.
     """
 
-    def __init__(self, meter: Meter, collectors: Iterable[Collector], max_age_s: float) -> None:
-        caches = [CachedCollector(c, max_age_s) for c in collectors]
+    def __init__(self, meter: Meter, collectors: Iterable[Collector], max_age_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        caches = [CachedCollector(c, max_age_s, clock) for c in collectors]
         self.caches: dict[str, CachedCollector] = {c.name: c for c in caches}
-        self.caches["self"] = CachedCollector(SelfTelemetryCollector(caches), max_age_s)
+        self.caches["self"] = CachedCollector(SelfTelemetryCollector(caches), max_age_s, clock)
         self._active = True
         self.instruments = [self._create(meter, name, specs)
                             for name, specs in _specs_by_name(set(self.caches)).items()]

@@ -1,0 +1,156 @@
+"""The host collectors on this machine: plausible values, filters, monotonic counters."""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from otel_forge.collectors.base import Readings
+from otel_forge.collectors.cpu import CpuCollector
+from otel_forge.collectors.disk import DiskCollector, is_real_filesystem
+from otel_forge.collectors.memory import MemoryCollector
+from otel_forge.collectors.network import NetworkCollector, is_physical_interface
+from otel_forge.collectors.process import ProcessCollector, ProcessTree
+from otel_forge.config import ForgeConfig
+
+
+def read(collector):
+    readings = Readings()
+    collector.read(readings)
+    return readings
+
+
+def values(readings, metric, **match):
+    return [v for attrs, v in readings.get(metric) if all(attrs.get(k) == x for k, x in match.items())]
+
+
+def burn_cpu(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_cpu_utilization_is_a_fraction_by_mode_and_never_a_fake_zero():
+    collector = CpuCollector(per_cpu=True)
+    burn_cpu(0.3)
+    first = read(collector)
+    busy = values(first, "otel_forge.cpu.utilization")
+    # Primed at construction: the very first read covers the burn, not 0.
+    assert len(busy) == 1 and 0 < busy[0] <= 1
+    by_mode = dict((a["cpu.mode"], v) for a, v in first.get("system.cpu.utilization"))
+    assert {"user", "system", "idle"} <= set(by_mode)
+    assert all(0 <= v <= 1 for v in by_mode.values())
+    assert sum(by_mode.values()) == pytest.approx(1.0, abs=1e-6)
+    per_cpu = first.get("otel_forge.cpu.logical.utilization")
+    assert sorted(a["cpu.logical_number"] for a, _ in per_cpu) == list(range(psutil.cpu_count()))
+    assert values(first, "system.cpu.logical.count") == [psutil.cpu_count()]
+    assert len(values(first, "system.cpu.load_average.1m")) == 1
+
+
+def test_cpu_without_per_cpu_reports_no_per_cpu_series():
+    collector = CpuCollector()
+    time.sleep(0.05)
+    assert read(collector).get("otel_forge.cpu.logical.utilization") == []
+
+
+def test_memory_usage_within_limit():
+    readings = read(MemoryCollector())
+    limit = values(readings, "system.memory.limit")[0]
+    used = values(readings, "system.memory.usage", **{"system.memory.state": "used"})[0]
+    assert 0 < used <= limit == psutil.virtual_memory().total
+    for _, fraction in readings.get("system.memory.utilization"):
+        assert 0 <= fraction <= 1
+    assert values(readings, "system.memory.utilization", **{"system.memory.state": "used"})[0] == \
+        pytest.approx(used / limit)
+
+
+def test_filesystems_are_real_mounts_within_limits():
+    readings = read(DiskCollector())
+    limits = readings.get("system.filesystem.limit")
+    assert limits, "at least the root filesystem"
+    for attrs, limit in limits:
+        assert is_real_filesystem(attrs["system.filesystem.type"], attrs["system.filesystem.mountpoint"])
+        used = values(readings, "system.filesystem.usage", **{**attrs, "system.filesystem.state": "used"})[0]
+        assert 0 <= used <= limit
+    for attrs, fraction in readings.get("system.filesystem.utilization"):
+        assert 0 <= fraction <= 1
+    mounts = {a["system.filesystem.mountpoint"] for a, _ in limits}
+    assert not mounts & {"/proc", "/sys", "/dev", "/dev/shm", "/run"}
+
+
+def test_pseudo_filesystems_are_filtered():
+    assert not is_real_filesystem("tmpfs", "/tmp")
+    assert not is_real_filesystem("proc", "/proc")
+    assert not is_real_filesystem("overlay", "/")
+    assert is_real_filesystem("ext4", "/")
+    assert is_real_filesystem("xfs", "/data")
+
+
+def test_disk_io_counters_are_monotonic(tmp_path):
+    collector = DiskCollector()
+    before = read(collector)
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(1 << 20))
+    os.sync()
+    after = read(collector)
+    assert before.get("system.disk.io"), "this machine has a disk"
+    before_by_key = {tuple(sorted(a.items())): v for a, v in before.get("system.disk.io")}
+    for attrs, value in after.get("system.disk.io"):
+        assert value >= before_by_key.get(tuple(sorted(attrs.items())), 0)
+
+
+def test_network_filters_loopback_and_counts_monotonically():
+    collector = NetworkCollector()
+    first = read(collector)
+    second = read(collector)
+    names = {a["network.interface.name"] for a, _ in first.get("system.network.io")}
+    assert "lo" not in names
+    assert all(is_physical_interface(n) for n in names)
+    before = {tuple(sorted(a.items())): v for a, v in first.get("system.network.io")}
+    for attrs, value in second.get("system.network.io"):
+        assert value >= before[tuple(sorted(attrs.items()))]
+    assert {a["network.io.direction"] for a, _ in first.get("system.network.io")} <= {"receive", "transmit"}
+
+
+def test_loopback_is_included_only_when_asked():
+    names = {a["network.interface.name"] for a, _ in read(NetworkCollector(include_virtual=True)).get("system.network.io")}
+    assert "lo" in names
+    assert not is_physical_interface("lo") and not is_physical_interface("docker0")
+    assert not is_physical_interface("veth1234")
+
+
+def test_process_tree_includes_children():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        collector = ProcessCollector.create(ForgeConfig.resolve(environ={}))
+        burn_cpu(0.2)
+        readings = read(collector)
+        assert child.pid in ProcessTree(os.getpid()).pids()
+        assert values(readings, "otel_forge.process.count")[0] >= 2
+        rss = values(readings, "process.memory.usage")[0]
+        assert rss >= psutil.Process().memory_info().rss
+        assert values(readings, "process.memory.virtual")[0] >= rss
+        assert values(readings, "process.thread.count")[0] >= 2
+        assert values(readings, "process.unix.file_descriptor.count")[0] >= 3
+        utilization = values(readings, "process.cpu.utilization")[0]
+        assert 0 < utilization <= 1
+        assert readings.get("process.cpu.utilization")[0][0] == {"process.pid": os.getpid()}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_process_of_another_pid_and_a_missing_one():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        readings = read(ProcessCollector.create(ForgeConfig.resolve(environ={}, pid=child.pid)))
+        assert values(readings, "otel_forge.process.count") == [1]
+    finally:
+        child.kill()
+        child.wait()
+    from otel_forge.collectors.base import CollectorUnavailable
+    with pytest.raises(CollectorUnavailable, match=str(child.pid)):
+        ProcessCollector.create(ForgeConfig.resolve(environ={}, pid=child.pid))

@@ -1,0 +1,86 @@
+import pytest
+
+from otel_forge.config import SETTINGS, ConfigError, ForgeConfig
+
+
+def test_defaults_when_nothing_is_set():
+    config = ForgeConfig.resolve(environ={})
+    assert config.sampling_interval_s == 10.0
+    assert config.samples_per_window == 1
+    assert config.prometheus_host == "localhost" and config.prometheus_port == 9464
+    assert config.otlp_endpoint is None and config.otlp_protocol == "http/protobuf"
+    assert config.service_name == "otel-forge"
+    assert set(config.sources.values()) == {"default"}
+
+
+def test_explicit_beats_env_beats_default():
+    environ = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "5", "OTEL_EXPORTER_PROMETHEUS_PORT": "9100"}
+    config = ForgeConfig.resolve(environ=environ, sampling_interval_s=2)
+    assert config.sampling_interval_s == 2.0 and config.sources["sampling_interval_s"] == "argument"
+    assert config.prometheus_port == 9100
+    assert config.sources["prometheus_port"] == "env OTEL_EXPORTER_PROMETHEUS_PORT"
+
+
+def test_our_env_var_beats_mlflow_one():
+    environ = {"MLFLOW_SYSTEM_METRICS_NODE_ID": "mlflow-node", "OTEL_FORGE_NODE_ID": "our-node",
+               "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING": "4"}
+    config = ForgeConfig.resolve(environ=environ)
+    assert config.node_id == "our-node"
+    assert config.samples_per_window == 4
+
+
+@pytest.mark.parametrize("name, raw, words", [
+    ("sampling_interval_s", "0", "> 0"),
+    ("sampling_interval_s", "-1", "> 0"),
+    ("sampling_interval_s", "nan", "> 0"),
+    ("samples_per_window", "0", ">= 1"),
+    ("prometheus_port", "70000", "0-65535"),
+    ("collectors", "cpu,tpu", "unknown tpu"),
+    ("otlp_protocol", "udp", "grpc"),
+    ("otlp_endpoint", "localhost:4317", "http"),
+    ("resource_attributes", "novalue", "key=value"),
+    ("prometheus", "maybe", "true or false"),
+])
+def test_invalid_values_name_the_setting_and_the_source(name, raw, words):
+    setting = next(s for s in SETTINGS if s.name == name)
+    with pytest.raises(ConfigError) as from_env:
+        ForgeConfig.resolve(environ={setting.env[0]: raw})
+    assert f"invalid {name} (from env {setting.env[0]})" in str(from_env.value)
+    assert words in str(from_env.value)
+    with pytest.raises(ConfigError, match=rf"invalid {name} \(from --flag\)"):
+        ForgeConfig.resolve(environ={}, argument_names={name: "--flag"}, **{name: raw})
+
+
+def test_otlp_http_endpoint_gains_the_signal_path_only_when_generic():
+    generic = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318/"})
+    assert generic.otlp_metrics_url == "http://127.0.0.1:4318/v1/metrics"
+    specific = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:4318/custom"})
+    assert specific.otlp_metrics_url == "http://c:4318/custom"
+    grpc = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317",
+                                        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    assert grpc.otlp_metrics_url == "http://c:4317"
+
+
+def test_resource_attributes_follow_the_otel_format():
+    config = ForgeConfig.resolve(environ={"OTEL_RESOURCE_ATTRIBUTES": "team=ml, cluster=a%2Cb"})
+    assert config.resource_attributes == {"team": "ml", "cluster": "a,b"}
+
+
+def test_typed_arguments_are_validated_like_text():
+    config = ForgeConfig.resolve(environ={}, collectors=["cpu", "nvidia"], prometheus=False, per_cpu=True)
+    assert config.collectors == ("cpu", "nvidia") and config.prometheus is False and config.per_cpu is True
+    with pytest.raises(ConfigError):
+        ForgeConfig.resolve(environ={}, collectors=["cpu", "gpu"])
+
+
+def test_replace_validates_and_records_the_source():
+    config = ForgeConfig.resolve(environ={}).replace(sampling_interval_s=0.5)
+    assert config.sampling_interval_s == 0.5 and config.sources["sampling_interval_s"] == "argument"
+    assert config.snapshot_max_age_s == pytest.approx(0.45)
+    with pytest.raises(ConfigError):
+        config.replace(sampling_interval_s=0)
+
+
+def test_unknown_setting_is_a_type_error():
+    with pytest.raises(TypeError, match="bogus"):
+        ForgeConfig.resolve(environ={}, bogus=1)

@@ -1,0 +1,59 @@
+from pathlib import Path
+
+from otel_forge.config import ForgeConfig
+from otel_forge.node import NODE_ID_ATTRIBUTE, NodeIdentity, build_resource
+
+
+def test_plain_process_has_no_node_id_and_runs_the_agent():
+    node = NodeIdentity.detect(environ={})
+    assert node.node_id is None and node.rank is None
+    assert node.runs_agent and node.is_global_zero
+
+
+def test_torchrun_multi_node():
+    env = {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
+    node = NodeIdentity.detect(environ=env)
+    assert (node.rank, node.local_rank, node.world_size) == (9, 1, 16)
+    assert node.node_id == "node_1"
+    assert not node.runs_agent and not node.is_global_zero
+
+
+def test_slurm_multi_node_local_zero_runs_the_agent():
+    env = {"SLURM_PROCID": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS": "16", "SLURM_NODEID": "1",
+           "SLURM_JOB_NUM_NODES": "2"}
+    node = NodeIdentity.detect(environ=env)
+    assert node.node_id == "node_1" and node.runs_agent and node.rank == 8
+
+
+def test_mpi_ranks():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}
+    node = NodeIdentity.detect(environ=env)
+    assert (node.rank, node.local_rank, node.world_size) == (3, 3, 4)
+    assert node.node_id is None  # a single node: keys stay system/<key>
+
+
+def test_single_node_job_has_no_derived_node_id_but_explicit_wins():
+    env = {"SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1"}
+    assert NodeIdentity.detect(environ=env).node_id is None
+    assert NodeIdentity.detect("gpu-box-7", environ=env).node_id == "gpu-box-7"
+
+
+def test_resource_carries_service_host_node_and_user_attributes(monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "")
+    config = ForgeConfig.resolve(environ={"OTEL_RESOURCE_ATTRIBUTES": "team=ml,service.name=ignored",
+                                          "OTEL_SERVICE_NAME": "trainer"})
+    node = NodeIdentity.detect("node_2", environ={})
+    attributes = build_resource(config, node).attributes
+    assert attributes["service.name"] == "trainer"
+    assert attributes["host.name"] == node.hostname
+    assert attributes[NODE_ID_ATTRIBUTE] == "node_2"
+    assert attributes["team"] == "ml"
+    machine_id = Path("/etc/machine-id")
+    if machine_id.exists():
+        assert attributes["host.id"] == machine_id.read_text().strip()
+
+
+def test_default_service_name():
+    resource = build_resource(ForgeConfig.resolve(environ={}), NodeIdentity.detect(environ={}))
+    assert resource.attributes["service.name"] == "otel-forge"
+    assert NODE_ID_ATTRIBUTE not in resource.attributes
