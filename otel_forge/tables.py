@@ -1,0 +1,65 @@
+"""The README's metric and settings tables, rendered from the code's own tables.
+
+``python -m otel_forge.tables README.md`` rewrites the marked sections; a test fails when the
+README and the code differ.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from otel_forge.config import SETTINGS
+from otel_forge.names import METRICS
+
+
+def _code(text: str) -> str:
+    return f"`{text}`" if text else ""
+
+
+def metrics_markdown() -> str:
+    rows = ["| metric | kind | unit | attributes | collector | description |", "|---|---|---|---|---|---|"]
+    seen: dict[str, list[str]] = {}
+    for spec in METRICS:
+        seen.setdefault(spec.name, []).append(spec.source)
+    for spec in METRICS:
+        sources = seen.pop(spec.name, None)
+        if sources is None:
+            continue  # the same metric from another collector: one row, both sources
+        attributes = ", ".join(_code(a) for a in spec.attributes)
+        rows.append(f"| {_code(spec.name)} | {spec.kind.value} | {_code(spec.unit)} | {attributes} "
+                    f"| {', '.join(sources)} | {spec.description} |")
+    return "\n".join(rows)
+
+
+def settings_markdown() -> str:
+    rows = ["| setting | environment variables (first set wins) | default | meaning |", "|---|---|---|---|"]
+    for setting in SETTINGS:
+        default = setting.default
+        if isinstance(default, tuple):
+            default = ",".join(default)
+        shown = "" if default in (None, {}) else _code(str(default))
+        rows.append(f"| {_code(setting.name)} | {', '.join(_code(e) for e in setting.env)} | {shown} | {setting.doc} |")
+    return "\n".join(rows)
+
+
+SECTIONS = {"metrics": metrics_markdown, "settings": settings_markdown}
+
+
+def render(readme: str) -> str:
+    """``readme`` with every ``<!-- NAME:begin -->...<!-- NAME:end -->`` section regenerated."""
+    for name, build in SECTIONS.items():
+        pattern = re.compile(rf"(<!-- {name}:begin -->).*?(<!-- {name}:end -->)", re.DOTALL)
+        readme = pattern.sub(lambda m, b=build: f"{m.group(1)}\n{b()}\n{m.group(2)}", readme)
+    return readme
+
+
+def main(argv: list[str]) -> int:
+    path = Path(argv[0] if argv else "README.md")
+    path.write_text(render(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
