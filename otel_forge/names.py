@@ -25,9 +25,36 @@ _NET = ("network.interface.name", "network.io.direction")
 _PROC = ("process.pid",)
 
 
+class Fold(str, Enum):
+    """How a window of samples becomes one MLflow value."""
+
+    MEAN = "mean"  # gauges: the window mean (max and min on request)
+    SINCE_START = "since_start"  # counters: growth since the exporter started, at window end
+    RATE = "rate"  # counters: growth per second over the window
+
+
+@dataclass(frozen=True)
+class MlflowKey:
+    """An MLflow key for a metric's data points.
+
+    ``key`` may name attributes in braces (``gpu_{hw.id}_power_usage_watts``); ``where`` keeps
+    only points whose attribute has one of the listed values; points that map to the same key
+    are summed (``network_{network.io.direction}_megabytes`` adds up the interfaces).
+    """
+
+    key: str
+    scale: float = 1.0
+    fold: Fold = Fold.MEAN
+    where: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+def _where(allowed: dict[str, str | tuple[str, ...]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    return tuple((name, (v,) if isinstance(v, str) else v) for name, v in allowed.items())
+
+
 @dataclass(frozen=True)
 class MetricSpec:
-    """One instrument: its name, kind, UCUM unit, the collector that reads it, its attributes."""
+    """One instrument: name, kind, UCUM unit, owning collector, attributes, MLflow keys."""
 
     name: str
     kind: Kind
@@ -35,81 +62,139 @@ class MetricSpec:
     source: str
     attributes: tuple[str, ...]
     description: str
+    mlflow: tuple[MlflowKey, ...] = ()
 
 
-def _gpu(name: str, kind: Kind, unit: str, extra: tuple[str, ...], description: str) -> tuple[MetricSpec, ...]:
+def _gpu(name: str, kind: Kind, unit: str, extra: tuple[str, ...], description: str,
+         mlflow: tuple[MlflowKey, ...] = ()) -> tuple[MetricSpec, ...]:
     """The same GPU metric for both vendors' collectors."""
-    return tuple(MetricSpec(name, kind, unit, source, GPU_ATTRIBUTES + extra, description)
+    return tuple(MetricSpec(name, kind, unit, source, GPU_ATTRIBUTES + extra, description, mlflow)
                  for source in ("nvidia", "amd"))
+
+
+_MB = 1e-6
+_PCT = 100.0
 
 
 G, C, U = Kind.GAUGE, Kind.COUNTER, Kind.UP_DOWN_COUNTER
 
+K = MlflowKey
+_USED, _FREE = _where({"system.filesystem.state": "used"}), _where({"system.filesystem.state": "free"})
+_ROOT = _where({"system.filesystem.mountpoint": "/"})
+_MEM_USED = _where({"system.memory.state": "used"})
+_SWAP_USED = _where({"system.paging.state": "used"})
+
 METRICS: tuple[MetricSpec, ...] = (
     # cpu
     MetricSpec("system.cpu.utilization", G, "1", "cpu", ("cpu.mode",),
-               "Fraction of CPU time in each mode over the last interval, all logical CPUs."),
+               "Fraction of CPU time in each mode over the last interval, all logical CPUs.",
+               (K("cpu_{cpu.mode}_percentage", _PCT),)),
     MetricSpec("otel_forge.cpu.utilization", G, "1", "cpu", (),
-               "Busy fraction of all logical CPUs over the last interval (not idle, not iowait)."),
+               "Busy fraction of all logical CPUs over the last interval (not idle, not iowait).",
+               (K("cpu_utilization_percentage", _PCT),)),
     MetricSpec("otel_forge.cpu.logical.utilization", G, "1", "cpu", ("cpu.logical_number",),
-               "Busy fraction per logical CPU (only with per_cpu)."),
+               "Busy fraction per logical CPU (only with per_cpu).",
+               (K("cpu_{cpu.logical_number}_utilization_percentage", _PCT),)),
     MetricSpec("system.cpu.logical.count", U, "{cpu}", "cpu", (), "Logical CPUs."),
-    MetricSpec("system.cpu.load_average.1m", G, "{thread}", "cpu", (), "Load average over 1 minute."),
+    MetricSpec("system.cpu.load_average.1m", G, "{thread}", "cpu", (), "Load average over 1 minute.",
+               (K("cpu_load_average_1m"),)),
     MetricSpec("system.cpu.load_average.5m", G, "{thread}", "cpu", (), "Load average over 5 minutes."),
     MetricSpec("system.cpu.load_average.15m", G, "{thread}", "cpu", (), "Load average over 15 minutes."),
     # memory
     MetricSpec("system.memory.usage", U, "By", "memory", ("system.memory.state",),
-               "Memory by state; `used` is total - available."),
+               "Memory by state (psutil's states; `used` excludes buffers and cache).",
+               (K("system_memory_usage_megabytes", _MB, where=_MEM_USED),
+                K("system_memory_{system.memory.state}_megabytes", _MB,
+                  where=_where({"system.memory.state": ("free", "cached", "buffers")})))),
     MetricSpec("system.memory.utilization", G, "1", "memory", ("system.memory.state",),
-               "Memory by state as a fraction of the total."),
-    MetricSpec("system.memory.limit", U, "By", "memory", (), "Total physical memory."),
-    MetricSpec("system.paging.usage", U, "By", "memory", ("system.paging.state",), "Swap by state."),
+               "Memory by state as a fraction of the total.",
+               (K("system_memory_usage_percentage", _PCT, where=_MEM_USED),)),
+    MetricSpec("system.memory.limit", U, "By", "memory", (), "Total physical memory.",
+               (K("system_memory_total_megabytes", _MB),)),
+    MetricSpec("system.paging.usage", U, "By", "memory", ("system.paging.state",), "Swap by state.",
+               (K("swap_usage_megabytes", _MB, where=_SWAP_USED),)),
     MetricSpec("system.paging.utilization", G, "1", "memory", ("system.paging.state",),
-               "Swap by state as a fraction of the total."),
+               "Swap by state as a fraction of the total.",
+               (K("swap_usage_percentage", _PCT, where=_SWAP_USED),)),
     # disk
     MetricSpec("system.filesystem.usage", U, "By", "disk", _FS + ("system.filesystem.state",),
-               "Filesystem space by state (used, free, reserved), pseudo filesystems excluded."),
-    MetricSpec("system.filesystem.utilization", G, "1", "disk", _FS, "Used fraction of a filesystem."),
+               "Filesystem space by state (used, free, reserved), pseudo filesystems excluded.",
+               (K("disk_usage_megabytes", _MB, where=_ROOT + _USED),
+                K("disk_available_megabytes", _MB, where=_ROOT + _FREE),
+                K("disk_{system.filesystem.mountpoint}_usage_megabytes", _MB, where=_USED))),
+    MetricSpec("system.filesystem.utilization", G, "1", "disk", _FS, "Used fraction of a filesystem.",
+               (K("disk_usage_percentage", _PCT, where=_ROOT),
+                K("disk_{system.filesystem.mountpoint}_usage_percentage", _PCT))),
     MetricSpec("system.filesystem.limit", U, "By", "disk", _FS, "Size of a filesystem."),
-    MetricSpec("system.disk.io", C, "By", "disk", _DISK, "Bytes read and written per disk."),
-    MetricSpec("system.disk.operations", C, "{operation}", "disk", _DISK, "Reads and writes per disk."),
+    MetricSpec("system.disk.io", C, "By", "disk", _DISK, "Bytes read and written per disk.",
+               (K("disk_{disk.io.direction}_megabytes_per_second", _MB, Fold.RATE),
+                K("disk_{system.device}_{disk.io.direction}_megabytes_per_second", _MB, Fold.RATE))),
+    MetricSpec("system.disk.operations", C, "{operation}", "disk", _DISK, "Reads and writes per disk.",
+               (K("disk_{disk.io.direction}_operations_per_second", fold=Fold.RATE),)),
     # network
-    MetricSpec("system.network.io", C, "By", "network", _NET, "Bytes per interface and direction."),
-    MetricSpec("system.network.packet.count", C, "{packet}", "network", _NET, "Packets per interface and direction."),
-    MetricSpec("system.network.errors", C, "{error}", "network", _NET, "Errors per interface and direction."),
+    MetricSpec("system.network.io", C, "By", "network", _NET, "Bytes per interface and direction.",
+               (K("network_{network.io.direction}_megabytes", _MB, Fold.SINCE_START),
+                K("network_{network.io.direction}_megabytes_per_second", _MB, Fold.RATE),
+                K("network_{network.interface.name}_{network.io.direction}_megabytes_per_second", _MB,
+                  Fold.RATE))),
+    MetricSpec("system.network.packet.count", C, "{packet}", "network", _NET,
+               "Packets per interface and direction.",
+               (K("network_{network.io.direction}_packets_per_second", fold=Fold.RATE),)),
+    MetricSpec("system.network.errors", C, "{error}", "network", _NET, "Errors per interface and direction.",
+               (K("network_{network.io.direction}_errors", fold=Fold.SINCE_START),)),
     MetricSpec("system.network.packet.dropped", C, "{packet}", "network", _NET,
-               "Dropped packets per interface and direction."),
+               "Dropped packets per interface and direction.",
+               (K("network_{network.io.direction}_dropped_packets", fold=Fold.SINCE_START),)),
     # process (the monitored tree: a root pid and its children)
     MetricSpec("process.cpu.utilization", G, "1", "process", _PROC,
-               "CPU time of the process tree over the last interval / elapsed time / logical CPUs."),
+               "CPU time of the process tree over the last interval / elapsed time / logical CPUs.",
+               (K("process_cpu_utilization_percentage", _PCT),)),
     MetricSpec("process.cpu.time", C, "s", "process", _PROC + ("cpu.mode",), "CPU seconds of the process tree."),
-    MetricSpec("process.memory.usage", U, "By", "process", _PROC, "Resident memory of the process tree."),
-    MetricSpec("process.memory.virtual", U, "By", "process", _PROC, "Virtual memory of the process tree."),
-    MetricSpec("process.thread.count", U, "{thread}", "process", _PROC, "Threads of the process tree."),
+    MetricSpec("process.memory.usage", U, "By", "process", _PROC, "Resident memory of the process tree.",
+               (K("process_memory_rss_megabytes", _MB),)),
+    MetricSpec("process.memory.virtual", U, "By", "process", _PROC, "Virtual memory of the process tree.",
+               (K("process_memory_virtual_megabytes", _MB),)),
+    MetricSpec("process.thread.count", U, "{thread}", "process", _PROC, "Threads of the process tree.",
+               (K("process_threads"),)),
     MetricSpec("process.unix.file_descriptor.count", U, "{file_descriptor}", "process", _PROC,
-               "Open file descriptors of the process tree."),
-    MetricSpec("otel_forge.process.count", U, "{process}", "process", _PROC, "Processes in the tree."),
-    # GPUs (NVIDIA through NVML, AMD through amdsmi)
-    *_gpu("hw.gpu.utilization", G, "1", ("hw.gpu.task",), "Fraction of time the GPU was busy."),
+               "Open file descriptors of the process tree.", (K("process_open_fds"),)),
+    MetricSpec("otel_forge.process.count", U, "{process}", "process", _PROC, "Processes in the tree.",
+               (K("process_count"),)),
+    # GPUs (NVIDIA through NVML, AMD through amdsmi); {hw.id} is the GPU index
+    *_gpu("hw.gpu.utilization", G, "1", ("hw.gpu.task",), "Fraction of time the GPU was busy.",
+          (K("gpu_{hw.id}_utilization_percentage", _PCT),)),
     *_gpu("otel_forge.gpu.memory.activity", G, "1", (),
-          "Fraction of time device memory was being read or written."),
-    *_gpu("hw.gpu.memory.usage", U, "By", (), "GPU memory used."),
-    *_gpu("hw.gpu.memory.limit", U, "By", (), "GPU memory size."),
-    *_gpu("hw.gpu.memory.utilization", G, "1", (), "GPU memory used / size."),
-    *_gpu("hw.power", G, "W", (), "Power draw."),
-    *_gpu("otel_forge.gpu.power.limit", G, "W", (), "Enforced power limit."),
-    *_gpu("hw.energy", C, "J", (), "Energy consumed since the driver loaded."),
-    *_gpu("hw.temperature", G, "Cel", ("hw.sensor_location",), "Temperature."),
-    *_gpu("otel_forge.gpu.clock.frequency", G, "Hz", ("otel_forge.gpu.clock",), "Clock frequency (sm, memory)."),
-    *_gpu("hw.errors", C, "{error}", ("hw.error.type",), "ECC errors (corrected, uncorrected)."),
-    *_gpu("hw.status", U, "1", ("hw.state",), "1 for the GPU's current state (ok, failed), 0 for the others."),
+          "Fraction of time device memory was being read or written.",
+          (K("gpu_{hw.id}_memory_activity_percentage", _PCT),)),
+    *_gpu("hw.gpu.memory.usage", U, "By", (), "GPU memory used.", (K("gpu_{hw.id}_memory_usage_megabytes", _MB),)),
+    *_gpu("hw.gpu.memory.limit", U, "By", (), "GPU memory size.", (K("gpu_{hw.id}_memory_total_megabytes", _MB),)),
+    *_gpu("hw.gpu.memory.utilization", G, "1", (), "GPU memory used / size.",
+          (K("gpu_{hw.id}_memory_usage_percentage", _PCT),)),
+    *_gpu("hw.power", G, "W", (), "Power draw.", (K("gpu_{hw.id}_power_usage_watts"),)),
+    *_gpu("otel_forge.gpu.power.limit", G, "W", (), "Enforced power limit.", (K("gpu_{hw.id}_power_limit_watts"),)),
+    *_gpu("otel_forge.gpu.power.utilization", G, "1", (), "Power draw / enforced power limit.",
+          (K("gpu_{hw.id}_power_usage_percentage", _PCT),)),
+    *_gpu("hw.energy", C, "J", (), "Energy consumed since the driver loaded.",
+          (K("gpu_{hw.id}_energy_joules", fold=Fold.SINCE_START),)),
+    *_gpu("hw.temperature", G, "Cel", ("hw.sensor_location",), "Temperature.",
+          (K("gpu_{hw.id}_temperature_celsius"),)),
+    *_gpu("otel_forge.gpu.clock.frequency", G, "Hz", ("otel_forge.gpu.clock",), "Clock frequency (sm, memory).",
+          (K("gpu_{hw.id}_{otel_forge.gpu.clock}_clock_mhz", _MB),)),
+    *_gpu("hw.errors", C, "{error}", ("hw.error.type",), "ECC errors (corrected, uncorrected).",
+          (K("gpu_{hw.id}_ecc_{hw.error.type}_errors", fold=Fold.SINCE_START),)),
+    *_gpu("hw.status", U, "1", ("hw.state",), "1 for the GPU's current state (ok, failed), 0 for the others.",
+          (K("gpu_{hw.id}_status_ok", where=_where({"hw.state": "ok"})),)),
     MetricSpec("otel_forge.gpu.pcie.throughput", G, "By/s", "nvidia", GPU_ATTRIBUTES + ("network.io.direction",),
-               "PCIe throughput (transmit, receive)."),
+               "PCIe throughput (transmit, receive).",
+               (K("gpu_{hw.id}_pcie_{network.io.direction}_megabytes_per_second", _MB),)),
     MetricSpec("otel_forge.gpu.throttle", G, "1", "nvidia", GPU_ATTRIBUTES + ("otel_forge.gpu.throttle.reason",),
-               "1 while a clock throttle reason is active, else 0."),
+               "1 while a clock throttle reason is active, else 0.",
+               (K("gpu_{hw.id}_throttle_{otel_forge.gpu.throttle.reason}"),)),
     MetricSpec("otel_forge.gpu.xid.errors", C, "{event}", "nvidia", GPU_ATTRIBUTES + ("otel_forge.gpu.xid",),
-               "XID error events, by XID code."),
-    *_gpu("otel_forge.gpu.process.memory.usage", U, "By", (), "GPU memory used by the monitored process tree."),
+               "XID error events, by XID code.",
+               (K("gpu_{hw.id}_xid_errors", fold=Fold.SINCE_START),)),
+    *_gpu("otel_forge.gpu.process.memory.usage", U, "By", (), "GPU memory used by the monitored process tree.",
+          (K("gpu_{hw.id}_process_memory_megabytes", _MB),)),
     # self-telemetry
     MetricSpec("otel_forge.collector.reads", C, "{read}", "self", ("otel_forge.collector",),
                "Hardware reads per collector."),
@@ -117,4 +202,6 @@ METRICS: tuple[MetricSpec, ...] = (
                "Failed reads per collector."),
     MetricSpec("otel_forge.collector.read.time", C, "s", "self", ("otel_forge.collector",),
                "Time spent reading, per collector."),
+    MetricSpec("otel_forge.delivery.windows", C, "{window}", "delivery", ("otel_forge.delivery.outcome",),
+               "MLflow windows by outcome: delivered, retried, spooled, dropped."),
 )

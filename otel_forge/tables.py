@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from otel_forge.config import SETTINGS
-from otel_forge.names import METRICS
+from otel_forge.names import METRICS, Fold, MlflowKey
 
 
 def _code(text: str) -> str:
@@ -19,7 +19,8 @@ def _code(text: str) -> str:
 
 
 def metrics_markdown() -> str:
-    rows = ["| metric | kind | unit | attributes | collector | description |", "|---|---|---|---|---|---|"]
+    rows = ["| metric | kind | unit | attributes | collector | MLflow keys (`system/[<node>/]...`) | description |",
+            "|---|---|---|---|---|---|---|"]
     seen: dict[str, list[str]] = {}
     for spec in METRICS:
         seen.setdefault(spec.name, []).append(spec.source)
@@ -28,9 +29,16 @@ def metrics_markdown() -> str:
         if sources is None:
             continue  # the same metric from another collector: one row, both sources
         attributes = ", ".join(_code(a) for a in spec.attributes)
+        keys = "<br>".join(_mlflow_key(k) for k in spec.mlflow)
         rows.append(f"| {_code(spec.name)} | {spec.kind.value} | {_code(spec.unit)} | {attributes} "
-                    f"| {', '.join(sources)} | {spec.description} |")
+                    f"| {', '.join(sources)} | {keys} | {spec.description} |")
     return "\n".join(rows)
+
+
+def _mlflow_key(key: MlflowKey) -> str:
+    notes = [] if key.fold is Fold.MEAN else [key.fold.value.replace("_", " ")]
+    notes += [f"{name}={'/'.join(values)}" for name, values in key.where]
+    return _code(key.key) + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def settings_markdown() -> str:

@@ -17,6 +17,10 @@ _PSEUDO_DISK_PREFIXES = ("loop", "ram", "zram")
 
 
 def is_real_filesystem(fstype: str, mountpoint: str) -> bool:
+    # The root filesystem always counts: in a container it is an overlay, and it is where
+    # MLflow's monitor measures disk usage.
+    if mountpoint == "/":
+        return True
     return fstype not in PSEUDO_FILESYSTEMS and not mountpoint.startswith(("/proc", "/sys", "/dev", "/run"))
 
 

@@ -17,9 +17,9 @@ class MemoryCollector(Collector):
 
     def read(self, readings: Readings) -> None:
         memory = psutil.virtual_memory()
-        # "used" as total - available: what psutil's percent and MLflow's monitor call used.
+        # psutil's "used" (total - free - buffers - cached), as the hostmetrics receiver and MLflow.
         states = {
-            "used": memory.total - memory.available,
+            "used": memory.used,
             "free": memory.free,
             "cached": getattr(memory, "cached", None),
             "buffers": getattr(memory, "buffers", None),

@@ -84,7 +84,8 @@ def test_filesystems_are_real_mounts_within_limits():
 def test_pseudo_filesystems_are_filtered():
     assert not is_real_filesystem("tmpfs", "/tmp")
     assert not is_real_filesystem("proc", "/proc")
-    assert not is_real_filesystem("overlay", "/")
+    assert not is_real_filesystem("overlay", "/var/lib/docker/overlay2/x/merged")
+    assert is_real_filesystem("overlay", "/")  # a container's root: where MLflow measures disk usage
     assert is_real_filesystem("ext4", "/")
     assert is_real_filesystem("xfs", "/data")
 
