@@ -8,7 +8,22 @@ from otel_forge.names import METRICS, MetricSpec
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError, Instrumentation, instrument
 
+_LAZY = {"MLflowMetricExporter", "SystemMetricsMonitor", "monitor"}
+
+
+def __getattr__(name: str) -> object:
+    # The MLflow side loads the OTel SDK's exporter machinery: only when asked for.
+    if name in _LAZY:
+        import otel_forge.mlflow
+
+        return getattr(otel_forge.mlflow, name)
+    raise AttributeError(f"module 'otel_forge' has no attribute {name!r}")
+
+
 __all__ = [
+    "MLflowMetricExporter",
+    "SystemMetricsMonitor",
+    "monitor",
     "METRICS",
     "SETTINGS",
     "Agent",

@@ -108,6 +108,37 @@ def _url(text: str) -> str | None:
     return value
 
 
+_TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+
+
+def _tracking_uri(text: str) -> str | None:
+    value = text.strip()
+    if not value:
+        return None
+    scheme = urllib.parse.urlsplit(value).scheme.split("+")[0]
+    if (scheme or value.startswith("databricks")) and scheme not in _TRACKING_SCHEMES and len(scheme) > 1:
+        raise ValueError(f"unsupported scheme {scheme!r}; use one of {', '.join(_TRACKING_SCHEMES)} or a path")
+    return value
+
+
+def _stats(text: str) -> tuple[str, ...]:
+    stats = _subset_of(MLFLOW_STATS)(text)
+    return stats if "mean" in stats else ("mean", *stats)
+
+
+def _byte_size(text: str) -> int:
+    value = text.strip().upper()
+    factor = 1
+    for suffix, multiplier in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("B", 1)):
+        if value.endswith(suffix):
+            value, factor = value[: -len(suffix)], multiplier
+            break
+    size = int(float(value) * factor)
+    if size < 0:
+        raise ValueError(f"must be a size >= 0 (bytes, or with KiB/MiB/GiB), got {text!r}")
+    return size
+
+
 def _resource_attributes(text: str) -> dict[str, str]:
     """Parse ``key1=value1,key2=value2`` (values percent-decoded), as the OTel spec defines."""
     attributes: dict[str, str] = {}
@@ -160,6 +191,22 @@ SETTINGS: tuple[Setting, ...] = (
             "OTLP endpoint; unset means no OTLP export."),
     Setting("otlp_protocol", ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
             _one_of(OTLP_PROTOCOLS), "http/protobuf", "OTLP transport: `grpc` or `http/protobuf`."),
+    Setting("run_id", ("MLFLOW_RUN_ID",), _optional_text, None,
+            "MLflow run that receives the system metrics (`otel-forge monitor --run-id`)."),
+    Setting("tracking_uri", ("MLFLOW_TRACKING_URI",), _tracking_uri, None,
+            "MLflow tracking URI (default: MLflow's own default, a local store in the working directory)."),
+    Setting("mlflow_stats", ("OTEL_FORGE_MLFLOW_STATS",), _stats, ("mean",),
+            "Window statistics logged to MLflow: `mean`, plus `max`/`min` as `<key>_max`/`<key>_min`."),
+    Setting("spool_dir", ("OTEL_FORGE_SPOOL_DIR",), _optional_text, None,
+            "Where undeliverable windows wait (default: `$XDG_CACHE_HOME/otel-forge/spool`)."),
+    Setting("spool_max_bytes", ("OTEL_FORGE_SPOOL_MAX_BYTES",), _byte_size, 64 << 20,
+            "Cap of the on-disk spool per exporter; past it windows are dropped and counted."),
+    Setting("queue_size", ("OTEL_FORGE_QUEUE_SIZE",), _positive_int, 64,
+            "Windows held in memory before spilling to the spool."),
+    Setting("call_deadline_s", ("OTEL_FORGE_CALL_DEADLINE",), _positive_float, 30.0,
+            "Deadline of one tracking-server call; a hung call costs a thread, never the caller."),
+    Setting("drain_deadline_s", ("OTEL_FORGE_DRAIN_DEADLINE",), _positive_float, 10.0,
+            "How long closing waits for pending windows before leaving them in the spool."),
 )
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
@@ -188,6 +235,14 @@ class ForgeConfig:
     prometheus_port: int = 9464
     otlp_endpoint: str | None = None
     otlp_protocol: str = "http/protobuf"
+    run_id: str | None = None
+    tracking_uri: str | None = None
+    mlflow_stats: tuple[str, ...] = ("mean",)
+    spool_dir: str | None = None
+    spool_max_bytes: int = 64 << 20
+    queue_size: int = 64
+    call_deadline_s: float = 30.0
+    drain_deadline_s: float = 10.0
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from otel_forge.collectors import OpenedCollectors, open_collectors
+from otel_forge.collectors import Collector, OpenedCollectors, open_collectors
 from otel_forge.config import ForgeConfig
 from otel_forge.instruments import INSTRUMENTATION_SCOPE, InstrumentSet
 from otel_forge.node import NodeIdentity, build_resource
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 _logger = logging.getLogger(__name__)
 
-# Builds an extra reader once the node identity is known (the MLflow reader needs the node id).
-ReaderFactory = Callable[[ForgeConfig, NodeIdentity], "MetricReader"]
+# Builds an extra reader (the MLflow reader) at each start: a reader serves one provider only.
+ReaderFactory = Callable[[], "MetricReader"]
 
 
 class EndpointError(OSError):
@@ -88,10 +88,11 @@ class Agent:
     """
 
     def __init__(self, config: ForgeConfig | None = None, extra_readers: Sequence[ReaderFactory] = (),
-                 node: NodeIdentity | None = None) -> None:
+                 node: NodeIdentity | None = None, extra_collectors: Sequence[Collector] = ()) -> None:
         self.config = config or ForgeConfig.resolve()
         self.node = node or NodeIdentity.detect(self.config.node_id)
         self._extra_readers = extra_readers
+        self._extra_collectors = extra_collectors
         self.collectors: OpenedCollectors | None = None
         self.instruments: InstrumentSet | None = None
         self.meter_provider: MeterProvider | None = None
@@ -114,7 +115,8 @@ class Agent:
         self.collectors = open_collectors(self.config)
         self.meter_provider = MeterProvider(metric_readers=readers, resource=build_resource(self.config, self.node))
         self.instruments = InstrumentSet(self.meter_provider.get_meter(INSTRUMENTATION_SCOPE),
-                                         self.collectors.present, self.config.snapshot_max_age_s)
+                                         (*self.collectors.present, *self._extra_collectors),
+                                         self.config.snapshot_max_age_s)
         return self
 
     def _build_readers(self) -> list[MetricReader]:
@@ -127,7 +129,7 @@ class Agent:
         if self.config.otlp_endpoint:
             readers.append(_otlp_reader(self.config))
             self.endpoints.append(f"otlp {self.config.otlp_protocol} {self.config.otlp_metrics_url}")
-        readers.extend(factory(self.config, self.node) for factory in self._extra_readers)
+        readers.extend(factory() for factory in self._extra_readers)
         return readers
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

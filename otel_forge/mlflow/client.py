@@ -1,0 +1,114 @@
+"""The MLflow side of system-metrics delivery: log a window, find where a node resumes, and
+tell a transient failure from a run that is gone. mlflow is imported here, lazily, only."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from otel_forge.mlflow.windows import Window
+from otel_forge.worker import Outcome
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+_RUN_GONE_CODES = ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
+
+
+class RunGone(Exception):
+    """The run was deleted or never existed: nothing can be logged to it."""
+
+
+def classify(error: BaseException) -> Outcome:
+    """A gone run stops delivery; other client errors (4xx) drop the window; the rest is retried."""
+    if isinstance(error, RunGone):
+        return Outcome.STOP
+    code = str(getattr(error, "error_code", "") or "")
+    text = str(error)
+    if code in _RUN_GONE_CODES or "must be in the 'active' state" in text:
+        return Outcome.STOP
+    status = _http_status(error)
+    if status is not None and 400 <= status < 500 and status not in (408, 429):
+        return Outcome.DROP
+    return Outcome.RETRY  # connection refused, timeouts, 5xx, 429
+
+
+def _http_status(error: BaseException) -> int | None:
+    get_status = getattr(error, "get_http_status_code", None)
+    if get_status is None:
+        return None
+    try:
+        return int(get_status())
+    except (TypeError, ValueError):
+        return None
+
+
+def make_client(tracking_uri: str | None) -> MlflowClient:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri)
+
+
+def resolved_tracking_uri(tracking_uri: str | None) -> str:
+    """The URI MLflow will use: explicit, else ``MLFLOW_TRACKING_URI``, else its default store."""
+    if tracking_uri:
+        return tracking_uri
+    import mlflow
+
+    return mlflow.get_tracking_uri()
+
+
+def next_system_step(client: MlflowClient, run_id: str, prefix: str) -> int:
+    """The step after the last one this node logged (``prefix`` = ``system/[<node>/]``), else 0.
+
+    One ``get_run``: its latest metrics carry their steps. Raises ``RunGone`` for a deleted run.
+    """
+    run = client.get_run(run_id)
+    if run.info.lifecycle_stage == "deleted":
+        raise RunGone(f"run {run_id} is deleted")
+    last = -1
+    for metric in run.data._metric_objs:  # noqa: SLF001 - the latest Metric objects, with steps
+        rest = metric.key[len(prefix):]
+        # Without a node id, system/node_0/... belongs to another node, not to us.
+        if metric.key.startswith(prefix) and "/" not in rest:
+            last = max(last, metric.step)
+    return last + 1
+
+
+class WindowLogger:
+    """Logs windows to one run: ``log_batch`` chunks of at most 1000, step = first step + index.
+
+    The first step is read once, on the first delivery (on the delivery thread, never the
+    reader's): after a resume it continues the node's own steps.
+    """
+
+    def __init__(self, run_id: str, tracking_uri: str | None, prefix: str, first_step: int | None = None) -> None:
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.prefix = prefix
+        self.first_step = first_step
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self.on_first_step: list[Any] = []
+
+    def _ensure_ready(self) -> tuple[Any, int]:
+        with self._lock:
+            if self._client is None:
+                self._client = make_client(self.tracking_uri)
+            if self.first_step is None:
+                self.first_step = next_system_step(self._client, self.run_id, self.prefix)
+                for callback in self.on_first_step:
+                    callback(self.first_step)
+            return self._client, self.first_step
+
+    def __call__(self, window: Window) -> None:
+        from mlflow.entities import Metric
+
+        client, first_step = self._ensure_ready()
+        if not window.values:
+            return
+        step = first_step + window.index
+        metrics = [Metric(key, value, window.timestamp_ms, step) for key, value in window.values]
+        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            client.log_batch(self.run_id, metrics=metrics[start:start + MAX_METRICS_PER_BATCH], synchronous=True)

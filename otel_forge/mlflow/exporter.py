@@ -1,0 +1,122 @@
+"""``MLflowMetricExporter``: OTel metric exports -> windows -> MLflow steps, never waiting.
+
+Fed by a ``PeriodicExportingMetricReader`` at the sampling interval. ``export`` converts and
+enqueues; delivery (retries, the spool, deadlines) happens on the ``DeliveryWorker``'s threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from opentelemetry.sdk.metrics import Counter, Histogram, ObservableCounter, ObservableGauge, ObservableUpDownCounter, UpDownCounter
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+)
+
+from otel_forge.mlflow.client import WindowLogger, classify
+from otel_forge.mlflow.keys import KeyMapper, key_segment, system_prefix
+from otel_forge.scrub import scrub, uri_without_credentials
+from otel_forge.mlflow.spool import WindowSpool
+from otel_forge.mlflow.windows import Window, WindowFolder
+from otel_forge.worker import DeliveryWorker
+
+_logger = logging.getLogger(__name__)
+
+DEFAULT_SPOOL_MAX_BYTES = 64 * 1024 * 1024
+
+
+def default_spool_root() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "otel-forge" / "spool"
+
+
+class MLflowMetricExporter(MetricExporter):
+    """Exports OTel metrics into an MLflow run as ``system/[<node>/]<key>`` metrics, one step a window.
+
+    ``samples_per_window`` exports make a window; its step is the window index after the node's
+    last step in the run (read once); its timestamp the window's end. Gauges are averaged (and
+    ``<key>_max`` / ``<key>_min`` added for ``stats=("mean", "max", "min")``). Delivery is
+    asynchronous and ordered; windows that cannot wait in memory go to a spool directory that
+    ``otel-forge replay`` can deliver later.
+    """
+
+    def __init__(self, run_id: str, *, tracking_uri: str | None = None, node_id: str | None = None,
+                 samples_per_window: int = 1, stats: tuple[str, ...] = ("mean",),
+                 spool_dir: str | os.PathLike[str] | None = None, spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
+                 max_queue: int = 64, call_deadline_s: float = 30.0, drain_deadline_s: float = 10.0,
+                 max_call_threads: int = 4) -> None:
+        cumulative = AggregationTemporality.CUMULATIVE
+        super().__init__(preferred_temporality={kind: cumulative for kind in (
+            Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)})
+        self.run_id = run_id
+        self.node_id = node_id
+        self._drain_deadline_s = drain_deadline_s
+        prefix = system_prefix(node_id)
+        self._mapper = KeyMapper(prefix)
+        self._folder = WindowFolder(samples_per_window, stats)
+        spool_root = Path(spool_dir) if spool_dir else default_spool_root()
+        self.spool = WindowSpool(
+            spool_root / f"{run_id}-{key_segment(node_id or 'node')}-{os.getpid()}", spool_max_bytes,
+            header={"run_id": run_id, "node_id": node_id, "prefix": prefix,
+                    "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None})
+        self.window_logger = WindowLogger(run_id, tracking_uri, prefix)
+        self.window_logger.on_first_step.append(lambda step: self.spool.update_header(first_step=step))
+        self.worker: DeliveryWorker[Window] = DeliveryWorker(
+            self.window_logger, name="mlflow-system-metrics", max_queue=max_queue, max_call_threads=max_call_threads,
+            call_deadline_s=call_deadline_s, classify=classify, overflow=self.spool)
+        self._shut_down = False
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object) -> MetricExportResult:
+        if self._shut_down or self.worker.stopped:
+            return MetricExportResult.FAILURE
+        window = self._folder.add(self._mapper.sample(_points(metrics_data)), time.time())
+        if window is not None:
+            self.worker.submit(window)
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
+        """Close the open window, deliver what is pending under the drain deadline, spool the rest."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        window = self._folder.flush()
+        if window is not None:
+            self.worker.submit(window)
+        left = self.worker.close(min(self._drain_deadline_s, timeout_millis / 1000))
+        self._report_leftovers(left)
+
+    def _report_leftovers(self, left: int) -> None:
+        if self.worker.stopped:
+            self.spool.remove_if_empty()
+            return
+        self.spool.write_stats(self.delivery_counts())
+        if left:
+            _logger.warning("%d system-metrics window(s) for run %s were not delivered; they are kept in %s. "
+                            "Deliver them with: otel-forge replay %s", left, self.run_id, self.spool.path,
+                            self.spool.path)
+        else:
+            self.spool.remove_if_empty()
+
+    def delivery_counts(self) -> dict[str, int]:
+        stats = self.worker.stats
+        return {"delivered": stats.delivered, "retried": stats.retried, "spooled": stats.spooled,
+                "dropped": stats.dropped, "pending": self.worker.pending()}
+
+    def __repr__(self) -> str:
+        return scrub(f"MLflowMetricExporter(run_id={self.run_id!r}, node_id={self.node_id!r})")
+
+
+def _points(metrics_data: MetricsData):  # type: ignore[no-untyped-def]
+    for resource_metrics in metrics_data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                yield metric.name, getattr(metric.data, "data_points", ())

@@ -1,0 +1,90 @@
+"""OTel data points -> MLflow metric keys, as the metric table (``names.METRICS``) declares them."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from otel_forge.names import METRICS, Fold, MlflowKey
+
+_PLACEHOLDER = re.compile(r"\{([^}]+)\}")
+# MLflow accepts alphanumerics, underscores, dashes, periods, spaces, colons and slashes.
+_NOT_IN_KEY = re.compile(r"[^\w.\- :/]")
+_NOT_IN_SEGMENT = re.compile(r"[^\w.\-]+")
+
+# What one sample is: key -> (fold, value).
+Sample = dict[str, tuple[Fold, float]]
+
+
+def sanitize_key(key: str) -> str:
+    """A key MLflow accepts: disallowed characters become ``_``, no empty path segment."""
+    key = _NOT_IN_KEY.sub("_", key)
+    return "/".join(segment or "_" for segment in key.split("/"))
+
+
+def key_segment(value: object) -> str:
+    """An attribute value as one key segment: ``/`` -> ``root``, ``/mnt/data`` -> ``mnt_data``."""
+    return _NOT_IN_SEGMENT.sub("_", str(value)).strip("_") or "root"
+
+
+def system_prefix(node_id: str | None) -> str:
+    """``system/`` or ``system/<node>/``, as MLflow's own monitor names them."""
+    return f"system/{key_segment(node_id)}/" if node_id else "system/"
+
+
+def _render(template: str, attributes: Mapping[str, Any]) -> str | None:
+    missing = False
+
+    def substitute(match: re.Match[str]) -> str:
+        nonlocal missing
+        if match.group(1) not in attributes:
+            missing = True
+            return ""
+        return key_segment(attributes[match.group(1)])
+
+    rendered = _PLACEHOLDER.sub(substitute, template)
+    return None if missing else rendered
+
+
+def _matches(key: MlflowKey, attributes: Mapping[str, Any]) -> bool:
+    return all(str(attributes.get(name)) in allowed for name, allowed in key.where)
+
+
+class KeyMapper:
+    """Turns the data points of one export into one sample of ``{key: (fold, value)}``."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._keys: dict[str, tuple[MlflowKey, ...]] = {}
+        for spec in METRICS:
+            if spec.mlflow:
+                self._keys.setdefault(spec.name, spec.mlflow)
+
+    def sample(self, metrics: Iterable[tuple[str, Iterable[Any]]]) -> Sample:
+        """``metrics``: (metric name, data points with ``.attributes`` and ``.value``)."""
+        sample: Sample = {}
+        for name, points in metrics:
+            keys = self._keys.get(name)
+            if not keys:
+                continue
+            for point in points:
+                value = float(point.value)
+                if not math.isfinite(value):
+                    continue  # NaN and inf are never sent
+                attributes = point.attributes or {}
+                for key in keys:
+                    self._add(sample, key, attributes, value)
+        return sample
+
+    def _add(self, sample: Sample, key: MlflowKey, attributes: Mapping[str, Any], value: float) -> None:
+        if not _matches(key, attributes):
+            return
+        rendered = _render(key.key, attributes)
+        if rendered is None:
+            return
+        full_key = sanitize_key(self._prefix + rendered)
+        _, total = sample.get(full_key, (key.fold, 0.0))
+        # Points that map to one key are summed: the key names no attribute that tells them apart.
+        sample[full_key] = (key.fold, total + value * key.scale)

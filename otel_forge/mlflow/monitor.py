@@ -1,0 +1,125 @@
+"""``otel_forge.monitor``: the node agent with an MLflow reader, attached to a run."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from otel_forge.collectors.base import Collector, Readings
+from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.mlflow.exporter import MLflowMetricExporter
+from otel_forge.node import NodeIdentity
+from otel_forge.pipeline import Agent, EndpointError
+
+_logger = logging.getLogger(__name__)
+
+
+class DeliveryStatsCollector(Collector):
+    """Self-telemetry of the MLflow delivery: windows delivered, retried, spooled, dropped."""
+
+    name = "delivery"
+
+    def __init__(self, exporter: MLflowMetricExporter) -> None:
+        self._exporter = exporter
+
+    @classmethod
+    def create(cls, config: ForgeConfig) -> DeliveryStatsCollector:
+        raise NotImplementedError("built by SystemMetricsMonitor around its exporter")
+
+    def read(self, readings: Readings) -> None:
+        for outcome, count in self._exporter.delivery_counts().items():
+            if outcome != "pending":
+                readings.add("otel_forge.delivery.windows", count, {"otel_forge.delivery.outcome": outcome})
+
+
+def _active_run() -> tuple[str, str]:
+    import mlflow
+
+    run = mlflow.active_run()
+    if run is None:
+        raise ConfigError("invalid run_id (from default): no run id given and no active MLflow run")
+    return run.info.run_id, mlflow.get_tracking_uri()
+
+
+class SystemMetricsMonitor:
+    """The agent plus an MLflow reader into one run; ``start()``/``stop()`` or a ``with`` block.
+
+    Only local rank 0 of a node samples; elsewhere start/stop do nothing.
+    """
+
+    def __init__(self, config: ForgeConfig) -> None:
+        self.config = config
+        self.node = NodeIdentity.detect(config.node_id)
+        self.exporter: MLflowMetricExporter | None = None
+        self.agent: Agent | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        return self.config.run_id
+
+    def start(self) -> SystemMetricsMonitor:
+        if self.agent is not None or not self.node.runs_agent:
+            return self
+        if self.config.run_id is None:
+            run_id, tracking_uri = _active_run()
+            self.config = self.config.replace(run_id=run_id, tracking_uri=self.config.tracking_uri or tracking_uri)
+        self.exporter = self._exporter()
+        self.agent = self._agent(self.exporter)
+        try:
+            self.agent.start()
+        except EndpointError as error:
+            # A busy Prometheus port must not cost the run its system metrics.
+            _logger.warning("%s; continuing without the Prometheus endpoint", error)
+            self.config = self.config.replace(prometheus=False)
+            self.agent = self._agent(self.exporter)
+            self.agent.start()
+        return self
+
+    def _exporter(self) -> MLflowMetricExporter:
+        c = self.config
+        return MLflowMetricExporter(
+            c.run_id, tracking_uri=c.tracking_uri, node_id=self.node.node_id, samples_per_window=c.samples_per_window,
+            stats=c.mlflow_stats, spool_dir=c.spool_dir, spool_max_bytes=c.spool_max_bytes, max_queue=c.queue_size,
+            call_deadline_s=c.call_deadline_s, drain_deadline_s=c.drain_deadline_s)
+
+    def _agent(self, exporter: MLflowMetricExporter) -> Agent:
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        interval_ms = self.config.sampling_interval_s * 1000
+        return Agent(self.config, node=self.node, extra_collectors=[DeliveryStatsCollector(exporter)],
+                     extra_readers=[lambda: PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)])
+
+    @property
+    def endpoints(self) -> list[str]:
+        if self.agent is None:
+            return []
+        return [*self.agent.endpoints, f"mlflow run {self.config.run_id} ({self.exporter.window_logger.prefix}...)"]
+
+    def stop(self) -> None:
+        if self.agent is not None:
+            self.agent.shutdown(timeout_s=self.config.drain_deadline_s + 5)
+            self.agent = None
+
+    def __enter__(self) -> SystemMetricsMonitor:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def monitor(run_id: str | None = None, tracking_uri: str | None = None, node_id: str | None = None,
+            sampling_interval: float | None = None, samples_per_window: int | None = None,
+            prometheus: bool | None = None, otlp: str | None = None, config: ForgeConfig | None = None,
+            **settings: Any) -> SystemMetricsMonitor:
+    """Sample this node into an MLflow run (default: MLflow's active run) and start at once.
+
+    Use as ``with otel_forge.monitor(): ...`` or keep the handle and call ``stop()``. Other
+    ``ForgeConfig`` fields may be passed as keywords (``stats=`` is ``mlflow_stats``).
+    """
+    if "stats" in settings:
+        settings["mlflow_stats"] = settings.pop("stats")
+    explicit = dict(run_id=run_id, tracking_uri=tracking_uri, node_id=node_id, sampling_interval_s=sampling_interval,
+                    samples_per_window=samples_per_window, prometheus=prometheus, otlp_endpoint=otlp, **settings)
+    explicit = {k: v for k, v in explicit.items() if v is not None}
+    base = config or ForgeConfig.resolve()
+    return SystemMetricsMonitor(base.replace(**explicit) if explicit else base).start()

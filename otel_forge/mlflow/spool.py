@@ -1,0 +1,115 @@
+"""The on-disk spool: windows that could not wait in memory, kept in order until delivered.
+
+A directory per exporter: ``spool.json`` (run id, node id, tracking URI without credentials,
+first step once known) and one JSON file per window, named by a sequence number so a listing is
+the delivery order. Files are written whole (temp file + rename): a crash loses at most the window
+being written. The total size of the window files is capped; past the cap ``append`` refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+from otel_forge.mlflow.windows import Window
+
+_logger = logging.getLogger(__name__)
+
+HEADER = "spool.json"
+STATS = "stats.json"
+_SUFFIX = ".window.json"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+class WindowSpool:
+    """A bounded, ordered, on-disk queue of windows (``worker.Overflow`` of ``Window``)."""
+
+    def __init__(self, path: Path, max_bytes: int, header: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._header = dict(header or {})
+        self._files: list[Path] = sorted(path.glob(f"*{_SUFFIX}")) if path.is_dir() else []
+        self._bytes = sum(f.stat().st_size for f in self._files)
+        self._next_sequence = int(self._files[-1].name.split(".")[0]) + 1 if self._files else 0
+        if path.is_dir() and (path / HEADER).exists():
+            self._header = {**json.loads((path / HEADER).read_text()), **self._header}
+
+    @classmethod
+    def open(cls, path: Path) -> WindowSpool:
+        """An existing spool, for replay."""
+        if not (path / HEADER).is_file():
+            raise FileNotFoundError(f"{path} is not an otel-forge spool (no {HEADER})")
+        return cls(path, max_bytes=0)
+
+    @property
+    def header(self) -> dict[str, Any]:
+        return dict(self._header)
+
+    def update_header(self, **fields: Any) -> None:
+        with self._lock:
+            self._header.update(fields)
+            if self.path.is_dir():
+                _write_atomically(self.path / HEADER, json.dumps(self._header))
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def append(self, window: Window) -> bool:
+        text = json.dumps(window.to_json())
+        with self._lock:
+            if self._bytes + len(text) > self.max_bytes:
+                return False
+            if not self.path.is_dir():
+                self.path.mkdir(parents=True, exist_ok=True)
+                _write_atomically(self.path / HEADER, json.dumps(self._header))
+            target = self.path / f"{self._next_sequence:012d}{_SUFFIX}"
+            try:
+                _write_atomically(target, text)
+            except OSError as error:
+                _logger.warning("cannot write the spool %s: %s", self.path, error)
+                return False
+            self._next_sequence += 1
+            self._files.append(target)
+            self._bytes += len(text)
+            return True
+
+    def peek(self) -> Window | None:
+        with self._lock:
+            if not self._files:
+                return None
+            return Window.from_json(json.loads(self._files[0].read_text()))
+
+    def pop(self) -> None:
+        with self._lock:
+            if self._files:
+                head = self._files.pop(0)
+                self._bytes -= head.stat().st_size
+                head.unlink()
+
+    def write_stats(self, stats: dict[str, int]) -> None:
+        """Delivery counts beside the windows, for ``otel-forge doctor``."""
+        if self.path.is_dir():
+            _write_atomically(self.path / STATS, json.dumps(stats))
+
+    def remove_if_empty(self) -> bool:
+        """Delete the directory when no window is left; True if it is gone."""
+        with self._lock:
+            if self._files:
+                return False
+            shutil.rmtree(self.path, ignore_errors=True)
+            return True

@@ -1,0 +1,90 @@
+"""Samples -> windows: ``samples_per_window`` samples fold into one MLflow step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from otel_forge.mlflow.keys import Sample
+from otel_forge.names import Fold
+
+
+@dataclass(frozen=True)
+class Window:
+    """One MLflow step's worth of metrics. ``step`` = the exporter's first step + ``index``."""
+
+    index: int
+    timestamp_ms: int
+    values: tuple[tuple[str, float], ...]
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "timestamp_ms": self.timestamp_ms, "values": [list(v) for v in self.values]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Window:
+        return cls(int(data["index"]), int(data["timestamp_ms"]), tuple((str(k), float(v)) for k, v in data["values"]))
+
+
+class WindowFolder:
+    """Folds samples into windows: gauges to mean (and max/min), counters to growth or rates.
+
+    Rates span from the last sample of the previous window, so consecutive windows cover time
+    without gaps; ``since_start`` values grow from the first sample the exporter ever saw.
+    """
+
+    def __init__(self, samples_per_window: int, stats: tuple[str, ...] = ("mean",)) -> None:
+        self.samples_per_window = samples_per_window
+        self._extra_stats = tuple(s for s in stats if s != "mean")
+        self._next_index = 0
+        self._count = 0
+        self._gauges: dict[str, list[float]] = {}
+        self._latest: dict[str, tuple[Fold, float, float]] = {}  # key -> (fold, time_s, value)
+        self._rate_start: dict[str, tuple[float, float]] = {}  # key -> (time_s, value) the window starts from
+        self._baseline: dict[str, float] = {}
+        self._last_time_s = 0.0
+
+    def add(self, sample: Sample, time_s: float) -> Window | None:
+        """Add one sample taken at wall-clock ``time_s``; returns the window it completes."""
+        for key, (fold, value) in sample.items():
+            if fold is Fold.MEAN:
+                self._gauges.setdefault(key, []).append(value)
+                continue
+            self._baseline.setdefault(key, value)
+            self._rate_start.setdefault(key, (time_s, value))
+            self._latest[key] = (fold, time_s, value)
+        self._count += 1
+        self._last_time_s = time_s
+        return self.flush() if self._count >= self.samples_per_window else None
+
+    def flush(self) -> Window | None:
+        """Close the current window now (at shutdown); None when it holds no sample."""
+        if self._count == 0:
+            return None
+        values = self._gauge_values() + self._counter_values()
+        window = Window(self._next_index, int(self._last_time_s * 1000), tuple(values))
+        self._next_index += 1
+        self._count = 0
+        self._gauges = {}
+        return window
+
+    def _gauge_values(self) -> list[tuple[str, float]]:
+        values = []
+        for key, samples in self._gauges.items():
+            values.append((key, sum(samples) / len(samples)))
+            if "max" in self._extra_stats:
+                values.append((f"{key}_max", max(samples)))
+            if "min" in self._extra_stats:
+                values.append((f"{key}_min", min(samples)))
+        return values
+
+    def _counter_values(self) -> list[tuple[str, float]]:
+        values = []
+        for key, (fold, time_s, value) in self._latest.items():
+            if fold is Fold.SINCE_START:
+                if value >= self._baseline[key]:
+                    values.append((key, value - self._baseline[key]))
+                continue
+            start_s, start_value = self._rate_start[key]
+            if time_s > start_s and value >= start_value:
+                values.append((key, (value - start_value) / (time_s - start_s)))
+            self._rate_start[key] = (time_s, value)  # the next window's rate starts here
+        return values

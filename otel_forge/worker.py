@@ -1,0 +1,226 @@
+"""Deliver items to a server in order, on threads of our own, whatever the server does.
+
+``DeliveryWorker.submit`` never blocks: it appends to a bounded queue (or, when the queue is full,
+to an ``Overflow`` such as the on-disk spool) and returns. A sender thread delivers the oldest item
+first; each call runs on a call thread under a deadline, so a hung server costs a thread (at most
+``max_call_threads`` of them) and a warning, never the caller. A failure is classified: retried with
+backoff (the item stays first in line), dropped, or the end of delivery (e.g. the run was deleted).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from otel_forge.ratelimit import RateLimitedLogger
+
+_logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Outcome(enum.Enum):
+    """What a failed delivery means."""
+
+    RETRY = "retry"  # transient: try the same item again after a backoff
+    DROP = "drop"  # this item can never be delivered: count it and go on
+    STOP = "stop"  # nothing more can be delivered (e.g. the run is gone)
+
+
+class DeadlineExceeded(TimeoutError):
+    """A call did not return within its deadline; it may still complete later."""
+
+
+class Overflow(Protocol[T]):
+    """Where items go when the queue is full (the spool), oldest first."""
+
+    def append(self, item: T) -> bool:
+        """Keep ``item``; False when there is no room (the item is dropped)."""
+
+    def peek(self) -> T | None: ...
+
+    def pop(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+@dataclass
+class DeliveryStats:
+    """Cumulative counts; read by self-telemetry and ``otel-forge doctor``."""
+
+    delivered: int = 0
+    retried: int = 0
+    spooled: int = 0
+    dropped: int = 0
+    hung_calls: int = 0
+
+
+def _retry_everything(error: BaseException) -> Outcome:
+    return Outcome.RETRY
+
+
+class DeliveryWorker(Generic[T]):
+    """A bounded, deadline-guarded, in-order delivery of ``T`` items through ``deliver(item)``."""
+
+    def __init__(self, deliver: Callable[[T], None], *, name: str, max_queue: int = 64,
+                 max_call_threads: int = 4, call_deadline_s: float = 30.0,
+                 classify: Callable[[BaseException], Outcome] = _retry_everything,
+                 overflow: Overflow[T] | None = None, backoff_initial_s: float = 0.5,
+                 backoff_max_s: float = 30.0) -> None:
+        self.name = name
+        self.stats = DeliveryStats()
+        self._deliver = deliver
+        self._classify = classify
+        self._overflow = overflow
+        self._max_queue = max_queue
+        self._call_deadline_s = call_deadline_s
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._queue: collections.deque[T] = collections.deque()
+        self._cond = threading.Condition()
+        self._call_slots = threading.BoundedSemaphore(max_call_threads)
+        self._closing = False
+        self._abandon = threading.Event()  # set when the drain deadline has passed
+        self._stopped = False
+        self._warnings = RateLimitedLogger(_logger)
+        self._thread = threading.Thread(target=self._run, name=f"{name}-sender", daemon=True)
+        self._thread.start()
+
+    @property
+    def stopped(self) -> bool:
+        """True once delivery has ended for good (an ``Outcome.STOP`` error)."""
+        return self._stopped
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + (len(self._overflow) if self._overflow is not None else 0)
+
+    def submit(self, item: T) -> bool:
+        """Queue ``item`` for delivery without waiting; False if it had to be dropped."""
+        with self._cond:
+            if self._stopped or self._closing:
+                self.stats.dropped += 1
+                return False
+            # Once anything is in the overflow, newer items follow it there: order is kept.
+            if len(self._queue) < self._max_queue and not (self._overflow is not None and len(self._overflow)):
+                self._queue.append(item)
+                self._cond.notify()
+                return True
+            return self._to_overflow(item)
+
+    def _to_overflow(self, item: T) -> bool:
+        if self._overflow is not None and self._overflow.append(item):
+            self.stats.spooled += 1
+            self._cond.notify()
+            return True
+        self.stats.dropped += 1
+        self._warnings.warning(f"{self.name}-dropped", "%s: queue and spool full, dropped an item (%d so far)",
+                               self.name, self.stats.dropped)
+        return False
+
+    def close(self, drain_deadline_s: float = 10.0) -> int:
+        """Deliver what is pending for up to ``drain_deadline_s``; what is left goes to the overflow.
+
+        Returns the number of items left undelivered (in the overflow, or dropped without one).
+        """
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(drain_deadline_s)
+        self._abandon.set()
+        self._thread.join()
+        with self._cond:
+            leftovers = list(self._queue)
+            self._queue.clear()
+            if self._stopped:
+                self.stats.dropped += len(leftovers)
+                return 0
+            for item in leftovers:
+                self._to_overflow(item)
+            return len(self._overflow) if self._overflow is not None else len(leftovers)
+
+    # --- the sender thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (item := self._next()) is not None:
+            self._deliver_until_done(item)
+
+    def _next(self) -> T | None:
+        with self._cond:
+            while not self._stopped and not self._abandon.is_set():
+                if self._queue:
+                    return self._queue[0]
+                if self._overflow is not None and (item := self._overflow.peek()) is not None:
+                    return item
+                if self._closing:
+                    return None
+                self._cond.wait()
+            return None
+
+    def _pop(self, item: T) -> None:
+        with self._cond:
+            if self._queue and self._queue[0] is item:
+                self._queue.popleft()
+            elif self._overflow is not None:
+                self._overflow.pop()
+
+    def _deliver_until_done(self, item: T) -> None:
+        backoff_s = self._backoff[0]
+        while not self._abandon.is_set():
+            error = self._call(item)
+            if error is None:
+                self.stats.delivered += 1
+                self._pop(item)
+                return
+            outcome = self._classify(error)
+            if outcome is Outcome.STOP:
+                self._stop(error)
+                return
+            if outcome is Outcome.DROP:
+                self.stats.dropped += 1
+                self._warnings.warning(f"{self.name}-drop", "%s: dropped an item: %s", self.name, error)
+                self._pop(item)
+                return
+            self.stats.retried += 1
+            self._warnings.warning(f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name, error)
+            self._abandon.wait(backoff_s)
+            backoff_s = min(backoff_s * 2, self._backoff[1])
+
+    def _stop(self, error: BaseException) -> None:
+        _logger.warning("%s: delivery stopped: %s", self.name, error)
+        with self._cond:
+            self._stopped = True
+            self.stats.dropped += len(self._queue)
+            self._queue.clear()
+
+    def _call(self, item: T) -> BaseException | None:
+        """Run ``deliver(item)`` on a call thread; wait at most the call deadline."""
+        while not self._call_slots.acquire(timeout=0.1):
+            if self._abandon.is_set():
+                return DeadlineExceeded("all call threads are busy")
+        done = threading.Event()
+        box: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                self._deliver(item)
+            except BaseException as error:  # noqa: BLE001 - reported to the sender, classified there
+                box.append(error)
+            finally:
+                done.set()
+                self._call_slots.release()
+
+        threading.Thread(target=call, name=f"{self.name}-call", daemon=True).start()
+        deadline = time.monotonic() + self._call_deadline_s
+        while not done.wait(0.05):
+            if time.monotonic() >= deadline or self._abandon.is_set():
+                self.stats.hung_calls += 1
+                self._warnings.warning(f"{self.name}-hung", "%s: a call exceeded its %.1f s deadline; "
+                                       "its thread is left to finish", self.name, self._call_deadline_s)
+                return DeadlineExceeded(f"no answer within {self._call_deadline_s:g} s")
+        return box[0] if box else None
