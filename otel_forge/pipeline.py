@@ -147,6 +147,15 @@ class Agent:
             self.collectors.close()
             self.collectors = None
 
+    def stop(self) -> None:
+        """``shutdown`` with a short deadline: what the CLI calls on SIGTERM."""
+        self.shutdown(timeout_s=2.0)
+
+    @property
+    def absent_collectors(self) -> dict[str, str]:
+        """Each configured collector that did not open, with the reason."""
+        return dict(self.collectors.absent) if self.collectors else {}
+
     def __enter__(self) -> Agent:
         return self.start()
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from otel_forge.cli import doctor, monitor
+from otel_forge.cli import doctor, monitor, replay
 from otel_forge.config import ConfigError
 from otel_forge.pipeline import EndpointError
 
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "to MLflow, Prometheus and OpenTelemetry.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in (monitor, doctor):
+    for command in (monitor, doctor, replay):
         command.add_parser(commands)
     return parser
 
@@ -36,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="otel-forge: %(levelname)s %(name)s: %(message)s")
+    # The delivery worker retries with its own backoff; urllib3's per-attempt lines are noise.
+    logging.getLogger("urllib3").setLevel(max(level, logging.ERROR))
+    # In the agent's own process our worker does the retrying: one attempt per call.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     try:
         return args.run(args)
     except (ConfigError, EndpointError) as error:

@@ -6,11 +6,14 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
-from otel_forge.config import ConfigError
+from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.pipeline import Agent
+
+if TYPE_CHECKING:
+    from otel_forge.mlflow.monitor import SystemMetricsMonitor
 
 
 def add_parser(commands: Any) -> None:
@@ -32,9 +35,19 @@ def _duration_s(text: str | None) -> float | None:
     return value
 
 
+def _agent(config: ForgeConfig) -> Agent | SystemMetricsMonitor:
+    """The plain agent, or with ``--run-id`` the agent plus the MLflow reader into that run."""
+    if config.run_id is None:
+        return Agent(config)
+    from otel_forge.mlflow.monitor import SystemMetricsMonitor
+
+    return SystemMetricsMonitor(config)
+
+
 def run(args: argparse.Namespace) -> int:
     duration_s = _duration_s(args.duration)
-    agent = Agent(config_from_args(args))
+    config = config_from_args(args)
+    agent = _agent(config)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -44,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
             return 0
         for endpoint in agent.endpoints:
             print(f"otel-forge: serving {endpoint}", flush=True)
-        for name, reason in (agent.collectors.absent.items() if agent.collectors else ()):
+        for name, reason in agent.absent_collectors.items():
             print(f"otel-forge: collector {name} absent: {reason}", file=sys.stderr, flush=True)
         stop.wait(duration_s)
     finally:
-        agent.shutdown(timeout_s=2.0)
+        agent.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

@@ -19,6 +19,8 @@ AGENT_FLAGS = {
     "--gpus": "gpus",
     "--node-id": "node_id",
     "--pid": "pid",
+    "--run-id": "run_id",
+    "--tracking-uri": "tracking_uri",
 }
 _HELP = {
     "--interval": "seconds between samples",
@@ -31,6 +33,8 @@ _HELP = {
     "--gpus": "all, visible, or a list of GPU indices/UUIDs",
     "--node-id": "node id (default: from the launcher)",
     "--pid": "root of the monitored process tree (default: the agent)",
+    "--run-id": "MLflow run that receives system/<node>/ metrics",
+    "--tracking-uri": "MLflow tracking URI (default: MLFLOW_TRACKING_URI, else MLflow's default)",
 }
 
 

@@ -3,6 +3,7 @@ tell a transient failure from a run that is gone. mlflow is imported here, lazil
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,14 @@ def _http_status(error: BaseException) -> int | None:
         return None
 
 
+# MLflow's HTTP defaults (2 min timeout, 7 retries with growing backoff) would hide a down server
+# inside one call for minutes. Bounded, as the user's own settings allow: theirs win.
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
+
+
 def make_client(tracking_uri: str | None) -> MlflowClient:
+    for name, value in MLFLOW_HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri)

@@ -95,6 +95,10 @@ class SystemMetricsMonitor:
             return []
         return [*self.agent.endpoints, f"mlflow run {self.config.run_id} ({self.exporter.window_logger.prefix}...)"]
 
+    @property
+    def absent_collectors(self) -> dict[str, str]:
+        return self.agent.absent_collectors if self.agent else {}
+
     def stop(self) -> None:
         if self.agent is not None:
             self.agent.shutdown(timeout_s=self.config.drain_deadline_s + 5)

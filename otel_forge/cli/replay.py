@@ -1,0 +1,36 @@
+"""``otel-forge replay PATH``: deliver system-metrics windows kept in a spool."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.scrub import scrub
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("replay", help="deliver the windows kept in a spool directory")
+    parser.add_argument("path", help="the spool directory named in the exporter's warning")
+    parser.add_argument("--tracking-uri", help="tracking server (default: the one recorded, or MLFLOW_TRACKING_URI)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from otel_forge.mlflow.replay import replay_spool
+
+    path = Path(args.path)
+    tracking_uri = ForgeConfig.resolve(argument_names={"tracking_uri": "--tracking-uri"},
+                                       tracking_uri=args.tracking_uri).tracking_uri
+    if not path.is_dir():
+        raise ConfigError(f"invalid path (from PATH): {path} is not a directory")
+    try:
+        result = replay_spool(path, tracking_uri if args.tracking_uri else None)
+    except FileNotFoundError as error:
+        raise ConfigError(f"invalid path (from PATH): {error}") from None
+    except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
+        print(f"otel-forge: replay stopped, the spool is kept: {scrub(str(error)).splitlines()[0]}")
+        return 1
+    print(f"otel-forge: delivered {result.delivered} window(s) to run {result.run_id}")
+    return 0

@@ -1,0 +1,407 @@
+"""AMD GPUs through amdsmi (ROCm's AMD SMI Python interface): every selected GPU, every field, one pass.
+
+The same shape and failure rules as the NVIDIA collector: a table of field readers; a field the
+device does not support (``AMDSMI_STATUS_NOT_SUPPORTED``, ``_NOT_YET_IMPLEMENTED``, ``_NO_PERM``)
+is switched off for that device for good (DEBUG, once); a lost device (``_NOT_FOUND``,
+``_DRIVER_NOT_LOADED``, ``_AMDGPU_RESTART_ERR``) reports ``hw.status`` failed from then on
+(warned once); any other error skips the field for this read (warned at most once a minute).
+
+amdsmi reports a member it cannot read as "N/A" (or as the maximum of its integer type); such a
+value is simply not reported. ``import amdsmi`` without libamd_smi.so prints to stdout and raises
+``KeyError``: the import runs with stdout silenced, at the Python and the file-descriptor level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import logging
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_forge.collectors.base import Collector, CollectorUnavailable, Readings
+from otel_forge.collectors.gpu_selection import AMD_VISIBLE_ENV, select_gpus
+from otel_forge.collectors.process import ProcessTree
+from otel_forge.config import ForgeConfig
+from otel_forge.ratelimit import RateLimitedLogger
+
+_logger = logging.getLogger(__name__)
+
+Row = tuple[str, float | None, dict[str, str]]
+FieldReader = Callable[[Any], list[Row]]
+
+# amdsmi_status_t codes (amdsmi.h); numbers, since the Python enum's name changed across releases.
+_UNSUPPORTED_CODES = frozenset({2, 3, 10})  # NOT_SUPPORTED, NOT_YET_IMPLEMENTED, NO_PERM
+_LOST_CODES = frozenset({31, 34, 54})  # NOT_FOUND, DRIVER_NOT_LOADED, AMDGPU_RESTART_ERR
+_NOT_AVAILABLE = frozenset({0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF})  # what a 32/64-bit member holds when unsupported
+_POWER_LIMIT_MICROWATTS_ABOVE = 100_000  # no GPU has a 100 kW limit: a larger number is in uW
+
+
+@dataclass
+class AmdGpu:
+    """One selected GPU: its amdsmi processor handle, identity attributes, what is switched off."""
+
+    index: int
+    handle: Any
+    name: str
+    uuid: str
+    pci_bus_id: str
+    lost: bool = False
+    unsupported: set[str] = field(default_factory=set)
+    attributes: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.attributes = {
+            "hw.id": str(self.index), "hw.name": self.name, "hw.vendor": "AMD", "hw.type": "gpu",
+            "otel_forge.gpu.uuid": self.uuid, "otel_forge.gpu.pci_bus_id": self.pci_bus_id,
+        }
+
+
+class AmdCollector(Collector):
+    """All selected AMD GPUs; see the module docstring for the failure rules."""
+
+    name = "amd"
+    FIELDS = ("activity", "memory", "power", "energy", "temperature_edge", "temperature_hotspot",
+              "clock_sm", "clock_memory", "ecc", "process_memory")
+
+    def __init__(self, amdsmi: Any, gpus: list[AmdGpu], tree: ProcessTree | None) -> None:
+        self._amdsmi = amdsmi
+        self._gpus = gpus
+        self._tree = tree
+        self._pids: set[int] | None = None  # the monitored tree, found once per read when needed
+        self._warnings = RateLimitedLogger(_logger)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._readers: dict[str, FieldReader] = {name: getattr(self, f"_read_{name}") for name in self.FIELDS}
+        if tree is None:
+            for gpu in gpus:
+                gpu.unsupported.add("process_memory")
+
+    @classmethod
+    def create(cls, config: ForgeConfig) -> AmdCollector:
+        amdsmi = _start_amdsmi()
+        try:
+            return cls(amdsmi, _open_gpus(amdsmi, config), _process_tree(config))
+        except BaseException:
+            _shutdown(amdsmi)
+            raise
+
+    @property
+    def gpus(self) -> tuple[AmdGpu, ...]:
+        return tuple(self._gpus)
+
+    def read(self, readings: Readings) -> None:
+        with self._lock:
+            self._pids = None
+            for gpu in self._gpus:
+                if not gpu.lost:
+                    self._read_gpu(gpu, readings)
+                _add_status(gpu, readings)
+
+    def sample_field(self, index: int, field_name: str) -> list[Row]:
+        """One raw read of one field of one GPU, errors raised as amdsmi raises them (for diagnostics)."""
+        gpu = next(gpu for gpu in self._gpus if gpu.index == index)
+        with self._lock:
+            self._pids = None
+            return self._readers[field_name](gpu.handle)
+
+    def describe(self) -> list[str]:
+        return [_describe(gpu) for gpu in self._gpus]
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with self._lock:  # a read in progress finishes before amdsmi goes away
+                _shutdown(self._amdsmi)
+
+    # --- one GPU -----------------------------------------------------------------------------
+
+    def _read_gpu(self, gpu: AmdGpu, readings: Readings) -> None:
+        rows: list[Row] = []
+        for name, reader in self._readers.items():
+            if name not in gpu.unsupported:
+                rows += self._read_field(gpu, name, reader)
+                if gpu.lost:
+                    return  # lost during this read: only hw.status from now on
+        for metric, value, extra in rows + _power_utilization(rows):
+            readings.add(metric, value, {**gpu.attributes, **extra})
+
+    def _read_field(self, gpu: AmdGpu, name: str, reader: FieldReader) -> list[Row]:
+        try:
+            return reader(gpu.handle)
+        except Exception as error:  # noqa: BLE001 - one field's failure costs that field, this read
+            code = _error_code(error)
+            if code in _UNSUPPORTED_CODES:
+                gpu.unsupported.add(name)
+                _logger.debug("GPU %d: %s not supported (%s); no longer read", gpu.index, name, _one_line(error))
+            elif code in _LOST_CODES:
+                gpu.lost = True
+                _logger.warning("GPU %d (%s) is lost: %s; it reports hw.status failed from now on",
+                                gpu.index, gpu.uuid, _one_line(error))
+            else:
+                self._warnings.warning(name, "GPU %d: reading %s failed: %s", gpu.index, name, _one_line(error))
+        return []
+
+    # --- field readers: handle -> rows --------------------------------------------------------
+
+    def _read_activity(self, handle: Any) -> list[Row]:
+        activity = self._amdsmi.amdsmi_get_gpu_activity(handle)
+        return [("hw.gpu.utilization", _ratio(activity.get("gfx_activity")), {"hw.gpu.task": "general"}),
+                ("otel_forge.gpu.memory.activity", _ratio(activity.get("umc_activity")), {})]
+
+    def _read_memory(self, handle: Any) -> list[Row]:
+        amdsmi = self._amdsmi
+        vram = amdsmi.AmdSmiMemoryType.VRAM
+        used = _number(amdsmi.amdsmi_get_gpu_memory_usage(handle, vram))
+        total = _number(amdsmi.amdsmi_get_gpu_memory_total(handle, vram))
+        utilization = used / total if used is not None and total else None
+        return [("hw.gpu.memory.usage", used, {}), ("hw.gpu.memory.limit", total, {}),
+                ("hw.gpu.memory.utilization", utilization, {})]
+
+    def _read_power(self, handle: Any) -> list[Row]:
+        info = self._amdsmi.amdsmi_get_power_info(handle)
+        # socket_power (ROCm 6.4+), else current (MI300+) or average (MI200 and older, Navi).
+        watts = next((value for value in (_number(info.get(key)) for key in
+                                          ("socket_power", "current_socket_power", "average_socket_power"))
+                      if value is not None), None)
+        limit = _number(info.get("power_limit"))
+        if limit is not None and limit > _POWER_LIMIT_MICROWATTS_ABOVE:
+            limit /= 1_000_000
+        return [("hw.power", watts, {}), ("otel_forge.gpu.power.limit", limit, {})]
+
+    def _read_energy(self, handle: Any) -> list[Row]:
+        count = self._amdsmi.amdsmi_get_energy_count(handle)
+        ticks = _number(count.get("energy_accumulator", count.get("power")))  # "power" before ROCm 6.4
+        resolution_uj = _number(count.get("counter_resolution"))
+        joules = ticks * resolution_uj / 1_000_000 if ticks is not None and resolution_uj is not None else None
+        return [("hw.energy", joules, {})]
+
+    def _read_temperature_edge(self, handle: Any) -> list[Row]:
+        return self._temperature(handle, "EDGE", "edge")
+
+    def _read_temperature_hotspot(self, handle: Any) -> list[Row]:
+        return self._temperature(handle, "HOTSPOT", "hotspot")
+
+    def _temperature(self, handle: Any, sensor: str, location: str) -> list[Row]:
+        amdsmi = self._amdsmi
+        celsius = _number(amdsmi.amdsmi_get_temp_metric(handle, getattr(amdsmi.AmdSmiTemperatureType, sensor),
+                                                        amdsmi.AmdSmiTemperatureMetric.CURRENT))
+        return [("hw.temperature", celsius, {"hw.sensor_location": location})]
+
+    def _read_clock_sm(self, handle: Any) -> list[Row]:
+        return self._clock(handle, "GFX", "sm")
+
+    def _read_clock_memory(self, handle: Any) -> list[Row]:
+        return self._clock(handle, "MEM", "memory")
+
+    def _clock(self, handle: Any, clock_type: str, label: str) -> list[Row]:
+        amdsmi = self._amdsmi
+        mhz = _number(amdsmi.amdsmi_get_clock_info(handle, getattr(amdsmi.AmdSmiClkType, clock_type)).get("clk"))
+        return [("otel_forge.gpu.clock.frequency", mhz * 1_000_000 if mhz is not None else None,
+                 {"otel_forge.gpu.clock": label})]
+
+    def _read_ecc(self, handle: Any) -> list[Row]:
+        counts = self._amdsmi.amdsmi_get_gpu_total_ecc_count(handle)
+        return [("hw.errors", _number(counts.get("correctable_count")), {"hw.error.type": "corrected"}),
+                ("hw.errors", _number(counts.get("uncorrectable_count")), {"hw.error.type": "uncorrected"})]
+
+    def _read_process_memory(self, handle: Any) -> list[Row]:
+        used = 0
+        pids = self._monitored_pids()
+        for process in self._amdsmi.amdsmi_get_gpu_process_list(handle):
+            if isinstance(process, dict) and process.get("pid") in pids:
+                usage = process.get("memory_usage")
+                vram = usage.get("vram_mem") if isinstance(usage, dict) else process.get("mem")
+                used += _number(vram) or 0
+        return [("otel_forge.gpu.process.memory.usage", used, {})]
+
+    def _monitored_pids(self) -> set[int]:
+        if self._pids is None:
+            self._pids = self._tree.pids() if self._tree is not None else set()
+        return self._pids
+
+
+# --- opening ---------------------------------------------------------------------------------
+
+
+def _start_amdsmi() -> Any:
+    """Import amdsmi (silencing what it prints) and initialise it for GPUs, or say why not."""
+    with _stdout_silenced() as printed:
+        try:
+            import amdsmi
+        except ModuleNotFoundError as error:
+            amdsmi, reason = None, f"amdsmi is not installed ({error})"
+        except Exception as error:  # noqa: BLE001 - KeyError, OSError, ImportError...: all mean "absent"
+            amdsmi, reason = None, (f"amdsmi cannot be loaded ({type(error).__name__}: {error}); "
+                                    "is ROCm's libamd_smi.so installed?")
+        if amdsmi is not None:
+            reason = _init(amdsmi)
+    if printed.getvalue().strip():
+        _logger.debug("amdsmi printed while loading: %s", printed.getvalue().strip())
+    if reason:
+        raise CollectorUnavailable(reason)
+    return amdsmi
+
+
+def _init(amdsmi: Any) -> str | None:
+    flags = getattr(amdsmi, "AmdSmiInitFlags", None)
+    gpus_only = getattr(flags, "INIT_AMD_GPUS", None) or getattr(flags, "AMD_GPUS", None)
+    try:
+        if gpus_only is None:
+            amdsmi.amdsmi_init()
+        else:
+            amdsmi.amdsmi_init(gpus_only)
+    except Exception as error:  # noqa: BLE001 - AmdSmiLibraryException, OSError: the library is unusable
+        return f"amdsmi failed to initialise: {_one_line(error)}"
+    return None
+
+
+def _open_gpus(amdsmi: Any, config: ForgeConfig) -> list[AmdGpu]:
+    try:
+        handles = amdsmi.amdsmi_get_processor_handles()
+    except Exception as error:  # noqa: BLE001 - an unusable library is an absent source
+        raise CollectorUnavailable(f"amdsmi cannot list GPUs: {_one_line(error)}") from None
+    present = [gpu for gpu in (_open_gpu(amdsmi, index, handle) for index, handle in enumerate(handles))
+               if gpu is not None]
+    if not present:
+        raise CollectorUnavailable("amdsmi found no GPUs" if not handles else "no GPU could be opened")
+    try:
+        wanted = select_gpus(config.gpus, [(gpu.index, gpu.uuid) for gpu in present], AMD_VISIBLE_ENV)
+    except ValueError as error:
+        raise CollectorUnavailable(f"GPU selection: {error}") from None
+    if not wanted:
+        raise CollectorUnavailable(f"no GPU selected (gpus={config.gpus!r})")
+    by_index = {gpu.index: gpu for gpu in present}
+    return [by_index[index] for index in wanted]
+
+
+def _open_gpu(amdsmi: Any, index: int, handle: Any) -> AmdGpu | None:
+    """The GPU at ``index`` (amdsmi's enumeration order); a lost one is kept, an unreadable one skipped."""
+    try:
+        uuid = str(amdsmi.amdsmi_get_gpu_device_uuid(handle))
+        bus_id = str(amdsmi.amdsmi_get_gpu_device_bdf(handle))
+        name = str(amdsmi.amdsmi_get_gpu_asic_info(handle).get("market_name") or "")
+    except Exception as error:  # noqa: BLE001 - classified below
+        if _error_code(error) in _LOST_CODES:
+            _logger.warning("GPU %d is lost (%s); it reports hw.status failed", index, _one_line(error))
+            return AmdGpu(index, None, "unknown", "", "", lost=True)
+        _logger.warning("GPU %d cannot be opened (%s); it is not monitored", index, _one_line(error))
+        return None
+    return AmdGpu(index, handle, name if name and name != "N/A" else "AMD GPU", uuid, bus_id)
+
+
+def _process_tree(config: ForgeConfig) -> ProcessTree | None:
+    try:
+        return ProcessTree(config.pid or os.getpid())
+    except CollectorUnavailable as error:
+        _logger.warning("GPU memory of the monitored processes is not reported: %s", error)
+        return None
+
+
+def _shutdown(amdsmi: Any) -> None:
+    try:
+        amdsmi.amdsmi_shut_down()
+    except Exception as error:  # noqa: BLE001 - nothing left to do about it
+        _logger.debug("amdsmi_shut_down failed: %s", _one_line(error))
+
+
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[io.StringIO]:
+    """Route what is printed to stdout, by Python or by C through file descriptor 1, into a buffer.
+
+    The descriptor is swapped for the whole process while this runs (the import and init only),
+    so another thread's output in that window lands in the buffer too.
+    """
+    printed = io.StringIO()
+    saved_fd = _redirect_fd1()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield printed
+    finally:
+        if saved_fd is not None:
+            printed.write(_restore_fd1(*saved_fd))
+
+
+def _redirect_fd1() -> tuple[int, Any] | None:
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):
+        return None  # no usable fd 1 (closed, or a stdout without one): Python-level only
+    capture = tempfile.TemporaryFile()
+    os.dup2(capture.fileno(), 1)
+    return saved, capture
+
+
+def _restore_fd1(saved: int, capture: Any) -> str:
+    _flush_c_stdio()
+    os.dup2(saved, 1)
+    os.close(saved)
+    with capture:
+        capture.seek(0)
+        return capture.read().decode(errors="replace")
+
+
+def _flush_c_stdio() -> None:
+    """Flush C's stdout buffer into the capture before the descriptor is restored."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+# --- small helpers ---------------------------------------------------------------------------
+
+
+def _add_status(gpu: AmdGpu, readings: Readings) -> None:
+    for state, current in (("ok", not gpu.lost), ("failed", gpu.lost)):
+        readings.add("hw.status", 1 if current else 0, {**gpu.attributes, "hw.state": state})
+
+
+def _power_utilization(rows: list[Row]) -> list[Row]:
+    """Power draw / enforced limit, when this read has both."""
+    values = {metric: value for metric, value, _ in rows if metric in ("hw.power", "otel_forge.gpu.power.limit")}
+    power, limit = values.get("hw.power"), values.get("otel_forge.gpu.power.limit")
+    return [("otel_forge.gpu.power.utilization", power / limit, {})] if power is not None and limit else []
+
+
+def _describe(gpu: AmdGpu) -> str:
+    line = " ".join(filter(None, (f"gpu {gpu.index}:", gpu.name, gpu.uuid, gpu.pci_bus_id)))
+    if gpu.lost:
+        line += " (failed)"
+    if gpu.unsupported:
+        line += f" (not supported: {', '.join(sorted(gpu.unsupported))})"
+    return line
+
+
+def _error_code(error: BaseException) -> int | None:
+    get_code = getattr(error, "get_error_code", None)
+    try:
+        return abs(int(get_code())) if callable(get_code) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _number(value: Any) -> float | None:
+    """A reported number, or None for "N/A", a non-number or a 32/64-bit maximum (unsupported)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int) and value in _NOT_AVAILABLE:
+        return None
+    return value
+
+
+def _ratio(percent: Any) -> float | None:
+    """A percentage as a fraction; past 100 it is a 16-bit "not available" (0xFFFF), not a value."""
+    value = _number(percent)
+    return value / 100 if value is not None and 0 <= value <= 100 else None
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

@@ -1,0 +1,92 @@
+"""A real ``mlflow server`` for tests: sqlite backend, 127.0.0.1, a free port, one worker.
+
+``MlflowServer`` can be stopped (SIGSTOP), resumed, killed and restarted on the same port and
+database, so tests can inject the faults a tracking server really has.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MlflowServer:
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        self.root = root
+        self.port = port or free_port()
+        self.db = root / "mlflow.db"
+        self.artifacts = root / "artifacts"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 90.0) -> MlflowServer:
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        log = open(self.root / "server.log", "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.db}",
+             "--default-artifact-root", str(self.artifacts), "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+            if self.healthy():
+                return self
+            time.sleep(0.25)
+        self.kill()
+        raise RuntimeError("mlflow server did not answer /health in time")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def _signal_group(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server accepts connections but never answers (hung)."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_group(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL the whole server tree (an outage); the database stays."""
+        if self.process is None:
+            return
+        self._signal_group(signal.SIGCONT)
+        self._signal_group(signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self.process = None
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self._signal_group(signal.SIGCONT)
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            self.process.wait(timeout=15)
+        self.process = None
