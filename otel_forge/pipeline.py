@@ -109,11 +109,13 @@ class Agent:
         if not self.node.runs_agent:
             _logger.info("local rank %s: the node's agent runs on local rank 0", self.node.local_rank)
             return self
-        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 
         readers = self._build_readers()
         self.collectors = open_collectors(self.config)
-        self.meter_provider = MeterProvider(metric_readers=readers, resource=build_resource(self.config, self.node))
+        # Exemplars tie sync measurements to traces; observable readings have none to offer.
+        self.meter_provider = MeterProvider(metric_readers=readers, resource=build_resource(self.config, self.node),
+                                            exemplar_filter=AlwaysOffExemplarFilter())
         self.instruments = InstrumentSet(self.meter_provider.get_meter(INSTRUMENTATION_SCOPE),
                                          (*self.collectors.present, *self._extra_collectors),
                                          self.config.snapshot_max_age_s)

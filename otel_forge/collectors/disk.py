@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 
 from otel_forge.collectors.base import Collector, Readings
@@ -24,8 +26,16 @@ def is_real_filesystem(fstype: str, mountpoint: str) -> bool:
     return fstype not in PSEUDO_FILESYSTEMS and not mountpoint.startswith(("/proc", "/sys", "/dev", "/run"))
 
 
+# Mounts rarely change; listing them costs half a read.
+_MOUNTS_MAX_AGE_S = 60.0
+
+
 class DiskCollector(Collector):
     name = "disk"
+
+    def __init__(self) -> None:
+        self._partitions: list = []
+        self._partitions_at_s = -_MOUNTS_MAX_AGE_S
 
     @classmethod
     def create(cls, config: ForgeConfig) -> DiskCollector:
@@ -37,7 +47,10 @@ class DiskCollector(Collector):
 
     def _read_filesystems(self, readings: Readings) -> None:
         seen_devices: set[str] = set()
-        for partition in psutil.disk_partitions(all=False):
+        now = time.monotonic()
+        if now - self._partitions_at_s >= _MOUNTS_MAX_AGE_S:
+            self._partitions, self._partitions_at_s = psutil.disk_partitions(all=False), now
+        for partition in self._partitions:
             # Bind mounts repeat a device; report it once, at its first mountpoint.
             if not is_real_filesystem(partition.fstype, partition.mountpoint) or partition.device in seen_devices:
                 continue

@@ -14,8 +14,9 @@ from otel_forge.config import ForgeConfig
 class ProcessTree:
     """A root process and its descendants, found anew at each ``processes()`` call.
 
-    ``psutil.Process`` objects are kept across calls so CPU times are read from the same
-    objects; a child that exits between listing and reading is skipped.
+    Descendants come from ``/proc/<pid>/task/<tid>/children``, which touches only this tree
+    (psutil's ``children()`` reads every process of the machine). ``psutil.Process`` objects are
+    kept by pid across calls; a process that exits between listing and reading is skipped.
     """
 
     def __init__(self, pid: int) -> None:
@@ -24,15 +25,46 @@ class ProcessTree:
         except psutil.Error as error:
             raise CollectorUnavailable(f"process {pid}: {error}") from None
         self.pid = pid
-
-    def processes(self) -> list[psutil.Process]:
-        try:
-            return [self.root, *self.root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        self._known: dict[int, psutil.Process] = {pid: self.root}
+        self._has_children_files = os.path.exists(f"/proc/{pid}/task/{pid}/children")
 
     def pids(self) -> set[int]:
-        return {process.pid for process in self.processes()}
+        if not self.root.is_running():
+            return set()
+        if not self._has_children_files:
+            try:
+                return {self.pid, *(child.pid for child in self.root.children(recursive=True))}
+            except psutil.Error:
+                return {self.pid}
+        found, pending = set(), [self.pid]
+        while pending:
+            pid = pending.pop()
+            if pid not in found:
+                found.add(pid)
+                pending.extend(_children_of(pid))
+        return found
+
+    def processes(self) -> list[psutil.Process]:
+        pids = self.pids()
+        for gone in self._known.keys() - pids:
+            del self._known[gone]
+        for pid in pids - self._known.keys():
+            try:
+                self._known[pid] = psutil.Process(pid)
+            except psutil.Error:
+                continue
+        return list(self._known.values()) if pids else []
+
+
+def _children_of(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task.name}/children") as file:
+                children.extend(int(child) for child in file.read().split())
+    except OSError:
+        pass  # the process exited while we looked
+    return children
 
 
 class ProcessCollector(Collector):
