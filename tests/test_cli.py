@@ -46,3 +46,32 @@ def test_unknown_command_is_a_usage_error(capsys):
         main(["frobnicate"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_doctor_shows_pending_spools_with_their_delivery_counts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path))
+    from otel_forge.mlflow.spool import WindowSpool
+    from otel_forge.mlflow.windows import Window
+
+    spool = WindowSpool(tmp_path / "run1-node_0-1", max_bytes=1 << 20, header={"run_id": "run1", "node_id": "node_0"})
+    assert spool.append(Window(0, 1000, (("system/node_0/cpu_utilization_percentage", 12.5),)))
+    spool.write_stats({"delivered": 3, "retried": 2, "spooled": 1, "dropped": 0})
+    assert main(["doctor", "--collectors", "cpu", "--tracking-uri", "http://user:pw@127.0.0.1:9"]) == 0
+    out = capsys.readouterr().out
+    assert (f"run run1 node node_0: 1 window(s) pending (delivered 3, retried 2, spooled 1, dropped 0); "
+            f"otel-forge replay {tmp_path / 'run1-node_0-1'}") in out
+    assert "pw" not in out and "http://***@127.0.0.1:9: does not answer" in out
+
+
+def test_doctor_json_lists_the_spool(tmp_path, capsys, monkeypatch):
+    from otel_forge.mlflow.spool import WindowSpool
+    from otel_forge.mlflow.windows import Window
+
+    monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path))
+    spool = WindowSpool(tmp_path / "r-n-1", max_bytes=1 << 20, header={"run_id": "r", "node_id": None})
+    spool.append(Window(0, 1000, (("system/x", 1.0),)))
+    spool.append(Window(1, 2000, (("system/x", 2.0),)))
+    assert main(["doctor", "--json", "--collectors", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["spools"] == [{"path": str(tmp_path / "r-n-1"), "run_id": "r", "node_id": None,
+                                 "pending_windows": 2, "stats": {}, "replay": f"otel-forge replay {tmp_path / 'r-n-1'}"}]

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import urllib.parse
 import urllib.request
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.collectors import collector_class, open_collectors
 from otel_forge.config import SETTINGS, ForgeConfig
 from otel_forge.node import NodeIdentity
+from otel_forge.scrub import scrub, uri_without_credentials
 
 _PROBE_TIMEOUT_S = 2.0
 
@@ -58,6 +61,35 @@ def _otlp_check(config: ForgeConfig) -> str:
     return f"{config.otlp_protocol} {config.otlp_metrics_url}: {_tcp_check(parsed.hostname or '', port)}"
 
 
+def _tracking_check(config: ForgeConfig) -> str:
+    uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default (./mlflow.db)"
+    parsed = urllib.parse.urlsplit(uri)
+    if parsed.scheme not in ("http", "https"):
+        return f"{scrub(uri)}: local store"
+    try:
+        with urllib.request.urlopen(f"{uri_without_credentials(uri).rstrip('/')}/health",
+                                    timeout=_PROBE_TIMEOUT_S) as response:
+            return f"{scrub(uri)}: answers ({response.status})"
+    except OSError as error:
+        return f"{scrub(uri)}: does not answer ({scrub(str(getattr(error, 'reason', error)))})"
+
+
+def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
+    """Spool directories left by exporters: what is pending and how delivery went."""
+    from otel_forge.mlflow.spool import HEADER, STATS, default_spool_root
+
+    root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
+    found = []
+    for header in sorted(root.glob(f"*/{HEADER}")) if root.is_dir() else []:
+        directory = header.parent
+        info = json.loads(header.read_text())
+        stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}
+        found.append({"path": str(directory), "run_id": info.get("run_id"), "node_id": info.get("node_id"),
+                      "pending_windows": len(list(directory.glob("*.window.json"))), "stats": stats,
+                      "replay": f"otel-forge replay {directory}"})
+    return found
+
+
 def diagnose(config: ForgeConfig) -> dict[str, Any]:
     """Everything doctor reports, as plain data."""
     opened = open_collectors(config)
@@ -73,13 +105,17 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
         "node": asdict(NodeIdentity.detect(config.node_id)),
         "config": {s.name: {"value": _plain(getattr(config, s.name)), "source": config.sources.get(s.name, "default")}
                    for s in SETTINGS},
-        "endpoints": {"prometheus": _prometheus_check(config), "otlp": _otlp_check(config)},
+        "endpoints": {"prometheus": _prometheus_check(config), "otlp": _otlp_check(config),
+                      "mlflow": _tracking_check(config)},
+        "spools": _spools(config),
     }
 
 
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return ",".join(value)
+    if isinstance(value, str):
+        return scrub(value)
     return dict(value) if hasattr(value, "items") else value
 
 
@@ -101,6 +137,11 @@ def _print_text(report: dict[str, Any]) -> None:
     print("endpoints:")
     for name, status in report["endpoints"].items():
         print(f"  {name:<10} {status}")
+    print("mlflow spools:" if report["spools"] else "mlflow spools: none pending")
+    for spool in report["spools"]:
+        counts = ", ".join(f"{k} {v}" for k, v in spool["stats"].items())
+        print(f"  run {spool['run_id']} node {spool['node_id']}: {spool['pending_windows']} window(s) pending"
+              f"{' (' + counts + ')' if counts else ''}; {spool['replay']}")
 
 
 def run(args: argparse.Namespace) -> int:

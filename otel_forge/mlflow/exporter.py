@@ -22,18 +22,13 @@ from opentelemetry.sdk.metrics.export import (
 from otel_forge.mlflow.client import WindowLogger, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, system_prefix
 from otel_forge.scrub import scrub, uri_without_credentials
-from otel_forge.mlflow.spool import WindowSpool
+from otel_forge.mlflow.spool import WindowSpool, default_spool_root
 from otel_forge.mlflow.windows import Window, WindowFolder
 from otel_forge.worker import DeliveryWorker
 
 _logger = logging.getLogger(__name__)
 
 DEFAULT_SPOOL_MAX_BYTES = 64 * 1024 * 1024
-
-
-def default_spool_root() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "otel-forge" / "spool"
 
 
 class MLflowMetricExporter(MetricExporter):

@@ -25,6 +25,11 @@ STATS = "stats.json"
 _SUFFIX = ".window.json"
 
 
+def default_spool_root() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "otel-forge" / "spool"
+
+
 def _write_atomically(path: Path, text: str) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(text)
