@@ -1,0 +1,302 @@
+"""The real OTLP exporters (HTTP and gRPC) deliver the agent's metrics to a receiver the test runs:
+names, units, kinds and attributes as in ``otel_forge.names.METRICS``, and the agent's resource."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import http.server
+import socket
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+from opentelemetry.sdk.version import __version__ as sdk_version
+from servers import HERMETIC_PREFIXES, LAUNCHER_VARS, wait_for
+
+from otel_forge import METRICS, Agent, ForgeConfig
+from otel_forge.names import Kind
+from otel_forge.node import NODE_ID_ATTRIBUTE
+
+COLLECTORS = ("cpu", "memory", "disk", "network", "process")
+# Rows of the table that a machine may legitimately not report: per-CPU utilization is off by
+# default; a machine without swap has no paging utilization (a fraction of nothing).
+CONDITIONAL = {"otel_forge.cpu.logical.utilization", "system.paging.utilization"}
+DELIVERY_TIMEOUT_S = 10.0
+RECEIVER_THREAD = "otlp-receiver"
+
+ExportRequest = metrics_service_pb2.ExportMetricsServiceRequest
+
+
+# --- receivers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    """What a receiver got: the decoded requests and the HTTP paths they were posted to."""
+
+    requests: list[ExportRequest] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, request: ExportRequest, path: str = "") -> None:
+        with self.lock:
+            self.requests.append(request)
+            self.paths.append(path)
+
+    def snapshot(self) -> list[ExportRequest]:
+        with self.lock:
+            return list(self.requests)
+
+
+class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
+    received: Received  # set on the per-server subclass
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        encoding = self.headers.get("Content-Encoding", "")
+        if encoding == "gzip":
+            body = gzip.decompress(body)
+        elif encoding == "deflate":
+            body = zlib.decompress(body)
+        if self.path != "/v1/metrics" or self.headers.get("Content-Type") != "application/x-protobuf":
+            self.send_error(404 if self.path != "/v1/metrics" else 415)
+            self.received.paths.append(self.path)
+            return
+        request = ExportRequest()
+        request.ParseFromString(body)
+        self.received.add(request, self.path)
+        reply = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        pass
+
+
+class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, received: Received) -> None:
+        self.received = received
+
+    def Export(self, request: ExportRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        self.received.add(request)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+@dataclass
+class Receiver:
+    protocol: str
+    endpoint: str  # what the agent is configured with
+    received: Received
+
+
+@pytest.fixture
+def start_receiver(request: pytest.FixtureRequest) -> Callable[[str], Receiver]:
+    """Start an OTLP receiver for ``protocol`` on 127.0.0.1:<free port>; it stops after the test."""
+
+    def start(protocol: str) -> Receiver:
+        received = Received()
+        if protocol == "grpc":
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=RECEIVER_THREAD))
+            metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(received), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            server.start()
+            request.addfinalizer(lambda: server.stop(grace=None).wait(5))
+        else:
+            handler = type("Handler", (_OtlpHttpHandler,), {"received": received})
+            http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            http_server.daemon_threads = True
+            port = http_server.server_address[1]
+            thread = threading.Thread(target=http_server.serve_forever, kwargs={"poll_interval": 0.05},
+                                      name=RECEIVER_THREAD, daemon=True)
+            thread.start()
+
+            def stop() -> None:
+                http_server.shutdown()
+                http_server.server_close()
+                thread.join(5)
+
+            request.addfinalizer(stop)
+        return Receiver(protocol, f"http://127.0.0.1:{port}", received)
+
+    return start
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No OTel/otel_forge/launcher setting of the outer environment leaks into the agent."""
+    for name in list(os.environ):
+        if name.startswith(HERMETIC_PREFIXES) or name in LAUNCHER_VARS:
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _value(any_value: AnyValue) -> Any:
+    return getattr(any_value, any_value.WhichOneof("value"))
+
+
+def _attributes(key_values: Any) -> dict[str, Any]:
+    return {kv.key: _value(kv.value) for kv in key_values}
+
+
+def _points(metric: metrics_pb2.Metric) -> Any:
+    return getattr(metric, metric.WhichOneof("data")).data_points
+
+
+def _metrics(requests: list[ExportRequest]) -> dict[str, list[metrics_pb2.Metric]]:
+    """Every metric of scope ``otel_forge`` in ``requests``, by name (one entry per export)."""
+    found: dict[str, list[metrics_pb2.Metric]] = {}
+    for request in requests:
+        for resource_metrics in request.resource_metrics:
+            for scope_metrics in resource_metrics.scope_metrics:
+                if scope_metrics.scope.name != "otel_forge":
+                    continue
+                for metric in scope_metrics.metrics:
+                    found.setdefault(metric.name, []).append(metric)
+    return found
+
+
+def _expected_names(collectors: tuple[str, ...]) -> set[str]:
+    return {spec.name for spec in METRICS if spec.source in collectors} - CONDITIONAL
+
+
+def _wait_for_all(receiver: Receiver, names: set[str]) -> dict[str, list[metrics_pb2.Metric]]:
+    def complete() -> dict[str, list[metrics_pb2.Metric]] | None:
+        metrics = _metrics(receiver.received.snapshot())
+        return metrics if names <= set(metrics) else None
+
+    return wait_for(complete, DELIVERY_TIMEOUT_S, 0.05, message=lambda: (
+        f"{sorted(names - set(_metrics(receiver.received.snapshot())))} over OTLP {receiver.protocol} "
+        f"({len(receiver.received.requests)} requests, paths {set(receiver.received.paths)})"))
+
+
+def _run_agent(config: ForgeConfig, request: pytest.FixtureRequest) -> Agent:
+    agent = Agent(config)
+    request.addfinalizer(agent.shutdown)
+    return agent.start()
+
+
+def _agent_threads() -> set[threading.Thread]:
+    """Live threads, less the receiver's own (its server loop, gRPC workers, HTTP request threads)."""
+    return {t for t in threading.enumerate()
+            if t.is_alive() and not t.name.startswith(RECEIVER_THREAD) and "process_request_thread" not in t.name}
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_otlp_delivers_the_metric_table(protocol: str, start_receiver: Callable[[str], Receiver],
+                                        clean_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    receiver = start_receiver(protocol)
+    threads_before = _agent_threads()
+    config = ForgeConfig.resolve(prometheus=False, otlp_endpoint=receiver.endpoint, otlp_protocol=protocol,
+                                 sampling_interval_s=0.5, collectors=",".join(COLLECTORS))
+    agent = _run_agent(config, request)
+    assert agent.endpoints == [f"otlp {protocol} {config.otlp_metrics_url}"]
+
+    metrics = _wait_for_all(receiver, _expected_names(COLLECTORS))
+    started = _agent_threads() - threads_before
+    assert any(t.name == "OtelPeriodicExportingMetricReader" for t in started), started
+    agent.shutdown()
+
+    # Every metric we send is a row of the table, with its unit and kind.
+    specs = {spec.name: spec for spec in METRICS if spec.source in COLLECTORS + ("self",)}
+    assert set(metrics) <= set(specs), sorted(set(metrics) - set(specs))
+    for name, exports in metrics.items():
+        spec = specs[name]
+        for metric in exports:
+            assert metric.unit == spec.unit, (name, metric.unit, spec.unit)
+            assert metric.description == spec.description, name
+            kind = metric.WhichOneof("data")
+            if spec.kind is Kind.GAUGE:
+                assert kind == "gauge", (name, kind)
+            else:
+                assert kind == "sum", (name, kind)
+                assert metric.sum.is_monotonic is (spec.kind is Kind.COUNTER), name
+                assert metric.sum.aggregation_temporality == \
+                    metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE, name
+            for point in _points(metric):
+                # Only the table's attributes, never an undeclared one.
+                assert set(_attributes(point.attributes)) <= set(spec.attributes), (name, point.attributes)
+
+    # The examples the issue names, spelled out.
+    assert metrics["system.cpu.utilization"][0].unit == "1"
+    assert metrics["system.network.io"][0].unit == "By"
+    assert metrics["system.network.io"][0].sum.is_monotonic
+    assert not metrics["system.memory.usage"][0].sum.is_monotonic
+
+    def attribute_values(name: str, key: str) -> set[Any]:
+        return {_attributes(p.attributes).get(key) for m in metrics[name] for p in _points(m)}
+
+    assert {"user", "system", "idle"} <= attribute_values("system.cpu.utilization", "cpu.mode")
+    assert {"used", "free"} <= attribute_values("system.memory.usage", "system.memory.state")
+    assert attribute_values("system.network.io", "network.io.direction") == {"receive", "transmit"}
+    cpu_values = [p.as_double for m in metrics["system.cpu.utilization"] for p in _points(m)]
+    assert cpu_values and all(0.0 <= v <= 1.0 for v in cpu_values)
+    used = [p.as_int or p.as_double for m in metrics["system.memory.usage"] for p in _points(m)
+            if _attributes(p.attributes)["system.memory.state"] == "used"]
+    assert used and all(v > 0 for v in used)
+
+    # The resource: who sent it.
+    resource = _attributes(receiver.received.snapshot()[0].resource_metrics[0].resource.attributes)
+    assert resource["service.name"] == "otel-forge"
+    assert resource["host.name"] == socket.gethostname()
+    machine_id = Path("/etc/machine-id")
+    if machine_id.exists() and machine_id.read_text().strip():
+        assert resource["host.id"] == machine_id.read_text().strip()
+    assert resource["telemetry.sdk.language"] == "python"
+    assert resource["telemetry.sdk.name"] == "opentelemetry"
+    assert resource["telemetry.sdk.version"] == sdk_version
+    assert NODE_ID_ATTRIBUTE not in resource
+
+    # Shut down: no exporter thread (or any other the agent started) is left behind.
+    wait_for(lambda: not (_agent_threads() - threads_before), 5.0, 0.05,
+             message=lambda: f"agent threads to end: {_agent_threads() - threads_before}")
+    assert not agent.running
+
+
+def test_otlp_endpoint_from_env_gets_v1_metrics(start_receiver: Callable[[str], Receiver],
+                                                clean_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """``OTEL_EXPORTER_OTLP_ENDPOINT`` is a base URL: the HTTP exporter posts to ``<it>/v1/metrics``."""
+    receiver = start_receiver("http/protobuf")
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint + "/")
+    config = ForgeConfig.resolve(prometheus=False, sampling_interval_s=0.5, collectors="cpu")
+    assert config.otlp_metrics_url == receiver.endpoint + "/v1/metrics"
+    _run_agent(config, request)
+
+    _wait_for_all(receiver, {"system.cpu.utilization"})
+    assert set(receiver.received.paths) == {"/v1/metrics"}
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_otlp_resource_from_env(protocol: str, start_receiver: Callable[[str], Receiver],
+                                clean_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    receiver = start_receiver(protocol)
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+    clean_env.setenv("OTEL_FORGE_NODE_ID", "node_3")
+    config = ForgeConfig.resolve(prometheus=False, otlp_endpoint=receiver.endpoint, otlp_protocol=protocol,
+                                 sampling_interval_s=0.5, collectors="memory")
+    _run_agent(config, request)
+
+    _wait_for_all(receiver, {"system.memory.usage"})
+    resource = _attributes(receiver.received.snapshot()[0].resource_metrics[0].resource.attributes)
+    assert resource["deployment.environment"] == "test"
+    assert resource[NODE_ID_ATTRIBUTE] == "node_3"
+    assert resource["service.name"] == "otel-forge"
+    assert resource["host.name"] == socket.gethostname()
