@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from otel_forge.cli import doctor, monitor, replay
+from otel_forge.cli import doctor, monitor, replay, run
 from otel_forge.config import ConfigError
 from otel_forge.pipeline import EndpointError
 
@@ -28,13 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "to MLflow, Prometheus and OpenTelemetry.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in (monitor, doctor, replay):
+    for command in (run, monitor, doctor, replay):
         command.add_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # CMD of `otel-forge run` gets the environment as the user set it, not our defaults below.
+    child_environ = dict(os.environ)
     args = build_parser().parse_args(argv)
+    args.child_environ = child_environ
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="otel-forge: %(levelname)s %(name)s: %(message)s")
     # The delivery worker retries with its own backoff; urllib3's per-attempt lines are noise.

@@ -1,0 +1,477 @@
+"""``TrainingRun``: the MLflow run of a training job, which never stalls the training loop.
+
+The run is opened, resumed and ended on one owner thread, each under a deadline; every other
+server call (metrics, params, tags, artifacts, checkpoints) goes through a ``DeliveryWorker``,
+so ``log()`` only enqueues. Constructing a ``TrainingRun`` does no I/O: the first ``log()`` (or
+``start()``) opens the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import queue
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, make_client
+from otel_forge.mlflow.keys import key_segment
+from otel_forge.mlflow.run_metadata import (
+    NOTE_TAG,
+    batches,
+    config_as_dict,
+    flatten_params,
+    git_tags,
+    job_tags,
+    launch_config_path,
+)
+from otel_forge.node import NodeIdentity
+from otel_forge.ratelimit import RateLimitedLogger
+from otel_forge.scrub import scrub, uri_without_credentials
+from otel_forge.worker import DeliveryWorker, Outcome
+
+_logger = logging.getLogger(__name__)
+
+DEFAULT_EXPERIMENT = "otel-forge"
+CONFIG_ARTIFACT = "config.json"
+_DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
+                         "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
+                         "DATABRICKS_CLIENT_SECRET), or run `databricks auth login`")
+
+
+def embedded_tracking_uri() -> str:
+    """A local store in the working directory, the one ``mlflow ui`` opens there."""
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def _is_databricks(uri: str) -> bool:
+    return uri.startswith("databricks")
+
+
+def _run_gone(error: BaseException) -> bool:
+    code = str(getattr(error, "error_code", "") or "")
+    return isinstance(error, RunGone) or code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
+
+
+class RunOwner:
+    """One daemon thread that runs the run's start and end, each waited on under a deadline."""
+
+    def __init__(self, name: str) -> None:
+        self._tasks: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((task, future))
+        return future
+
+    def call(self, task: Callable[[], Any], deadline_s: float) -> Any:
+        return self.submit(task).result(timeout=deadline_s)
+
+    def close(self) -> None:
+        self._tasks.put(None)
+
+    def _serve(self) -> None:
+        while (entry := self._tasks.get()) is not None:
+            task, future = entry
+            try:
+                future.set_result(task())
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(error)
+
+
+@dataclass
+class OpenRun:
+    """The live run, as the owner thread opened it."""
+
+    run_id: str
+    run_name: str
+    experiment_id: str
+    experiment: str
+    resumed: bool
+    last_step: int | None
+    client: Any = field(repr=False)
+
+
+class TrainingRun:
+    """The MLflow run of a training job: ``log``, ``register_checkpoint``, ``close``.
+
+    Only global rank 0 creates the run and logs training metrics; with ``system_metrics`` local
+    rank 0 of every node samples its node into the same run (other nodes find it through
+    ``run_id`` / ``MLFLOW_RUN_ID``). Failures are warned (rate-limited), never raised into
+    training: a run that cannot be opened leaves logging disabled.
+    """
+
+    def __init__(self, config: Any = None, tracking_uri: str | None = None, experiment: str | None = None,
+                 run_name: str | None = None, run_id: str | None = None, description: str | None = None,
+                 tags: Mapping[str, str] | None = None, system_metrics: bool = True,
+                 register_checkpoints: bool = False, launch_argv: Sequence[str] | None = None,
+                 forge_config: ForgeConfig | None = None, node: NodeIdentity | None = None,
+                 init_deadline_s: float = 60.0, end_deadline_s: float = 60.0, handle_sigterm: bool = True) -> None:
+        self.forge_config = forge_config or ForgeConfig.resolve()
+        self.config = config
+        self.tracking_uri = tracking_uri or self.forge_config.tracking_uri or embedded_tracking_uri()
+        self.experiment = self._experiment(experiment)
+        self.run_name = run_name
+        self.requested_run_id = run_id or self.forge_config.run_id
+        self.description = description
+        self.tags = dict(tags or {})
+        self.system_metrics = system_metrics
+        self.register_checkpoints = register_checkpoints
+        self.launch_argv = list(sys.argv if launch_argv is None else launch_argv)
+        self.node = node or NodeIdentity.detect(self.forge_config.node_id)
+        self._deadlines = (init_deadline_s, end_deadline_s)
+        self._lock = threading.Lock()
+        self._owner: RunOwner | None = None
+        self._opening: concurrent.futures.Future | None = None
+        self._run: OpenRun | None = None
+        self._worker: DeliveryWorker[Callable[[], None]] | None = None
+        self._system_monitor: Any = None
+        self._closed = False
+        self._model_ids: dict[int, str] = {}
+        self._warnings = RateLimitedLogger(_logger)
+        self._handle_sigterm = handle_sigterm
+        self._previous_sigterm: Any = None
+
+    # --- configuration (no I/O) -------------------------------------------------------------
+
+    def _experiment(self, explicit: str | None) -> str:
+        experiment = explicit or os.environ.get("MLFLOW_EXPERIMENT_NAME") or os.environ.get("MLFLOW_EXPERIMENT_ID")
+        if _is_databricks(self.tracking_uri) and experiment and not experiment.startswith("/") \
+                and not experiment.isdigit():
+            raise ConfigError(f"invalid experiment: on Databricks an experiment is an absolute workspace path "
+                              f"such as '/Users/you@example.com/project', got {experiment!r}")
+        return experiment or DEFAULT_EXPERIMENT
+
+    @property
+    def _owns_run(self) -> bool:
+        """Global rank 0 creates the run and logs training metrics; other ranks only attach."""
+        return self.node.is_global_zero
+
+    # --- opening ----------------------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Open (or resume) the run now, waiting at most the init deadline; True when it is live."""
+        self._begin_opening()
+        try:
+            return self._wait_open(self._deadlines[0]) is not None
+        except concurrent.futures.TimeoutError:
+            self._warnings.warning("open", "MLflow: the run did not open within %.0f s; logging goes on "
+                                   "in the background", self._deadlines[0])
+            return False
+
+    def _begin_opening(self) -> None:
+        with self._lock:
+            if self._opening is not None or self._closed:
+                return
+            if not self._owns_run and not self.requested_run_id:
+                _logger.info("rank %s: no MLFLOW_RUN_ID to attach to; rank 0 owns the run", self.node.rank)
+            self._owner = RunOwner("mlflow-run-owner")
+            self._opening = self._owner.submit(self._open)
+            self._worker = DeliveryWorker(lambda call: call(), name="mlflow-training-run",
+                                          max_queue=self.forge_config.queue_size * 16,
+                                          call_deadline_s=self.forge_config.call_deadline_s,
+                                          classify=self._classify)
+            self._install_exit_handlers()
+
+    def _wait_open(self, timeout_s: float | None) -> OpenRun | None:
+        assert self._opening is not None
+        try:
+            return self._opening.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise
+        except Exception:  # noqa: BLE001 - the failure was reported by _open
+            return None
+
+    def _classify(self, error: BaseException) -> Outcome:
+        if isinstance(error, _RunUnavailable):
+            return Outcome.STOP
+        return classify(error)
+
+    def _open(self) -> OpenRun | None:
+        """On the owner thread: experiment, run (new or resumed), then system metrics."""
+        try:
+            client = make_client(self.tracking_uri)
+            experiment_id = self._experiment_id(client)
+            run = self._resume(client) if self.requested_run_id else None
+            if run is None and self._owns_run:
+                run = self._create(client, experiment_id)
+        except Exception as error:  # noqa: BLE001 - reported once; training goes on without MLflow
+            hint = f". {_DATABRICKS_AUTH_HINT}" if _is_databricks(self.tracking_uri) and _auth_error(error) else ""
+            _logger.warning("MLflow logging disabled: %s%s", scrub(_first_line(error)), hint)
+            raise
+        if run is None:
+            return None
+        self._run = run
+        _logger.info("MLflow run %s (%s) in experiment %s at %s", run.run_id, "resumed" if run.resumed else "new",
+                     run.experiment, scrub(self.tracking_uri))
+        self._start_system_metrics(run)
+        return run
+
+    def _experiment_id(self, client: Any) -> str:
+        if self.experiment.isdigit():
+            return self.experiment
+        found = client.get_experiment_by_name(self.experiment)
+        if found is not None:
+            return found.experiment_id
+        return client.create_experiment(self.experiment)
+
+    def _resume(self, client: Any) -> OpenRun | None:
+        run_id = self.requested_run_id
+        try:
+            run = client.get_run(run_id)
+            if run.info.lifecycle_stage == "deleted":
+                raise RunGone(f"run {run_id} is deleted")
+        except Exception as error:
+            if not _run_gone(error):
+                # Transient (server down, 5xx, timeout): a new run would fork the history.
+                raise
+            _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, scrub(_first_line(error)))
+            return None
+        if run.info.status != "RUNNING" and self._owns_run:
+            client.update_run(run_id, status="RUNNING")
+        training_steps = [m.step for m in run.data._metric_objs  # noqa: SLF001 - latest metrics with steps
+                          if not m.key.startswith("system/")]
+        experiment = client.get_experiment(run.info.experiment_id)
+        return OpenRun(run_id, run.info.run_name, run.info.experiment_id, experiment.name, True,
+                       max(training_steps, default=None), client)
+
+    def _create(self, client: Any, experiment_id: str) -> OpenRun:
+        created = client.create_run(experiment_id, run_name=self.run_name)
+        run = OpenRun(created.info.run_id, created.info.run_name, experiment_id, self.experiment, False, None, client)
+        self._record_new_run(run)
+        return run
+
+    def _start_system_metrics(self, run: OpenRun) -> None:
+        if not self.system_metrics or not self.node.runs_agent:
+            return
+        from otel_forge.mlflow.monitor import SystemMetricsMonitor
+
+        config = self.forge_config.replace(run_id=run.run_id, tracking_uri=self.tracking_uri)
+        self._system_monitor = SystemMetricsMonitor(config).start()
+
+    # --- what a new run records, all on the worker -----------------------------------------
+
+    def _record_new_run(self, run: OpenRun) -> None:
+        submit = self._submit
+        if self.config is not None:
+            for params in batches(flatten_params(self.config)):
+                submit(lambda p=params: self._log_params(run, p))
+            submit(lambda: run.client.log_dict(run.run_id, _json_safe(config_as_dict(self.config)), CONFIG_ARTIFACT))
+        submit(lambda: self._log_tags(run))
+        if (launch_file := launch_config_path(self.launch_argv)) is not None:
+            submit(lambda: run.client.log_artifact(run.run_id, str(launch_file)))
+
+    def _log_params(self, run: OpenRun, params: Mapping[str, str]) -> None:
+        from mlflow.entities import Param
+
+        run.client.log_batch(run.run_id, params=[Param(k, scrub(v)) for k, v in params.items()], synchronous=True)
+
+    def _log_tags(self, run: OpenRun) -> None:
+        from mlflow.entities import RunTag
+
+        tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags()}
+        if self.description:
+            tags[NOTE_TAG] = self.description
+        tags.update(self.tags)
+        run.client.log_batch(run.run_id, tags=[RunTag(k, scrub(str(v))) for k, v in tags.items()], synchronous=True)
+
+    def _submit(self, call: Callable[[], None]) -> bool:
+        return self._worker is not None and self._worker.submit(call)
+
+    # --- the training loop's calls: never wait ----------------------------------------------
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Queue ``metrics`` at ``step`` and return at once. Steps a resumed run has are skipped."""
+        if self._closed or not self._owns_run:
+            return
+        self._begin_opening()
+        timestamp_ms = int(time.time() * 1000)  # fixed now: a retry resends identical metrics
+        values = {str(k): _as_float(v) for k, v in metrics.items()}
+        if not self._submit(lambda: self._log_metrics(values, step, timestamp_ms)):
+            self._warnings.warning("log-queue", "MLflow: metrics at step %d were not queued", step)
+
+    def _log_metrics(self, values: Mapping[str, float | None], step: int, timestamp_ms: int) -> None:
+        from mlflow.entities import Metric
+
+        run = self._live_run()
+        if run.last_step is not None and step <= run.last_step:
+            return  # already in the run before this resume
+        metrics = [Metric(k, v, timestamp_ms, step) for k, v in values.items() if v is not None]
+        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            run.client.log_batch(run.run_id, metrics=metrics[start:start + MAX_METRICS_PER_BATCH], synchronous=True)
+
+    def _live_run(self) -> OpenRun:
+        """On the worker: the open run, waiting for the opening within the call deadline."""
+        try:
+            run = self._wait_open(self.forge_config.call_deadline_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError("the run is still opening") from None
+        if run is None:
+            raise _RunUnavailable("the run could not be opened")
+        return run
+
+    def checkpoint_model_name(self, step: int) -> str:
+        run = self._run
+        base = (run.run_name or run.run_id) if run else (self.run_name or "run")
+        return f"{key_segment(base)}-step-{step}"
+
+    def checkpoint_fields(self, step: int) -> dict[str, str] | None:
+        """From memory: the model name of the checkpoint at ``step``, and its id once registered."""
+        if not self.register_checkpoints or self.tracking_entry() is None:
+            return None
+        fields = {"model_name": self.checkpoint_model_name(step)}
+        if (model_id := self._model_ids.get(step)) is not None:
+            fields["model_id"] = model_id
+        return fields
+
+    def register_checkpoint(self, step: int, directory: str | os.PathLike[str]) -> None:
+        """Register a committed checkpoint directory as an external logged model, on the worker."""
+        if not self.register_checkpoints or self._closed or not self._owns_run or step in self._model_ids:
+            return
+        self._begin_opening()
+        path = Path(directory).absolute()
+        self._submit(lambda: self._register(step, path))
+
+    def _register(self, step: int, directory: Path) -> None:
+        if step in self._model_ids:
+            return
+        run = self._live_run()
+        name = self.checkpoint_model_name(step)
+        self._model_ids[step] = _find_or_create_external_model(run, name, step, directory)
+
+    def tracking_entry(self) -> dict[str, str] | None:
+        """``{backend, run_id, experiment, tracking_uri}`` without credentials; None unless live."""
+        run = self._run
+        if run is None or self._closed:
+            return None
+        return {"backend": "mlflow", "run_id": run.run_id, "experiment": run.experiment,
+                "tracking_uri": uri_without_credentials(self.tracking_uri)}
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run.run_id if self._run else None
+
+    # --- ending ------------------------------------------------------------------------------
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Drain pending calls, stop system metrics, end the run with ``status``. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._remove_exit_handlers()
+        if self._worker is not None:
+            left = self._worker.close(self.forge_config.drain_deadline_s)
+            if left:
+                _logger.warning("MLflow: %d call(s) for the run were not delivered before close", left)
+        if self._system_monitor is not None:
+            self._system_monitor.stop()
+        if self._owner is None:
+            return
+        run = self._run
+        if run is not None and self._owns_run:
+            try:
+                self._owner.call(lambda: run.client.set_terminated(run.run_id, status), self._deadlines[1])
+            except Exception as error:  # noqa: BLE001 - the run end is best effort too
+                _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status,
+                                scrub(_first_line(error)))
+        self._owner.close()
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.close("FINISHED")
+        else:
+            self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+    def _install_exit_handlers(self) -> None:
+        atexit.register(self._close_at_exit)
+        if self._handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _remove_exit_handlers(self) -> None:
+        atexit.unregister(self._close_at_exit)
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+    def _close_at_exit(self) -> None:
+        self.close("FAILED" if getattr(sys, "last_value", None) is not None else "FINISHED")
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        previous = self._previous_sigterm
+        self.close("KILLED")
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            # Die as SIGTERM would have killed us, now that the run is ended.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _RunUnavailable(Exception):
+    """The run could not be opened: nothing queued for it can be delivered."""
+
+
+def _find_or_create_external_model(run: OpenRun, name: str, step: int, directory: Path) -> str:
+    """The logged model of this run named ``name``, created as an external model if absent."""
+    from mlflow.entities import LoggedModelStatus
+    from mlflow.models.model import MLMODEL_FILE_NAME
+    from mlflow.models.utils import get_external_mlflow_model_spec
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
+
+    client = run.client
+    found = client.search_logged_models(experiment_ids=[run.experiment_id], filter_string=f"name = '{name}'")
+    for model in found:
+        if model.source_run_id == run.run_id:
+            return model.model_id
+    tags = {MLFLOW_MODEL_IS_EXTERNAL: "true", "otel_forge.checkpoint.path": str(directory),
+            "otel_forge.checkpoint.step": str(step)}
+    model = client.create_logged_model(run.experiment_id, name=name, source_run_id=run.run_id, tags=tags,
+                                       model_type="checkpoint")
+    # External: the weights stay where they are; MLflow gets the MLmodel stub a registry needs.
+    with tempfile.TemporaryDirectory() as stub:
+        get_external_mlflow_model_spec(model).save(os.path.join(stub, MLMODEL_FILE_NAME))
+        client.log_model_artifacts(model.model_id, stub)
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    return model.model_id
+
+
+def _as_float(value: Any) -> float | None:
+    """A number MLflow can store (NaN included: a diverged loss is worth seeing); else None."""
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _json_safe(data: Any) -> Any:
+    if isinstance(data, Mapping):
+        return {str(k): _json_safe(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_json_safe(v) for v in data]
+    return data if isinstance(data, (str, int, float, bool)) or data is None else str(data)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text.splitlines()[0]
+
+
+def _auth_error(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(word in text for word in ("401", "403", "unauthorized", "forbidden", "credential", "auth", "token"))
