@@ -8,7 +8,7 @@ from otel_forge.names import METRICS, MetricSpec
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError, Instrumentation, instrument
 
-_LAZY = {"MLflowMetricExporter", "SystemMetricsMonitor", "monitor"}
+_LAZY = {"MLflowMetricExporter", "SystemMetricsMonitor", "TrainingRun", "monitor"}
 
 
 def __getattr__(name: str) -> object:
@@ -23,6 +23,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "MLflowMetricExporter",
     "SystemMetricsMonitor",
+    "TrainingRun",
     "monitor",
     "METRICS",
     "SETTINGS",

@@ -85,7 +85,7 @@ class ProcessCollector(Collector):
     def read(self, readings: Readings) -> None:
         processes = self._tree.processes()
         if not processes:
-            raise RuntimeError(f"monitored process {self._tree.pid} has exited")
+            return  # the monitored process has exited (e.g. `otel-forge run`'s command ended)
         attributes = {"process.pid": self._tree.pid}
         totals = {"rss": 0, "vms": 0, "threads": 0, "fds": 0, "user": 0.0, "system": 0.0}
         counted = 0

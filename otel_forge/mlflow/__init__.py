@@ -3,5 +3,6 @@
 
 from otel_forge.mlflow.exporter import MLflowMetricExporter
 from otel_forge.mlflow.monitor import SystemMetricsMonitor, monitor
+from otel_forge.mlflow.training_run import TrainingRun
 
-__all__ = ["MLflowMetricExporter", "SystemMetricsMonitor", "monitor"]
+__all__ = ["MLflowMetricExporter", "SystemMetricsMonitor", "TrainingRun", "monitor"]

@@ -50,21 +50,22 @@ def _http_status(error: BaseException) -> int | None:
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
 
 
+_import_lock = threading.Lock()
+
+
+def import_mlflow() -> Any:
+    """Import mlflow once, under a lock: two threads importing it at once can see it half-made."""
+    with _import_lock:
+        for name, value in MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        import mlflow
+        import mlflow.entities  # noqa: F401 - the entities every caller needs, imported here once
+
+        return mlflow
+
+
 def make_client(tracking_uri: str | None) -> MlflowClient:
-    for name, value in MLFLOW_HTTP_DEFAULTS.items():
-        os.environ.setdefault(name, value)
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri)
-
-
-def resolved_tracking_uri(tracking_uri: str | None) -> str:
-    """The URI MLflow will use: explicit, else ``MLFLOW_TRACKING_URI``, else its default store."""
-    if tracking_uri:
-        return tracking_uri
-    import mlflow
-
-    return mlflow.get_tracking_uri()
+    return import_mlflow().MlflowClient(tracking_uri)
 
 
 def next_system_step(client: MlflowClient, run_id: str, prefix: str) -> int:
@@ -111,9 +112,8 @@ class WindowLogger:
             return self._client, self.first_step
 
     def __call__(self, window: Window) -> None:
-        from mlflow.entities import Metric
-
         client, first_step = self._ensure_ready()
+        Metric = import_mlflow().entities.Metric
         if not window.values:
             return
         step = first_step + window.index

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
-from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, make_client
+from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, import_mlflow, make_client
 from otel_forge.mlflow.keys import key_segment
 from otel_forge.mlflow.run_metadata import (
     NOTE_TAG,
@@ -274,13 +274,11 @@ class TrainingRun:
             submit(lambda: run.client.log_artifact(run.run_id, str(launch_file)))
 
     def _log_params(self, run: OpenRun, params: Mapping[str, str]) -> None:
-        from mlflow.entities import Param
-
+        Param = import_mlflow().entities.Param
         run.client.log_batch(run.run_id, params=[Param(k, scrub(v)) for k, v in params.items()], synchronous=True)
 
     def _log_tags(self, run: OpenRun) -> None:
-        from mlflow.entities import RunTag
-
+        RunTag = import_mlflow().entities.RunTag
         tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags()}
         if self.description:
             tags[NOTE_TAG] = self.description
@@ -303,9 +301,8 @@ class TrainingRun:
             self._warnings.warning("log-queue", "MLflow: metrics at step %d were not queued", step)
 
     def _log_metrics(self, values: Mapping[str, float | None], step: int, timestamp_ms: int) -> None:
-        from mlflow.entities import Metric
-
         run = self._live_run()
+        Metric = import_mlflow().entities.Metric
         if run.last_step is not None and step <= run.last_step:
             return  # already in the run before this resume
         metrics = [Metric(k, v, timestamp_ms, step) for k, v in values.items() if v is not None]
@@ -372,6 +369,9 @@ class TrainingRun:
                 return
             self._closed = True
         self._remove_exit_handlers()
+        if self._opening is not None:
+            # A run still opening queues its metadata when it opens: let it, within the deadline.
+            concurrent.futures.wait([self._opening], timeout=self._deadlines[0])
         if self._worker is not None:
             left = self._worker.close(self.forge_config.drain_deadline_s)
             if left:
@@ -429,6 +429,7 @@ class _RunUnavailable(Exception):
 
 def _find_or_create_external_model(run: OpenRun, name: str, step: int, directory: Path) -> str:
     """The logged model of this run named ``name``, created as an external model if absent."""
+    import_mlflow()
     from mlflow.entities import LoggedModelStatus
     from mlflow.models.model import MLMODEL_FILE_NAME
     from mlflow.models.utils import get_external_mlflow_model_spec
