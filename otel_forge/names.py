@@ -202,6 +202,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Failed reads per collector."),
     MetricSpec("otel_forge.collector.read.time", C, "s", "self", ("otel_forge.collector",),
                "Time spent reading, per collector."),
+    MetricSpec("otel_forge.run.info", G, "", "run", ("mlflow.run.id", "mlflow.experiment.id", "mlflow.run.name",
+                                                 "otel_forge.node.id"),
+               "1 while the agent serves an MLflow run: joins a node's series to the run (group_left)."),
     MetricSpec("otel_forge.delivery.windows", C, "{window}", "delivery", ("otel_forge.delivery.outcome",),
                "MLflow windows by outcome: delivered, retried, spooled, dropped."),
 )

@@ -68,14 +68,19 @@ def make_client(tracking_uri: str | None) -> MlflowClient:
     return import_mlflow().MlflowClient(tracking_uri)
 
 
-def next_system_step(client: MlflowClient, run_id: str, prefix: str) -> int:
-    """The step after the last one this node logged (``prefix`` = ``system/[<node>/]``), else 0.
-
-    One ``get_run``: its latest metrics carry their steps. Raises ``RunGone`` for a deleted run.
-    """
+def live_run(client: MlflowClient, run_id: str) -> Any:
+    """The run, or ``RunGone`` when it is deleted."""
     run = client.get_run(run_id)
     if run.info.lifecycle_stage == "deleted":
         raise RunGone(f"run {run_id} is deleted")
+    return run
+
+
+def next_system_step(run: Any, prefix: str) -> int:
+    """The step after the last one this node logged (``prefix`` = ``system/[<node>/]``), else 0.
+
+    The run's latest metrics carry their steps: no history is read.
+    """
     last = -1
     for metric in run.data._metric_objs:  # noqa: SLF001 - the latest Metric objects, with steps
         rest = metric.key[len(prefix):]
@@ -88,8 +93,9 @@ def next_system_step(client: MlflowClient, run_id: str, prefix: str) -> int:
 class WindowLogger:
     """Logs windows to one run: ``log_batch`` chunks of at most 1000, step = first step + index.
 
-    The first step is read once, on the first delivery (on the delivery thread, never the
-    reader's): after a resume it continues the node's own steps.
+    The run is read once, on the first delivery (on the delivery thread, never the reader's):
+    after a resume the first step continues the node's own steps; ``experiment_id`` and
+    ``run_name`` become known then.
     """
 
     def __init__(self, run_id: str, tracking_uri: str | None, prefix: str, first_step: int | None = None) -> None:
@@ -97,6 +103,8 @@ class WindowLogger:
         self.tracking_uri = tracking_uri
         self.prefix = prefix
         self.first_step = first_step
+        self.experiment_id: str | None = None
+        self.run_name: str | None = None
         self._client: Any = None
         self._lock = threading.Lock()
         self.on_first_step: list[Any] = []
@@ -106,7 +114,9 @@ class WindowLogger:
             if self._client is None:
                 self._client = make_client(self.tracking_uri)
             if self.first_step is None:
-                self.first_step = next_system_step(self._client, self.run_id, self.prefix)
+                run = live_run(self._client, self.run_id)
+                self.experiment_id, self.run_name = run.info.experiment_id, run.info.run_name
+                self.first_step = next_system_step(run, self.prefix)
                 for callback in self.on_first_step:
                     callback(self.first_step)
             return self._client, self.first_step

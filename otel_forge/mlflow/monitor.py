@@ -32,6 +32,26 @@ class DeliveryStatsCollector(Collector):
                 readings.add("otel_forge.delivery.windows", count, {"otel_forge.delivery.outcome": outcome})
 
 
+class RunInfoCollector(Collector):
+    """The run this agent serves, as an info metric (value 1) that Grafana can join on."""
+
+    name = "run"
+
+    def __init__(self, exporter: MLflowMetricExporter, node_id: str | None) -> None:
+        self._window_logger = exporter.window_logger
+        self._node_id = node_id
+
+    @classmethod
+    def create(cls, config: ForgeConfig) -> RunInfoCollector:
+        raise NotImplementedError("built by SystemMetricsMonitor around its exporter")
+
+    def read(self, readings: Readings) -> None:
+        logger = self._window_logger
+        readings.add("otel_forge.run.info", 1, {
+            "mlflow.run.id": logger.run_id, "mlflow.experiment.id": logger.experiment_id or "",
+            "mlflow.run.name": logger.run_name or "", "otel_forge.node.id": self._node_id or ""})
+
+
 def _active_run() -> tuple[str, str]:
     import mlflow
 
@@ -86,7 +106,8 @@ class SystemMetricsMonitor:
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         interval_ms = self.config.sampling_interval_s * 1000
-        return Agent(self.config, node=self.node, extra_collectors=[DeliveryStatsCollector(exporter)],
+        collectors = [DeliveryStatsCollector(exporter), RunInfoCollector(exporter, self.node.node_id)]
+        return Agent(self.config, node=self.node, extra_collectors=collectors,
                      extra_readers=[lambda: PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)])
 
     @property

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from otel_forge.mlflow.client import RunGone, WindowLogger, make_client, next_system_step
+from otel_forge.mlflow.client import RunGone, WindowLogger, live_run, make_client, next_system_step
 from otel_forge.mlflow.spool import WindowSpool
 
 _logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     first_step = header.get("first_step")
     if first_step is None:
         # The exporter never reached the server: continue after what the node has in the run.
-        first_step = next_system_step(make_client(uri), run_id, prefix)
+        first_step = next_system_step(live_run(make_client(uri), run_id), prefix)
         spool.update_header(first_step=first_step)
     log_window = WindowLogger(run_id, uri, prefix, first_step)
     delivered = 0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
-from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, import_mlflow, make_client
+from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, import_mlflow, live_run, make_client
 from otel_forge.mlflow.keys import key_segment
 from otel_forge.mlflow.run_metadata import (
     NOTE_TAG,
@@ -230,9 +230,7 @@ class TrainingRun:
     def _resume(self, client: Any) -> OpenRun | None:
         run_id = self.requested_run_id
         try:
-            run = client.get_run(run_id)
-            if run.info.lifecycle_stage == "deleted":
-                raise RunGone(f"run {run_id} is deleted")
+            run = live_run(client, run_id)
         except Exception as error:
             if not _run_gone(error):
                 # Transient (server down, 5xx, timeout): a new run would fork the history.
