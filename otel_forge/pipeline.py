@@ -8,6 +8,7 @@ the application already has.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,18 +66,28 @@ def _start_prometheus(config: ForgeConfig) -> tuple[MetricReader, _PrometheusSer
     return reader, _PrometheusServer(server, thread, url)
 
 
+def _otlp_timeout_s(config: ForgeConfig) -> float | None:
+    """The exporter retries within its timeout (10 s by default): an export that outlasts the
+    interval only delays the next one and keeps shutdown waiting. ``OTEL_EXPORTER_OTLP_*TIMEOUT``
+    still wins (None lets the exporter read it)."""
+    if any(os.environ.get(name) for name in ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")):
+        return None
+    return min(10.0, config.sampling_interval_s)
+
+
 def _otlp_reader(config: ForgeConfig) -> MetricReader:
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
     url = config.otlp_metrics_url
+    timeout_s = _otlp_timeout_s(config)
     if config.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
 
-        exporter = GrpcExporter(endpoint=url, insecure=url.startswith("http://"))
+        exporter = GrpcExporter(endpoint=url, insecure=url.startswith("http://"), timeout=timeout_s)
     else:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
 
-        exporter = HttpExporter(endpoint=url)
+        exporter = HttpExporter(endpoint=url, timeout=timeout_s)
     return PeriodicExportingMetricReader(exporter, export_interval_millis=config.sampling_interval_s * 1000)
 
 
@@ -136,12 +147,17 @@ class Agent:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop readers (each exports one last time), free the port, close the collectors."""
+        closing: threading.Thread | None = None
         if self._prometheus is not None:
-            self._prometheus.close()
+            # Its serve loop notices shutdown only at its next 0.5 s poll: wait for it alongside.
+            closing = threading.Thread(target=self._prometheus.close, name="otel-forge-prometheus-close")
+            closing.start()
             self._prometheus = None
         if self.meter_provider is not None:
             self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
             self.meter_provider = None
+        if closing is not None:
+            closing.join()
         if self.instruments is not None:
             self.instruments.unregister()
             self.instruments = None
@@ -189,7 +205,9 @@ def instrument(meter_provider: ApiMeterProvider | None = None, config: ForgeConf
     """
     from opentelemetry import metrics
 
-    config = (config or ForgeConfig.resolve()).replace(**settings) if settings else (config or ForgeConfig.resolve())
+    config = config or ForgeConfig.resolve()
+    if settings:
+        config = config.replace(**settings)
     provider = meter_provider or metrics.get_meter_provider()
     collectors = open_collectors(config)
     instruments = InstrumentSet(provider.get_meter(INSTRUMENTATION_SCOPE), collectors.present,

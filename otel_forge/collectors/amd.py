@@ -1,10 +1,10 @@
 """AMD GPUs through amdsmi (ROCm's AMD SMI Python interface): every selected GPU, every field, one pass.
 
-The same shape and failure rules as the NVIDIA collector: a table of field readers; a field the
-device does not support (``AMDSMI_STATUS_NOT_SUPPORTED``, ``_NOT_YET_IMPLEMENTED``, ``_NO_PERM``)
-is switched off for that device for good (DEBUG, once); a lost device (``_NOT_FOUND``,
-``_DRIVER_NOT_LOADED``, ``_AMDGPU_RESTART_ERR``) reports ``hw.status`` failed from then on
-(warned once); any other error skips the field for this read (warned at most once a minute).
+The read loop and the failure rules are ``GpuCollector``'s (``gpu.py``); amdsmi's status codes
+map onto them as: unsupported (the field is switched off for that GPU) for
+``AMDSMI_STATUS_NOT_SUPPORTED``, ``_NOT_YET_IMPLEMENTED`` and ``_NO_PERM``; lost (the GPU reports
+``hw.status`` failed from then on) for ``_NOT_FOUND``, ``_DRIVER_NOT_LOADED`` and
+``_AMDGPU_RESTART_ERR``; any other error skips the field for this read.
 
 amdsmi reports a member it cannot read as "N/A" (or as the maximum of its integer type); such a
 value is simply not reported. ``import amdsmi`` without libamd_smi.so prints to stdout and raises
@@ -20,21 +20,14 @@ import logging
 import os
 import sys
 import tempfile
-import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
-from otel_forge.collectors.base import Collector, CollectorUnavailable, Readings
-from otel_forge.collectors.gpu_selection import AMD_VISIBLE_ENV, select_gpus
-from otel_forge.collectors.process import ProcessTree
-from otel_forge.config import ForgeConfig
-from otel_forge.ratelimit import RateLimitedLogger
+from otel_forge.collectors.base import CollectorUnavailable
+from otel_forge.collectors.gpu import Failure, Gpu, GpuCollector, Row
+from otel_forge.collectors.gpu_selection import AMD_VISIBLE_ENV
 
 _logger = logging.getLogger(__name__)
-
-Row = tuple[str, float | None, dict[str, str]]
-FieldReader = Callable[[Any], list[Row]]
 
 # amdsmi_status_t codes (amdsmi.h); numbers, since the Python enum's name changed across releases.
 _UNSUPPORTED_CODES = frozenset({2, 3, 10})  # NOT_SUPPORTED, NOT_YET_IMPLEMENTED, NO_PERM
@@ -43,110 +36,67 @@ _NOT_AVAILABLE = frozenset({0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF})  # what a 32/64-bit
 _POWER_LIMIT_MICROWATTS_ABOVE = 100_000  # no GPU has a 100 kW limit: a larger number is in uW
 
 
-@dataclass
-class AmdGpu:
-    """One selected GPU: its amdsmi processor handle, identity attributes, what is switched off."""
-
-    index: int
-    handle: Any
-    name: str
-    uuid: str
-    pci_bus_id: str
-    lost: bool = False
-    unsupported: set[str] = field(default_factory=set)
-    attributes: dict[str, str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.attributes = {
-            "hw.id": str(self.index), "hw.name": self.name, "hw.vendor": "AMD", "hw.type": "gpu",
-            "otel_forge.gpu.uuid": self.uuid, "otel_forge.gpu.pci_bus_id": self.pci_bus_id,
-        }
-
-
-class AmdCollector(Collector):
-    """All selected AMD GPUs; see the module docstring for the failure rules."""
+class AmdCollector(GpuCollector):
+    """All selected AMD GPUs."""
 
     name = "amd"
+    logger = _logger
+    visible_env = AMD_VISIBLE_ENV
     FIELDS = ("activity", "memory", "power", "energy", "temperature_edge", "temperature_hotspot",
               "clock_sm", "clock_memory", "ecc", "process_memory")
 
-    def __init__(self, amdsmi: Any, gpus: list[AmdGpu], tree: ProcessTree | None) -> None:
-        self._amdsmi = amdsmi
-        self._gpus = gpus
-        self._tree = tree
-        self._pids: set[int] | None = None  # the monitored tree, found once per read when needed
-        self._warnings = RateLimitedLogger(_logger)
-        self._lock = threading.Lock()
-        self._closed = False
-        self._readers: dict[str, FieldReader] = {name: getattr(self, f"_read_{name}") for name in self.FIELDS}
-        if tree is None:
-            for gpu in gpus:
-                gpu.unsupported.add("process_memory")
-
-    @classmethod
-    def create(cls, config: ForgeConfig) -> AmdCollector:
-        amdsmi = _start_amdsmi()
-        try:
-            return cls(amdsmi, _open_gpus(amdsmi, config), _process_tree(config))
-        except BaseException:
-            _shutdown(amdsmi)
-            raise
-
     @property
-    def gpus(self) -> tuple[AmdGpu, ...]:
-        return tuple(self._gpus)
+    def _amdsmi(self) -> Any:
+        return self._library
 
-    def read(self, readings: Readings) -> None:
-        with self._lock:
-            self._pids = None
-            for gpu in self._gpus:
-                if not gpu.lost:
-                    self._read_gpu(gpu, readings)
-                _add_status(gpu, readings)
+    # --- vendor hooks ------------------------------------------------------------------------
 
-    def sample_field(self, index: int, field_name: str) -> list[Row]:
-        """One raw read of one field of one GPU, errors raised as amdsmi raises them (for diagnostics)."""
-        gpu = next(gpu for gpu in self._gpus if gpu.index == index)
-        with self._lock:
-            self._pids = None
-            return self._readers[field_name](gpu.handle)
+    @staticmethod
+    def _start_library() -> Any:
+        """Import amdsmi (silencing what it prints) and initialise it for GPUs, or say why not."""
+        with _stdout_silenced() as printed:
+            try:
+                import amdsmi
+            except ModuleNotFoundError as error:
+                amdsmi, reason = None, f"amdsmi is not installed ({error})"
+            except Exception as error:  # noqa: BLE001 - KeyError, OSError, ImportError...: all mean "absent"
+                amdsmi, reason = None, (f"amdsmi cannot be loaded ({type(error).__name__}: {error}); "
+                                        "is ROCm's libamd_smi.so installed?")
+            if amdsmi is not None:
+                reason = _init(amdsmi)
+        if printed.getvalue().strip():
+            _logger.debug("amdsmi printed while loading: %s", printed.getvalue().strip())
+        if reason:
+            raise CollectorUnavailable(reason)
+        return amdsmi
 
-    def describe(self) -> list[str]:
-        return [_describe(gpu) for gpu in self._gpus]
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            with self._lock:  # a read in progress finishes before amdsmi goes away
-                _shutdown(self._amdsmi)
-
-    # --- one GPU -----------------------------------------------------------------------------
-
-    def _read_gpu(self, gpu: AmdGpu, readings: Readings) -> None:
-        rows: list[Row] = []
-        for name, reader in self._readers.items():
-            if name not in gpu.unsupported:
-                rows += self._read_field(gpu, name, reader)
-                if gpu.lost:
-                    return  # lost during this read: only hw.status from now on
-        for metric, value, extra in rows + _power_utilization(rows):
-            readings.add(metric, value, {**gpu.attributes, **extra})
-
-    def _read_field(self, gpu: AmdGpu, name: str, reader: FieldReader) -> list[Row]:
+    @staticmethod
+    def _open_gpus(amdsmi: Any) -> list[Gpu]:
         try:
-            return reader(gpu.handle)
-        except Exception as error:  # noqa: BLE001 - one field's failure costs that field, this read
-            code = _error_code(error)
-            if code in _UNSUPPORTED_CODES:
-                gpu.unsupported.add(name)
-                _logger.debug("GPU %d: %s not supported (%s); no longer read", gpu.index, name, _one_line(error))
-            elif code in _LOST_CODES:
-                gpu.lost = True
-                _logger.warning("GPU %d (%s) is lost: %s; it reports hw.status failed from now on",
-                                gpu.index, gpu.uuid, _one_line(error))
-            else:
-                self._warnings.warning(name, "GPU %d: reading %s failed: %s", gpu.index, name, _one_line(error))
-        return []
+            handles = amdsmi.amdsmi_get_processor_handles()
+        except Exception as error:  # noqa: BLE001 - an unusable library is an absent source
+            raise CollectorUnavailable(f"amdsmi cannot list GPUs: {_one_line(error)}") from None
+        present = [gpu for gpu in (_open_gpu(amdsmi, index, handle) for index, handle in enumerate(handles))
+                   if gpu is not None]
+        if not present:
+            raise CollectorUnavailable("amdsmi found no GPUs" if not handles else "no GPU could be opened")
+        return present
+
+    @staticmethod
+    def _shutdown_library(amdsmi: Any) -> None:
+        try:
+            amdsmi.amdsmi_shut_down()
+        except Exception as error:  # noqa: BLE001 - nothing left to do about it
+            _logger.debug("amdsmi_shut_down failed: %s", _one_line(error))
+
+    def _failure(self, error: Exception) -> Failure:
+        code = _error_code(error)
+        if code in _UNSUPPORTED_CODES:
+            return Failure.UNSUPPORTED
+        return Failure.LOST if code in _LOST_CODES else Failure.OTHER
+
+    def _error_text(self, error: Exception) -> str:
+        return _one_line(error)
 
     # --- field readers: handle -> rows --------------------------------------------------------
 
@@ -221,32 +171,8 @@ class AmdCollector(Collector):
                 used += _number(vram) or 0
         return [("otel_forge.gpu.process.memory.usage", used, {})]
 
-    def _monitored_pids(self) -> set[int]:
-        if self._pids is None:
-            self._pids = self._tree.pids() if self._tree is not None else set()
-        return self._pids
-
 
 # --- opening ---------------------------------------------------------------------------------
-
-
-def _start_amdsmi() -> Any:
-    """Import amdsmi (silencing what it prints) and initialise it for GPUs, or say why not."""
-    with _stdout_silenced() as printed:
-        try:
-            import amdsmi
-        except ModuleNotFoundError as error:
-            amdsmi, reason = None, f"amdsmi is not installed ({error})"
-        except Exception as error:  # noqa: BLE001 - KeyError, OSError, ImportError...: all mean "absent"
-            amdsmi, reason = None, (f"amdsmi cannot be loaded ({type(error).__name__}: {error}); "
-                                    "is ROCm's libamd_smi.so installed?")
-        if amdsmi is not None:
-            reason = _init(amdsmi)
-    if printed.getvalue().strip():
-        _logger.debug("amdsmi printed while loading: %s", printed.getvalue().strip())
-    if reason:
-        raise CollectorUnavailable(reason)
-    return amdsmi
 
 
 def _init(amdsmi: Any) -> str | None:
@@ -262,26 +188,7 @@ def _init(amdsmi: Any) -> str | None:
     return None
 
 
-def _open_gpus(amdsmi: Any, config: ForgeConfig) -> list[AmdGpu]:
-    try:
-        handles = amdsmi.amdsmi_get_processor_handles()
-    except Exception as error:  # noqa: BLE001 - an unusable library is an absent source
-        raise CollectorUnavailable(f"amdsmi cannot list GPUs: {_one_line(error)}") from None
-    present = [gpu for gpu in (_open_gpu(amdsmi, index, handle) for index, handle in enumerate(handles))
-               if gpu is not None]
-    if not present:
-        raise CollectorUnavailable("amdsmi found no GPUs" if not handles else "no GPU could be opened")
-    try:
-        wanted = select_gpus(config.gpus, [(gpu.index, gpu.uuid) for gpu in present], AMD_VISIBLE_ENV)
-    except ValueError as error:
-        raise CollectorUnavailable(f"GPU selection: {error}") from None
-    if not wanted:
-        raise CollectorUnavailable(f"no GPU selected (gpus={config.gpus!r})")
-    by_index = {gpu.index: gpu for gpu in present}
-    return [by_index[index] for index in wanted]
-
-
-def _open_gpu(amdsmi: Any, index: int, handle: Any) -> AmdGpu | None:
+def _open_gpu(amdsmi: Any, index: int, handle: Any) -> Gpu | None:
     """The GPU at ``index`` (amdsmi's enumeration order); a lost one is kept, an unreadable one skipped."""
     try:
         uuid = str(amdsmi.amdsmi_get_gpu_device_uuid(handle))
@@ -290,25 +197,10 @@ def _open_gpu(amdsmi: Any, index: int, handle: Any) -> AmdGpu | None:
     except Exception as error:  # noqa: BLE001 - classified below
         if _error_code(error) in _LOST_CODES:
             _logger.warning("GPU %d is lost (%s); it reports hw.status failed", index, _one_line(error))
-            return AmdGpu(index, None, "unknown", "", "", lost=True)
+            return Gpu("AMD", index, None, "unknown", "", "", lost=True)
         _logger.warning("GPU %d cannot be opened (%s); it is not monitored", index, _one_line(error))
         return None
-    return AmdGpu(index, handle, name if name and name != "N/A" else "AMD GPU", uuid, bus_id)
-
-
-def _process_tree(config: ForgeConfig) -> ProcessTree | None:
-    try:
-        return ProcessTree(config.pid or os.getpid())
-    except CollectorUnavailable as error:
-        _logger.warning("GPU memory of the monitored processes is not reported: %s", error)
-        return None
-
-
-def _shutdown(amdsmi: Any) -> None:
-    try:
-        amdsmi.amdsmi_shut_down()
-    except Exception as error:  # noqa: BLE001 - nothing left to do about it
-        _logger.debug("amdsmi_shut_down failed: %s", _one_line(error))
+    return Gpu("AMD", index, handle, name if name and name != "N/A" else "AMD GPU", uuid, bus_id)
 
 
 @contextlib.contextmanager
@@ -357,27 +249,6 @@ def _flush_c_stdio() -> None:
 
 
 # --- small helpers ---------------------------------------------------------------------------
-
-
-def _add_status(gpu: AmdGpu, readings: Readings) -> None:
-    for state, current in (("ok", not gpu.lost), ("failed", gpu.lost)):
-        readings.add("hw.status", 1 if current else 0, {**gpu.attributes, "hw.state": state})
-
-
-def _power_utilization(rows: list[Row]) -> list[Row]:
-    """Power draw / enforced limit, when this read has both."""
-    values = {metric: value for metric, value, _ in rows if metric in ("hw.power", "otel_forge.gpu.power.limit")}
-    power, limit = values.get("hw.power"), values.get("otel_forge.gpu.power.limit")
-    return [("otel_forge.gpu.power.utilization", power / limit, {})] if power is not None and limit else []
-
-
-def _describe(gpu: AmdGpu) -> str:
-    line = " ".join(filter(None, (f"gpu {gpu.index}:", gpu.name, gpu.uuid, gpu.pci_bus_id)))
-    if gpu.lost:
-        line += " (failed)"
-    if gpu.unsupported:
-        line += f" (not supported: {', '.join(sorted(gpu.unsupported))})"
-    return line
 
 
 def _error_code(error: BaseException) -> int | None:

@@ -1,13 +1,10 @@
 """NVIDIA GPUs through NVML (``pynvml`` from nvidia-ml-py): every selected GPU, every field, one pass.
 
-Each read goes through a table of field readers (field name -> ``reader(handle) -> rows``), so
-the three failure rules are one mechanism:
-
-- a field the device does not support (``NVMLError_NotSupported``, ``_FunctionNotFound``,
-  ``_NoPermission``) is switched off for that device for good, logged once at DEBUG;
-- a GPU that is lost (``NVMLError_GpuIsLost``, ``NVMLError_ResetRequired``) is warned once and
-  from then on only reports ``hw.status`` failed; NVML is not called for it again;
-- any other error skips the field for this read, warned at most once a minute per field.
+The read loop and the failure rules are ``GpuCollector``'s (``gpu.py``); NVML's errors map onto
+them as: unsupported (the field is switched off for that GPU) for ``NVMLError_NotSupported``,
+``_FunctionNotFound``, ``_NoPermission`` and ``NVMLLibraryMismatchError``; lost (the GPU reports
+``hw.status`` failed from then on) for ``NVMLError_GpuIsLost`` and ``_ResetRequired``; any other
+error skips the field for this read.
 
 XID critical errors arrive as NVML events; a daemon thread waits on an event set and counts
 them per (GPU, XID code); ``read`` reports the cumulative counts.
@@ -17,23 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from otel_forge.collectors.base import Collector, CollectorUnavailable, Readings
-from otel_forge.collectors.gpu_selection import NVIDIA_VISIBLE_ENV, select_gpus
+from otel_forge.collectors.base import CollectorUnavailable, Readings
+from otel_forge.collectors.gpu import Failure, Gpu, GpuCollector, Row
+from otel_forge.collectors.gpu_selection import NVIDIA_VISIBLE_ENV
 from otel_forge.collectors.process import ProcessTree
-from otel_forge.config import ForgeConfig
 from otel_forge.ratelimit import RateLimitedLogger
 
 _logger = logging.getLogger(__name__)
-
-# One reading of a field: (metric name, value, attributes beyond the GPU's own).
-Row = tuple[str, float | None, dict[str, str]]
-FieldReader = Callable[[Any], list[Row]]
 
 # otel_forge.gpu.throttle.reason value -> suffix of pynvml's nvmlClocksEventReason*/ThrottleReason* bit.
 _THROTTLE_REASONS = (
@@ -56,64 +46,27 @@ _LOST_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_ResetRequired")
 XID_WAIT_MS = 500  # the event thread notices close() within this
 
 
-@dataclass
-class NvidiaGpu:
-    """One selected GPU: its NVML handle, identity attributes and what is switched off for it."""
-
-    index: int
-    handle: Any
-    name: str
-    uuid: str
-    pci_bus_id: str
-    lost: bool = False
-    unsupported: set[str] = field(default_factory=set)
-    attributes: dict[str, str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.attributes = {
-            "hw.id": str(self.index), "hw.name": self.name, "hw.vendor": "NVIDIA", "hw.type": "gpu",
-            "otel_forge.gpu.uuid": self.uuid, "otel_forge.gpu.pci_bus_id": self.pci_bus_id,
-        }
-
-
-class NvidiaCollector(Collector):
-    """All selected NVIDIA GPUs; see the module docstring for the failure rules."""
+class NvidiaCollector(GpuCollector):
+    """All selected NVIDIA GPUs, and the XID critical errors NVML reports for them."""
 
     name = "nvidia"
+    logger = _logger
+    visible_env = NVIDIA_VISIBLE_ENV
     FIELDS = ("utilization", "memory", "power", "power_limit", "energy", "temperature", "clock_sm",
               "clock_memory", "pcie", "ecc", "throttle", "process_memory")
 
-    def __init__(self, nvml: Any, gpus: list[NvidiaGpu], tree: ProcessTree | None) -> None:
-        self._nvml = nvml
-        self._gpus = gpus
-        self._tree = tree
-        self._pids: set[int] | None = None  # the monitored tree, found once per read when needed
-        self._warnings = RateLimitedLogger(_logger)
-        self._lock = threading.Lock()
-        self._closed = False
+    def __init__(self, nvml: Any, gpus: list[Gpu], tree: ProcessTree | None) -> None:
+        super().__init__(nvml, gpus, tree)
         self._unsupported_errors = _error_classes(nvml, _UNSUPPORTED_ERRORS)
         self._lost_errors = _error_classes(nvml, _LOST_ERRORS)
         self._throttle_bits = _throttle_bits(nvml)
         self._throttle_mask = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
                                or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
-        self._readers: dict[str, FieldReader] = {name: getattr(self, f"_read_{name}") for name in self.FIELDS}
-        if tree is None:
-            for gpu in gpus:
-                gpu.unsupported.add("process_memory")
         self._xid = XidWatcher(nvml, [gpu for gpu in gpus if not gpu.lost], self._warnings)
 
-    @classmethod
-    def create(cls, config: ForgeConfig) -> NvidiaCollector:
-        nvml = _start_nvml()
-        try:
-            return cls(nvml, _open_gpus(nvml, config), _process_tree(config))
-        except BaseException:
-            _shutdown(nvml)
-            raise
-
     @property
-    def gpus(self) -> tuple[NvidiaGpu, ...]:
-        return tuple(self._gpus)
+    def _nvml(self) -> Any:
+        return self._library
 
     @property
     def xid_watched(self) -> list[int]:
@@ -121,63 +74,58 @@ class NvidiaCollector(Collector):
         return self._xid.watched
 
     def read(self, readings: Readings) -> None:
-        with self._lock:
-            self._pids = None
-            for gpu in self._gpus:
-                if not gpu.lost:
-                    self._read_gpu(gpu, readings)
-                _add_status(gpu, readings)
-            self._add_xid_counts(readings)
-
-    def sample_field(self, index: int, field_name: str) -> list[Row]:
-        """One raw read of one field of one GPU, errors raised as NVML raises them (for diagnostics)."""
-        gpu = next(gpu for gpu in self._gpus if gpu.index == index)
-        with self._lock:
-            self._pids = None
-            return self._readers[field_name](gpu.handle)
-
-    def describe(self) -> list[str]:
-        return [_describe(gpu) for gpu in self._gpus]
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._xid.close()
-        with self._lock:  # a read in progress finishes before NVML goes away
-            _shutdown(self._nvml)
-
-    # --- one GPU -----------------------------------------------------------------------------
-
-    def _read_gpu(self, gpu: NvidiaGpu, readings: Readings) -> None:
-        rows: list[Row] = []
-        for name, reader in self._readers.items():
-            if name not in gpu.unsupported:
-                rows += self._read_field(gpu, name, reader)
-                if gpu.lost:
-                    return  # lost during this read: only hw.status from now on
-        for metric, value, extra in rows + _power_utilization(rows):
-            readings.add(metric, value, {**gpu.attributes, **extra})
-
-    def _read_field(self, gpu: NvidiaGpu, name: str, reader: FieldReader) -> list[Row]:
-        try:
-            return reader(gpu.handle)
-        except self._unsupported_errors as error:
-            gpu.unsupported.add(name)
-            _logger.debug("GPU %d: %s not supported (%s); no longer read", gpu.index, name, error)
-        except self._lost_errors as error:
-            gpu.lost = True
-            _logger.warning("GPU %d (%s) is lost: %s; it reports hw.status failed from now on",
-                            gpu.index, gpu.uuid, error)
-        except Exception as error:  # noqa: BLE001 - one field's failure costs that field, this read
-            self._warnings.warning(name, "GPU %d: reading %s failed: %s", gpu.index, name, error)
-        return []
-
-    def _add_xid_counts(self, readings: Readings) -> None:
+        super().read(readings)
         by_index = {gpu.index: gpu for gpu in self._gpus}
         for (index, code), count in sorted(self._xid.counts().items()):
             readings.add("otel_forge.gpu.xid.errors", count,
                          {**by_index[index].attributes, "otel_forge.gpu.xid": str(code)})
+
+    def close(self) -> None:
+        if not self._closed:
+            self._xid.close()  # its thread waits on NVML: stopped before NVML goes away
+        super().close()
+
+    # --- vendor hooks ------------------------------------------------------------------------
+
+    @staticmethod
+    def _start_library() -> Any:
+        """Import pynvml and initialise NVML, or say why not."""
+        try:
+            import pynvml
+        except ImportError as error:
+            raise CollectorUnavailable(f"nvidia-ml-py is not installed ({error})") from None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError_LibraryNotFound:
+            raise CollectorUnavailable(
+                "NVML library (libnvidia-ml.so.1) not found: no NVIDIA driver installed") from None
+        except pynvml.NVMLError_DriverNotLoaded:
+            raise CollectorUnavailable("the NVIDIA driver is not loaded") from None
+        except pynvml.NVMLError as error:
+            raise CollectorUnavailable(f"NVML failed to initialise: {error}") from None
+        return pynvml
+
+    @staticmethod
+    def _open_gpus(nvml: Any) -> list[Gpu]:
+        count = nvml.nvmlDeviceGetCount()
+        present = [gpu for gpu in (_open_gpu(nvml, index) for index in range(count)) if gpu is not None]
+        if not present:
+            raise CollectorUnavailable("NVML found no GPUs" if count == 0 else "no GPU could be opened")
+        return present
+
+    @staticmethod
+    def _shutdown_library(nvml: Any) -> None:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError as error:
+            _logger.debug("nvmlShutdown failed: %s", error)
+
+    def _failure(self, error: Exception) -> Failure:
+        if isinstance(error, self._unsupported_errors):
+            return Failure.UNSUPPORTED
+        if isinstance(error, self._lost_errors):
+            return Failure.LOST
+        return Failure.OTHER
 
     # --- field readers: handle -> rows --------------------------------------------------------
 
@@ -248,11 +196,6 @@ class NvidiaCollector(Collector):
         used = sum(process.usedGpuMemory or 0 for process in processes if process.pid in pids)
         return [("otel_forge.gpu.process.memory.usage", used, {})]
 
-    def _monitored_pids(self) -> set[int]:
-        if self._pids is None:
-            self._pids = self._tree.pids() if self._tree is not None else set()
-        return self._pids
-
 
 class XidWatcher:
     """Counts XID critical-error events per (GPU index, XID code) on a daemon thread.
@@ -261,7 +204,7 @@ class XidWatcher:
     thread within ``XID_WAIT_MS`` and frees the event set.
     """
 
-    def __init__(self, nvml: Any, gpus: list[NvidiaGpu], warnings: RateLimitedLogger) -> None:
+    def __init__(self, nvml: Any, gpus: list[Gpu], warnings: RateLimitedLogger) -> None:
         self._nvml = nvml
         self._warnings = warnings
         self._counts: dict[tuple[int, int], int] = {}
@@ -290,7 +233,7 @@ class XidWatcher:
                 return
         self._free()
 
-    def _start(self, gpus: list[NvidiaGpu]) -> None:
+    def _start(self, gpus: list[Gpu]) -> None:
         try:
             self._event_set = self._nvml.nvmlEventSetCreate()
         except self._nvml.NVMLError as error:
@@ -304,7 +247,7 @@ class XidWatcher:
         self._thread = threading.Thread(target=self._run, name="otel-forge-nvml-xid", daemon=True)
         self._thread.start()
 
-    def _register(self, gpu: NvidiaGpu) -> None:
+    def _register(self, gpu: Gpu) -> None:
         nvml = self._nvml
         try:
             nvml.nvmlDeviceRegisterEvents(gpu.handle, nvml.nvmlEventTypeXidCriticalError, self._event_set)
@@ -351,50 +294,18 @@ class XidWatcher:
 # --- opening ---------------------------------------------------------------------------------
 
 
-def _start_nvml() -> Any:
-    """Import pynvml and initialise NVML, or say why not."""
-    try:
-        import pynvml
-    except ImportError as error:
-        raise CollectorUnavailable(f"nvidia-ml-py is not installed ({error})") from None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError_LibraryNotFound:
-        raise CollectorUnavailable("NVML library (libnvidia-ml.so.1) not found: no NVIDIA driver installed") from None
-    except pynvml.NVMLError_DriverNotLoaded:
-        raise CollectorUnavailable("the NVIDIA driver is not loaded") from None
-    except pynvml.NVMLError as error:
-        raise CollectorUnavailable(f"NVML failed to initialise: {error}") from None
-    return pynvml
-
-
-def _open_gpus(nvml: Any, config: ForgeConfig) -> list[NvidiaGpu]:
-    count = nvml.nvmlDeviceGetCount()
-    present = [gpu for gpu in (_open_gpu(nvml, index) for index in range(count)) if gpu is not None]
-    if not present:
-        raise CollectorUnavailable("NVML found no GPUs" if count == 0 else "no GPU could be opened")
-    try:
-        wanted = select_gpus(config.gpus, [(gpu.index, gpu.uuid) for gpu in present], NVIDIA_VISIBLE_ENV)
-    except ValueError as error:
-        raise CollectorUnavailable(f"GPU selection: {error}") from None
-    if not wanted:
-        raise CollectorUnavailable(f"no GPU selected (gpus={config.gpus!r})")
-    by_index = {gpu.index: gpu for gpu in present}
-    return [by_index[index] for index in wanted]
-
-
-def _open_gpu(nvml: Any, index: int) -> NvidiaGpu | None:
+def _open_gpu(nvml: Any, index: int) -> Gpu | None:
     """The GPU at ``index``; a lost one is kept (it reports failed), an unreadable one skipped."""
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         name, uuid = _text(nvml.nvmlDeviceGetName(handle)), _text(nvml.nvmlDeviceGetUUID(handle))
     except _error_classes(nvml, _LOST_ERRORS) as error:
         _logger.warning("GPU %d is lost (%s); it reports hw.status failed", index, error)
-        return NvidiaGpu(index, None, "unknown", "", "", lost=True)
+        return Gpu("NVIDIA", index, None, "unknown", "", "", lost=True)
     except nvml.NVMLError as error:
         _logger.warning("GPU %d cannot be opened (%s); it is not monitored", index, error)
         return None
-    return NvidiaGpu(index, handle, name, uuid, _pci_bus_id(nvml, handle))
+    return Gpu("NVIDIA", index, handle, name, uuid, _pci_bus_id(nvml, handle))
 
 
 def _pci_bus_id(nvml: Any, handle: Any) -> str:
@@ -404,44 +315,7 @@ def _pci_bus_id(nvml: Any, handle: Any) -> str:
         return ""
 
 
-def _process_tree(config: ForgeConfig) -> ProcessTree | None:
-    pid = config.pid or os.getpid()
-    try:
-        return ProcessTree(pid)
-    except CollectorUnavailable as error:
-        _logger.warning("GPU memory of the monitored processes is not reported: %s", error)
-        return None
-
-
-def _shutdown(nvml: Any) -> None:
-    try:
-        nvml.nvmlShutdown()
-    except nvml.NVMLError as error:
-        _logger.debug("nvmlShutdown failed: %s", error)
-
-
 # --- small helpers ---------------------------------------------------------------------------
-
-
-def _add_status(gpu: NvidiaGpu, readings: Readings) -> None:
-    for state, current in (("ok", not gpu.lost), ("failed", gpu.lost)):
-        readings.add("hw.status", 1 if current else 0, {**gpu.attributes, "hw.state": state})
-
-
-def _power_utilization(rows: list[Row]) -> list[Row]:
-    """Power draw / enforced limit, when this read has both."""
-    values = {metric: value for metric, value, _ in rows if metric in ("hw.power", "otel_forge.gpu.power.limit")}
-    power, limit = values.get("hw.power"), values.get("otel_forge.gpu.power.limit")
-    return [("otel_forge.gpu.power.utilization", power / limit, {})] if power is not None and limit else []
-
-
-def _describe(gpu: NvidiaGpu) -> str:
-    line = " ".join(filter(None, (f"gpu {gpu.index}:", gpu.name, gpu.uuid, gpu.pci_bus_id)))
-    if gpu.lost:
-        line += " (failed)"
-    if gpu.unsupported:
-        line += f" (not supported: {', '.join(sorted(gpu.unsupported))})"
-    return line
 
 
 def _error_classes(nvml: Any, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
