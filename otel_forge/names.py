@@ -177,7 +177,9 @@ METRICS: tuple[MetricSpec, ...] = (
     *_gpu("hw.energy", C, "J", (), "Energy consumed since the driver loaded.",
           (K("gpu_{hw.id}_energy_joules", fold=Fold.SINCE_START),)),
     *_gpu("hw.temperature", G, "Cel", ("hw.sensor_location",), "Temperature.",
-          (K("gpu_{hw.id}_temperature_celsius"),)),
+          # One sensor per key: NVIDIA's die ("gpu"), AMD's edge; AMD's hotspot beside it.
+          (K("gpu_{hw.id}_temperature_celsius", where=_where({"hw.sensor_location": ("gpu", "edge")})),
+           K("gpu_{hw.id}_hotspot_temperature_celsius", where=_where({"hw.sensor_location": "hotspot"})))),
     *_gpu("otel_forge.gpu.clock.frequency", G, "Hz", ("otel_forge.gpu.clock",), "Clock frequency (sm, memory).",
           (K("gpu_{hw.id}_{otel_forge.gpu.clock}_clock_mhz", _MB),)),
     *_gpu("hw.errors", C, "{error}", ("hw.error.type",), "ECC errors (corrected, uncorrected).",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from otel_forge.ratelimit import RateLimitedLogger
+from otel_forge.scrub import scrub
 
 _logger = logging.getLogger(__name__)
 
@@ -41,7 +42,10 @@ class Overflow(Protocol[T]):
     """Where items go when the queue is full (the spool), oldest first."""
 
     def append(self, item: T) -> bool:
-        """Keep ``item``; False when there is no room (the item is dropped)."""
+        """Keep ``item`` after the others; False when there is no room (the item is dropped)."""
+
+    def prepend(self, items: list[T]) -> int:
+        """Keep ``items`` (older than those held) before the others; how many fit."""
 
     def peek(self) -> T | None: ...
 
@@ -140,8 +144,10 @@ class DeliveryWorker(Generic[T]):
             if self._stopped:
                 self.stats.dropped += len(leftovers)
                 return 0
-            for item in leftovers:
-                self._to_overflow(item)
+            # The queue's items are older than those already spilled: they go first.
+            kept = self._overflow.prepend(leftovers) if self._overflow is not None else 0
+            self.stats.spooled += kept
+            self.stats.dropped += len(leftovers) - kept
             return len(self._overflow) if self._overflow is not None else len(leftovers)
 
     # --- the sender thread -----------------------------------------------------------------
@@ -183,16 +189,17 @@ class DeliveryWorker(Generic[T]):
                 return
             if outcome is Outcome.DROP:
                 self.stats.dropped += 1
-                self._warnings.warning(f"{self.name}-drop", "%s: dropped an item: %s", self.name, error)
+                self._warnings.warning(f"{self.name}-drop", "%s: dropped an item: %s", self.name, scrub(str(error)))
                 self._pop(item)
                 return
             self.stats.retried += 1
-            self._warnings.warning(f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name, error)
+            self._warnings.warning(f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name,
+                                   scrub(str(error)))
             self._abandon.wait(backoff_s)
             backoff_s = min(backoff_s * 2, self._backoff[1])
 
     def _stop(self, error: BaseException) -> None:
-        _logger.warning("%s: delivery stopped: %s", self.name, error)
+        _logger.warning("%s: delivery stopped: %s", self.name, scrub(str(error)))
         with self._cond:
             self._stopped = True
             self.stats.dropped += len(self._queue)
@@ -218,7 +225,9 @@ class DeliveryWorker(Generic[T]):
         threading.Thread(target=call, name=f"{self.name}-call", daemon=True).start()
         deadline = time.monotonic() + self._call_deadline_s
         while not done.wait(0.05):
-            if time.monotonic() >= deadline or self._abandon.is_set():
+            if self._abandon.is_set():
+                return DeadlineExceeded("abandoned: the drain deadline at close has passed")
+            if time.monotonic() >= deadline:
                 self.stats.hung_calls += 1
                 self._warnings.warning(f"{self.name}-hung", "%s: a call exceeded its %.1f s deadline; "
                                        "its thread is left to finish", self.name, self._call_deadline_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -16,6 +17,17 @@ PSEUDO_FILESYSTEMS = frozenset({
     "rpc_pipefs", "securityfs", "squashfs", "sysfs", "tmpfs", "tracefs", "fuse.lxcfs", "fuse.gvfsd-fuse",
 })
 _PSEUDO_DISK_PREFIXES = ("loop", "ram", "zram")
+_SYS_BLOCK = "/sys/block"
+
+
+def is_physical_disk(device: str) -> bool:
+    """A whole disk with hardware behind it: not a partition (its bytes are the disk's too), not
+    device-mapper or md (their bytes are their members'), not loop or ram."""
+    if device.startswith(_PSEUDO_DISK_PREFIXES):
+        return False
+    if not os.path.isdir(_SYS_BLOCK):
+        return True  # no sysfs to tell: keep what psutil lists
+    return os.path.exists(os.path.join(_SYS_BLOCK, device, "device"))
 
 
 def is_real_filesystem(fstype: str, mountpoint: str) -> bool:
@@ -70,7 +82,7 @@ class DiskCollector(Collector):
     def _read_io(self, readings: Readings) -> None:
         counters = psutil.disk_io_counters(perdisk=True, nowrap=True) or {}
         for device, io in counters.items():
-            if device.startswith(_PSEUDO_DISK_PREFIXES):
+            if not is_physical_disk(device):
                 continue
             for direction, nbytes, count in (("read", io.read_bytes, io.read_count),
                                               ("write", io.write_bytes, io.write_count)):

@@ -91,7 +91,10 @@ class MLflowMetricExporter(MetricExporter):
 
     def _report_leftovers(self, left: int) -> None:
         if self.worker.stopped:
-            self.spool.remove_if_empty()
+            # The run is gone: what waits in the spool can never be delivered.
+            if discarded := self.spool.discard():
+                _logger.warning("run %s is gone: %d spooled system-metrics window(s) discarded", self.run_id,
+                                discarded)
             return
         self.spool.write_stats(self.delivery_counts())
         if left:

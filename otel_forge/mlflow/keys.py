@@ -18,15 +18,20 @@ _NOT_IN_SEGMENT = re.compile(r"[^\w.\-]+")
 Sample = dict[str, tuple[Fold, float]]
 
 
+def _path_segment(segment: str) -> str:
+    # MLflow refuses empty, "." and ".." path segments.
+    return "_" if not segment.strip(".") else segment
+
+
 def sanitize_key(key: str) -> str:
-    """A key MLflow accepts: disallowed characters become ``_``, no empty path segment."""
+    """A key MLflow accepts: disallowed characters become ``_``; no empty, ``.`` or ``..`` segment."""
     key = _NOT_IN_KEY.sub("_", key)
-    return "/".join(segment or "_" for segment in key.split("/"))
+    return "/".join(_path_segment(segment) for segment in key.split("/"))
 
 
 def key_segment(value: object) -> str:
     """An attribute value as one key segment: ``/`` -> ``root``, ``/mnt/data`` -> ``mnt_data``."""
-    return _NOT_IN_SEGMENT.sub("_", str(value)).strip("_") or "root"
+    return _path_segment(_NOT_IN_SEGMENT.sub("_", str(value)).strip("_") or "root")
 
 
 def system_prefix(node_id: str | None) -> str:

@@ -23,11 +23,17 @@ _logger = logging.getLogger(__name__)
 HEADER = "spool.json"
 STATS = "stats.json"
 _SUFFIX = ".window.json"
+# Sequence numbers start high so windows older than all held ones can be put in front.
+_FIRST_SEQUENCE = 10**11
 
 
 def default_spool_root() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "otel-forge" / "spool"
+
+
+def _sequence(path: Path) -> int:
+    return int(path.name.split(".")[0])
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -46,7 +52,7 @@ class WindowSpool:
         self._header = dict(header or {})
         self._files: list[Path] = sorted(path.glob(f"*{_SUFFIX}")) if path.is_dir() else []
         self._bytes = sum(f.stat().st_size for f in self._files)
-        self._next_sequence = int(self._files[-1].name.split(".")[0]) + 1 if self._files else 0
+        self._next_sequence = _sequence(self._files[-1]) + 1 if self._files else _FIRST_SEQUENCE
         if path.is_dir() and (path / HEADER).exists():
             self._header = {**json.loads((path / HEADER).read_text()), **self._header}
 
@@ -75,23 +81,39 @@ class WindowSpool:
         return self._bytes
 
     def append(self, window: Window) -> bool:
-        text = json.dumps(window.to_json())
         with self._lock:
-            if self._bytes + len(text) > self.max_bytes:
-                return False
-            if not self.path.is_dir():
-                self.path.mkdir(parents=True, exist_ok=True)
-                _write_atomically(self.path / HEADER, json.dumps(self._header))
-            target = self.path / f"{self._next_sequence:012d}{_SUFFIX}"
-            try:
-                _write_atomically(target, text)
-            except OSError as error:
-                _logger.warning("cannot write the spool %s: %s", self.path, error)
+            if not self._write(window, self._next_sequence):
                 return False
             self._next_sequence += 1
-            self._files.append(target)
-            self._bytes += len(text)
             return True
+
+    def prepend(self, windows: list[Window]) -> int:
+        """Put ``windows`` (older than every window held) in front, in their order."""
+        with self._lock:
+            first = _sequence(self._files[0]) if self._files else self._next_sequence
+            kept = 0
+            for offset, window in enumerate(windows):
+                if self._write(window, first - len(windows) + offset):
+                    kept += 1
+            self._files.sort()
+            return kept
+
+    def _write(self, window: Window, sequence: int) -> bool:
+        text = json.dumps(window.to_json())
+        if self._bytes + len(text) > self.max_bytes:
+            return False
+        if not self.path.is_dir():
+            self.path.mkdir(parents=True, exist_ok=True)
+            _write_atomically(self.path / HEADER, json.dumps(self._header))
+        target = self.path / f"{sequence:012d}{_SUFFIX}"
+        try:
+            _write_atomically(target, text)
+        except OSError as error:
+            _logger.warning("cannot write the spool %s: %s", self.path, error)
+            return False
+        self._files.append(target)
+        self._bytes += len(text)
+        return True
 
     def peek(self) -> Window | None:
         with self._lock:
@@ -110,6 +132,14 @@ class WindowSpool:
         """Delivery counts beside the windows, for ``otel-forge doctor``."""
         if self.path.is_dir():
             _write_atomically(self.path / STATS, json.dumps(stats))
+
+    def discard(self) -> int:
+        """Delete the spool and every window in it; how many windows there were."""
+        with self._lock:
+            count = len(self._files)
+            self._files, self._bytes = [], 0
+            shutil.rmtree(self.path, ignore_errors=True)
+            return count
 
     def remove_if_empty(self) -> bool:
         """Delete the directory when no window is left; True if it is gone."""

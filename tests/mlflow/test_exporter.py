@@ -1,0 +1,529 @@
+"""The MLflow export against a REAL ``mlflow server`` (the session fixture), read back with
+``MlflowClient``: steps, window statistics, timestamps, the REST calls it costs, resume, a deleted
+run, a failing and a slow server, the spool left at close and its replay, several nodes in one run,
+and compatibility with MLflow's own ``SystemMetricsMonitor``.
+
+GPUs are the fake NVML (tests/fakes/pynvml.py); requests are counted by a proxy in front of the
+real server (tests/mlflow/proxies.py). Nothing of MLflow is mocked.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics.export import MetricExportResult
+from hermetic import hermetic_environ
+from gpu_fakes import fake_gpu_env, fake_nvml
+from otel_points import gauge, metrics_data
+from proxies import GET_RUN, LOG_BATCH, CountingProxy, Mode
+
+import otel_forge
+from otel_forge.mlflow import MLflowMetricExporter
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# A known utilization sequence per GPU. The fake serves value n at the n-th read (cycling), and the
+# collector's cache makes one read per sample, so window k (5 samples) is sequence[5k:5k+5]: windows
+# alternate between two known sets of statistics.
+SEQUENCES = {
+    "0": [10, 20, 90, 40, 15, 60, 70, 5, 30, 95],
+    "1": [3, 99, 50, 50, 48, 0, 0, 100, 25, 25],
+}
+SAMPLES_PER_WINDOW = 5
+INTERVAL_S = 0.2
+
+
+def window_stats(gpu: str, window_index: int) -> dict[str, float]:
+    sequence = SEQUENCES[gpu]
+    start = (window_index * SAMPLES_PER_WINDOW) % len(sequence)
+    values = sequence[start:start + SAMPLES_PER_WINDOW]
+    return {"mean": statistics.fmean(values), "max": max(values), "min": min(values)}
+
+
+def history(client, run_id: str, key: str) -> list[Any]:  # type: ignore[no-untyped-def]
+    return sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+
+
+def keys_of(client, run_id: str, prefix: str = "") -> set[str]:  # type: ignore[no-untyped-def]
+    return {key for key in client.get_run(run_id).data.metrics if key.startswith(prefix)}
+
+
+def steps_of(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return [m.step for m in history(client, run_id, key)]
+
+
+def new_run(client, experiment_id: str, name: str = "run") -> str:  # type: ignore[no-untyped-def]
+    return client.create_run(experiment_id, run_name=name).info.run_id
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := predicate():
+            return result
+        time.sleep(interval_s)
+    return predicate()
+
+
+def system_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("mlflow-system-metrics")]
+
+
+# --- windows -> steps, through the counting proxy ------------------------------------------------
+
+
+@dataclass
+class MonitoredRun:
+    run_id: str
+    histories: dict[str, list[Any]]
+    reads: dict[int, int]  # GPU index -> nvmlDeviceGetUtilizationRates calls
+    counts: dict[str, int]  # proxy: requests by path
+    log_batch_arrivals: list[float]  # proxy: when each log-batch arrived (s since the epoch)
+    warnings: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def monitored_run(mlflow_server, tmp_path_factory) -> MonitoredRun:
+    """``otel_forge.monitor`` for ~3.6 s: 2 fake GPUs, 0.2 s samples, 5 per window, through the proxy."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server.uri)
+    run_id = new_run(client, client.create_experiment(f"windows-{uuid.uuid4().hex[:8]}"))
+    handler = _ListHandler()
+    logging.getLogger("otel_forge").addHandler(handler)
+    with pytest.MonkeyPatch.context() as patch, CountingProxy(mlflow_server.uri) as proxy:
+        patch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        scenario = {"count": 2, "sequences": {gpu: {"utilization": seq} for gpu, seq in SEQUENCES.items()}}
+        with fake_nvml(scenario) as nvml:
+            monitor = otel_forge.monitor(
+                run_id=run_id, tracking_uri=proxy.uri, sampling_interval=INTERVAL_S,
+                samples_per_window=SAMPLES_PER_WINDOW, prometheus=False, node_id="node_0",
+                stats=("mean", "max", "min"), collectors=("cpu", "nvidia"))
+            time.sleep(3.6)
+            monitor.stop()
+            reads = {i: nvml.calls("nvmlDeviceGetUtilizationRates", i) for i in (0, 1)}
+        counts = proxy.counts()
+        arrivals = [t for t, _, path, _ in proxy.log() if path == LOG_BATCH]
+    logging.getLogger("otel_forge").removeHandler(handler)
+    keys = keys_of(client, run_id)
+    return MonitoredRun(run_id, {key: history(client, run_id, key) for key in keys}, reads, counts, arrivals,
+                        handler.messages)
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+GPU_KEY = "system/node_0/gpu_{gpu}_utilization_percentage"
+
+
+def test_steps_are_0_1_2_without_gaps_or_repeats(monitored_run: MonitoredRun) -> None:
+    assert monitored_run.histories, "nothing was logged"
+    steps = {key: [m.step for m in h] for key, h in monitored_run.histories.items()}
+    expected = list(range(len(steps[GPU_KEY.format(gpu=0)])))
+    assert len(expected) >= 3  # 3.6 s of 1 s windows, plus the partial one closed at stop
+    for key in (GPU_KEY.format(gpu=0), GPU_KEY.format(gpu=1), "system/node_0/cpu_utilization_percentage"):
+        assert steps[key] == expected, key
+    assert all(key.startswith("system/node_0/") for key in monitored_run.histories)
+    assert not monitored_run.warnings, monitored_run.warnings
+
+
+def test_gpu_window_mean_max_min_equal_the_known_sequence(monitored_run: MonitoredRun) -> None:
+    windows = len(monitored_run.histories[GPU_KEY.format(gpu=0)])
+    # One NVML read per sample (the cache), every full window 5 of them; the last window may be partial
+    # (closed at stop) and its final sample may be served from the cache: up to 5 reads.
+    for gpu in (0, 1):
+        assert 5 * (windows - 1) + 1 <= monitored_run.reads[gpu] <= 5 * windows, monitored_run.reads
+    for gpu in ("0", "1"):
+        key = GPU_KEY.format(gpu=gpu)
+        means, maxes, mins = (monitored_run.histories[key + suffix] for suffix in ("", "_max", "_min"))
+        for k in range(windows - 1):  # every full window
+            expected = window_stats(gpu, k)
+            assert (means[k].step, maxes[k].step, mins[k].step) == (k, k, k)
+            assert means[k].value == pytest.approx(expected["mean"]), (gpu, k)
+            assert maxes[k].value == pytest.approx(expected["max"]), (gpu, k)
+            assert mins[k].value == pytest.approx(expected["min"]), (gpu, k)
+        last = means[-1].value
+        assert min(SEQUENCES[gpu]) <= last <= max(SEQUENCES[gpu])
+
+
+def test_timestamp_is_the_window_end(monitored_run: MonitoredRun) -> None:
+    timestamps = [m.timestamp for m in monitored_run.histories[GPU_KEY.format(gpu=0)]]
+    assert timestamps == sorted(set(timestamps))  # strictly increasing
+    gaps = [b - a for a, b in zip(timestamps, timestamps[1:-1])]  # full windows: 5 x 0.2 s apart
+    assert all(950 <= gap <= 2000 for gap in gaps), gaps
+    # Every key of a step carries the same timestamp.
+    for key, points in monitored_run.histories.items():
+        assert [m.timestamp for m in points] == timestamps[:len(points)], key
+    # The window's end, not its start: each log_batch arrives just after the timestamp it carries
+    # (a window's start would be ~0.8 s earlier).
+    arrivals_ms = [t * 1000 for t in monitored_run.log_batch_arrivals]
+    for timestamp, arrival in zip(timestamps, arrivals_ms):
+        assert 0 <= arrival - timestamp < 500, (timestamp, arrival)
+
+
+def test_one_log_batch_per_window_and_one_get_run_in_all(monitored_run: MonitoredRun) -> None:
+    windows = len(monitored_run.histories[GPU_KEY.format(gpu=0)])
+    assert monitored_run.counts.get(GET_RUN) == 1  # the resume point, read once at start
+    assert monitored_run.counts.get(LOG_BATCH) == windows
+    assert sum(monitored_run.counts.values()) == windows + 1, monitored_run.counts
+
+
+def test_a_window_of_more_than_1000_metrics_takes_ceil_n_over_1000_log_batches(
+        client, experiment_id, proxy, tmp_path) -> None:
+    run_id = new_run(client, experiment_id)
+    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", spool_dir=tmp_path)
+    n = 1200
+    data = metrics_data(gauge("hw.gpu.utilization", [({"hw.id": str(i)}, (i % 100) / 100) for i in range(n)]))
+
+    assert exporter.export(data) is MetricExportResult.SUCCESS
+    exporter.shutdown()
+
+    assert proxy.counts() == {GET_RUN: 1, LOG_BATCH: math.ceil(n / 1000)}
+    metrics = client.get_run(run_id).data.metrics
+    assert len(metrics) == n
+    assert metrics["system/node_0/gpu_1199_utilization_percentage"] == pytest.approx(99.0)
+    assert {m.step for m in client.get_metric_history(run_id, "system/node_0/gpu_0_utilization_percentage")} == {0}
+
+
+# --- resume -------------------------------------------------------------------------------------
+
+
+def _monitor_memory(run_id: str, tracking_uri: str, node_id: str | None, seconds: float = 0.75) -> None:
+    monitor = otel_forge.monitor(run_id=run_id, tracking_uri=tracking_uri, node_id=node_id, sampling_interval=0.2,
+                                 samples_per_window=1, prometheus=False, collectors=("memory",))
+    time.sleep(seconds)
+    monitor.stop()
+
+
+def test_resume_continues_each_nodes_own_steps(client, experiment_id, mlflow_server) -> None:
+    from mlflow.entities import Metric
+
+    run_id = new_run(client, experiment_id)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric("system/node_0/system_memory_usage_megabytes", 1.0, now + s, s)
+                                      for s in range(8)])  # node_0 has steps 0..7
+    key = "system_memory_usage_megabytes"
+
+    _monitor_memory(run_id, mlflow_server.uri, "node_0")
+    _monitor_memory(run_id, mlflow_server.uri, "node_1")
+    _monitor_memory(run_id, mlflow_server.uri, None)
+
+    node_0 = steps_of(client, run_id, f"system/node_0/{key}")
+    assert node_0[:8] == list(range(8))
+    assert len(node_0) >= 10 and node_0[8:] == list(range(8, len(node_0)))  # starts at 8, no gap
+    node_1 = steps_of(client, run_id, f"system/node_1/{key}")
+    assert node_1 and node_1 == list(range(len(node_1)))  # its own steps, from 0
+    # Without a node id the prefix is system/: system/node_0/... belongs to another node.
+    plain = steps_of(client, run_id, f"system/{key}")
+    assert plain and plain == list(range(len(plain)))
+    # And node_0 again, after all that: after its own last step, not after anyone else's.
+    last = node_0[-1]
+    _monitor_memory(run_id, mlflow_server.uri, "node_0", seconds=0.5)
+    again = steps_of(client, run_id, f"system/node_0/{key}")[len(node_0):]
+    assert again and again[0] == last + 1 and again == list(range(last + 1, last + 1 + len(again)))
+
+
+# --- a run deleted while exporting --------------------------------------------------------------
+
+
+def test_deleted_run_stops_delivery_with_one_warning(client, experiment_id, mlflow_server, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    run_id = new_run(client, experiment_id)
+    monitor = otel_forge.monitor(run_id=run_id, tracking_uri=mlflow_server.uri, node_id="node_0",
+                                 sampling_interval=0.1, samples_per_window=1, prometheus=False, collectors=("memory",))
+    try:
+        key = "system/node_0/system_memory_usage_megabytes"
+        assert wait_until(lambda: key in client.get_run(run_id).data.metrics, 10)
+        client.delete_run(run_id)
+        exporter = monitor.exporter
+        assert wait_until(lambda: exporter.worker.stopped, 10), "delivery did not stop"
+        time.sleep(0.5)  # more exports happen after the stop
+
+        result = exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, 0.5)])))
+        assert result is MetricExportResult.FAILURE
+    finally:
+        monitor.stop()
+
+    stopped = [r.getMessage() for r in caplog.records if "delivery stopped" in r.getMessage()]
+    assert len(stopped) == 1, stopped
+    assert run_id in stopped[0] or "deleted" in stopped[0] or "active" in stopped[0], stopped[0]
+    assert wait_until(lambda: not system_threads(), 5), system_threads()
+
+
+# --- a failing server: nothing lost ---------------------------------------------------------------
+
+
+def test_windows_survive_a_failing_server_in_order(client, experiment_id, proxy, tmp_path) -> None:
+    run_id = new_run(client, experiment_id)
+    monitor = otel_forge.monitor(run_id=run_id, tracking_uri=proxy.uri, node_id="node_0", sampling_interval=0.1,
+                                 samples_per_window=1, prometheus=False, collectors=("memory",),
+                                 spool_dir=str(tmp_path / "spool"), queue_size=3)
+    key = "system/node_0/system_memory_usage_megabytes"
+    try:
+        assert wait_until(lambda: key in client.get_run(run_id).data.metrics, 10)
+        proxy.set_mode(Mode.ERROR_500)
+        time.sleep(0.8)  # ~8 windows: more than the queue holds, so some go to the spool
+        proxy.set_mode(Mode.ERROR_429)
+        time.sleep(0.4)
+        proxy.set_mode(Mode.PASS)
+        time.sleep(0.3)
+    finally:
+        monitor.stop()
+    counts = monitor.exporter.delivery_counts()
+
+    steps = steps_of(client, run_id, key)
+    assert steps == list(range(len(steps))), steps
+    assert len(steps) >= 12
+    assert counts["retried"] >= 1 and counts["spooled"] >= 1 and counts["dropped"] == 0, counts
+    assert counts["pending"] == 0 and counts["delivered"] == len(steps), counts
+    assert not (tmp_path / "spool").exists() or not any((tmp_path / "spool").iterdir())
+
+
+# --- a slow server: export never waits ----------------------------------------------------------
+
+
+def test_a_slow_server_never_blocks_export_and_late_duplicates_are_harmless(
+        client, experiment_id, proxy, tmp_path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    run_id = new_run(client, experiment_id)
+    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", call_deadline_s=0.4,
+                                    spool_dir=tmp_path)
+    key = "system/node_0/cpu_utilization_percentage"
+
+    def export(value: float) -> float:
+        started = time.perf_counter()
+        result = exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, value)])))
+        assert result is MetricExportResult.SUCCESS
+        time.sleep(0.002)  # distinct window timestamps (ms)
+        return time.perf_counter() - started
+
+    export(0.0)
+    assert wait_until(lambda: key in client.get_run(run_id).data.metrics, 10)
+    proxy.set_mode(Mode.DELAY, delay_s=1.2)  # every call answers after 1.2 s: past the 0.4 s deadline
+    durations = [export(i / 100) for i in range(1, 11)]
+    time.sleep(1.0)
+    proxy.set_mode(Mode.PASS)
+    exporter.shutdown()
+
+    assert max(durations) < 0.05, durations
+    assert exporter.worker.stats.hung_calls >= 1
+    assert len([r for r in caplog.records if "exceeded its" in r.getMessage()]) == 1
+    # The late answers of abandoned calls stored the same window the retry sent again (same key,
+    # step, timestamp, value): MLflow keeps one of each, so the history has no repeats.
+    points = history(client, run_id, key)
+    assert [m.step for m in points] == list(range(11))
+    assert [m.value for m in points] == pytest.approx([i for i in range(11)])
+    assert proxy.count(LOG_BATCH) > 11  # the retries did happen
+
+
+# --- an outage at close: the spool, its replay, and no credential anywhere -------------------------
+
+
+def _export_to_a_dead_server(run_id: str, tmp_path: Path) -> tuple[MLflowMetricExporter, str]:
+    from mlflow_server import free_port
+
+    dead = f"http://alice:s3cret-token@127.0.0.1:{free_port()}"  # nothing listens there
+    exporter = MLflowMetricExporter(run_id, tracking_uri=dead, node_id="node_0", spool_dir=tmp_path / "spool",
+                                    drain_deadline_s=0.5)
+    exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, 0.25)])))
+    assert wait_until(lambda: exporter.worker.stats.retried >= 1, 10)
+    exporter.shutdown()
+    return exporter, dead
+
+
+def test_windows_left_at_close_are_spooled_without_credentials_and_replayed(
+        client, experiment_id, mlflow_server, tmp_path, caplog) -> None:
+    from otel_forge.mlflow.replay import replay_spool
+
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    run_id = new_run(client, experiment_id)
+    exporter, dead = _export_to_a_dead_server(run_id, tmp_path)
+
+    spool_dir = exporter.spool.path
+    assert spool_dir.is_dir()
+    left = [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()]
+    assert len(left) == 1 and f"otel-forge replay {spool_dir}" in left[0], left
+    stored = "\n".join(f.read_text() for f in spool_dir.iterdir())
+    assert "s3cret-token" not in stored and dead.replace("alice:s3cret-token@", "") in stored
+
+    result = replay_spool(spool_dir, tracking_uri=mlflow_server.uri)
+
+    assert (result.delivered, result.remaining) == (1, 0)
+    assert not spool_dir.exists()
+    points = history(client, run_id, "system/node_0/cpu_utilization_percentage")
+    assert [(m.step, m.value) for m in points] == [(0, 25.0)]
+
+
+def test_no_credential_reaches_a_warning(client, experiment_id, tmp_path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    _export_to_a_dead_server(new_run(client, experiment_id), tmp_path)
+
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "retrying" in text  # the outage is reported...
+    assert "s3cret-token" not in text  # ...without the password
+
+
+# --- several nodes in one run: otel-forge monitor processes ------------------------------------
+
+
+def _monitor_process(run_id: str, uri: str, node_id: str, duration_s: float, cache: Path) -> subprocess.Popen:
+    env = fake_gpu_env({"count": 2, "amd": False}, base=hermetic_environ({"XDG_CACHE_HOME": str(cache)}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "otel_forge.cli", "monitor", "--run-id", run_id, "--tracking-uri", uri,
+         "--node-id", node_id, "--interval", "0.2", "--no-prometheus", "--duration", str(duration_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _finish(process: subprocess.Popen, timeout_s: float = 60) -> tuple[str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"otel-forge monitor did not end: {err[-2000:]}") from None
+    assert process.returncode == 0, err[-2000:]
+    return out, err
+
+
+def test_two_node_processes_share_a_run_and_a_node_resumes(client, experiment_id, mlflow_server, tmp_path) -> None:
+    run_id = new_run(client, experiment_id)
+    first = [_monitor_process(run_id, mlflow_server.uri, node, 3, tmp_path / node) for node in ("node_0", "node_1")]
+    for process in first:
+        _finish(process)
+
+    keys = keys_of(client, run_id)
+    node_0 = {k.removeprefix("system/node_0/") for k in keys if k.startswith("system/node_0/")}
+    node_1 = {k.removeprefix("system/node_1/") for k in keys if k.startswith("system/node_1/")}
+    assert keys == {f"system/node_0/{k}" for k in node_0} | {f"system/node_1/{k}" for k in node_1}  # nothing else
+    for expected in ("cpu_utilization_percentage", "system_memory_usage_megabytes", "disk_usage_percentage",
+                     "gpu_0_utilization_percentage", "gpu_1_power_usage_watts"):
+        assert expected in node_0 and expected in node_1, expected
+    key = "gpu_0_utilization_percentage"
+    steps_0 = steps_of(client, run_id, f"system/node_0/{key}")
+    steps_1 = steps_of(client, run_id, f"system/node_1/{key}")
+    assert steps_0 == list(range(len(steps_0))) and len(steps_0) >= 5
+    assert steps_1 == list(range(len(steps_1))) and len(steps_1) >= 5
+
+    _finish(_monitor_process(run_id, mlflow_server.uri, "node_0", 1.5, tmp_path / "again"))
+
+    resumed = steps_of(client, run_id, f"system/node_0/{key}")
+    assert resumed[:len(steps_0)] == steps_0
+    assert len(resumed) > len(steps_0) and resumed == list(range(len(resumed)))  # continues at last + 1
+    assert steps_of(client, run_id, f"system/node_1/{key}") == steps_1  # the other node untouched
+
+
+# --- compatibility with MLflow's own monitor -----------------------------------------------------
+
+# MLflow's key (without "system/") -> (kind, tolerance), comparing the mean over each run's steps,
+# except for the since-start network counters, compared at the last step.
+TOLERANCES: dict[str, tuple[str, float]] = {
+    # Both are the busy share of all CPUs, but measured over different intervals: MLflow's
+    # psutil.cpu_percent() covers the time since its previous call (0.5 s), ours the time since our
+    # previous read (0.2 s); on 2 busy cores (an mlflow server, two monitors, the tests) the load
+    # moves by tens of points from one half second to the next.
+    "cpu_utilization_percentage": ("points", 35.0),
+    # psutil's `used` in both, read at different moments of a machine whose memory changes
+    # (the test process, the server): a few percent.
+    "system_memory_usage_megabytes": ("relative", 0.05),
+    "system_memory_usage_percentage": ("relative", 0.05),
+    # The same statvfs of "/" in both; only other writers move it within seconds.
+    "disk_usage_percentage": ("relative", 0.01),
+    "disk_usage_megabytes": ("relative", 0.01),
+    "disk_available_megabytes": ("relative", 0.01),
+    # Since each monitor started. MLflow counts every interface, loopback included (here: every HTTP
+    # call both monitors make to the 127.0.0.1 server); we count physical interfaces only.
+    "network_receive_megabytes": ("absolute", 1.0),
+    "network_transmit_megabytes": ("absolute", 1.0),
+}
+# GPU keys: the fake returns constant values, so both must agree up to MLflow's rounding of each
+# window mean to one decimal (0.05) (and float noise).
+GPU_TOLERANCE = ("absolute", 0.05 + 1e-9)
+
+COMPAT_SCENARIO = {
+    "count": 2,
+    "amd": False,  # the fake amdsmi is on sys.path too: no AMD GPUs beside the NVIDIA ones
+    "sequences": {
+        "0": {"utilization": [37], "memory_used": [12_345_678_912], "memory_total": [85_899_345_920],
+              "power": [312], "power_limit": [700]},
+        "1": {"utilization": [81], "memory_used": [40_000_000_000], "memory_total": [85_899_345_920],
+              "power": [455], "power_limit": [700]},
+    },
+}
+
+
+def _tolerance(key: str) -> tuple[str, float]:
+    return GPU_TOLERANCE if key.startswith("gpu_") else TOLERANCES[key]
+
+
+def _agrees(kind: str, tolerance: float, theirs: float, ours: float) -> bool:
+    if kind == "relative":
+        return abs(theirs - ours) <= tolerance * max(abs(theirs), abs(ours), 1e-9)
+    return abs(theirs - ours) <= tolerance
+
+
+def test_every_key_mlflows_monitor_logs_is_in_ours_with_agreeing_values(
+        client, experiment_id, mlflow_server, monkeypatch) -> None:
+    run_a = new_run(client, experiment_id, "mlflow-own-monitor")
+    run_b = new_run(client, experiment_id, "otel-forge")
+    with fake_nvml(COMPAT_SCENARIO) as nvml:
+        fresh = "mlflow.system_metrics.metrics.gpu_monitor" not in sys.modules
+        import mlflow.system_metrics.metrics.gpu_monitor as gpu_monitor
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor as MlflowMonitor
+
+        if fresh:  # MLflow's own `import pynvml` found the fake on sys.path
+            assert gpu_monitor.pynvml is nvml
+        else:
+            # gpu_monitor binds `pynvml` when it is first imported, and something imported it
+            # before the fake was on sys.path: bind it to what `import pynvml` gives now.
+            monkeypatch.setattr(gpu_monitor, "pynvml", nvml)
+        theirs = MlflowMonitor(run_a, sampling_interval=0.5, samples_before_logging=2,
+                               tracking_uri=mlflow_server.uri)
+        assert any(isinstance(m, gpu_monitor.GPUMonitor) for m in theirs.monitors), \
+            "MLflow's monitor did not pick up the fake NVML"
+        ours = otel_forge.monitor(run_id=run_b, tracking_uri=mlflow_server.uri, sampling_interval=0.2,
+                                  samples_per_window=5, prometheus=False)
+        theirs.start()
+        time.sleep(4.2)
+        theirs.finish()
+        ours.stop()
+        assert nvml.calls("nvmlDeviceGetUtilizationRates", 0) > 0
+
+    their_keys = keys_of(client, run_a)
+    our_keys = keys_of(client, run_b)
+    assert len(their_keys) == 8 + 5 * 2, sorted(their_keys)  # 8 host keys, 5 per GPU
+    assert their_keys <= our_keys, sorted(their_keys - our_keys)
+
+    disagreements = {}
+    comparisons = []
+    for key in sorted(their_keys):
+        name = key.removeprefix("system/")
+        kind, tolerance = _tolerance(name)
+        their_history, our_history = history(client, run_a, key), history(client, run_b, key)
+        if name.startswith("network_"):
+            theirs_value, ours_value = their_history[-1].value, our_history[-1].value
+        else:
+            theirs_value = statistics.fmean(m.value for m in their_history)
+            ours_value = statistics.fmean(m.value for m in our_history)
+        comparisons.append((name, theirs_value, ours_value))
+        if not _agrees(kind, tolerance, theirs_value, ours_value):
+            disagreements[name] = (theirs_value, ours_value, kind, tolerance)
+    assert not disagreements, (disagreements, comparisons)

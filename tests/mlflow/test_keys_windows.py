@@ -1,0 +1,569 @@
+"""Unit tests, no server: OTel points -> MLflow keys (``KeyMapper``), samples -> windows
+(``WindowFolder``), the on-disk ``WindowSpool`` and the ``DeliveryWorker`` with a plain Python
+``deliver`` function.
+
+What a user sees in MLflow is decided here: the key names (MLflow's own where MLflow has the
+metric), the values (x100 for percentages, bytes -> MB, sums over interfaces), which points are
+left out (where-filters, NaN/inf), and in which order and how completely windows are delivered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from otel_points import as_named_points, counter, gauge, metrics_data
+
+from otel_forge.mlflow.keys import KeyMapper, key_segment, sanitize_key, system_prefix
+from otel_forge.mlflow.spool import HEADER, WindowSpool
+from otel_forge.mlflow.windows import Window, WindowFolder
+from otel_forge.names import Fold
+from otel_forge.worker import DeliveryWorker, Outcome
+
+PREFIX = "system/node_0/"
+GPU = {"hw.name": "NVIDIA H100 80GB HBM3", "hw.vendor": "NVIDIA", "hw.type": "gpu"}
+
+
+def sample_of(*metrics, prefix: str = PREFIX) -> dict[str, tuple[Fold, float]]:
+    return KeyMapper(prefix).sample(as_named_points(metrics_data(*metrics)))
+
+
+def values_of(*metrics, prefix: str = PREFIX) -> dict[str, float]:
+    return {key: value for key, (_, value) in sample_of(*metrics, prefix=prefix).items()}
+
+
+# --- KeyMapper: MLflow's exact keys -----------------------------------------------------------
+
+
+def test_cpu_utilization_is_mlflows_key_in_percent() -> None:
+    values = values_of(gauge("otel_forge.cpu.utilization", [({}, 0.4237)]),
+                       gauge("system.cpu.utilization", [({"cpu.mode": "user"}, 0.25), ({"cpu.mode": "idle"}, 0.5)]))
+
+    assert values["system/node_0/cpu_utilization_percentage"] == pytest.approx(42.37)
+    assert values["system/node_0/cpu_user_percentage"] == pytest.approx(25.0)
+    assert values["system/node_0/cpu_idle_percentage"] == pytest.approx(50.0)
+
+
+def test_memory_used_in_megabytes_and_states_filtered() -> None:
+    usage = [({"system.memory.state": "used"}, 3_500_000_000), ({"system.memory.state": "free"}, 1_000_000_000),
+             ({"system.memory.state": "cached"}, 2_000_000_000), ({"system.memory.state": "inactive"}, 7)]
+    values = values_of(counter("system.memory.usage", usage),
+                       gauge("system.memory.utilization", [({"system.memory.state": "used"}, 0.35),
+                                                           ({"system.memory.state": "free"}, 0.10)]))
+
+    assert values["system/node_0/system_memory_usage_megabytes"] == pytest.approx(3500.0)
+    assert values["system/node_0/system_memory_usage_percentage"] == pytest.approx(35.0)  # used only
+    assert values["system/node_0/system_memory_free_megabytes"] == pytest.approx(1000.0)
+    assert values["system/node_0/system_memory_cached_megabytes"] == pytest.approx(2000.0)
+    assert not any("inactive" in key for key in values)  # not in the key's where-filter
+
+
+def test_disk_usage_percentage_is_the_root_filesystem_and_mounts_get_their_own_keys() -> None:
+    fs = {"system.device": "/dev/vda", "system.filesystem.type": "ext4"}
+    root, data = {**fs, "system.filesystem.mountpoint": "/"}, {**fs, "system.filesystem.mountpoint": "/mnt/data"}
+    values = values_of(
+        gauge("system.filesystem.utilization", [(root, 0.4), (data, 0.9)]),
+        counter("system.filesystem.usage", [({**root, "system.filesystem.state": "used"}, 40e9),
+                                            ({**root, "system.filesystem.state": "free"}, 60e9),
+                                            ({**data, "system.filesystem.state": "used"}, 9e9),
+                                            ({**data, "system.filesystem.state": "free"}, 1e9)]))
+
+    assert values["system/node_0/disk_usage_percentage"] == pytest.approx(40.0)  # "/" only, not summed
+    assert values["system/node_0/disk_usage_megabytes"] == pytest.approx(40_000.0)
+    assert values["system/node_0/disk_available_megabytes"] == pytest.approx(60_000.0)
+    assert values["system/node_0/disk_root_usage_percentage"] == pytest.approx(40.0)
+    assert values["system/node_0/disk_mnt_data_usage_percentage"] == pytest.approx(90.0)
+    assert values["system/node_0/disk_mnt_data_usage_megabytes"] == pytest.approx(9_000.0)
+
+
+def _network(eth0_rx: float, eth1_rx: float, eth0_tx: float = 0.0) -> object:
+    return counter("system.network.io", [
+        ({"network.interface.name": "eth0", "network.io.direction": "receive"}, eth0_rx),
+        ({"network.interface.name": "eth1", "network.io.direction": "receive"}, eth1_rx),
+        ({"network.interface.name": "eth0", "network.io.direction": "transmit"}, eth0_tx),
+    ])
+
+
+def test_network_receive_megabytes_is_summed_over_interfaces_since_start() -> None:
+    mapper = KeyMapper(PREFIX)
+    folder = WindowFolder(samples_per_window=2)
+    samples = [(_network(1e6, 3e6), 100.0), (_network(2.5e6, 3.5e6), 101.0),  # window 0: +2 MB
+               (_network(3e6, 4e6), 102.0), (_network(5e6, 6e6), 103.0)]  # window 1: +7 MB since start
+    windows = [folder.add(mapper.sample(as_named_points(metrics_data(m))), t) for m, t in samples]
+
+    first, second = dict(windows[1].values), dict(windows[3].values)
+    assert windows[0] is None and windows[2] is None
+    key = "system/node_0/network_receive_megabytes"
+    fold, value = mapper.sample(as_named_points(metrics_data(_network(1e6, 3e6))))[key]
+    assert fold is Fold.SINCE_START and value == pytest.approx(4.0)  # eth0 + eth1, in MB
+    assert first[key] == pytest.approx(2.0)
+    assert second[key] == pytest.approx(7.0)
+    # A per-interface rate: eth0 grew 1.5 MB in 1 s, then 2.5 MB over the next 2 s.
+    assert first["system/node_0/network_eth0_receive_megabytes_per_second"] == pytest.approx(1.5)
+    assert second["system/node_0/network_eth0_receive_megabytes_per_second"] == pytest.approx(1.25)
+
+
+def test_gpu_keys_carry_the_gpu_index() -> None:
+    gpu0, gpu1 = {**GPU, "hw.id": "0"}, {**GPU, "hw.id": "1"}
+    values = values_of(
+        gauge("hw.gpu.utilization", [({**gpu0, "hw.gpu.task": "general"}, 0.5),
+                                     ({**gpu1, "hw.gpu.task": "general"}, 0.07)]),
+        counter("hw.gpu.memory.usage", [(gpu0, 12_345_000_000), (gpu1, 0)]),
+        gauge("hw.gpu.memory.utilization", [(gpu0, 0.15)]),
+        gauge("hw.power", [(gpu0, 312.5)], unit="W"),
+        gauge("otel_forge.gpu.power.utilization", [(gpu0, 0.446)]),
+        gauge("otel_forge.gpu.clock.frequency", [({**gpu0, "otel_forge.gpu.clock": "sm"}, 1_980_000_000)], unit="Hz"),
+        counter("hw.status", [({**gpu0, "hw.state": "ok"}, 1), ({**gpu0, "hw.state": "failed"}, 0),
+                              ({**gpu1, "hw.state": "ok"}, 0), ({**gpu1, "hw.state": "failed"}, 1)], unit="1"),
+    )
+
+    assert values["system/node_0/gpu_0_utilization_percentage"] == pytest.approx(50.0)
+    assert values["system/node_0/gpu_1_utilization_percentage"] == pytest.approx(7.0)
+    assert values["system/node_0/gpu_0_memory_usage_megabytes"] == pytest.approx(12_345.0)
+    assert values["system/node_0/gpu_1_memory_usage_megabytes"] == 0.0
+    assert values["system/node_0/gpu_0_memory_usage_percentage"] == pytest.approx(15.0)
+    assert values["system/node_0/gpu_0_power_usage_watts"] == pytest.approx(312.5)
+    assert values["system/node_0/gpu_0_power_usage_percentage"] == pytest.approx(44.6)
+    assert values["system/node_0/gpu_0_sm_clock_mhz"] == pytest.approx(1980.0)
+    # hw.status: only the "ok" point maps (where-filter); the "failed" one is not summed in.
+    assert values["system/node_0/gpu_0_status_ok"] == 1.0
+    assert values["system/node_0/gpu_1_status_ok"] == 0.0
+
+
+def test_a_gpu_temperature_key_is_one_sensor_never_a_sum_of_sensors() -> None:
+    gpu0 = {**GPU, "hw.id": "0", "hw.vendor": "AMD"}
+    values = values_of(gauge("hw.temperature", [({**gpu0, "hw.sensor_location": "edge"}, 45.0),
+                                                 ({**gpu0, "hw.sensor_location": "hotspot"}, 60.0)], unit="Cel"))
+
+    temperatures = {key: value for key, value in values.items() if "temperature" in key}
+    assert temperatures and set(temperatures.values()) <= {45.0, 60.0}, temperatures
+
+
+def test_no_node_prefix_is_mlflows_plain_system_prefix() -> None:
+    values = values_of(gauge("otel_forge.cpu.utilization", [({}, 0.1)]), prefix=system_prefix(None))
+
+    assert list(values) == ["system/cpu_utilization_percentage"]
+    assert system_prefix("node_0") == "system/node_0/"
+    assert system_prefix("rack 3/node:7") == "system/rack_3_node_7/"
+
+
+def test_nan_and_inf_are_skipped_and_unmapped_metrics_ignored() -> None:
+    gpu0, gpu1, gpu2 = ({**GPU, "hw.id": str(i)} for i in range(3))
+    values = values_of(gauge("hw.power", [(gpu0, math.nan), (gpu1, math.inf), (gpu2, 100.0)], unit="W"),
+                       gauge("otel_forge.cpu.utilization", [({}, -math.inf)]),
+                       gauge("system.cpu.load_average.15m", [({}, 1.0)]),  # no MLflow key
+                       gauge("not.in.the.table", [({}, 1.0)]))
+
+    assert values == {"system/node_0/gpu_2_power_usage_watts": 100.0}
+
+
+def test_a_point_without_the_placeholders_attribute_makes_no_key() -> None:
+    assert values_of(gauge("hw.gpu.utilization", [({"hw.name": "x"}, 0.5)])) == {}
+
+
+@pytest.mark.parametrize(("value", "segment"), [
+    ("/", "root"), ("/mnt/data", "mnt_data"), ("eth0", "eth0"), ("/dev/nvme0n1p1", "dev_nvme0n1p1"),
+    ("a b:c@d", "a_b_c_d"), ("", "root"), ("___", "root"), (3, "3"),
+])
+def test_key_segment(value: object, segment: str) -> None:
+    assert key_segment(value) == segment
+
+
+@pytest.mark.parametrize(("key", "sanitized"), [
+    ("system/gpu_0_utilization_percentage", "system/gpu_0_utilization_percentage"),
+    ("system/a@b#c/d", "system/a_b_c/d"),
+    ("system//x", "system/_/x"),
+    ("system/x/", "system/x/_"),
+    ("/x", "_/x"),
+    ("with space:and.colon-dash", "with space:and.colon-dash"),
+])
+def test_sanitize_key(key: str, sanitized: str) -> None:
+    from mlflow.utils.validation import _validate_metric_name
+
+    assert sanitize_key(key) == sanitized
+    _validate_metric_name(sanitize_key(key))  # MLflow's own check accepts it
+
+
+@pytest.mark.parametrize("key", ["system/./cpu_utilization_percentage", "system/../cpu_utilization_percentage"])
+def test_sanitize_key_output_is_always_accepted_by_mlflow(key: str) -> None:
+    from mlflow.utils.validation import _validate_metric_name
+
+    _validate_metric_name(sanitize_key(key))
+
+
+# --- WindowFolder ------------------------------------------------------------------------------
+
+
+def gauge_sample(key: str, value: float) -> dict[str, tuple[Fold, float]]:
+    return {key: (Fold.MEAN, value)}
+
+
+def test_window_mean_max_min_of_a_known_sequence() -> None:
+    folder = WindowFolder(samples_per_window=5, stats=("mean", "max", "min"))
+    sequence = [10, 20, 90, 40, 15, 60, 70, 5, 30, 95]
+    windows = [folder.add(gauge_sample("k", v), 1000.0 + i) for i, v in enumerate(sequence)]
+
+    assert windows[:4] == [None] * 4 and windows[5:9] == [None] * 4
+    first, second = windows[4], windows[9]
+    assert (first.index, second.index) == (0, 1)
+    assert dict(first.values) == {"k": 35.0, "k_max": 90.0, "k_min": 10.0}
+    assert dict(second.values) == {"k": 52.0, "k_max": 95.0, "k_min": 5.0}
+    # Timestamp = the window's end: the time of its last sample, in ms.
+    assert (first.timestamp_ms, second.timestamp_ms) == (1_004_000, 1_009_000)
+
+
+def test_mean_only_by_default() -> None:
+    folder = WindowFolder(samples_per_window=2)
+    folder.add(gauge_sample("k", 1.0), 1.0)
+
+    assert dict(folder.add(gauge_sample("k", 2.0), 2.0).values) == {"k": 1.5}
+
+
+def test_since_start_grows_from_the_first_sample_ever() -> None:
+    folder = WindowFolder(samples_per_window=3)
+    readings = [100, 110, 130, 150, 170, 200]
+    windows = [folder.add({"c": (Fold.SINCE_START, v)}, float(i)) for i, v in enumerate(readings)]
+
+    assert dict(windows[2].values) == {"c": 30.0}
+    assert dict(windows[5].values) == {"c": 100.0}
+
+
+def test_rates_cover_real_elapsed_time_without_gaps_between_windows() -> None:
+    folder = WindowFolder(samples_per_window=3)
+    # (time s, counter): uneven sampling, as a loaded machine does.
+    readings = [(0.0, 0.0), (1.0, 10.0), (2.5, 30.0), (3.0, 40.0), (4.5, 40.0), (6.0, 70.0), (7.0, 71.0),
+                (7.5, 73.0), (9.0, 100.0)]
+    windows = [w for t, v in readings if (w := folder.add({"r": (Fold.RATE, v)}, t)) is not None]
+
+    rates = [dict(w.values)["r"] for w in windows]
+    assert rates == pytest.approx([30.0 / 2.5, 40.0 / 3.5, 30.0 / 3.0])
+    # No gap, no overlap: each window's rate spans from the previous window's last sample, so
+    # rate x window duration adds up to the counter's whole growth.
+    durations = [2.5, 3.5, 3.0]
+    assert sum(r * d for r, d in zip(rates, durations)) == pytest.approx(100.0)
+
+
+def test_a_counter_that_goes_backwards_gives_no_rate_for_that_window() -> None:
+    folder = WindowFolder(samples_per_window=1)
+    folder.add({"r": (Fold.RATE, 100.0)}, 0.0)
+    backwards = folder.add({"r": (Fold.RATE, 50.0)}, 1.0)
+    after = folder.add({"r": (Fold.RATE, 60.0)}, 2.0)
+
+    assert dict(backwards.values) == {}
+    assert dict(after.values) == {"r": 10.0}  # restarts from the reset value
+
+
+def test_flush_closes_a_partial_window_and_the_next_window_continues_the_index() -> None:
+    folder = WindowFolder(samples_per_window=5, stats=("mean", "max"))
+    assert folder.flush() is None  # nothing yet
+    folder.add(gauge_sample("k", 4.0), 10.0)
+    folder.add(gauge_sample("k", 8.0), 10.2)
+
+    partial = folder.flush()
+
+    assert partial.index == 0
+    assert dict(partial.values) == {"k": 6.0, "k_max": 8.0}
+    assert partial.timestamp_ms == 10_200
+    assert folder.flush() is None
+    for i in range(5):
+        last = folder.add(gauge_sample("k", 1.0), 11.0 + i)
+    assert last.index == 1
+    assert dict(last.values) == {"k": 1.0, "k_max": 1.0}
+
+
+def test_a_window_holds_only_the_gauges_sampled_in_it() -> None:
+    folder = WindowFolder(samples_per_window=1)
+    folder.add({"a": (Fold.MEAN, 1.0), "b": (Fold.MEAN, 2.0)}, 0.0)
+
+    assert dict(folder.add({"a": (Fold.MEAN, 3.0)}, 1.0).values) == {"a": 3.0}
+
+
+# --- WindowSpool -------------------------------------------------------------------------------
+
+
+def window(index: int, n_values: int = 1) -> Window:
+    values = tuple((f"system/k{j}", float(index)) for j in range(n_values))
+    return Window(index, 1_700_000_000_000 + index * 1000, values)
+
+
+def test_spool_keeps_order_across_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "spool"
+    spool = WindowSpool(path, max_bytes=1 << 20, header={"run_id": "r1", "prefix": "system/"})
+    for i in range(5):
+        assert spool.append(window(i))
+
+    reopened = WindowSpool(path, max_bytes=1 << 20)
+    assert len(reopened) == 5
+    assert reopened.peek() == window(0)
+    reopened.pop()
+    reopened.pop()
+    assert reopened.append(window(5))  # numbered after the files already there
+
+    again = WindowSpool.open(path)
+    order = []
+    while (item := again.peek()) is not None:
+        order.append(item.index)
+        again.pop()
+    assert order == [2, 3, 4, 5]
+    assert again.header["run_id"] == "r1"
+    assert again.remove_if_empty() and not path.exists()
+
+
+def test_spool_cap_refuses_and_the_worker_counts_the_drop(tmp_path: Path) -> None:
+    one = len(json.dumps(window(0).to_json()))
+    spool = WindowSpool(tmp_path / "spool", max_bytes=3 * one)
+    assert [spool.append(window(i)) for i in range(4)] == [True, True, True, False]
+    assert len(spool) == 3 and spool.size_bytes == 3 * one
+
+    release = threading.Event()
+    worker = DeliveryWorker(lambda item: release.wait(), name="cap", max_queue=1,
+                            overflow=WindowSpool(tmp_path / "worker-spool", max_bytes=2 * one))
+    try:
+        results = [worker.submit(window(i)) for i in range(5)]
+        # 1 in the queue, 2 in the spool, 2 refused by the cap and counted.
+        assert results == [True, True, True, False, False]
+        assert (worker.stats.spooled, worker.stats.dropped) == (2, 2)
+    finally:
+        release.set()
+        worker.close(5)
+
+
+def test_spool_header_records_first_step(tmp_path: Path) -> None:
+    path = tmp_path / "spool"
+    spool = WindowSpool(path, max_bytes=1 << 20, header={"run_id": "r1", "node_id": "node_0"})
+    spool.update_header(first_step=8)  # known before the first window spills: kept for it
+    spool.append(window(0))
+
+    assert json.loads((path / HEADER).read_text())["first_step"] == 8
+    assert WindowSpool.open(path).header == {"run_id": "r1", "node_id": "node_0", "first_step": 8}
+    spool.update_header(first_step=9)
+    assert WindowSpool.open(path).header["first_step"] == 9
+
+
+def test_open_refuses_a_directory_that_is_not_a_spool(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not an otel-forge spool"):
+        WindowSpool.open(tmp_path)
+
+
+# --- DeliveryWorker ----------------------------------------------------------------------------
+
+
+def call_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"{name}-call"]
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def test_worker_delivers_in_order() -> None:
+    delivered: list[int] = []
+    worker: DeliveryWorker[int] = DeliveryWorker(delivered.append, name="order", max_queue=1000)
+    for i in range(200):
+        assert worker.submit(i)
+
+    assert worker.close(10) == 0
+    assert delivered == list(range(200))
+    assert worker.stats.delivered == 200
+
+
+def test_worker_spills_to_the_spool_when_the_queue_is_full_and_keeps_order(tmp_path: Path) -> None:
+    release = threading.Event()
+    delivered: list[int] = []
+
+    def deliver(item: Window) -> None:
+        release.wait()
+        delivered.append(item.index)
+
+    spool = WindowSpool(tmp_path / "spool", max_bytes=1 << 20)
+    worker = DeliveryWorker(deliver, name="spill", max_queue=2, overflow=spool, call_deadline_s=30)
+    for i in range(10):
+        assert worker.submit(window(i))
+
+    assert worker.stats.spooled == 8  # 0 and 1 wait in memory (0 is being delivered)
+    assert len(spool) == 8 and worker.pending() == 10
+    release.set()
+    assert wait_until(lambda: worker.pending() == 0)
+    assert worker.close(5) == 0
+    assert delivered == list(range(10))
+    assert len(spool) == 0
+
+
+def test_a_hung_deliver_costs_a_thread_and_a_warning_never_the_caller(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_forge.worker")
+    release = threading.Event()
+    worker = DeliveryWorker(lambda item: release.wait(), name="hung", max_queue=4, call_deadline_s=0.2,
+                            max_call_threads=3, backoff_initial_s=0.01, backoff_max_s=0.01)
+    try:
+        submit_times = []
+        for i in range(50):  # far more than the queue holds: the rest are dropped, never waited for
+            started = time.perf_counter()
+            worker.submit(i)
+            submit_times.append(time.perf_counter() - started)
+            time.sleep(0.01)
+
+        assert max(submit_times) < 0.05, max(submit_times)
+        # Each retry of the hung item costs a call thread, up to max_call_threads; then the sender
+        # waits for a free one instead of starting more.
+        assert wait_until(lambda: worker.stats.hung_calls >= 3, 5)
+        time.sleep(0.5)
+        assert worker.stats.hung_calls == 3
+        assert len(call_threads("hung")) == 3
+        hung = [r for r in caplog.records if "exceeded its" in r.getMessage()]
+        assert len(hung) == 1, [r.getMessage() for r in caplog.records]  # rate-limited
+        assert worker.stats.dropped == 50 - 4  # the queue holds 4 (no spool here): the rest are counted
+    finally:
+        release.set()
+        worker.close(5)
+    assert wait_until(lambda: not call_threads("hung"))
+
+
+def test_worker_thread_cap_is_respected() -> None:
+    release = threading.Event()
+    worker = DeliveryWorker(lambda item: release.wait(), name="cap2", call_deadline_s=0.05, max_call_threads=2,
+                            backoff_initial_s=0.01, backoff_max_s=0.01)
+    try:
+        worker.submit(1)
+        most = 0
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            most = max(most, len(call_threads("cap2")))
+            time.sleep(0.005)
+        assert most == 2
+        assert worker.stats.hung_calls >= 2
+    finally:
+        release.set()
+        worker.close(5)
+
+
+def _failing(errors: dict[int, list[BaseException]], delivered: list[int]):  # type: ignore[no-untyped-def]
+    def deliver(item: int) -> None:
+        if errors.get(item):
+            raise errors[item].pop(0)
+        delivered.append(item)
+
+    return deliver
+
+
+class Gone(Exception):
+    pass
+
+
+class Refused(Exception):
+    pass
+
+
+def _classify(error: BaseException) -> Outcome:
+    if isinstance(error, Gone):
+        return Outcome.STOP
+    if isinstance(error, Refused):
+        return Outcome.DROP
+    return Outcome.RETRY
+
+
+def test_retry_keeps_the_item_first_in_line() -> None:
+    delivered: list[int] = []
+    errors = {1: [ConnectionError("down"), ConnectionError("down"), TimeoutError("slow")]}
+    worker = DeliveryWorker(_failing(errors, delivered), name="retry", classify=_classify, backoff_initial_s=0.01)
+    for i in range(4):
+        worker.submit(i)
+
+    assert worker.close(5) == 0
+    assert delivered == [0, 1, 2, 3]
+    assert worker.stats.retried == 3 and worker.stats.dropped == 0
+
+
+def test_drop_skips_only_that_item() -> None:
+    delivered: list[int] = []
+    worker = DeliveryWorker(_failing({1: [Refused("bad key")]}, delivered), name="drop", classify=_classify)
+    for i in range(4):
+        worker.submit(i)
+
+    worker.close(5)
+    assert delivered == [0, 2, 3]
+    assert worker.stats.dropped == 1 and not worker.stopped
+
+
+def test_stop_ends_delivery_for_good_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_forge.worker")
+    delivered: list[int] = []
+    worker = DeliveryWorker(_failing({1: [Gone("run deleted")]}, delivered), name="stop", classify=_classify)
+    for i in range(4):
+        worker.submit(i)
+
+    assert wait_until(lambda: worker.stopped)
+    assert worker.submit(99) is False
+    worker.close(5)
+    assert delivered == [0]
+    assert [r.getMessage() for r in caplog.records if "delivery stopped" in r.getMessage()] == [
+        "stop: delivery stopped: run deleted"]
+
+
+def test_close_drains_under_its_deadline_and_leaves_the_rest_in_the_spool(tmp_path: Path) -> None:
+    def slow(item: Window) -> None:
+        time.sleep(0.1)
+
+    spool = WindowSpool(tmp_path / "spool", max_bytes=1 << 20)
+    worker = DeliveryWorker(slow, name="drain", max_queue=100, overflow=spool)
+    for i in range(30):
+        worker.submit(window(i))
+
+    started = time.monotonic()
+    left = worker.close(0.55)
+    elapsed = time.monotonic() - started
+
+    delivered = worker.stats.delivered  # acknowledged; the call in flight at the deadline is not
+    assert elapsed < 1.5, elapsed
+    assert 2 <= delivered <= 7, delivered
+    assert left == len(spool) == 30 - delivered
+    spooled = []
+    while (item := spool.peek()) is not None:
+        spooled.append(item.index)
+        spool.pop()
+    assert spooled == list(range(delivered, 30))  # exactly the rest, in order
+
+
+def test_close_keeps_order_when_the_queue_and_the_spool_both_hold_windows(tmp_path: Path) -> None:
+    release = threading.Event()
+    spool = WindowSpool(tmp_path / "spool", max_bytes=1 << 20)
+    worker = DeliveryWorker(lambda item: release.wait(), name="order-at-close", max_queue=2, overflow=spool,
+                            call_deadline_s=30)
+    try:
+        for i in range(6):
+            worker.submit(window(i))  # 0, 1 in memory; 2..5 in the spool
+        left = worker.close(0.2)
+    finally:
+        release.set()
+
+    spooled = []
+    while (item := spool.peek()) is not None:
+        spooled.append(item.index)
+        spool.pop()
+    assert left == 6
+    assert spooled == [0, 1, 2, 3, 4, 5]
+
+
+def test_retry_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_forge.worker")
+
+    def always_down(item: int) -> None:
+        raise ConnectionError("connection refused")
+
+    worker = DeliveryWorker(always_down, name="noisy", backoff_initial_s=0.01, backoff_max_s=0.01)
+    worker.submit(1)
+    assert wait_until(lambda: worker.stats.retried >= 10)
+    worker.close(0.1)
+
+    retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) == 1
+    assert worker.stats.retried >= 10
