@@ -92,7 +92,10 @@ def build_resource(config: ForgeConfig, node: NodeIdentity) -> Resource:
     """The OTel Resource of this agent: service, host, node id, then ``OTEL_RESOURCE_ATTRIBUTES``."""
     from opentelemetry.sdk.resources import Resource
 
-    attributes: dict[str, str] = {"service.name": config.service_name, "host.name": node.hostname}
+    # One agent per node: the host names the instance, so a restarted agent continues its series
+    # (the SDK's default is a new UUID per process).
+    attributes: dict[str, str] = {"service.name": config.service_name, "service.instance.id": node.hostname,
+                                  "host.name": node.hostname}
     if (machine_id := host_id()) is not None:
         attributes["host.id"] = machine_id
     if node.node_id is not None:

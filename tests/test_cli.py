@@ -75,3 +75,20 @@ def test_doctor_json_lists_the_spool(tmp_path, capsys, monkeypatch):
     report = json.loads(capsys.readouterr().out)
     assert report["spools"] == [{"path": str(tmp_path / "r-n-1"), "run_id": "r", "node_id": None,
                                  "pending_windows": 2, "stats": {}, "replay": f"otel-forge replay {tmp_path / 'r-n-1'}"}]
+
+
+def test_repeated_sdk_errors_are_let_through_once_a_minute():
+    import logging
+
+    from otel_forge.cli import RepeatFilter
+
+    repeat = RepeatFilter("opentelemetry", interval_s=60.0)
+
+    def record(name, msg):
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, (), None)
+
+    failed = "Failed to export metrics batch"
+    assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
+    assert not repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
+    assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", "another message"))
+    assert repeat.filter(record("otel_forge.worker", failed)) and repeat.filter(record("otel_forge.worker", failed))

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -14,6 +15,26 @@ from otel_forge.config import ConfigError
 from otel_forge.pipeline import EndpointError
 
 USAGE_ERROR = 2
+
+
+class RepeatFilter(logging.Filter):
+    """Lets a message template of the loggers under ``prefix`` through at most once per interval."""
+
+    def __init__(self, prefix: str, interval_s: float) -> None:
+        super().__init__()
+        self._prefix = prefix
+        self._interval_s = interval_s
+        self._last: dict[tuple[str, object], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self._prefix):
+            return True
+        key = (record.name, record.msg)
+        now = time.monotonic()
+        if now - self._last.get(key, -self._interval_s) < self._interval_s:
+            return False
+        self._last[key] = now
+        return True
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.child_environ = child_environ
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="otel-forge: %(levelname)s %(name)s: %(message)s")
+    # The OTel SDK logs a failed OTLP export every interval: once a minute is enough to be told.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RepeatFilter("opentelemetry", interval_s=60.0))
     # The delivery worker retries with its own backoff; urllib3's per-attempt lines are noise.
     logging.getLogger("urllib3").setLevel(max(level, logging.ERROR))
     # In the agent's own process our worker does the retrying: one attempt per call.

@@ -1,0 +1,273 @@
+"""The shipped alert rules on a real Prometheus that scrapes a real ``otel-forge monitor``.
+
+One stack for the module: a real MLflow server (the session's) with a run, one agent with 2 fake
+NVIDIA GPUs into that run (hot and throttling, an XID, uncorrectable ECC errors on GPU 0, GPU 1
+idle), and one Prometheus whose config is the shipped ``prometheus.yml`` with test targets:
+
+- job ``otel-forge``: its static target is a port nothing listens on (an agent that is down), its
+  file-based discovery file (from the shipped example) names the live agent;
+- job ``otel-forge-gateway``: discovery names the live agent too, with metric relabeling that gives
+  unit-1 gauges the ``_ratio`` suffix an OpenTelemetry Collector gives them (no Collector can be
+  installed here; this emulates its naming only, not its job/instance labels).
+
+So every rule is evaluated against both name forms. The rules are the shipped ones with each
+``for:`` cut to 1s (the expressions are identical, which a test asserts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from servers import PROMETHEUS_BINARY, PrometheusServer, fake_gpu_env, free_port, http_get, start_agent, wait_for
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "collector-config"
+RULES = CONFIG_DIR / "alert-rules.yml"
+SHORT_FOR = "1s"
+
+SCENARIO = {
+    "count": 2, "amd": False, "hot": True, "xid_events": [[0, 79]],
+    "sequences": {"0": {"utilization": [95], "ecc_uncorrected": [2]}, "1": {"utilization": [0]}},
+}
+
+# For each rule, a selector that must find series on the live stack: the rule's metrics exist
+# under the names it uses, so a rule that does not fire is quiet for the right reason.
+WITNESSES = {
+    "OtelForgeGpuTemperatureHigh": 'hw_temperature_celsius{hw_type="gpu", hw_sensor_location="gpu"}',
+    "OtelForgeGpuThermalThrottling": '{__name__=~"otel_forge_gpu_throttle(_ratio)?", '
+                                     'otel_forge_gpu_throttle_reason="hw_thermal_slowdown"}',
+    "OtelForgeGpuXidError": "otel_forge_gpu_xid_errors_total",
+    "OtelForgeGpuUncorrectableEccErrors": 'hw_errors_total{hw_type="gpu", hw_error_type="uncorrected"}',
+    "OtelForgeGpuLost": 'hw_status{hw_type="gpu", hw_state="failed"}',
+    "OtelForgeGpuIdleDuringRun": 'otel_forge_run_info == 1',
+    "OtelForgeMlflowDeliverySpooling": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="spooled"}',
+    "OtelForgeMlflowDeliveryDropping": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="dropped"}',
+    "OtelForgeAgentDown": 'up{job="otel-forge"}',
+    "OtelForgeGatewayDown": 'up{job="otel-forge-gateway"}',
+    "OtelForgeAgentStoppedReporting": "otel_forge_collector_reads_total",
+}
+BOTH_JOBS = {"otel-forge", "otel-forge-gateway"}
+# (alert, job) pairs the scenario must fire.
+EXPECTED_FIRING = {
+    *((alert, job) for job in BOTH_JOBS for alert in (
+        "OtelForgeGpuTemperatureHigh", "OtelForgeGpuThermalThrottling", "OtelForgeGpuXidError",
+        "OtelForgeGpuUncorrectableEccErrors", "OtelForgeGpuIdleDuringRun")),
+    ("OtelForgeAgentDown", "otel-forge"),
+}
+NEVER_FIRING = {"OtelForgeGpuLost", "OtelForgeMlflowDeliverySpooling", "OtelForgeMlflowDeliveryDropping",
+                "OtelForgeGatewayDown", "OtelForgeAgentStoppedReporting"}
+
+
+def shipped_rules() -> list[dict[str, Any]]:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def short_for_rules(path: Path) -> Path:
+    """The shipped rules with every ``for:`` cut to SHORT_FOR."""
+    document = yaml.safe_load(RULES.read_text())
+    for group in document["groups"]:
+        for rule in group["rules"]:
+            rule["for"] = SHORT_FOR
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def unit_one_gauges() -> list[str]:
+    """Prometheus names of otel_forge's unit-1 gauges: the ones a Collector suffixes with _ratio."""
+    from otel_forge.names import METRICS, Kind
+
+    return sorted({spec.name.replace(".", "_") for spec in METRICS if spec.kind == Kind.GAUGE and spec.unit == "1"})
+
+
+def prometheus_test_config(directory: Path, agent_target: str, dead_target: str, rules: Path) -> Path:
+    """The shipped prometheus.yml, pointed at this test's targets and rules."""
+    config = yaml.safe_load((CONFIG_DIR / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(rules)]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    jobs["otel-forge"]["static_configs"] = [{"targets": [dead_target]}]
+    examples = {"otel-forge": "nodes.yml.example", "otel-forge-gateway": "gateway.yml.example"}
+    for job_name, example in examples.items():
+        targets = directory / "targets" / job_name
+        targets.mkdir(parents=True)
+        groups = yaml.safe_load((CONFIG_DIR / "targets" / job_name / example).read_text())
+        groups = [{**groups[0], "targets": [agent_target]}]
+        (targets / example.removesuffix(".example")).write_text(yaml.safe_dump(groups))
+        for sd in jobs[job_name]["file_sd_configs"]:
+            sd["files"] = [str(directory / pattern) for pattern in sd["files"]]
+    jobs["otel-forge-gateway"]["metric_relabel_configs"] = [{
+        "source_labels": ["__name__"], "regex": f"({'|'.join(unit_one_gauges())})",
+        "target_label": "__name__", "replacement": "${1}_ratio"}]
+    path = directory / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def start_prometheus_with(config_path: Path, directory: Path) -> PrometheusServer:
+    port = free_port()
+    log = open(directory / "prometheus.log", "wb")
+    process = subprocess.Popen(
+        [PROMETHEUS_BINARY, f"--config.file={config_path}", f"--storage.tsdb.path={directory / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory)
+    log.close()
+    server = PrometheusServer(process, f"http://127.0.0.1:{port}", directory)
+    try:
+        def ready() -> bool:
+            assert process.poll() is None, f"prometheus exited with {process.returncode}:\n{server.log}"
+            return http_get(f"{server.url}/-/ready", timeout_s=1.0)[0] == 200
+
+        wait_for(ready, 30.0, message=lambda: f"prometheus ready\n{server.log[-3000:]}")
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def mlflow_run(mlflow_server):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server.uri)
+    experiment_id = client.create_experiment("collector-config-alerts")
+    run = client.create_run(experiment_id, run_name="stalled-run")
+    yield {"uri": mlflow_server.uri, "run_id": run.info.run_id, "experiment_id": experiment_id,
+           "run_name": "stalled-run"}
+
+
+@pytest.fixture(scope="module")
+def stack(mlflow_run, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("collector-config-live")
+    agent = start_agent(["--prometheus-port", "0", "--interval", "1", "--node-id", "node_0",
+                         "--run-id", mlflow_run["run_id"], "--tracking-uri", mlflow_run["uri"]],
+                        env=fake_gpu_env(SCENARIO))
+    try:
+        rules = short_for_rules(directory / "alert-rules.yml")
+        config = prometheus_test_config(directory, agent.scrape_target, f"127.0.0.1:{free_port()}", rules)
+        with start_prometheus_with(config, directory) as prometheus:
+            prometheus.wait_for_series('otel_forge_run_info{job="otel-forge-gateway"}', timeout_s=30)
+            prometheus.wait_for_series('otel_forge_run_info{job="otel-forge"}', timeout_s=30)
+            yield {"prometheus": prometheus, "agent": agent, "run": mlflow_run}
+    finally:
+        agent.stop()
+
+
+def alerts(prometheus: PrometheusServer) -> list[dict[str, Any]]:
+    status, body = http_get(f"{prometheus.url}/api/v1/alerts")
+    assert status == 200, body
+    return json.loads(body)["data"]["alerts"]
+
+
+def alert_summary(prometheus: PrometheusServer) -> list[tuple[str, str, str, str]]:
+    """(alert, job, GPU, state) of every active alert, for failure messages."""
+    return sorted({(a["labels"]["alertname"], a["labels"].get("job", ""), a["labels"].get("hw_id", ""), a["state"])
+                   for a in alerts(prometheus)})
+
+
+def test_the_test_rules_differ_from_the_shipped_ones_only_in_for(tmp_path):
+    shortened = yaml.safe_load(short_for_rules(tmp_path / "rules.yml").read_text())
+    shipped = yaml.safe_load(RULES.read_text())
+    for group in shortened["groups"]:
+        for rule in group["rules"]:
+            rule.pop("for")
+    for group in shipped["groups"]:
+        for rule in group["rules"]:
+            rule.pop("for", None)
+    assert shortened == shipped
+
+
+def test_every_rule_has_a_witness():
+    assert {rule["alert"] for rule in shipped_rules()} == set(WITNESSES)
+
+
+def test_both_name_forms_are_scraped(stack):
+    prometheus = stack["prometheus"]
+    assert {s["metric"]["job"] for s in prometheus.query("hw_gpu_utilization")} == {"otel-forge"}
+    assert {s["metric"]["job"] for s in prometheus.query("hw_gpu_utilization_ratio")} == {"otel-forge-gateway"}
+    assert {s["metric"]["job"] for s in prometheus.query("otel_forge_gpu_throttle_ratio")} == {"otel-forge-gateway"}
+
+
+@pytest.mark.parametrize("alert", sorted(WITNESSES))
+def test_rule_metrics_exist(stack, alert):
+    prometheus = stack["prometheus"]
+    assert prometheus.wait_for_series(WITNESSES[alert], timeout_s=15), alert
+
+
+@pytest.mark.parametrize("rule", shipped_rules(), ids=lambda rule: rule["alert"])
+def test_rule_expression_evaluates(stack, rule):
+    # The shipped expression, as an instant query: a parse or evaluation error raises here.
+    result = stack["prometheus"].query(rule["expr"])
+    assert isinstance(result, list)
+
+
+def test_every_rule_evaluates_healthy(stack):
+    prometheus = stack["prometheus"]
+
+    def evaluated() -> list[dict[str, Any]] | None:
+        status, body = http_get(f"{prometheus.url}/api/v1/rules")
+        assert status == 200, body
+        rules = [rule for group in json.loads(body)["data"]["groups"] for rule in group["rules"]]
+        done = len(rules) == len(WITNESSES) and all(rule["health"] != "unknown" for rule in rules)
+        return rules if done else None
+
+    rules = wait_for(evaluated, 15.0, message="every rule evaluated once")
+    unhealthy = {rule["name"]: rule.get("lastError") for rule in rules if rule["health"] != "ok"}
+    assert unhealthy == {}
+
+
+def test_scenario_fires_the_expected_alerts(stack):
+    prometheus = stack["prometheus"]
+
+    def firing() -> set[tuple[str, str]] | None:
+        now = {(a["labels"]["alertname"], a["labels"]["job"]) for a in alerts(prometheus) if a["state"] == "firing"}
+        return now if EXPECTED_FIRING <= now else None
+
+    fired = wait_for(firing, 45.0, interval_s=0.5,
+                     message=lambda: f"alerts {sorted(EXPECTED_FIRING)}; have {alert_summary(prometheus)}")
+    assert not {name for name, _ in fired} & NEVER_FIRING, fired
+
+
+def test_stalled_training_alert_names_the_run_and_the_idle_gpu(stack):
+    prometheus, run = stack["prometheus"], stack["run"]
+
+    def idle() -> list[dict[str, Any]] | None:
+        found = [a for a in alerts(prometheus)
+                 if a["labels"]["alertname"] == "OtelForgeGpuIdleDuringRun" and a["state"] == "firing"]
+        return found if len(found) == 2 else None
+
+    found = wait_for(idle, 45.0, interval_s=0.5,
+                     message=lambda: f"GPU-idle alert of both jobs; have {alert_summary(prometheus)}")
+    for alert in found:
+        labels = alert["labels"]
+        assert labels["hw_id"] == "1", labels  # GPU 0 runs at 95%
+        assert labels["mlflow_run_id"] == run["run_id"]
+        assert labels["mlflow_run_name"] == run["run_name"]
+        assert labels["mlflow_experiment_id"] == run["experiment_id"]
+        assert labels["otel_forge_node_id"] == "node_0"
+        assert labels["severity"] == "warning"
+        assert run["run_id"] in alert["annotations"]["summary"]
+
+
+def test_gpu_alerts_name_the_right_gpus(stack):
+    prometheus = stack["prometheus"]
+    wait_for(lambda: {a["labels"]["alertname"] for a in alerts(prometheus) if a["state"] == "firing"}
+             >= {"OtelForgeGpuXidError", "OtelForgeGpuUncorrectableEccErrors", "OtelForgeGpuTemperatureHigh"},
+             45.0, interval_s=0.5, message=lambda: f"GPU alerts firing; have {alert_summary(prometheus)}")
+    by_name: dict[str, set[tuple[str, str]]] = {}
+    for alert in alerts(prometheus):
+        if alert["state"] == "firing":
+            labels = alert["labels"]
+            by_name.setdefault(labels["alertname"], set()).add((labels["job"], labels.get("hw_id", "")))
+    both_gpus = {(job, gpu) for job in BOTH_JOBS for gpu in ("0", "1")}
+    assert by_name["OtelForgeGpuTemperatureHigh"] == both_gpus
+    assert by_name["OtelForgeGpuThermalThrottling"] == both_gpus
+    assert by_name["OtelForgeGpuXidError"] == {(job, "0") for job in BOTH_JOBS}
+    assert by_name["OtelForgeGpuUncorrectableEccErrors"] == {(job, "0") for job in BOTH_JOBS}
+    xid = next(a for a in alerts(prometheus) if a["labels"]["alertname"] == "OtelForgeGpuXidError")
+    assert xid["labels"]["otel_forge_gpu_xid"] == "79" and xid["labels"]["severity"] == "critical"
