@@ -46,8 +46,10 @@ def _http_status(error: BaseException) -> int | None:
 
 
 # MLflow's HTTP defaults (2 min timeout, 7 retries with growing backoff) would hide a down server
-# inside one call for minutes. Bounded, as the user's own settings allow: theirs win.
-MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
+# inside one call for minutes: bounded. Ending a run prints its URL, credentials included: not.
+# The user's own settings win.
+MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+                   "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
 _import_lock = threading.Lock()
@@ -56,7 +58,7 @@ _import_lock = threading.Lock()
 def import_mlflow() -> Any:
     """Import mlflow once, under a lock: two threads importing it at once can see it half-made."""
     with _import_lock:
-        for name, value in MLFLOW_HTTP_DEFAULTS.items():
+        for name, value in MLFLOW_DEFAULTS.items():
             os.environ.setdefault(name, value)
         import mlflow
         import mlflow.entities  # noqa: F401 - the entities every caller needs, imported here once

@@ -47,8 +47,10 @@ class RunInfoCollector(Collector):
 
     def read(self, readings: Readings) -> None:
         logger = self._window_logger
+        if logger.experiment_id is None:
+            return  # not read from the server yet: one series per run, never a relabelled one
         readings.add("otel_forge.run.info", 1, {
-            "mlflow.run.id": logger.run_id, "mlflow.experiment.id": logger.experiment_id or "",
+            "mlflow.run.id": logger.run_id, "mlflow.experiment.id": logger.experiment_id,
             "mlflow.run.name": logger.run_name or "", "otel_forge.node.id": self._node_id or ""})
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, import_mlflow, live_run, make_client
-from otel_forge.mlflow.keys import key_segment
+from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.run_metadata import (
     NOTE_TAG,
     batches,
@@ -203,10 +203,10 @@ class TrainingRun:
         """On the owner thread: experiment, run (new or resumed), then system metrics."""
         try:
             client = make_client(self.tracking_uri)
-            experiment_id = self._experiment_id(client)
             run = self._resume(client) if self.requested_run_id else None
             if run is None and self._owns_run:
-                run = self._create(client, experiment_id)
+                # Only a new run needs the experiment: a resumed one already has its own.
+                run = self._create(client, self._experiment_id(client))
         except Exception as error:  # noqa: BLE001 - reported once; training goes on without MLflow
             hint = f". {_DATABRICKS_AUTH_HINT}" if _is_databricks(self.tracking_uri) and _auth_error(error) else ""
             _logger.warning("MLflow logging disabled: %s%s", scrub(_first_line(error)), hint)
@@ -273,7 +273,8 @@ class TrainingRun:
 
     def _log_params(self, run: OpenRun, params: Mapping[str, str]) -> None:
         Param = import_mlflow().entities.Param
-        run.client.log_batch(run.run_id, params=[Param(k, scrub(v)) for k, v in params.items()], synchronous=True)
+        run.client.log_batch(run.run_id, params=[Param(sanitize_key(k), scrub(v)) for k, v in params.items()],
+                             synchronous=True)
 
     def _log_tags(self, run: OpenRun) -> None:
         RunTag = import_mlflow().entities.RunTag
@@ -294,7 +295,7 @@ class TrainingRun:
             return
         self._begin_opening()
         timestamp_ms = int(time.time() * 1000)  # fixed now: a retry resends identical metrics
-        values = {str(k): _as_float(v) for k, v in metrics.items()}
+        values = {sanitize_key(str(k)): _as_float(v) for k, v in metrics.items()}
         if not self._submit(lambda: self._log_metrics(values, step, timestamp_ms)):
             self._warnings.warning("log-queue", "MLflow: metrics at step %d were not queued", step)
 
@@ -459,11 +460,14 @@ def _as_float(value: Any) -> float | None:
 
 
 def _json_safe(data: Any) -> Any:
+    """The config as JSON can hold it, with credentials scrubbed out of its text values."""
     if isinstance(data, Mapping):
         return {str(k): _json_safe(v) for k, v in data.items()}
     if isinstance(data, list):
         return [_json_safe(v) for v in data]
-    return data if isinstance(data, (str, int, float, bool)) or data is None else str(data)
+    if isinstance(data, str):
+        return scrub(data)
+    return data if isinstance(data, (int, float, bool)) or data is None else scrub(str(data))
 
 
 def _first_line(error: BaseException) -> str:

@@ -1,0 +1,833 @@
+"""Builds the Grafana dashboards of ``dashboards/`` from one description: ``python dashboards/build.py``.
+
+Every metric a query names is looked up in otel_forge's metric table (``otel_forge.names.METRICS``)
+and turned into the name the OTel Prometheus exporter gives it (``hw.power`` W -> ``hw_power_watts``,
+``hw.energy`` J counter -> ``hw_energy_joules_total``). Unit-1 gauges are selected as
+``{__name__=~"hw_gpu_utilization(_ratio)?"}``: scraped from the agent they carry no suffix, through an
+OpenTelemetry Collector's Prometheus exporter they end in ``_ratio``; one query reads both.
+
+Variables every dashboard has: ``datasource`` (a Prometheus data source; no uid is hard-coded),
+``job`` and ``node`` (the ``job`` and ``instance`` labels: scrape job and ``host:port`` when
+Prometheus scrapes the agent, ``service.name`` and ``service.instance.id`` through a Collector) and
+``gpu`` (``hw_id``). The run dashboard adds ``run`` (an MLflow run id) and ``tracking_uri``.
+
+``python dashboards/build.py --check`` exits 1 when a JSON file differs from what this file builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otel_forge.names import METRICS, Kind, MetricSpec
+
+HERE = Path(__file__).resolve().parent
+SCHEMA_VERSION = 41  # Grafana 12.0
+TAG = "otel-forge"
+DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
+
+# --- metric names ---------------------------------------------------------------------------------
+
+_UNIT_SUFFIX = {"By": "bytes", "W": "watts", "J": "joules", "Cel": "celsius", "Hz": "hertz", "s": "seconds",
+                "By/s": "bytes_per_second", "1": "", "": ""}
+SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+
+
+def prometheus_name(spec: MetricSpec) -> str:
+    """The name the OTel Prometheus exporter gives ``spec`` (without the Collector's ``_ratio``)."""
+    name = spec.name.replace(".", "_")
+    if not spec.unit.startswith("{"):
+        suffix = _UNIT_SUFFIX[spec.unit]
+        if suffix and not name.endswith("_" + suffix):
+            name += "_" + suffix
+    if spec.kind is Kind.COUNTER:
+        name += "_total"
+    return name
+
+
+def has_ratio_form(spec: MetricSpec) -> bool:
+    """Through a Collector a unit-1 metric may end in ``_ratio`` (gauges do; matching all unit-1 is harmless)."""
+    return spec.unit == "1"
+
+
+def sel(metric: str, *matchers: str) -> str:
+    """A selector of otel_forge metric ``metric`` (its OTel name) that matches both name forms."""
+    spec = SPECS[metric]  # KeyError: the dashboards name a metric otel_forge does not have
+    name = prometheus_name(spec)
+    if has_ratio_form(spec):
+        return "{" + ", ".join((f'__name__=~"{name}(_ratio)?"', *matchers)) + "}"
+    return name + ("{" + ", ".join(matchers) + "}" if matchers else "")
+
+
+# Label matchers, as the dashboards' variables fill them.
+JOB = 'job=~"$job"'
+NODE = 'instance=~"$node"'
+GPU = 'hw_id=~"$gpu"'
+RUN = 'mlflow_run_id="$run"'
+HOST = (JOB, NODE)
+MEM_USED = 'system_memory_state="used"'
+GPU_OK = 'hw_state="ok"'
+NOT_IDLE = 'otel_forge_gpu_throttle_reason!="gpu_idle"'
+SM_CLOCK = 'otel_forge_gpu_clock="sm"'
+KNOWN_RUN = 'mlflow_experiment_id!=""'  # the run_info series written once the agent has read the run
+
+GPUS = (JOB, NODE, GPU)
+
+
+def agent_up(*matchers: str, rate_window: str = "$__rate_interval") -> str:
+    """1 per agent that answers, 0 per agent that does not, by (job, instance).
+
+    Scraped directly, Prometheus's ``up`` says it. Through a Collector ``up`` is the Collector's own,
+    so an agent counts as up while its hardware-read counter grows (a dead agent's series stay
+    frozen in the Collector until they expire).
+    """
+    reads = sel("otel_forge.collector.reads", *matchers)
+    return (f"max by (job, instance) (up{{{', '.join(matchers)}}})"
+            f" or max by (job, instance) (rate({reads}[{rate_window}]) > bool 0)")
+
+
+def run_info(*matchers: str, over_range: bool = False) -> str:
+    """The run's info series, one per (job, instance); ``over_range``: present anywhere in the range.
+
+    Only job, instance and the node id are kept: an agent exports the series before it has read the
+    run (empty experiment id and run name), then with them, so those labels change under one agent.
+    """
+    info = sel("otel_forge.run.info", JOB, NODE, RUN, *matchers)
+    if over_range:
+        info = f"last_over_time({info}[$__range])"
+    return f"max by (job, instance, otel_forge_node_id) ({info})"
+
+
+def in_run(expr: str, over_range: bool = False) -> str:
+    """``expr`` (keeping job and instance) restricted to the run's nodes and, as a range query, to its time.
+
+    The join: ``otel_forge_run_info`` is 1 while an agent serves the run; ``group_left`` copies the
+    node id onto every series of that agent.
+    """
+    return f"({expr}) * on (job, instance) group_left (otel_forge_node_id) {run_info(over_range=over_range)}"
+
+
+# --- panels -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Query:
+    expr: str
+    legend: str = ""
+    instant: bool = False
+    fmt: str = "time_series"
+
+
+@dataclass
+class Panel:
+    """One panel before layout; ``json()`` renders it at a grid position."""
+
+    kind: str  # timeseries | stat | table | heatmap
+    title: str
+    queries: list[Query]
+    description: str = ""
+    unit: str = "short"
+    width: int = 8
+    height: int = 8
+    stack: bool = False
+    decimals: int | None = None
+    min: float | None = None
+    max: float | None = None
+    thresholds: list[tuple[float | None, str]] = field(default_factory=lambda: [(None, "green")])
+    mappings: list[dict[str, Any]] = field(default_factory=list)
+    links: list[dict[str, Any]] = field(default_factory=list)
+    transformations: list[dict[str, Any]] = field(default_factory=list)
+    color_mode: str | None = None
+    legend_table: bool = False
+    no_value: str | None = None
+
+    def json(self, panel_id: int, x: int, y: int) -> dict[str, Any]:
+        defaults: dict[str, Any] = {
+            "unit": self.unit,
+            "color": {"mode": self.color_mode
+                      or ("thresholds" if self.kind in ("stat", "table") else "palette-classic")},
+            "thresholds": {"mode": "absolute",
+                           "steps": [{"value": value, "color": color} for value, color in self.thresholds]},
+            "mappings": self.mappings,
+        }
+        for key in ("decimals", "min", "max"):
+            if getattr(self, key) is not None:
+                defaults[key] = getattr(self, key)
+        if self.links:
+            defaults["links"] = self.links
+        if self.no_value is not None:
+            defaults["noValue"] = self.no_value
+        custom, options = _KIND_OPTIONS[self.kind](self)
+        if custom is not None:
+            defaults["custom"] = custom
+        panel: dict[str, Any] = {
+            "type": self.kind,
+            "id": panel_id,
+            "title": self.title,
+            "description": self.description,
+            "datasource": DS,
+            "gridPos": {"h": self.height, "w": self.width, "x": x, "y": y},
+            "targets": [_target(query, chr(ord("A") + index)) for index, query in enumerate(self.queries)],
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": options,
+        }
+        if self.transformations:
+            panel["transformations"] = self.transformations
+        return panel
+
+
+def _target(query: Query, ref_id: str) -> dict[str, Any]:
+    return {"datasource": DS, "refId": ref_id, "expr": query.expr, "legendFormat": query.legend or "__auto",
+            "range": not query.instant, "instant": query.instant, "format": query.fmt, "editorMode": "code"}
+
+
+def _timeseries(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
+    custom = {
+        "drawStyle": "line", "lineInterpolation": "linear", "lineWidth": 1, "fillOpacity": 25 if panel.stack else 8,
+        "gradientMode": "none", "showPoints": "never", "pointSize": 4, "spanNulls": False, "insertNulls": False,
+        "stacking": {"mode": "normal" if panel.stack else "none", "group": "A"},
+        "axisPlacement": "auto", "axisLabel": "", "axisColorMode": "text", "axisBorderShow": False,
+        "axisCenteredZero": False, "barAlignment": 0, "scaleDistribution": {"type": "linear"},
+        "hideFrom": {"tooltip": False, "legend": False, "viz": False}, "thresholdsStyle": {"mode": "off"},
+    }
+    legend = {"showLegend": True, "displayMode": "table" if panel.legend_table else "list",
+              "placement": "right" if panel.legend_table else "bottom",
+              "calcs": ["mean", "max", "lastNotNull"] if panel.legend_table else []}
+    return custom, {"legend": legend, "tooltip": {"mode": "multi", "sort": "desc"}}
+
+
+def _stat(panel: Panel) -> tuple[None, dict[str, Any]]:
+    return None, {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                  "orientation": "auto", "textMode": "auto", "colorMode": "value", "graphMode": "area",
+                  "justifyMode": "auto", "wideLayout": True, "showPercentChange": False}
+
+
+def _table(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
+    return ({"align": "auto", "cellOptions": {"type": "color-text"}, "inspect": False},
+            {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"], "fields": ""}})
+
+
+def _heatmap(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
+    # Not calculated: every series (one per node and GPU) is one row of the heatmap.
+    return ({"hideFrom": {"tooltip": False, "legend": False, "viz": False}, "scaleDistribution": {"type": "linear"}},
+            {"calculate": False, "cellGap": 1, "cellValues": {"unit": panel.unit},
+             "color": {"mode": "scheme", "scheme": "RdYlGn", "fill": "dark-orange", "scale": "linear",
+                       "exponent": 0.5, "steps": 64, "reverse": False, "min": 0, "max": 1},
+             "exemplars": {"color": "rgba(255,0,255,0.7)"}, "filterValues": {"le": 1e-9},
+             "legend": {"show": True}, "rowsFrame": {"layout": "auto"}, "showValue": "never",
+             "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": True},
+             "yAxis": {"axisPlacement": "left", "reverse": True}})
+
+
+_KIND_OPTIONS = {"timeseries": _timeseries, "stat": _stat, "table": _table, "heatmap": _heatmap}
+
+
+def table_of(queries: int = 1, rename: dict[str, str] | None = None, exclude: Sequence[str] = (),
+             time_fields: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Transformations of a table of ``queries`` instant queries: merge them on their labels, tidy the columns."""
+    steps: list[dict[str, Any]] = []
+    if queries > 1:
+        steps.append({"id": "merge", "options": {}})
+    if time_fields:
+        steps.append({"id": "convertFieldType", "options": {
+            "fields": {}, "conversions": [{"targetField": name, "destinationType": "time"} for name in time_fields]}})
+    steps.append({"id": "organize", "options": {
+        "excludeByName": {"Time": True, "__name__": True, "otel_scope_name": True, "otel_scope_version": True,
+                          "otel_scope_schema_url": True, **{name: True for name in exclude}},
+        "indexByName": {}, "renameByName": rename or {}}})
+    return steps
+
+
+def up_down_mappings() -> list[dict[str, Any]]:
+    return [{"type": "value", "options": {"0": {"text": "DOWN", "color": "red", "index": 0},
+                                          "1": {"text": "UP", "color": "green", "index": 1}}}]
+
+
+def link(title: str, url: str, tooltip: str = "", blank: bool = True) -> dict[str, Any]:
+    """A link (dashboard, panel or data link) in the shape the dashboard schema asks for."""
+    return {"title": title, "type": "link", "url": url, "icon": "external link", "tooltip": tooltip, "tags": [],
+            "asDropdown": False, "targetBlank": blank, "includeVars": False, "keepTime": False}
+
+
+def dashboards_link() -> dict[str, Any]:
+    return {"title": "otel-forge dashboards", "type": "dashboards", "icon": "external link", "tooltip": "",
+            "tags": [TAG], "asDropdown": True, "targetBlank": False, "includeVars": True, "keepTime": True}
+
+
+@dataclass
+class Row:
+    title: str
+    panels: list[Panel]
+
+
+def layout(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Rows (expanded) and their panels, left to right, wrapping at Grafana's 24 columns."""
+    out: list[dict[str, Any]] = []
+    next_id, y = 1, 0
+    for row in rows:
+        out.append({"type": "row", "id": next_id, "title": row.title, "collapsed": False, "panels": [],
+                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+        next_id, y = next_id + 1, y + 1
+        x, line_height = 0, 0
+        for panel in row.panels:
+            if x + panel.width > 24:
+                x, y, line_height = 0, y + line_height, 0
+            out.append(panel.json(next_id, x, y))
+            next_id += 1
+            x += panel.width
+            line_height = max(line_height, panel.height)
+        y += line_height
+    return out
+
+
+# --- variables ------------------------------------------------------------------------------------------
+
+
+def datasource_variable() -> dict[str, Any]:
+    return {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
+            "current": {"text": "default", "value": "default"}, "hide": 0, "includeAll": False, "multi": False,
+            "options": [], "refresh": 1, "regex": "", "skipUrlSync": False}
+
+
+def query_variable(name: str, label: str, query: str, multi: bool = False, include_all: bool = False,
+                   hide: int = 0, description: str = "", sort: int = 7) -> dict[str, Any]:
+    variable: dict[str, Any] = {
+        "type": "query", "name": name, "label": label, "description": description, "datasource": DS,
+        "query": query,
+        "definition": query, "refresh": 2, "sort": sort, "multi": multi, "includeAll": include_all,
+        "current": ({"text": ["All"], "value": ["$__all"]} if multi else {"text": "All", "value": "$__all"})
+        if include_all else {"text": "", "value": ""},
+        "options": [], "regex": "", "hide": hide, "skipUrlSync": False,
+    }
+    if include_all:
+        variable["allValue"] = ".*"
+    return variable
+
+
+def job_variable() -> dict[str, Any]:
+    return query_variable("job", "Job", f"label_values({sel('otel_forge.collector.reads')}, job)", multi=True,
+                          include_all=True, description="Prometheus job: the scrape job of the agents, or "
+                          "service.name when they export through an OpenTelemetry Collector.")
+
+
+def node_variable(multi: bool, selector: str | None = None) -> dict[str, Any]:
+    query = f"label_values({selector or sel('otel_forge.collector.reads', JOB)}, instance)"
+    return query_variable("node", "Node (instance)", query, multi=multi, include_all=multi,
+                          description="An agent: host:port of its /metrics endpoint, or service.instance.id "
+                          "through an OpenTelemetry Collector.")
+
+
+def gpu_variable() -> dict[str, Any]:
+    return query_variable("gpu", "GPU", f"label_values({sel('hw.gpu.utilization', JOB, NODE)}, hw_id)",
+                          multi=True, include_all=True, sort=3, description="GPU index (hw.id).")
+
+
+def custom_variable(name: str, label: str, values: Sequence[str], default: str, description: str) -> dict[str, Any]:
+    return {"type": "custom", "name": name, "label": label, "description": description,
+            "query": ",".join(values), "current": {"text": default, "value": default},
+            "options": [{"text": value, "value": value, "selected": value == default} for value in values],
+            "multi": False, "includeAll": False, "hide": 0, "skipUrlSync": False}
+
+
+def textbox_variable(name: str, label: str, default: str, description: str) -> dict[str, Any]:
+    return {"type": "textbox", "name": name, "label": label, "description": description, "query": default,
+            "current": {"text": default, "value": default}, "options": [{"text": default, "value": default}],
+            "hide": 0, "skipUrlSync": False}
+
+
+BUILTIN_ANNOTATION: dict[str, Any] = {
+    "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
+    "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"}
+
+
+def prometheus_annotation(name: str, expr: str, title: str, text: str, tags: str, color: str) -> dict[str, Any]:
+    """A Prometheus annotation: while the series is >= 1, Grafana draws one region (start to end)."""
+    return {"name": name, "datasource": DS, "enable": True, "hide": False, "iconColor": color,
+            "expr": expr, "step": "$__interval", "titleFormat": title, "textFormat": text, "tagKeys": tags,
+            "useValueForTime": False,
+            "target": {"refId": "Anno", "expr": expr, "interval": "", "legendFormat": title}}
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict[str, Any]], rows: Sequence[Row],
+              annotations: Iterable[dict[str, Any]] = (), links: Iterable[dict[str, Any]] = (),
+              time_from: str = "now-1h") -> dict[str, Any]:
+    return {
+        "uid": uid, "title": title, "description": description, "tags": [TAG],
+        "schemaVersion": SCHEMA_VERSION, "version": 1, "editable": True, "graphTooltip": 1,
+        "fiscalYearStartMonth": 0, "liveNow": False, "refresh": "30s", "timezone": "browser", "weekStart": "",
+        "time": {"from": time_from, "to": "now"}, "timepicker": {},
+        "templating": {"list": variables},
+        "annotations": {"list": [BUILTIN_ANNOTATION, *annotations]},
+        "links": [*links, dashboards_link()],
+        "panels": layout(rows),
+    }
+
+
+# --- shared queries -----------------------------------------------------------------------------------
+
+def gpu_util(*m: str) -> str:
+    return sel("hw.gpu.utilization", *m)
+
+
+def per_gpu(metric: str, *m: str, by: str = "") -> str:
+    extra = f", {by}" if by else ""
+    return f"max by (job, instance, hw_id{extra}) ({sel(metric, *m)})"
+
+
+NVLINK_NOTE = ("PCIe only: otel_forge has no NVLink metric (NVML's NVLink counters are not collected), so "
+               "GPU-to-GPU traffic over NVLink does not appear here.")
+ZERO_IS_NORMAL = "Empty or zero on a healthy machine."
+
+
+# --- the node dashboard -------------------------------------------------------------------------------
+
+def node_dashboard() -> dict[str, Any]:
+    cpu = sel("system.cpu.utilization", *HOST, 'cpu_mode!="idle"')
+    rows = [
+        Row("Overview", [
+            Panel("stat", "Agent", [Query(agent_up(*HOST), instant=True)], unit="none", width=3, height=4,
+                  mappings=up_down_mappings(), thresholds=[(None, "red"), (1, "green")],
+                  description="UP while Prometheus scrapes the agent (or, through a Collector, while its "
+                              "hardware reads go on)."),
+            Panel("stat", "CPU busy", [Query(f"max({sel('otel_forge.cpu.utilization', *HOST)})")],
+                  unit="percentunit", width=3, height=4, thresholds=[(None, "green"), (0.9, "orange")]),
+            Panel("stat", "Memory used",
+                  [Query(f"max({sel('system.memory.utilization', *HOST, MEM_USED)})")],
+                  unit="percentunit", width=3, height=4, thresholds=[(None, "green"), (0.9, "red")]),
+            Panel("stat", "GPUs OK", [Query(f"sum({sel('hw.status', *GPUS, GPU_OK)})")],
+                  unit="none", width=3, height=4),
+            Panel("stat", "GPU utilization (mean)", [Query(f"avg({gpu_util(*GPUS)})")], unit="percentunit",
+                  width=3, height=4, thresholds=[(None, "red"), (0.5, "orange"), (0.8, "green")]),
+            Panel("stat", "GPU power", [Query(f"sum({sel('hw.power', *GPUS)})")], unit="watt", width=3, height=4),
+            Panel("stat", "GPU energy over the range",
+                  [Query(f"sum(increase({sel('hw.energy', *GPUS)}[$__range]))", instant=True)],
+                  unit="joule", width=6, height=4,
+                  description="Energy the selected GPUs used over the dashboard's time range "
+                              "(increase of hw.energy)."),
+        ]),
+        Row("CPU and memory", [
+            Panel("timeseries", "CPU by mode", [Query(f"max by (cpu_mode) ({cpu})", "{{cpu_mode}}")],
+                  unit="percentunit", stack=True, min=0, width=8,
+                  description="Fraction of all logical CPUs' time in each mode (idle left out; the stack is "
+                              "the busy fraction)."),
+            Panel("timeseries", "Load average",
+                  [Query(f"max by (__name__) ({{__name__=~\"system_cpu_load_average_(1m|5m|15m)\", {JOB}, {NODE}}})",
+                         "{{__name__}}"),
+                   Query(f"max({sel('system.cpu.logical.count', *HOST)})", "logical CPUs")],
+                  unit="short", width=8),
+            Panel("timeseries", "Memory",
+                  [Query(f"max by (system_memory_state) ({sel('system.memory.usage', *HOST)})",
+                         "{{system_memory_state}}"),
+                   Query(f"max({sel('system.memory.limit', *HOST)})", "total")],
+                  unit="bytes", min=0, width=8, description="Memory by state (psutil's: used excludes buffers "
+                                                             "and cache) and the total."),
+            Panel("timeseries", "Swap",
+                  [Query(f"max by (system_paging_state) ({sel('system.paging.usage', *HOST)})",
+                         "{{system_paging_state}}")],
+                  unit="bytes", min=0, width=8),
+        ]),
+        Row("Filesystems, disks and network", [
+            # One unit per panel (the schema allows no per-field unit overrides): used fraction in the
+            # table, sizes in a stat beside it.
+            Panel("table", "Filesystems", [
+                Query(f"max by (system_filesystem_mountpoint, system_device, system_filesystem_type) "
+                      f"({sel('system.filesystem.utilization', *HOST)})", instant=True, fmt="table")],
+                unit="percentunit", width=8, thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")],
+                transformations=table_of(1, rename={
+                    "system_filesystem_mountpoint": "mount point", "system_device": "device",
+                    "system_filesystem_type": "type", "Value": "used"}),
+                description="Used fraction of each filesystem (pseudo filesystems excluded)."),
+            Panel("stat", "Filesystem sizes",
+                  [Query(f"max by (system_filesystem_mountpoint) ({sel('system.filesystem.limit', *HOST)})",
+                         "{{system_filesystem_mountpoint}}", instant=True)], unit="bytes", width=4),
+            Panel("timeseries", "Filesystem used",
+                  [Query(f"max by (system_filesystem_mountpoint) ({sel('system.filesystem.utilization', *HOST)})",
+                         "{{system_filesystem_mountpoint}}")], unit="percentunit", min=0, max=1, width=12,
+                  thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")]),
+            Panel("timeseries", "Disk throughput",
+                  [Query(f"sum by (system_device, disk_io_direction) "
+                         f"(rate({sel('system.disk.io', *HOST)}[$__rate_interval]))",
+                         "{{system_device}} {{disk_io_direction}}")], unit="Bps", min=0, width=8),
+            Panel("timeseries", "Disk operations",
+                  [Query(f"sum by (system_device, disk_io_direction) "
+                         f"(rate({sel('system.disk.operations', *HOST)}[$__rate_interval]))",
+                         "{{system_device}} {{disk_io_direction}}")], unit="iops", min=0, width=8),
+            Panel("timeseries", "Network throughput",
+                  [Query(f"sum by (network_interface_name, network_io_direction) "
+                         f"(rate({sel('system.network.io', *HOST)}[$__rate_interval]))",
+                         "{{network_interface_name}} {{network_io_direction}}")], unit="Bps", min=0, width=8),
+            Panel("timeseries", "Network packets, errors and drops", [
+                Query(f"sum by (network_io_direction) (rate({sel('system.network.packet.count', *HOST)}"
+                      f"[$__rate_interval]))", "packets {{network_io_direction}}"),
+                Query(f"sum by (network_io_direction) (rate({sel('system.network.errors', *HOST)}"
+                      f"[$__rate_interval]))", "errors {{network_io_direction}}"),
+                Query(f"sum by (network_io_direction) (rate({sel('system.network.packet.dropped', *HOST)}"
+                      f"[$__rate_interval]))", "dropped {{network_io_direction}}")],
+                unit="pps", min=0, width=24, height=7),
+        ]),
+        Row("Training process", [
+            Panel("timeseries", "Process CPU",
+                  [Query(f"sum by (process_pid) ({sel('process.cpu.utilization', *HOST)})", "pid {{process_pid}}")],
+                  unit="percentunit", min=0, width=8,
+                  description="CPU time of the monitored process tree / elapsed time / logical CPUs."),
+            Panel("timeseries", "Process CPU time by mode",
+                  [Query(f"sum by (cpu_mode) (rate({sel('process.cpu.time', *HOST)}[$__rate_interval]))",
+                         "{{cpu_mode}}")], unit="short", min=0, stack=True, width=8,
+                  description="CPU seconds per second of the process tree (1 = one core busy)."),
+            Panel("timeseries", "Process memory", [
+                Query(f"sum({sel('process.memory.usage', *HOST)})", "resident"),
+                Query(f"sum({sel('process.memory.virtual', *HOST)})", "virtual")], unit="bytes", min=0, width=8),
+            Panel("timeseries", "Processes, threads and open files", [
+                Query(f"sum({sel('otel_forge.process.count', *HOST)})", "processes"),
+                Query(f"sum({sel('process.thread.count', *HOST)})", "threads"),
+                Query(f"sum({sel('process.unix.file_descriptor.count', *HOST)})", "open files")],
+                unit="short", min=0, width=12),
+            Panel("timeseries", "GPU memory of the process tree",
+                  [Query(f"{per_gpu('otel_forge.gpu.process.memory.usage', *GPUS)}", "GPU {{hw_id}}")],
+                  unit="bytes", min=0, width=12),
+        ]),
+        Row("GPUs", [
+            Panel("timeseries", "GPU utilization", [Query(per_gpu("hw.gpu.utilization", *GPUS), "GPU {{hw_id}}")],
+                  unit="percentunit", min=0, max=1, width=12, legend_table=True),
+            Panel("timeseries", "GPU memory activity",
+                  [Query(per_gpu("otel_forge.gpu.memory.activity", *GPUS), "GPU {{hw_id}}")],
+                  unit="percentunit", min=0, max=1, width=12, legend_table=True,
+                  description="Fraction of time device memory was read or written."),
+            Panel("timeseries", "GPU memory used", [
+                Query(per_gpu("hw.gpu.memory.usage", *GPUS), "GPU {{hw_id}} used"),
+                Query(per_gpu("hw.gpu.memory.limit", *GPUS), "GPU {{hw_id}} size")],
+                unit="bytes", min=0, width=8),
+            Panel("timeseries", "Power vs limit", [
+                Query(per_gpu("hw.power", *GPUS), "GPU {{hw_id}} power"),
+                Query(per_gpu("otel_forge.gpu.power.limit", *GPUS), "GPU {{hw_id}} limit")],
+                unit="watt", min=0, width=8, description="Power draw and the enforced power limit."),
+            Panel("timeseries", "Power / limit",
+                  [Query(per_gpu("otel_forge.gpu.power.utilization", *GPUS), "GPU {{hw_id}}")],
+                  unit="percentunit", min=0, width=8),
+            Panel("timeseries", "Temperature",
+                  [Query(per_gpu("hw.temperature", *GPUS, by="hw_sensor_location"),
+                         "GPU {{hw_id}} {{hw_sensor_location}}")], unit="celsius", width=8),
+            Panel("timeseries", "SM and memory clocks",
+                  [Query(per_gpu("otel_forge.gpu.clock.frequency", *GPUS, by="otel_forge_gpu_clock"),
+                         "GPU {{hw_id}} {{otel_forge_gpu_clock}}")], unit="hertz", width=8),
+            Panel("timeseries", "Throttle reasons",
+                  [Query(f"sum by (otel_forge_gpu_throttle_reason) ({sel('otel_forge.gpu.throttle', *GPUS)})",
+                         "{{otel_forge_gpu_throttle_reason}}")], unit="short", min=0, width=8,
+                  description="Number of GPUs with each clock-throttle reason active (0 when none is)."),
+            Panel("timeseries", "PCIe throughput",
+                  [Query(per_gpu("otel_forge.gpu.pcie.throughput", *GPUS, by="network_io_direction"),
+                         "GPU {{hw_id}} {{network_io_direction}}")], unit="Bps", min=0, width=12,
+                  description=NVLINK_NOTE),
+            Panel("timeseries", "ECC errors",
+                  [Query(f"sum by (hw_id, hw_error_type) (increase({sel('hw.errors', *GPUS)}[$__rate_interval]))",
+                         "GPU {{hw_id}} {{hw_error_type}}")], unit="short", min=0, width=12,
+                  description="ECC errors per GPU and type in each interval. " + ZERO_IS_NORMAL),
+            Panel("table", "XID events",
+                  [Query(f"max by (hw_id, otel_forge_gpu_xid) "
+                         f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
+                         instant=True, fmt="table")], unit="none", width=12,
+                  thresholds=[(None, "red")],
+                  transformations=table_of(1, rename={"hw_id": "GPU", "otel_forge_gpu_xid": "XID",
+                                                              "Value": "events since agent start"}),
+                  description="XID critical-error events per GPU and code, counted since the agent started, for "
+                              "GPUs that had any in the range. " + ZERO_IS_NORMAL),
+            Panel("stat", "GPU energy over the range, per GPU",
+                  [Query(f"sum by (hw_id) (increase({sel('hw.energy', *GPUS)}[$__range]))", "GPU {{hw_id}}",
+                         instant=True)], unit="joule", width=12),
+        ]),
+        Row("Agent", [
+            Panel("timeseries", "Hardware reads and errors", [
+                Query(f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.reads', *HOST)}"
+                      f"[$__rate_interval]))", "{{otel_forge_collector}} reads"),
+                Query(f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.errors', *HOST)}"
+                      f"[$__rate_interval]))", "{{otel_forge_collector}} errors")], unit="reqps", min=0, width=8),
+            Panel("timeseries", "Time per hardware read", [
+                Query(f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.read.time', *HOST)}"
+                      f"[$__rate_interval])) / sum by (otel_forge_collector) "
+                      f"(rate({sel('otel_forge.collector.reads', *HOST)}[$__rate_interval]))",
+                      "{{otel_forge_collector}}")], unit="s", min=0, width=8),
+            Panel("timeseries", "MLflow delivery",
+                  [Query(f"sum by (otel_forge_delivery_outcome) "
+                         f"(increase({sel('otel_forge.delivery.windows', *HOST)}[$__rate_interval]))",
+                         "{{otel_forge_delivery_outcome}}")], unit="short", min=0, width=8,
+                  description="MLflow windows per interval by outcome (delivered, retried, spooled, dropped); "
+                              "empty when the agent serves no run."),
+        ]),
+    ]
+    return dashboard(
+        "otel-forge-node", "otel-forge / Node",
+        "One node in depth: CPU, memory, filesystems, disks, network, the training process and every GPU.",
+        [datasource_variable(), job_variable(), node_variable(multi=False), gpu_variable()], rows)
+
+
+# --- the fleet dashboard ------------------------------------------------------------------------------
+
+def fleet_dashboard() -> dict[str, Any]:
+    node_util = f"avg by (job, instance) ({gpu_util(*GPUS)})"
+    node_util_range = f"avg by (job, instance) (avg_over_time({gpu_util(*GPUS)}[$__range]))"
+    temp_range = f"max by (job, instance, hw_id) (max_over_time({sel('hw.temperature', *GPUS)}[$__range]))"
+    up = agent_up(*HOST)
+    stragglers = (f"{node_util_range} < on (job) group_left () "
+                  f"($straggler_ratio * quantile by (job) (0.5, {node_util_range}))")
+    rows = [
+        Row("Fleet", [
+            Panel("stat", "Agents up", [Query(f"count(({up}) == 1) or vector(0)", instant=True)], unit="none",
+                  width=4, height=4),
+            Panel("stat", "Agents down", [Query(f"count(({up}) == 0) or vector(0)", instant=True)], unit="none",
+                  width=4, height=4, thresholds=[(None, "green"), (1, "red")]),
+            Panel("stat", "GPUs", [Query(f"count({sel('hw.status', *GPUS, GPU_OK)} == 1)")],
+                  unit="none", width=4, height=4, description="GPUs whose state is ok."),
+            Panel("stat", "GPU utilization (mean)", [Query(f"avg({gpu_util(*GPUS)})")], unit="percentunit",
+                  width=4, height=4, thresholds=[(None, "red"), (0.5, "orange"), (0.8, "green")]),
+            Panel("stat", "Total GPU power", [Query(f"sum({sel('hw.power', *GPUS)})")], unit="watt", width=4,
+                  height=4),
+            Panel("stat", "GPU energy over the range",
+                  [Query(f"sum(increase({sel('hw.energy', *GPUS)}[$__range]))", instant=True)], unit="joule",
+                  width=4, height=4),
+        ]),
+        Row("GPU utilization", [
+            Panel("heatmap", "GPU utilization by node and GPU",
+                  [Query(f"max by (instance, hw_id) ({gpu_util(*GPUS)})", "{{instance}} GPU {{hw_id}}")],
+                  unit="percentunit", width=24, height=10,
+                  description="One row per node and GPU; a pale row among dark ones is a GPU that waits."),
+            Panel("timeseries", "Node GPU utilization vs the job's median", [
+                Query(node_util, "{{instance}}"),
+                Query(f"quantile by (job) (0.5, {node_util})", "median {{job}}")],
+                unit="percentunit", min=0, max=1, width=14, height=9, legend_table=True),
+            Panel("table", "Stragglers", [
+                Query(stragglers, instant=True, fmt="table"),
+                Query(f"({stragglers}) * 0 + on (job) group_left () quantile by (job) (0.5, {node_util_range})",
+                      instant=True, fmt="table")],
+                unit="percentunit", width=10, height=9, thresholds=[(None, "orange")],
+                transformations=table_of(2, rename={
+                    "instance": "node", "Value #A": "node mean", "Value #B": "job median"}),
+                description="Nodes whose mean GPU utilization over the range is below $straggler_ratio x the "
+                            "median of their job's nodes. Empty when no node lags."),
+        ]),
+        Row("Power, energy and temperature", [
+            Panel("timeseries", "GPU power by node", [
+                Query(f"sum by (job, instance) ({sel('hw.power', *GPUS)})", "{{instance}}"),
+                Query(f"sum({sel('hw.power', *GPUS)})", "total"),
+                Query(f"sum({sel('otel_forge.gpu.power.limit', *GPUS)})", "total power limit")],
+                unit="watt", min=0, width=12, stack=False, legend_table=True),
+            Panel("table", "GPU energy by node over the range",
+                  [Query(f"sum by (job, instance) (increase({sel('hw.energy', *GPUS)}[$__range]))", instant=True,
+                         fmt="table")], unit="joule", width=12,
+                  transformations=table_of(1, rename={"instance": "node", "Value": "energy"})),
+            Panel("timeseries", "Hottest GPUs",
+                  [Query(f"topk(5, {per_gpu('hw.temperature', *GPUS)})", "{{instance}} GPU {{hw_id}}")],
+                  unit="celsius", width=12),
+            Panel("table", "Temperature outliers", [
+                Query(f"{temp_range} > on (job) group_left () (quantile by (job) (0.5, {temp_range}) + 10) "
+                      f"or {temp_range} > 85", instant=True, fmt="table")],
+                unit="celsius", width=12, thresholds=[(None, "orange"), (85, "red")],
+                transformations=table_of(1, rename={"instance": "node", "hw_id": "GPU",
+                                                            "Value": "max temperature"}),
+                description="GPUs whose highest temperature in the range is 10 C above their job's median GPU, "
+                            "or above 85 C. Empty when none is."),
+            Panel("timeseries", "GPUs throttling, by reason",
+                  [Query(f"sum by (otel_forge_gpu_throttle_reason) "
+                         f"({sel('otel_forge.gpu.throttle', *GPUS, NOT_IDLE)})",
+                         "{{otel_forge_gpu_throttle_reason}}")], unit="short", min=0, width=24, height=7,
+                  description="Number of GPUs with each clock-throttle reason active (idle left out)."),
+        ]),
+        Row("Events and agents", [
+            Panel("table", "XID and ECC events", [
+                Query(f"max by (job, instance, hw_id, otel_forge_gpu_xid) "
+                      f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
+                      instant=True, fmt="table"),
+                Query(f"sum by (job, instance, hw_id, hw_error_type) "
+                      f"(increase({sel('hw.errors', *GPUS)}[$__range])) > 0", instant=True, fmt="table")],
+                unit="none", width=14, height=9, thresholds=[(None, "red")],
+                transformations=table_of(2, rename={
+                    "instance": "node", "hw_id": "GPU", "otel_forge_gpu_xid": "XID", "hw_error_type": "ECC",
+                    "Value #A": "XID events since agent start", "Value #B": "ECC errors in range"}),
+                description="XID events (counted since the agent started, for GPUs that had any in the range) "
+                            "and ECC errors in the range. " + ZERO_IS_NORMAL),
+            Panel("table", "Agents", [
+                Query(up, instant=True, fmt="table"),
+                Query(f"max by (job, instance, host_name, otel_forge_node_id) (target_info{{{JOB}, {NODE}}})",
+                      instant=True, fmt="table")],
+                unit="none", width=10, height=9, mappings=up_down_mappings(),
+                thresholds=[(None, "red"), (1, "green")],
+                transformations=table_of(2, exclude=["Value #B"], rename={
+                    "instance": "node", "host_name": "host", "otel_forge_node_id": "node id", "Value #A": "agent"}),
+                description="Every agent of the selected jobs: UP while Prometheus scrapes it (or, through a "
+                            "Collector, while its hardware reads go on), DOWN otherwise."),
+        ]),
+    ]
+    straggler = custom_variable("straggler_ratio", "Straggler below x median", ["0.5", "0.7", "0.8", "0.9"],
+                                "0.8", "A node is a straggler when its mean GPU utilization is below this fraction "
+                                       "of its job's median.")
+    return dashboard(
+        "otel-forge-fleet", "otel-forge / Fleet",
+        "All nodes of a job: GPU utilization by node and GPU, stragglers, power and energy, temperature "
+        "outliers, XID/ECC events and agents up or down.",
+        [datasource_variable(), job_variable(), node_variable(multi=True), gpu_variable(), straggler], rows)
+
+
+# --- the run dashboard --------------------------------------------------------------------------------
+
+def run_dashboard() -> dict[str, Any]:
+    info_all = sel("otel_forge.run.info", JOB)
+    mlflow_run_url = "${tracking_uri}/#/experiments/${experiment}/runs/${run}"
+    row_link = ("${tracking_uri}/#/experiments/${__data.fields.mlflow_experiment_id}"
+                "/runs/${__data.fields.mlflow_run_id}")
+
+    def gpus(metric: str, by: str = "") -> str:
+        return in_run(per_gpu(metric, *GPUS, by=by))
+
+    def host(expr: str) -> str:
+        return in_run(f"max by (job, instance) ({expr})")
+
+    run_energy = in_run(f"sum by (job, instance) (increase({sel('hw.energy', *GPUS)}[$__range]))", over_range=True)
+
+    rows = [
+        Row("Run", [
+            Panel("table", "Run and its nodes", [
+                Query(f"max by (mlflow_run_id, mlflow_run_name, mlflow_experiment_id, otel_forge_node_id, instance) "
+                      f"(last_over_time({sel('otel_forge.run.info', JOB, NODE, RUN, KNOWN_RUN)}[$__range]))",
+                      instant=True, fmt="table"),
+                Query(f"min by (instance) (min_over_time(timestamp({sel('otel_forge.run.info', JOB, NODE, RUN)})"
+                      f"[$__range:$__interval])) * 1000", instant=True, fmt="table"),
+                Query(f"max by (instance) (max_over_time(timestamp({sel('otel_forge.run.info', JOB, NODE, RUN)})"
+                      f"[$__range:$__interval])) * 1000", instant=True, fmt="table")],
+                unit="none", width=16, height=6,
+                links=[link("Open the run in MLflow", row_link)],
+                transformations=table_of(3, exclude=["Value #A"],
+                                         time_fields=["Value #B", "Value #C"], rename={
+                    "mlflow_run_id": "run id", "mlflow_run_name": "run name", "mlflow_experiment_id": "experiment",
+                    "otel_forge_node_id": "node id", "instance": "node", "Value #B": "first seen in range",
+                    "Value #C": "last seen in range"}),
+                description="The run's nodes, from otel_forge_run_info (1 while an agent serves the run); "
+                            "click a row to open the run in the MLflow UI at $tracking_uri."),
+            Panel("stat", "Nodes in the run",
+                  [Query(f"count({run_info(over_range=True)})", instant=True)], unit="none", width=4, height=6),
+            Panel("stat", "GPU energy of the run's nodes over the range",
+                  [Query(f"sum({run_energy})", instant=True)], unit="joule", width=4, height=6),
+        ]),
+        Row("GPUs of the run", [
+            Panel("heatmap", "GPU utilization by node and GPU",
+                  [Query(gpus("hw.gpu.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                  unit="percentunit", width=24, height=9),
+            Panel("timeseries", "GPU utilization",
+                  [Query(gpus("hw.gpu.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                  unit="percentunit", min=0, max=1, width=12, legend_table=True),
+            Panel("timeseries", "GPU memory used",
+                  [Query(gpus("hw.gpu.memory.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                  unit="percentunit", min=0, max=1, width=12, legend_table=True),
+            Panel("timeseries", "GPU power vs limit, per node", [
+                Query(in_run(f"sum by (job, instance) ({sel('hw.power', *GPUS)})"), "{{otel_forge_node_id}} power"),
+                Query(in_run(f"sum by (job, instance) ({sel('otel_forge.gpu.power.limit', *GPUS)})"),
+                      "{{otel_forge_node_id}} limit")], unit="watt", min=0, width=8),
+            Panel("timeseries", "GPU temperature",
+                  [Query(gpus("hw.temperature"), "{{otel_forge_node_id}} GPU {{hw_id}}")], unit="celsius", width=8),
+            Panel("timeseries", "SM clock",
+                  [Query(in_run(f"max by (job, instance, hw_id) "
+                                f"({sel('otel_forge.gpu.clock.frequency', *GPUS, SM_CLOCK)})"),
+                         "{{otel_forge_node_id}} GPU {{hw_id}}")], unit="hertz", width=8),
+            Panel("timeseries", "PCIe throughput",
+                  [Query(in_run(f"sum by (job, instance, network_io_direction) "
+                                f"({sel('otel_forge.gpu.pcie.throughput', *GPUS)})"),
+                         "{{otel_forge_node_id}} {{network_io_direction}}")], unit="Bps", min=0, width=12,
+                  description=NVLINK_NOTE),
+            Panel("table", "XID and ECC events", [
+                Query(in_run(f"max by (job, instance, hw_id, otel_forge_gpu_xid) "
+                             f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
+                             over_range=True), instant=True, fmt="table"),
+                Query(in_run(f"sum by (job, instance, hw_id, hw_error_type) "
+                             f"(increase({sel('hw.errors', *GPUS)}[$__range])) > 0", over_range=True),
+                      instant=True, fmt="table")],
+                unit="none", width=12, thresholds=[(None, "red")],
+                transformations=table_of(2, exclude=["job", "instance"], rename={
+                    "otel_forge_node_id": "node", "hw_id": "GPU", "otel_forge_gpu_xid": "XID",
+                    "hw_error_type": "ECC", "Value #A": "XID events since agent start",
+                    "Value #B": "ECC errors in range"}),
+                description="XID events and ECC errors on the run's GPUs. " + ZERO_IS_NORMAL),
+        ]),
+        Row("Hosts of the run", [
+            Panel("timeseries", "CPU busy", [Query(host(sel("otel_forge.cpu.utilization", *HOST)),
+                                                   "{{otel_forge_node_id}}")], unit="percentunit", min=0, width=8),
+            Panel("timeseries", "Memory used",
+                  [Query(host(sel("system.memory.utilization", *HOST, MEM_USED)),
+                         "{{otel_forge_node_id}}")], unit="percentunit", min=0, max=1, width=8),
+            Panel("timeseries", "Training process CPU",
+                  [Query(in_run(f"sum by (job, instance) ({sel('process.cpu.utilization', *HOST)})"),
+                         "{{otel_forge_node_id}}")], unit="percentunit", min=0, width=8),
+            Panel("timeseries", "Disk throughput",
+                  [Query(in_run(f"sum by (job, instance, disk_io_direction) "
+                                f"(rate({sel('system.disk.io', *HOST)}[$__rate_interval]))"),
+                         "{{otel_forge_node_id}} {{disk_io_direction}}")], unit="Bps", min=0, width=8),
+            Panel("timeseries", "Network throughput",
+                  [Query(in_run(f"sum by (job, instance, network_io_direction) "
+                                f"(rate({sel('system.network.io', *HOST)}[$__rate_interval]))"),
+                         "{{otel_forge_node_id}} {{network_io_direction}}")], unit="Bps", min=0, width=8),
+            Panel("timeseries", "MLflow delivery",
+                  [Query(in_run(f"sum by (job, instance, otel_forge_delivery_outcome) "
+                                f"(increase({sel('otel_forge.delivery.windows', *HOST)}[$__rate_interval]))"),
+                         "{{otel_forge_node_id}} {{otel_forge_delivery_outcome}}")], unit="short", min=0, width=8,
+                  description="The run's MLflow windows per interval by outcome (delivered, retried, spooled, "
+                              "dropped)."),
+        ]),
+    ]
+    variables = [
+        datasource_variable(), job_variable(),
+        query_variable("run", "MLflow run", f"label_values({info_all}, mlflow_run_id)", sort=0,
+                       description="An MLflow run that otel_forge agents served (otel_forge_run_info)."),
+        query_variable("experiment", "Experiment", f"label_values({sel('otel_forge.run.info', JOB, RUN)}, "
+                                                   "mlflow_experiment_id)", hide=2),
+        query_variable("run_name", "Run name", f"label_values({sel('otel_forge.run.info', JOB, RUN)}, "
+                                               "mlflow_run_name)", hide=1),
+        node_variable(multi=True, selector=sel("otel_forge.run.info", JOB, RUN)),
+        gpu_variable(),
+        textbox_variable("tracking_uri", "MLflow tracking URI", "http://localhost:5000",
+                         "Base URL of the MLflow UI that the links open."),
+    ]
+    annotation = prometheus_annotation(
+        "MLflow run", f"max by (mlflow_run_id) ({sel('otel_forge.run.info', JOB, RUN)})",
+        "MLflow run {{mlflow_run_id}}", "run {{mlflow_run_id}}: start and end of the agents serving it",
+        "mlflow_run_id", "rgba(255, 152, 48, 1)")
+    links = [link("Run in MLflow", mlflow_run_url, "The selected run in the MLflow UI"),
+             link("Run's system metrics in MLflow", mlflow_run_url + "/system-metrics",
+                  "The same readings as MLflow metrics (system/<node>/...)"),
+             link("Experiment in MLflow", "${tracking_uri}/#/experiments/${experiment}")]
+    return dashboard(
+        "otel-forge-run", "otel-forge / MLflow run",
+        "One MLflow run: its nodes' GPUs and hosts over the run's time (a group_left join on "
+        "otel_forge_run_info), the run's start and end as an annotation, links back to the MLflow UI.",
+        variables, rows, annotations=[annotation], links=links, time_from="now-6h")
+
+
+DASHBOARDS = {"otel-forge-node.json": node_dashboard, "otel-forge-fleet.json": fleet_dashboard,
+              "otel-forge-run.json": run_dashboard}
+
+
+def render(build: Any) -> str:
+    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file differs from the builder's output")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, build in DASHBOARDS.items():
+        path, text = HERE / name, render(build)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+    if stale:
+        print(f"stale: {', '.join(stale)}; run python dashboards/build.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Every query of every dashboard, evaluated by a real Prometheus on real agents.
+
+One Prometheus (the Debian package) scrapes, every second:
+
+- job ``otel-forge``: two real ``otel-forge monitor`` agents, directly (the agent's own names);
+  both attached to one run on a real MLflow server, so ``otel_forge_run_info`` joins them to it;
+- job ``otelcol`` (``honor_labels``): the same two agents as a Collector's Prometheus exporter
+  writes them (``collector_form.py``: ``_ratio`` on unit-1 gauges, job = service.name
+  ``llm-pretrain``, instance = service.instance.id ``gpu-node-0`` / ``gpu-node-1``, resource
+  attributes as labels), as collector-config/gateway.yaml and prometheus.yml set it up.
+
+The GPUs are the fake NVML (tests/fakes/pynvml.py). Node ``node_0`` is healthy; node ``node_1`` is
+not: its GPUs idle (a straggler), run hot (thermal throttling, temperature outliers), count ECC
+errors and had an XID 79. So on the fleet and run dashboards every panel has data, and on the node
+dashboard of the healthy node only the panels listed in ``EMPTY_ON_A_HEALTHY_NODE`` may be empty.
+
+Each panel query is interpolated as Grafana would (grafana_queries.py) and sent to Prometheus's
+HTTP API: a range query (30 s, step 2 s) for a range target, an instant query for an instant one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from collector_form import CollectorForm
+from grafana_queries import (ALL, Target, annotation_queries, interpolate, label_values, load, load_builder,
+                             targets, variables)
+from servers import AgentProcess, PrometheusServer, fake_gpu_env, free_port, http_get, start_agent, start_prometheus
+
+DIRECT_JOB = "otel-forge"
+COLLECTOR_JOB = "llm-pretrain"  # the agents' service.name: the job a Collector gives them
+RANGE_S, STEP_S = 30, 2
+READY_TIMEOUT_S = 60.0
+
+HEALTHY = {"count": 2, "amd": False, "sequences": {
+    "0": {"utilization": [90, 95, 85], "temperature": [60, 61], "ecc_corrected": [0]},
+    "1": {"utilization": [88, 92], "temperature": [62, 63], "ecc_corrected": [0]}}}
+# Idle GPUs, hot (thermal throttle bits set), ECC corrected errors growing (the fake's default), an XID 79.
+FAULTY = {"count": 2, "amd": False, "hot": True, "xid_events": [[1, 79]], "sequences": {
+    "0": {"utilization": [10, 15]}, "1": {"utilization": [5, 12]}}}
+
+# Panels of the node dashboard that show nothing on a healthy node, and why.
+EMPTY_ON_A_HEALTHY_NODE = {
+    "XID events": "lists only GPUs that had an XID critical-error event; a healthy GPU has none",
+}
+
+builder = load_builder()
+
+
+@dataclass
+class Stack:
+    prometheus: PrometheusServer
+    agents: dict[str, AgentProcess]  # node id -> agent
+    instances: dict[str, dict[str, str]]  # job -> node id -> instance label
+    run_id: str
+    experiment_id: str
+    idle_run_id: str  # a run of the same server that no agent serves
+    tracking_uri: str
+
+
+def _agent_args(node_id: str, run_id: str, tracking_uri: str) -> list[str]:
+    return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--interval", "1",
+            "--node-id", node_id, "--run-id", run_id, "--tracking-uri", tracking_uri]
+
+
+def _scrape_config(direct: Sequence[str], collector: str) -> str:
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {"job_name": DIRECT_JOB, "static_configs": [{"targets": list(direct)}]},
+            {"job_name": "otelcol", "honor_labels": True, "static_configs": [{"targets": [collector]}]},
+        ],
+    }
+    return json.dumps(config, indent=2)
+
+
+def _ratio_gauges() -> set[str]:
+    return {builder.prometheus_name(spec) for spec in builder.SPECS.values()
+            if spec.unit == "1" and spec.kind.value == "gauge"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Iterator[Stack]:
+    from mlflow import MlflowClient
+
+    tmp_path = tmp_path_factory.mktemp("dashboards")
+    client = MlflowClient(mlflow_server.uri)
+    experiment_id = client.create_experiment(f"dashboards-{time.time_ns()}")
+    run = client.create_run(experiment_id, run_name="dashboard-run")
+    idle_run = client.create_run(experiment_id, run_name="nobody-serves-me")
+
+    agents: dict[str, AgentProcess] = {}
+    collector: CollectorForm | None = None
+    prometheus: PrometheusServer | None = None
+    try:
+        for node_id, scenario in (("node_0", HEALTHY), ("node_1", FAULTY)):
+            # Two agents on one machine stand for two hosts: each its own host name and instance id
+            # (service.instance.id defaults to the host name, which would make them one node).
+            host = f"gpu-{node_id.replace('_', '-')}"
+            env = {**fake_gpu_env(scenario), "OTEL_SERVICE_NAME": COLLECTOR_JOB,
+                   "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={host},host.name={host}",
+                   "OTEL_FORGE_SPOOL_DIR": str(tmp_path / f"spool-{node_id}")}
+            agents[node_id] = start_agent(_agent_args(node_id, run.info.run_id, mlflow_server.uri), env)
+        collector = CollectorForm([agent.metrics_url for agent in agents.values()], _ratio_gauges())
+        collector_target = collector.serve()
+        prometheus = start_prometheus(tmp_path, [agent.scrape_target for agent in agents.values()])
+        # start_prometheus knows one job; give it both, then reload (it runs with --web.enable-lifecycle).
+        (prometheus.directory / "prometheus.yml").write_text(
+            _scrape_config([agent.scrape_target for agent in agents.values()], collector_target))
+        request = urllib.request.Request(f"{prometheus.url}/-/reload", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+
+        instances = {DIRECT_JOB: {node: agent.scrape_target for node, agent in agents.items()}}
+        collector_ids = {}
+        for node in agents:
+            (info,) = prometheus.wait_for_series(
+                f'target_info{{job="{COLLECTOR_JOB}", otel_forge_node_id="{node}"}}', READY_TIMEOUT_S)
+            collector_ids[node] = info["metric"]["instance"]
+        instances[COLLECTOR_JOB] = collector_ids
+
+        # Enough history for rate() and the 30 s range: 10 samples of every GPU in both forms, the run's
+        # info series and MLflow deliveries from both agents.
+        for job in (DIRECT_JOB, COLLECTOR_JOB):
+            prometheus.wait_for_series(f'count_over_time(hw_power_watts{{job="{job}"}}[{RANGE_S}s]) >= 10',
+                                       READY_TIMEOUT_S, min_series=4)
+            prometheus.wait_for_series(f'otel_forge_delivery_windows_total{{job="{job}"}}', READY_TIMEOUT_S,
+                                       min_series=2)
+            prometheus.wait_for_series(f'otel_forge_run_info{{job="{job}", mlflow_run_id="{run.info.run_id}"}}',
+                                       READY_TIMEOUT_S, min_series=2)
+            prometheus.wait_for_series(f'otel_forge_gpu_xid_errors_total{{job="{job}"}}', READY_TIMEOUT_S)
+        yield Stack(prometheus, agents, instances, run.info.run_id, experiment_id, idle_run.info.run_id,
+                    mlflow_server.uri)
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        if collector is not None:
+            collector.close()
+        for agent in agents.values():
+            agent.stop()
+
+
+# --- evaluation -----------------------------------------------------------------------------------------
+
+
+def _query(stack: Stack, expr: str, instant: bool) -> list[dict[str, Any]]:
+    """The result of ``expr`` as Grafana asks for it: instant at now, or over the last 30 s."""
+    now = time.time()
+    if instant:
+        path, params = "query", {"query": expr, "time": f"{now:.3f}"}
+    else:
+        path, params = "query_range", {"query": expr, "start": f"{now - RANGE_S:.3f}", "end": f"{now:.3f}",
+                                       "step": str(STEP_S)}
+    status, body = http_get(f"{stack.prometheus.url}/api/v1/{path}?{urllib.parse.urlencode(params)}")
+    reply = json.loads(body)
+    if status != 200 or reply.get("status") != "success":
+        raise AssertionError(f"Prometheus rejected the query ({status}): {reply.get('error', body)}\n{expr}")
+    return reply["data"]["result"]
+
+
+def _has_data(result: list[dict[str, Any]]) -> bool:
+    values = [value for series in result
+              for _, value in (series.get("values") or ([series["value"]] if "value" in series else []))]
+    return any(not math.isnan(float(value)) for value in values)
+
+
+def _series_api(stack: Stack, selector: str) -> list[dict[str, str]]:
+    now = time.time()
+    params = {"match[]": selector, "start": f"{now - RANGE_S:.3f}", "end": f"{now:.3f}"}
+    status, body = http_get(f"{stack.prometheus.url}/api/v1/series?{urllib.parse.urlencode(params)}")
+    reply = json.loads(body)
+    assert status == 200 and reply["status"] == "success", f"{selector}: {reply.get('error', body)}"
+    return reply["data"]
+
+
+@dataclass
+class Outcome:
+    target: Target
+    expr: str
+    result: list[dict[str, Any]]
+
+    @property
+    def has_data(self) -> bool:
+        return _has_data(self.result)
+
+
+def evaluate(stack: Stack, dashboard: Mapping[str, Any], values: Mapping[str, Any]) -> list[Outcome]:
+    outcomes = []
+    for target in targets(dashboard):
+        expr = interpolate(target.expr, dashboard, values)
+        outcomes.append(Outcome(target, expr, _query(stack, expr, target.instant)))
+    return outcomes
+
+
+def assert_all_have_data(outcomes: Sequence[Outcome], exempt: Mapping[str, str] = {}) -> None:
+    empty = [f"{o.target.panel} [{o.target.ref_id}]: {o.expr}" for o in outcomes
+             if not o.has_data and o.target.panel not in exempt]
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+
+
+def _values(dashboard_name: str, stack: Stack, job: str, **chosen: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"job": job, "node": ALL, "gpu": ALL}
+    if dashboard_name == "otel-forge-node.json":
+        base["node"] = stack.instances[job]["node_1"]  # one node in depth: no All
+    if dashboard_name == "otel-forge-fleet.json":
+        base["straggler_ratio"] = "0.8"
+    if dashboard_name == "otel-forge-run.json":
+        base.update(run=stack.run_id, experiment=stack.experiment_id, run_name="dashboard-run",
+                    tracking_uri=stack.tracking_uri)
+    return {**base, **chosen}
+
+
+FORMS = [DIRECT_JOB, COLLECTOR_JOB]
+
+
+# --- the tests ------------------------------------------------------------------------------------------
+
+
+def test_collector_form_is_what_the_dashboards_meet_through_a_collector(stack: Stack) -> None:
+    """The second job really is in the Collector's naming, and the agents' own is not."""
+    query = stack.prometheus.query
+    assert len(query(f'hw_gpu_utilization_ratio{{job="{COLLECTOR_JOB}"}}')) == 4
+    assert query(f'hw_gpu_utilization{{job="{COLLECTOR_JOB}"}}') == []
+    assert len(query(f'hw_gpu_utilization{{job="{DIRECT_JOB}"}}')) == 4
+    assert query(f'{{__name__=~".+_ratio", job="{DIRECT_JOB}"}}') == []
+    through = query(f'hw_power_watts{{job="{COLLECTOR_JOB}"}}')
+    assert {series["metric"]["instance"] for series in through} == set(stack.instances[COLLECTOR_JOB].values())
+    assert all("host_name" in series["metric"] and "service_name" in series["metric"] for series in through)
+    assert query(f'up{{job="{COLLECTOR_JOB}"}}') == []  # up is the Collector's own, under its scrape job
+
+
+@pytest.mark.parametrize("job", FORMS)
+def test_every_variable_query_finds_its_values(stack: Stack, job: str) -> None:
+    nodes = stack.instances[job]
+    expected = {"job": {job}, "node": set(nodes.values()), "gpu": {"0", "1"}, "run": {stack.run_id},
+                "experiment": {stack.experiment_id}, "run_name": {"dashboard-run"}}
+    for name in ("otel-forge-node.json", "otel-forge-fleet.json", "otel-forge-run.json"):
+        dashboard = load(name)
+        values = _values(name, stack, job)
+        for variable in variables(dashboard).values():
+            if variable["type"] != "query":
+                continue
+            selector, label = label_values(variable["query"])
+            found = {series[label] for series in _series_api(stack, interpolate(selector, dashboard, values))
+                     if label in series}
+            assert expected[variable["name"]] <= found, (name, variable["name"], found)
+
+
+@pytest.mark.parametrize("job", FORMS)
+def test_node_dashboard_every_panel_has_data_on_a_faulty_node(stack: Stack, job: str) -> None:
+    dashboard = load("otel-forge-node.json")
+    values = _values("otel-forge-node.json", stack, job, node=stack.instances[job]["node_1"])
+    outcomes = evaluate(stack, dashboard, values)
+    assert len(outcomes) >= 40
+    assert_all_have_data(outcomes)
+    # Only the chosen node answers.
+    for outcome in outcomes:
+        for series in outcome.result:
+            assert series["metric"].get("instance", stack.instances[job]["node_1"]) == \
+                stack.instances[job]["node_1"], outcome.target.panel
+
+
+@pytest.mark.parametrize("job", FORMS)
+def test_node_dashboard_on_a_healthy_node_is_empty_only_where_listed(stack: Stack, job: str) -> None:
+    dashboard = load("otel-forge-node.json")
+    values = _values("otel-forge-node.json", stack, job, node=stack.instances[job]["node_0"], gpu=["0", "1"])
+    outcomes = evaluate(stack, dashboard, values)
+    assert_all_have_data(outcomes, exempt=EMPTY_ON_A_HEALTHY_NODE)
+    for outcome in outcomes:
+        if outcome.target.panel in EMPTY_ON_A_HEALTHY_NODE:
+            assert not outcome.has_data, f"{outcome.target.panel} shows events on a healthy node: {outcome.result}"
+    assert set(EMPTY_ON_A_HEALTHY_NODE) <= {outcome.target.panel for outcome in outcomes}
+
+
+@pytest.mark.parametrize("job", FORMS)
+def test_fleet_dashboard_every_panel_has_data_and_finds_the_faulty_node(stack: Stack, job: str) -> None:
+    dashboard = load("otel-forge-fleet.json")
+    outcomes = evaluate(stack, dashboard, _values("otel-forge-fleet.json", stack, job))
+    assert_all_have_data(outcomes)
+    by_panel: dict[str, list[Outcome]] = {}
+    for outcome in outcomes:
+        by_panel.setdefault(outcome.target.panel, []).append(outcome)
+    faulty, healthy = stack.instances[job]["node_1"], stack.instances[job]["node_0"]
+
+    def instances(panel: str, ref: int = 0) -> set[str]:
+        return {series["metric"]["instance"] for series in by_panel[panel][ref].result}
+
+    assert instances("Stragglers") == {faulty}
+    assert instances("Temperature outliers") == {faulty}
+    assert instances("XID and ECC events", 0) == {faulty} == instances("XID and ECC events", 1)
+    (xid,) = by_panel["XID and ECC events"][0].result
+    assert xid["metric"]["otel_forge_gpu_xid"] == "79" and xid["metric"]["hw_id"] == "1"
+    assert instances("Agents") == {faulty, healthy}
+    assert all(float(series["value"][1]) == 1 for series in by_panel["Agents"][0].result)
+    assert float(by_panel["Agents up"][0].result[0]["value"][1]) == 2
+    assert float(by_panel["Agents down"][0].result[0]["value"][1]) == 0
+    heatmap = by_panel["GPU utilization by node and GPU"][0].result
+    assert len(heatmap) == 4  # one row per node and GPU
+
+
+@pytest.mark.parametrize("job", FORMS)
+def test_run_dashboard_every_panel_has_data_for_the_run(stack: Stack, job: str) -> None:
+    dashboard = load("otel-forge-run.json")
+    outcomes = evaluate(stack, dashboard, _values("otel-forge-run.json", stack, job))
+    assert_all_have_data(outcomes)
+    # The joins at the top of an expression (not under a sum) label every series with the node id.
+    joined = [o for o in outcomes if o.expr.startswith("(") and "group_left (otel_forge_node_id)" in o.expr]
+    assert len(joined) >= 12
+    for outcome in joined:
+        assert {series["metric"].get("otel_forge_node_id") for series in outcome.result} <= {"node_0", "node_1"}
+    nodes = next(o for o in outcomes if o.target.panel == "Run and its nodes" and o.target.ref_id == "A")
+    assert {(s["metric"]["otel_forge_node_id"], s["metric"]["mlflow_experiment_id"], s["metric"]["mlflow_run_id"])
+            for s in nodes.result} == {("node_0", stack.experiment_id, stack.run_id),
+                                       ("node_1", stack.experiment_id, stack.run_id)}
+    # The run's start and end: one annotation region per run while its agents serve it.
+    (annotation,) = annotation_queries(dashboard)
+    values = _values("otel-forge-run.json", stack, job)
+    result = _query(stack, interpolate(annotation["expr"], dashboard, values), instant=False)
+    assert [series["metric"]["mlflow_run_id"] for series in result] == [stack.run_id]
+    assert all(float(value) >= 1 for _, value in result[0]["values"])  # Grafana: >= 1 is "active"
+
+
+@pytest.mark.parametrize("job", FORMS)
+def test_run_dashboard_shows_nothing_for_a_run_no_agent_served(stack: Stack, job: str) -> None:
+    """The group_left join restricts every run panel to the run's nodes: another run has none."""
+    dashboard = load("otel-forge-run.json")
+    values = _values("otel-forge-run.json", stack, job, run=stack.idle_run_id)
+    for outcome in evaluate(stack, dashboard, values):
+        assert not outcome.has_data, f"{outcome.target.panel} has data for a run nobody served: {outcome.expr}"
+
+
+def test_run_links_open_the_run_in_the_mlflow_ui(stack: Stack) -> None:
+    dashboard = load("otel-forge-run.json")
+    values = _values("otel-forge-run.json", stack, DIRECT_JOB)
+    urls = {entry["title"]: interpolate(entry["url"], dashboard, values)
+            for entry in dashboard["links"] if entry["type"] == "link"}
+    run_url = urls["Run in MLflow"]
+    assert run_url == f"{stack.tracking_uri}/#/experiments/{stack.experiment_id}/runs/{stack.run_id}"
+    status, page = http_get(run_url.split("#")[0])
+    assert status == 200 and "<html" in page.lower()  # the MLflow UI; the fragment is its client-side route
+    status, body = http_get(f"{stack.tracking_uri}/api/2.0/mlflow/runs/get?run_id={stack.run_id}")
+    assert status == 200 and json.loads(body)["run"]["info"]["experiment_id"] == stack.experiment_id
+    # The table's data link is built from the columns its query A returns.
+    (panel,) = [p for p in dashboard["panels"] if p.get("title") == "Run and its nodes"]
+    (data_link,) = panel["fieldConfig"]["defaults"]["links"]
+    fields = set(re.findall(r"__data\.fields\.(\w+)", data_link["url"]))
+    (query_a,) = [o for o in evaluate(stack, {"panels": [panel], "templating": dashboard["templating"]}, values)
+                  if o.target.ref_id == "A"]
+    assert all(fields <= set(series["metric"]) for series in query_a.result) and query_a.result
+
+
+def test_the_agents_exposition_has_every_metric_the_dashboards_name(stack: Stack) -> None:
+    """Guard for the name mapping: what the builder derives is what the real exporter writes."""
+    text = stack.agents["node_1"].scrape()
+    exported = set(re.findall(r"^# TYPE (\S+)", text, re.M))
+    named = set()
+    for name in ("otel-forge-node.json", "otel-forge-fleet.json", "otel-forge-run.json"):
+        for target in targets(load(name)):
+            named |= set(re.findall(r"(?<![\w\"])([a-z][a-z0-9_]*)\{", target.expr))
+            named |= {pattern.removesuffix("(_ratio)?") for pattern in re.findall(r'__name__=~"([^"]+)"', target.expr)
+                      if pattern.endswith("(_ratio)?")}
+    named -= {"up"}
+    assert named and named <= exported, named - exported

@@ -1,0 +1,130 @@
+"""Faults of a real (private) tracking server: SIGSTOP (hung) and SIGKILL (down).
+
+A transient error while resuming disables logging instead of forking the run's history; a hung
+server during the training loop never slows ``log()``, and everything logged arrives after SIGCONT.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import pytest
+from mlflow_server import MlflowServer
+from trun_helpers import unique
+
+from otel_forge.config import ForgeConfig
+from otel_forge.mlflow.training_run import TrainingRun
+
+LOG_CALL_BUDGET_S = 0.05  # log() only enqueues
+
+
+@pytest.fixture(scope="module")
+def private_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-private")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def short_http(monkeypatch):
+    """MLflow's HTTP client gives up fast: no retries, a 2 s timeout (a hung call ends, on its thread)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+
+
+def _client(server):
+    from mlflow import MlflowClient
+
+    return MlflowClient(server.uri)
+
+
+def _timed_logs(run: TrainingRun, steps: range, pause_s: float = 0.0) -> list[float]:
+    durations = []
+    for step in steps:
+        started = time.perf_counter()
+        run.log({"loss": float(step), "lr": 1.0 / (step + 1)}, step=step)
+        durations.append(time.perf_counter() - started)
+        if pause_s:
+            time.sleep(pause_s)
+    return durations
+
+
+def _p99(durations: list[float]) -> float:
+    return statistics.quantiles(durations, n=100, method="inclusive")[98] if len(durations) > 1 else durations[0]
+
+
+@pytest.mark.parametrize("fault, by", [("pause", "experiment id"), ("kill", "experiment name")])
+def test_transient_error_on_resume_disables_instead_of_forking(fault, by, private_server, short_http, tmp_path,
+                                                               monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    monkeypatch.chdir(tmp_path)
+    client = _client(private_server)
+    experiment = unique("faults")
+    experiment_id = client.create_experiment(experiment)
+    existing = client.create_run(experiment_id, run_name="existing").info.run_id
+    client.log_metric(existing, "loss", 1.0, step=0)
+    client.set_terminated(existing)
+
+    getattr(private_server, fault)()
+    try:
+        run = TrainingRun({"lr": 0.1}, tracking_uri=private_server.uri, run_id=existing, system_metrics=False,
+                          experiment=experiment_id if by == "experiment id" else experiment,
+                          launch_argv=["train.py"], init_deadline_s=15, end_deadline_s=5,
+                          forge_config=ForgeConfig.resolve(call_deadline_s=1, drain_deadline_s=2))
+        assert run.start() is False  # the open failed (within MLflow's 2 s HTTP timeout)
+        durations = _timed_logs(run, range(1, 51))
+        assert (run.run_id, run.tracking_entry()) == (None, None)
+    finally:
+        private_server.resume() if fault == "pause" else private_server.start()
+    durations += _timed_logs(run, range(51, 61))  # the server is back: logging stays disabled
+    started = time.monotonic()
+    run.close()
+    assert time.monotonic() - started < 5
+    print(f"\n[{fault}] disabled log(): max {max(durations) * 1e3:.3f} ms, p99 {_p99(durations) * 1e3:.3f} ms")
+    assert max(durations) < LOG_CALL_BUDGET_S
+
+    runs = client.search_runs([experiment_id])
+    assert [r.info.run_id for r in runs] == [existing]  # no fork
+    assert runs[0].info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(existing, "loss")] == [(0, 1.0)]
+    assert runs[0].data.params == {}
+    disabled = [r for r in caplog.records if "MLflow logging disabled" in r.getMessage()]
+    assert len(disabled) == 1 and disabled[0].levelno == logging.WARNING, caplog.text
+
+
+def test_hung_server_never_blocks_log_and_loses_nothing(private_server, short_http, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    experiment = unique("hung")
+    run = TrainingRun({"lr": 0.1}, tracking_uri=private_server.uri, experiment=experiment, system_metrics=False,
+                      launch_argv=["train.py"], end_deadline_s=30,
+                      forge_config=ForgeConfig.resolve(call_deadline_s=1, drain_deadline_s=60))
+    try:
+        assert run.start()
+        _timed_logs(run, range(10))
+        private_server.pause()
+        try:
+            stopped_at = time.monotonic()
+            durations = _timed_logs(run, range(10, 130), pause_s=0.02)  # ~2.5 s of a hung server
+            while time.monotonic() - stopped_at < 3.5:
+                time.sleep(0.05)
+            stats = run._worker.stats
+            assert stats.hung_calls + stats.retried > 0
+        finally:
+            private_server.resume()
+        _timed_logs(run, range(130, 140))
+    finally:
+        run.close()
+    print(f"\n[hung] log() while SIGSTOPped: n={len(durations)} max {max(durations) * 1e3:.3f} ms "
+          f"p99 {_p99(durations) * 1e3:.3f} ms median {statistics.median(durations) * 1e3:.3f} ms")
+    assert max(durations) < LOG_CALL_BUDGET_S
+
+    client = _client(private_server)
+    data = client.get_run(run.run_id)
+    assert data.info.status == "FINISHED"
+    assert data.data.params == {"lr": "0.1"}
+    loss = client.get_metric_history(run.run_id, "loss")
+    assert sorted((m.step, m.value) for m in loss) == [(s, float(s)) for s in range(140)]  # none lost, none twice
+    lr = client.get_metric_history(run.run_id, "lr")
+    assert sorted(m.step for m in lr) == list(range(140))

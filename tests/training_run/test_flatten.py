@@ -1,0 +1,136 @@
+"""Config flattening: ``run_metadata.config_as_dict`` / ``flatten_params`` / ``batches`` (no server)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+from pathlib import PurePosixPath
+
+import pytest
+
+from otel_forge.mlflow.run_metadata import (
+    PARAM_VALUE_MAX_CHARS,
+    PARAMS_PER_BATCH,
+    batches,
+    config_as_dict,
+    flatten_params,
+    launch_config_path,
+)
+
+
+@dataclasses.dataclass
+class Optim:
+    name: str = "adamw"
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+
+
+@dataclasses.dataclass
+class Train:
+    model: dict = dataclasses.field(default_factory=lambda: {"dim": 8, "layers": [4, 4]})
+    optim: Optim = dataclasses.field(default_factory=Optim)
+    resume_from: str | None = None
+    seed: int = 0
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+def test_nested_dataclass_dict_and_lists_become_dotted_params():
+    assert flatten_params(Train()) == {
+        "model.dim": "8", "model.layers.0": "4", "model.layers.1": "4",
+        "optim.name": "adamw", "optim.lr": "0.0003", "optim.betas.0": "0.9", "optim.betas.1": "0.95",
+        "seed": "0",
+    }
+
+
+def test_none_is_skipped_everywhere_and_keeps_list_indices():
+    assert flatten_params({"a": None, "b": [1, None, 3], "c": {"d": None}}) == {"b.0": "1", "b.2": "3"}
+    assert flatten_params(None) == {}
+
+
+def test_empty_containers_give_no_params():
+    assert flatten_params({"a": {}, "b": [], "c": ()}) == {}
+
+
+def test_a_scalar_config_is_one_param_named_value():
+    assert flatten_params(5) == {"value": "5"}
+    assert flatten_params("x") == {"value": "x"}
+
+
+def test_values_are_cut_to_the_store_limit():
+    assert PARAM_VALUE_MAX_CHARS == 6000
+    flat = flatten_params({"long": "x" * 7000, "short": "y" * 6000})
+    assert flat["long"] == "x" * 6000
+    assert flat["short"] == "y" * 6000
+    assert flatten_params({"v": "abcdef"}, max_chars=3) == {"v": "abc"}
+
+
+def test_non_string_keys_are_stringified():
+    flat = flatten_params({1: "one", 2.5: {True: "t"}, None: "n"})
+    assert flat == {"1": "one", "2.5.True": "t", "None": "n"}
+    assert config_as_dict({1: {2: 3}}) == {"1": {"2": 3}}
+
+
+def test_argparse_namespace():
+    namespace = argparse.Namespace(lr=0.1, epochs=3, tags=["a", "b"], out=None)
+    assert config_as_dict(namespace) == {"lr": 0.1, "epochs": 3, "tags": ["a", "b"], "out": None}
+    assert flatten_params(namespace) == {"lr": "0.1", "epochs": "3", "tags.0": "a", "tags.1": "b"}
+
+
+def test_pydantic_model_nested_and_inside_a_dataclass():
+    pydantic = pytest.importorskip("pydantic")  # mlflow depends on it: installed here
+
+    class Data(pydantic.BaseModel):
+        path: str = "/data"
+        shards: list[int] = pydantic.Field(default_factory=lambda: [0, 1])
+
+    class Config(pydantic.BaseModel):
+        data: Data = Data()
+        batch: int = 32
+        note: str | None = None
+
+    assert config_as_dict(Config()) == {"data": {"path": "/data", "shards": [0, 1]}, "batch": 32, "note": None}
+    assert flatten_params(Config()) == {"data.path": "/data", "data.shards.0": "0", "data.shards.1": "1",
+                                        "batch": "32"}
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Config = dataclasses.field(default_factory=Config)
+
+    assert flatten_params(Outer())["inner.data.path"] == "/data"
+
+
+def test_other_values_are_stringified():
+    flat = flatten_params({"color": Color.RED, "path": PurePosixPath("/a/b"), "flag": False, "f": 1e-8})
+    assert flat == {"color": "Color.RED", "path": "/a/b", "flag": "False", "f": "1e-08"}
+
+
+def test_config_as_dict_leaves_a_dataclass_type_alone():
+    assert config_as_dict(Optim) is Optim
+    assert config_as_dict(Optim()) == {"name": "adamw", "lr": 3e-4, "betas": [0.9, 0.95]}
+
+
+def test_batches_of_one_hundred():
+    assert PARAMS_PER_BATCH == 100
+    params = {f"p{i}": str(i) for i in range(250)}
+    chunks = batches(params)
+    assert [len(chunk) for chunk in chunks] == [100, 100, 50]
+    assert {k: v for chunk in chunks for k, v in chunk.items()} == params
+    assert list(chunks[0]) == [f"p{i}" for i in range(100)]  # order kept
+    assert batches({}) == []
+    assert [len(c) for c in batches({f"p{i}": "" for i in range(100)})] == [100]
+
+
+def test_launch_config_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.toml").write_text("a = 1\n")
+    (tmp_path / "cfg.YAML").write_text("a: 1\n")
+    assert launch_config_path(["train.py", "cfg.toml"]) == tmp_path / "cfg.toml"
+    assert launch_config_path(["train.py", "--config=cfg.toml"]) == tmp_path / "cfg.toml"
+    assert launch_config_path(["train.py", "cfg.YAML"]) == tmp_path / "cfg.YAML"
+    assert launch_config_path(["cfg.toml"]) is None  # argv[0] is the program
+    assert launch_config_path(["train.py", "missing.json"]) is None
+    assert launch_config_path(["train.py", "notes.txt"]) is None
