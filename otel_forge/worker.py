@@ -76,7 +76,7 @@ class DeliveryWorker(Generic[T]):
                  max_call_threads: int = 4, call_deadline_s: float = 30.0,
                  classify: Callable[[BaseException], Outcome] = _retry_everything,
                  overflow: Overflow[T] | None = None, backoff_initial_s: float = 0.5,
-                 backoff_max_s: float = 30.0) -> None:
+                 backoff_max_s: float = 10.0) -> None:
         self.name = name
         self.stats = DeliveryStats()
         self._deliver = deliver

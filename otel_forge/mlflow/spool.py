@@ -8,6 +8,7 @@ being written. The total size of the window files is capped; past the cap ``appe
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -50,9 +51,11 @@ class WindowSpool:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._header = dict(header or {})
-        self._files: list[Path] = sorted(path.glob(f"*{_SUFFIX}")) if path.is_dir() else []
-        self._bytes = sum(f.stat().st_size for f in self._files)
-        self._next_sequence = _sequence(self._files[-1]) + 1 if self._files else _FIRST_SEQUENCE
+        files = sorted(path.glob(f"*{_SUFFIX}")) if path.is_dir() else []
+        # Sequence numbers only (a window's file name follows from it): small, whatever the spool holds.
+        self._sequences: collections.deque[int] = collections.deque(_sequence(f) for f in files)
+        self._bytes = sum(f.stat().st_size for f in files)
+        self._next_sequence = self._sequences[-1] + 1 if self._sequences else _FIRST_SEQUENCE
         if path.is_dir() and (path / HEADER).exists():
             self._header = {**json.loads((path / HEADER).read_text()), **self._header}
 
@@ -74,7 +77,10 @@ class WindowSpool:
                 _write_atomically(self.path / HEADER, json.dumps(self._header))
 
     def __len__(self) -> int:
-        return len(self._files)
+        return len(self._sequences)
+
+    def _file(self, sequence: int) -> Path:
+        return self.path / f"{sequence:012d}{_SUFFIX}"
 
     @property
     def size_bytes(self) -> int:
@@ -84,18 +90,20 @@ class WindowSpool:
         with self._lock:
             if not self._write(window, self._next_sequence):
                 return False
+            self._sequences.append(self._next_sequence)
             self._next_sequence += 1
             return True
 
     def prepend(self, windows: list[Window]) -> int:
         """Put ``windows`` (older than every window held) in front, in their order."""
         with self._lock:
-            first = _sequence(self._files[0]) if self._files else self._next_sequence
+            sequence = self._sequences[0] if self._sequences else self._next_sequence
             kept = 0
-            for offset, window in enumerate(windows):
-                if self._write(window, first - len(windows) + offset):
+            for window in reversed(windows):
+                sequence -= 1
+                if self._write(window, sequence):
+                    self._sequences.appendleft(sequence)
                     kept += 1
-            self._files.sort()
             return kept
 
     def _write(self, window: Window, sequence: int) -> bool:
@@ -105,26 +113,24 @@ class WindowSpool:
         if not self.path.is_dir():
             self.path.mkdir(parents=True, exist_ok=True)
             _write_atomically(self.path / HEADER, json.dumps(self._header))
-        target = self.path / f"{sequence:012d}{_SUFFIX}"
         try:
-            _write_atomically(target, text)
+            _write_atomically(self._file(sequence), text)
         except OSError as error:
             _logger.warning("cannot write the spool %s: %s", self.path, error)
             return False
-        self._files.append(target)
         self._bytes += len(text)
         return True
 
     def peek(self) -> Window | None:
         with self._lock:
-            if not self._files:
+            if not self._sequences:
                 return None
-            return Window.from_json(json.loads(self._files[0].read_text()))
+            return Window.from_json(json.loads(self._file(self._sequences[0]).read_text()))
 
     def pop(self) -> None:
         with self._lock:
-            if self._files:
-                head = self._files.pop(0)
+            if self._sequences:
+                head = self._file(self._sequences.popleft())
                 self._bytes -= head.stat().st_size
                 head.unlink()
 
@@ -136,15 +142,16 @@ class WindowSpool:
     def discard(self) -> int:
         """Delete the spool and every window in it; how many windows there were."""
         with self._lock:
-            count = len(self._files)
-            self._files, self._bytes = [], 0
+            count = len(self._sequences)
+            self._sequences.clear()
+            self._bytes = 0
             shutil.rmtree(self.path, ignore_errors=True)
             return count
 
     def remove_if_empty(self) -> bool:
         """Delete the directory when no window is left; True if it is gone."""
         with self._lock:
-            if self._files:
+            if self._sequences:
                 return False
             shutil.rmtree(self.path, ignore_errors=True)
             return True

@@ -1,0 +1,100 @@
+"""Fixtures of the fault-injection tests: a hermetic environment; real ``mlflow server`` processes
+(one per module for the tests that kill and restart it, one shared by the tests that only pause and
+resume it; each test logs into a run of its own); every ``export()`` call timed; a watch on the call
+threads."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # faultkit.py, erroring_proxy.py
+
+from faultkit import HERMETIC_PREFIXES, HTTP_TIMEOUT_S, LAUNCHER_VARS, ExportRecorder, ThreadWatch  # noqa: E402
+from mlflow_server import MlflowServer  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
+
+
+@pytest.fixture(autouse=True)
+def hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No OTel/launcher/tracking settings from outside; MLflow's client makes one attempt per request
+    with a short timeout, so a dead or hung server fails fast and our worker does the retrying."""
+    for key in list(os.environ):
+        if key.startswith(HERMETIC_PREFIXES) or key in LAUNCHER_VARS or key == "MLFLOW_TRACKING_URI":
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", str(HTTP_TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def _module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    mlflow_server = MlflowServer(tmp_path_factory.mktemp("faults-server")).start()
+    try:
+        yield mlflow_server
+    finally:
+        mlflow_server.kill()  # SIGCONT + SIGKILL: fast, and safe whatever state the tests left it in
+
+
+@pytest.fixture
+def server(_module_server: MlflowServer) -> Iterator[MlflowServer]:
+    """A tracking server the test may kill and restart (same port, same database), shared by the tests
+    of one module one after the other, each in a run of its own: a server start is 6-15 s on 2 cores.
+    Whatever state a test leaves it in, the next one finds it up."""
+    _module_server.resume()
+    if not _module_server.healthy():
+        _module_server.kill()
+        _module_server.start()
+    yield _module_server
+
+
+@pytest.fixture(scope="session")
+def _shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    mlflow_server = MlflowServer(tmp_path_factory.mktemp("faults-shared-server")).start()
+    try:
+        yield mlflow_server
+    finally:
+        mlflow_server.kill()
+
+
+@pytest.fixture
+def pausable_server(_shared_server: MlflowServer) -> Iterator[MlflowServer]:
+    """One server shared by the tests that only pause (SIGSTOP) and resume it, each in a run of its
+    own: a server start is 6-15 s on 2 cores. Resumed after each test, whatever the test did."""
+    assert _shared_server.healthy(), "the shared tracking server does not answer"
+    try:
+        yield _shared_server
+    finally:
+        _shared_server.resume()
+
+
+@pytest.fixture
+def exports(monkeypatch: pytest.MonkeyPatch) -> ExportRecorder:
+    """Wrap ``MLflowMetricExporter.export`` on the class, before any exporter exists: no call is missed."""
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+
+    from otel_forge.mlflow.exporter import MLflowMetricExporter
+
+    recorder = ExportRecorder()
+    original = MLflowMetricExporter.export
+
+    def timed_export(self: MLflowMetricExporter, *args: Any, **kwargs: Any) -> MetricExportResult:
+        started = time.perf_counter()
+        result = original(self, *args, **kwargs)
+        recorder.record(time.perf_counter() - started, result is MetricExportResult.SUCCESS)
+        return result
+
+    monkeypatch.setattr(MLflowMetricExporter, "export", timed_export)
+    return recorder
+
+
+@pytest.fixture
+def call_threads() -> Iterator[ThreadWatch]:
+    """The most ``mlflow-system-metrics-call`` threads alive at once during the test."""
+    watch = ThreadWatch().start()
+    yield watch
+    watch.stop()

@@ -1,0 +1,130 @@
+"""Helpers of the fault-injection tests: a hermetic environment, what each export() cost, a watch on
+the call threads, and the check a user would make: every window is in the run, in order, once."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+NODE = "node_0"
+PREFIX = f"system/{NODE}/"
+# Keys a cpu+memory agent logs in every window: gauges, averaged, never skipped.
+EVERY_WINDOW_KEYS = ("cpu_utilization_percentage", "system_memory_usage_megabytes")
+CALL_THREAD = "mlflow-system-metrics-call"
+MAX_CALL_THREADS = 4  # the exporter's default cap
+# MLflow's client, in the test process: one attempt per request and a short timeout, so a dead or
+# hung server fails fast and the exporter's own worker does the retrying.
+HTTP_TIMEOUT_S = 3
+
+HERMETIC_PREFIXES = ("OTEL_", "MLFLOW_SYSTEM_METRICS_")
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "NNODES",
+                 "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES",
+                 "SLURM_NNODES", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
+                 "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
+
+
+def hermetic_environ(**extra: str) -> dict[str, str]:
+    """This environment without OTel/launcher/tracking settings, plus ``extra`` (for subprocesses)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(HERMETIC_PREFIXES) and k not in LAUNCHER_VARS and k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def create_run(tracking_uri: str) -> str:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri).create_run("0").info.run_id
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class ExportRecorder:
+    """Every ``MLflowMetricExporter.export`` call of this test: how long it took, what it returned."""
+
+    def __init__(self) -> None:
+        self.durations_s: list[float] = []
+        self.windows = 0  # exports that returned SUCCESS: with samples_per_window=1, one window each
+        self._lock = threading.Lock()
+
+    def record(self, duration_s: float, success: bool) -> None:
+        with self._lock:
+            self.durations_s.append(duration_s)
+            self.windows += success
+
+    @property
+    def max_s(self) -> float:
+        with self._lock:
+            return max(self.durations_s, default=0.0)
+
+
+class ThreadWatch:
+    """Samples the live threads every few ms; ``peak`` = most call threads alive at once."""
+
+    def __init__(self, name_part: str = CALL_THREAD, interval_s: float = 0.005) -> None:
+        self.name_part = name_part
+        self.peak = 0
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-thread-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            alive = sum(1 for t in threading.enumerate() if self.name_part in t.name and t.is_alive())
+            self.peak = max(self.peak, alive)
+            self._stop.wait(self._interval_s)
+
+    def start(self) -> ThreadWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(5)
+        return self.peak
+
+
+def system_histories(tracking_uri: str, run_id: str, prefix: str = PREFIX) -> dict[str, list[Any]]:
+    """Each ``system/<node>/`` metric of the run: its history as MLflow returns it (by timestamp)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    keys = [key for key in client.get_run(run_id).data.metrics if key.startswith(prefix)]
+    return {key: client.get_metric_history(run_id, key) for key in keys}
+
+
+def assert_every_window(tracking_uri: str, run_id: str, windows: int, prefix: str = PREFIX,
+                        first_step: int = 0) -> dict[str, list[Any]]:
+    """What the user sees: for every key logged in each window, steps first_step.. in order, no gap,
+    no repeat; timestamps rise with the steps; other keys have no repeated or unordered step."""
+    assert windows > 0
+    histories = system_histories(tracking_uri, run_id, prefix)
+    expected = list(range(first_step, first_step + windows))
+    for name in EVERY_WINDOW_KEYS:
+        key = prefix + name
+        assert key in histories, f"{key} missing from the run; keys: {sorted(histories)}"
+        steps = [m.step for m in histories[key]]
+        missing = sorted(set(expected) - set(steps))
+        repeated = sorted({s for s in steps if steps.count(s) > 1})
+        assert steps == expected, (f"{key}: {len(steps)} points for {windows} windows; missing steps {missing}, "
+                                   f"repeated {repeated}, extra {sorted(set(steps) - set(expected))}; steps {steps}")
+    for key, history in histories.items():
+        steps = [m.step for m in history]
+        assert steps == sorted(set(steps)), f"{key}: steps out of order or repeated: {steps}"
+        assert set(steps) <= set(expected), f"{key}: steps outside 0..{windows - 1}: {steps}"
+        stamps = [m.timestamp for m in history]
+        assert stamps == sorted(set(stamps)), f"{key}: timestamps do not rise with the steps: {stamps}"
+    return histories
