@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
-from otel_forge.collectors import collector_class, open_collectors
+from otel_forge.collectors import open_collectors
 from otel_forge.config import SETTINGS, ForgeConfig
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import subprocess
-from collections.abc import Mapping
 from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args

@@ -12,10 +12,8 @@ import atexit
 import concurrent.futures
 import logging
 import os
-import queue
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.mlflow.checkpoints import find_or_create_external_model
 from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, import_mlflow, live_run, make_client
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.run_metadata import (
@@ -35,6 +34,7 @@ from otel_forge.mlflow.run_metadata import (
     job_tags,
     launch_config_path,
 )
+from otel_forge.mlflow.run_owner import RunOwner
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import scrub, uri_without_credentials
@@ -61,34 +61,6 @@ def _is_databricks(uri: str) -> bool:
 def _run_gone(error: BaseException) -> bool:
     code = str(getattr(error, "error_code", "") or "")
     return isinstance(error, RunGone) or code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
-
-
-class RunOwner:
-    """One daemon thread that runs the run's start and end, each waited on under a deadline."""
-
-    def __init__(self, name: str) -> None:
-        self._tasks: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, task: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._tasks.put((task, future))
-        return future
-
-    def call(self, task: Callable[[], Any], deadline_s: float) -> Any:
-        return self.submit(task).result(timeout=deadline_s)
-
-    def close(self) -> None:
-        self._tasks.put(None)
-
-    def _serve(self) -> None:
-        while (entry := self._tasks.get()) is not None:
-            task, future = entry
-            try:
-                future.set_result(task())
-            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(error)
 
 
 @dataclass
@@ -345,7 +317,7 @@ class TrainingRun:
             return
         run = self._live_run()
         name = self.checkpoint_model_name(step)
-        self._model_ids[step] = _find_or_create_external_model(run, name, step, directory)
+        self._model_ids[step] = find_or_create_external_model(run, name, step, directory)
 
     def tracking_entry(self) -> dict[str, str] | None:
         """``{backend, run_id, experiment, tracking_uri}`` without credentials; None unless live."""
@@ -424,31 +396,6 @@ class TrainingRun:
 
 class _RunUnavailable(Exception):
     """The run could not be opened: nothing queued for it can be delivered."""
-
-
-def _find_or_create_external_model(run: OpenRun, name: str, step: int, directory: Path) -> str:
-    """The logged model of this run named ``name``, created as an external model if absent."""
-    import_mlflow()
-    from mlflow.entities import LoggedModelStatus
-    from mlflow.models.model import MLMODEL_FILE_NAME
-    from mlflow.models.utils import get_external_mlflow_model_spec
-    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
-
-    client = run.client
-    found = client.search_logged_models(experiment_ids=[run.experiment_id], filter_string=f"name = '{name}'")
-    for model in found:
-        if model.source_run_id == run.run_id:
-            return model.model_id
-    tags = {MLFLOW_MODEL_IS_EXTERNAL: "true", "otel_forge.checkpoint.path": str(directory),
-            "otel_forge.checkpoint.step": str(step)}
-    model = client.create_logged_model(run.experiment_id, name=name, source_run_id=run.run_id, tags=tags,
-                                       model_type="checkpoint")
-    # External: the weights stay where they are; MLflow gets the MLmodel stub a registry needs.
-    with tempfile.TemporaryDirectory() as stub:
-        get_external_mlflow_model_spec(model).save(os.path.join(stub, MLMODEL_FILE_NAME))
-        client.log_model_artifacts(model.model_id, stub)
-    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
-    return model.model_id
 
 
 def _as_float(value: Any) -> float | None:

@@ -1,0 +1,38 @@
+"""One thread that starts and ends a run: MLflow's active run is thread-local, and each of these
+calls is waited on under a deadline, so a hung server cannot hold the caller."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class RunOwner:
+    """One daemon thread that runs the run's start and end, each waited on under a deadline."""
+
+    def __init__(self, name: str) -> None:
+        self._tasks: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((task, future))
+        return future
+
+    def call(self, task: Callable[[], Any], deadline_s: float) -> Any:
+        return self.submit(task).result(timeout=deadline_s)
+
+    def close(self) -> None:
+        self._tasks.put(None)
+
+    def _serve(self) -> None:
+        while (entry := self._tasks.get()) is not None:
+            task, future = entry
+            try:
+                future.set_result(task())
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(error)
