@@ -60,7 +60,7 @@ def main() -> None:
                 directory.mkdir()
                 (directory / "weight.txt").write_text(repr(weight))
                 run.register_checkpoint(step, directory)
-        print(f"final loss {loss:.5f} (log10 {math.log10(loss + 1e-12):.1f}); run {run.tracking_entry()}")
+    print(f"final loss {loss:.5f} (log10 {math.log10(loss + 1e-12):.1f}); MLflow run {run.run_id}")
 
 
 if __name__ == "__main__":

@@ -122,10 +122,17 @@ class Agent:
             return self
         from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 
-        readers = self._build_readers()
-        self.collectors = open_collectors(self.config)
+        collectors = open_collectors(self.config)
+        resource = build_resource(self.config, self.node)
+        try:
+            # Last before the provider: a periodic reader's timer runs from its construction.
+            readers = self._build_readers()
+        except BaseException:
+            collectors.close()
+            raise
+        self.collectors = collectors
         # Exemplars tie sync measurements to traces; observable readings have none to offer.
-        self.meter_provider = MeterProvider(metric_readers=readers, resource=build_resource(self.config, self.node),
+        self.meter_provider = MeterProvider(metric_readers=readers, resource=resource,
                                             exemplar_filter=AlwaysOffExemplarFilter())
         self.instruments = InstrumentSet(self.meter_provider.get_meter(INSTRUMENTATION_SCOPE),
                                          (*self.collectors.present, *self._extra_collectors),

@@ -104,10 +104,14 @@ class DeliveryWorker(Generic[T]):
         with self._cond:
             return len(self._queue) + (len(self._overflow) if self._overflow is not None else 0)
 
-    def submit(self, item: T) -> bool:
-        """Queue ``item`` for delivery without waiting; False if it had to be dropped."""
+    def submit(self, item: T, follow_up: bool = False) -> bool:
+        """Queue ``item`` for delivery without waiting; False if it had to be dropped.
+
+        ``follow_up`` marks an item a delivery queues to continue its own work (draining a
+        buffer): it is taken while closing too, so the drain deadline covers it.
+        """
         with self._cond:
-            if self._stopped or self._closing:
+            if self._stopped or (self._closing and not follow_up):
                 self.stats.dropped += 1
                 return False
             # Once anything is in the overflow, newer items follow it there: order is kept.

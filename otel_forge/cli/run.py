@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import signal
 import subprocess
 from typing import Any
@@ -51,10 +52,14 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from otel_forge.mlflow.run_metadata import launch_config_path, load_launch_config
-    from otel_forge.mlflow.training_run import TrainingRun
+    from otel_forge.mlflow.training_run import LAUNCHED_RUN_ENV, TrainingRun
 
     command = _command(args)
     config = config_from_args(args)
+    if shutil.which(command[0]) is None:
+        raise ConfigError(f"invalid command (from CMD): {command[0]!r} is not an executable on PATH")
+    # From here a signal is the user's: it must end the run, never kill us half way.
+    signals = SignalForwarder()
     launch_file = launch_config_path(["otel-forge", *command])
     training_run = TrainingRun(
         config=load_launch_config(launch_file) if launch_file else None, tracking_uri=config.tracking_uri,
@@ -66,22 +71,26 @@ def run(args: argparse.Namespace) -> int:
     if live:
         entry = training_run.tracking_entry()
         env.update(MLFLOW_RUN_ID=training_run.run_id, MLFLOW_TRACKING_URI=training_run.tracking_uri,
-                   MLFLOW_EXPERIMENT_ID=training_run._run.experiment_id)  # noqa: SLF001
+                   MLFLOW_EXPERIMENT_ID=training_run._run.experiment_id,  # noqa: SLF001
+                   **{LAUNCHED_RUN_ENV: training_run.run_id})
         print(f"otel-forge: run {entry['run_id']} in experiment {entry['experiment']} at {entry['tracking_uri']}",
               flush=True)
+    if signals.received:
+        training_run.close("KILLED")
+        return 128 + signals.received[0]
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as error:
         training_run.close("FAILED")
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
+    signals.forward_to(child)
     monitor = _start_system_metrics(config, training_run, child.pid) if live else None
-    received = _forward_signals(child)
     try:
         code = child.wait()
     finally:
         if monitor is not None:
             monitor.stop()
-    status = "FINISHED" if code == 0 else ("KILLED" if received or code < 0 else "FAILED")
+    status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
     training_run.close(status)
     return code if code >= 0 else 128 - code
 
@@ -99,15 +108,29 @@ def _start_system_metrics(config: Any, training_run: Any, pid: int) -> Any:
     return monitor
 
 
-def _forward_signals(child: subprocess.Popen) -> list[int]:
-    """Pass SIGINT/SIGTERM on to the child; the list records what arrived."""
-    received: list[int] = []
+class SignalForwarder:
+    """Records SIGINT/SIGTERM from the start, and passes SIGTERM on to CMD once it runs.
 
-    def forward(signum: int, frame: Any) -> None:
-        received.append(signum)
-        if child.poll() is None:
+    SIGINT is not passed on: CMD is in our process group, so a Ctrl-C at the terminal reaches it
+    directly, and forwarding would interrupt it a second time, during its own cleanup (the rule
+    `uv run` follows too). ``kill -INT`` of otel-forge alone therefore leaves CMD running.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._child: subprocess.Popen | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def forward_to(self, child: subprocess.Popen) -> None:
+        self._child = child
+        if signal.SIGTERM in self.received:  # arrived while CMD was starting
+            child.send_signal(signal.SIGTERM)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        child = self._child
+        if child is None or child.poll() is not None:
+            return
+        if signum != signal.SIGINT:
             child.send_signal(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    return received

@@ -25,6 +25,7 @@ from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.checkpoints import find_or_create_external_model
 from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, import_mlflow, live_run, make_client
 from otel_forge.mlflow.keys import key_segment, sanitize_key
+from otel_forge.mlflow.metric_buffer import MetricBuffer
 from otel_forge.mlflow.run_metadata import (
     NOTE_TAG,
     batches,
@@ -43,6 +44,9 @@ from otel_forge.worker import DeliveryWorker, Outcome
 _logger = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "otel-forge"
+# Set by `otel-forge run` for its command: the run it opened, and whose node it already samples.
+LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
+MAX_PENDING_METRIC_VALUES = 200_000
 CONFIG_ARTIFACT = "config.json"
 _DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
                          "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
@@ -112,6 +116,10 @@ class TrainingRun:
         self._system_monitor: Any = None
         self._closed = False
         self._model_ids: dict[int, str] = {}
+        self._metrics = MetricBuffer(MAX_PENDING_METRIC_VALUES)
+        self._flush_pending = False
+        # A run `otel-forge run` opened for this process is ours to describe, not a resume.
+        self._launched = bool(self.requested_run_id) and self.requested_run_id == os.environ.get(LAUNCHED_RUN_ENV)
         self._warnings = RateLimitedLogger(_logger)
         self._handle_sigterm = handle_sigterm
         self._previous_sigterm: Any = None
@@ -186,6 +194,8 @@ class TrainingRun:
         if run is None:
             return None
         self._run = run
+        if self._launched:
+            self._record_new_run(run)
         _logger.info("MLflow run %s (%s) in experiment %s at %s", run.run_id, "resumed" if run.resumed else "new",
                      run.experiment, scrub(self.tracking_uri))
         self._start_system_metrics(run)
@@ -224,8 +234,8 @@ class TrainingRun:
         return run
 
     def _start_system_metrics(self, run: OpenRun) -> None:
-        if not self.system_metrics or not self.node.runs_agent:
-            return
+        if not self.system_metrics or not self.node.runs_agent or self._launched:
+            return  # under `otel-forge run` the launcher's agent samples this node already
         from otel_forge.mlflow.monitor import SystemMetricsMonitor
 
         config = self.forge_config.replace(run_id=run.run_id, tracking_uri=self.tracking_uri)
@@ -267,18 +277,24 @@ class TrainingRun:
             return
         self._begin_opening()
         timestamp_ms = int(time.time() * 1000)  # fixed now: a retry resends identical metrics
-        values = {sanitize_key(str(k)): _as_float(v) for k, v in metrics.items()}
-        if not self._submit(lambda: self._log_metrics(values, step, timestamp_ms)):
-            self._warnings.warning("log-queue", "MLflow: metrics at step %d were not queued", step)
+        values = {sanitize_key(str(k)): v for k, v in ((k, _as_float(v)) for k, v in metrics.items()) if v is not None}
+        if not self._metrics.add(values, step, timestamp_ms):
+            self._warnings.warning("log-buffer", "MLflow: %d metric values waiting; metrics dropped (%d so far)",
+                                   len(self._metrics), self._metrics.dropped)
+            return
+        with self._lock:
+            if self._flush_pending:
+                return
+            self._flush_pending = True
+        if not self._submit(_MetricFlush(self)):
+            with self._lock:
+                self._flush_pending = False
 
-    def _log_metrics(self, values: Mapping[str, float | None], step: int, timestamp_ms: int) -> None:
-        run = self._live_run()
-        Metric = import_mlflow().entities.Metric
-        if run.last_step is not None and step <= run.last_step:
-            return  # already in the run before this resume
-        metrics = [Metric(k, v, timestamp_ms, step) for k, v in values.items() if v is not None]
-        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            run.client.log_batch(run.run_id, metrics=metrics[start:start + MAX_METRICS_PER_BATCH], synchronous=True)
+    def _flush_done(self) -> None:
+        """After a flush: another one if metrics are waiting, else none pending."""
+        with self._lock:
+            self._flush_pending = bool(len(self._metrics)) and self._worker is not None \
+                and self._worker.submit(_MetricFlush(self), follow_up=True)
 
     def _live_run(self) -> OpenRun:
         """On the worker: the open run, waiting for the opening within the call deadline."""
@@ -345,8 +361,9 @@ class TrainingRun:
             concurrent.futures.wait([self._opening], timeout=self._deadlines[0])
         if self._worker is not None:
             left = self._worker.close(self.forge_config.drain_deadline_s)
-            if left:
-                _logger.warning("MLflow: %d call(s) for the run were not delivered before close", left)
+            if left or len(self._metrics):
+                _logger.warning("MLflow: %d call(s) and %d metric value(s) for the run were not delivered "
+                                "before close", left, len(self._metrics))
         if self._system_monitor is not None:
             self._system_monitor.stop()
         if self._owner is None:
@@ -396,6 +413,36 @@ class TrainingRun:
 
 class _RunUnavailable(Exception):
     """The run could not be opened: nothing queued for it can be delivered."""
+
+
+class _MetricFlush:
+    """A worker call sending the oldest buffered metrics (up to one ``log_batch``).
+
+    The worker retries the same object after a transient failure, so it keeps the batch it took;
+    any other failure drops that batch (warned) and flushing goes on.
+    """
+
+    def __init__(self, training_run: TrainingRun) -> None:
+        self._training_run = training_run
+        self._batch: list | None = None
+
+    def __call__(self) -> None:
+        training_run = self._training_run
+        run = training_run._live_run()  # noqa: SLF001 - a piece of TrainingRun
+        if self._batch is None:
+            skip_to = -1 if run.last_step is None else run.last_step
+            # A resumed run already holds its steps up to last_step.
+            self._batch = [row for row in training_run._metrics.take(MAX_METRICS_PER_BATCH) if row[3] > skip_to]
+        try:
+            if self._batch:
+                Metric = import_mlflow().entities.Metric
+                run.client.log_batch(run.run_id, metrics=[Metric(*row) for row in self._batch], synchronous=True)
+        except Exception as error:
+            if classify(error) is not Outcome.DROP:
+                raise  # retried by the worker with this same batch, or the end of delivery
+            training_run._warnings.warning("log-drop", "MLflow: %d metric values dropped: %s",  # noqa: SLF001
+                                           len(self._batch), scrub(_first_line(error)))
+        training_run._flush_done()  # noqa: SLF001
 
 
 def _as_float(value: Any) -> float | None:

@@ -195,3 +195,17 @@ def test_a_param_key_mlflow_rejects_does_not_lose_the_other_params(mlflow_server
         run.log({"loss": 1.0}, step=0)
     params = client.get_run(run.run_id).data.params
     assert (params.get("lr"), params.get("layers")) == ("0.1", "4")
+
+
+def test_a_fast_loop_is_delivered_whole_in_few_calls(mlflow_server, client, experiment):
+    """10,000 log() calls in a tight loop: every step arrives, in log_batch calls of up to 1000."""
+    from otel_forge import ForgeConfig, TrainingRun
+
+    run = TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
+                      forge_config=ForgeConfig.resolve(environ={}, drain_deadline_s=60))
+    for step in range(10_000):
+        run.log({"train/loss": 1.0 / (step + 1)}, step=step)
+    run.close()
+    history = client.get_metric_history(run.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(10_000))
+    assert run._worker.stats.delivered <= 10_000 // 1000 + 3  # metric flushes (+ tags) -- not one per log()

@@ -1,0 +1,554 @@
+"""``otel-forge run [options] -- CMD ...`` as a process, against the session's real ``mlflow server``.
+
+Every test launches ``python -m otel_forge.cli run`` (with ``--no-prometheus --interval 0.3``), then
+reads what landed in MLflow with a plain ``MlflowClient``: one run holds CMD's own ``mlflow.log_*``
+metrics, the node's ``system/`` metrics, the git state of the working directory, the launch config
+(artifact and params); the run ends FINISHED/FAILED/KILLED from CMD's exit and otel-forge exits with
+CMD's code; signals reach CMD; bad input is one line and exit 2; a missing server costs logging, not
+the job. CMD scripts live in ``tests/cli_run/scripts``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO_ROOT / "examples"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+FORGE_RUN = [sys.executable, "-m", "otel_forge.cli", "run"]
+INTERVAL = "0.3"
+RUN_TIMEOUT_S = 60.0
+USAGE_ERROR = 2
+RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) in experiment (\S+) at (\S+)$", re.MULTILINE)
+
+# Variables that would steer an agent or a run behind a test's back.
+_HERMETIC_PREFIXES = ("OTEL_", "MLFLOW_")
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "NNODES",
+                  "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES",
+                  "SLURM_NNODES", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                  "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
+
+# Bugs found by these tests (see the report that came with them).
+BUG_CMD_TRAININGRUN_DROPS_CONFIG = (
+    "otel_forge/mlflow/training_run.py TrainingRun._open: a TrainingRun inside `otel-forge run` resumes the run "
+    "from MLFLOW_RUN_ID and _record_new_run is only called for a created run, so CMD's config params, "
+    "config.json, description and tags never reach the run")
+BUG_TWO_AGENTS_PER_NODE = (
+    "otel_forge/cli/run.py + training_run.py: `otel-forge run` samples the node and CMD's TrainingRun "
+    "(system_metrics=True by default) starts a second agent into the same run with the same system/ prefix: "
+    "two values at one step")
+BUG_SIGINT_TWICE = (
+    "otel_forge/cli/run.py _forward_signals: CMD shares otel-forge's process group, so a terminal Ctrl-C "
+    "(SIGINT to the group) reaches CMD directly AND forwarded: twice, the second one inside CMD's cleanup "
+    "(uv run: do not forward SIGINT to a child in our own process group, astral-sh/uv#11009, #13925)")
+BUG_SIGNAL_BEFORE_HANDLERS = (
+    "otel_forge/cli/run.py run(): the forwarding handlers are installed only after Popen and the system-metrics "
+    "monitor's start; a SIGTERM in between (hundreds of ms after the run opened) kills otel-forge by the signal: "
+    "the run stays RUNNING and CMD is orphaned")
+BUG_READER_TICKS_BEFORE_REGISTRATION = (
+    "otel_forge/pipeline.py Agent.start: the MLflow PeriodicExportingMetricReader is built (its ticker thread "
+    "starts in its constructor) before open_collectors/build_resource and MeterProvider(...): a tick in between "
+    "logs the SDK's 'Cannot call collect on a MetricReader until it is registered' warning on stderr")
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def forge_environ(tmp: Path, **extra: str) -> dict[str, str]:
+    """This environment without OTel/MLflow/launcher settings; spool and temp files under ``tmp``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_HERMETIC_PREFIXES) and k not in _LAUNCHER_VARS}
+    env.update(PYTHONUNBUFFERED="1", OTEL_FORGE_SPOOL_DIR=str(tmp / "spool"), TMPDIR=str(tmp),
+               GIT_CONFIG_NOSYSTEM="1")
+    env.update(extra)
+    return env
+
+
+def server_options(uri: str, experiment: str) -> list[str]:
+    return ["--tracking-uri", uri, "--no-prometheus", "--interval", INTERVAL, "--experiment", experiment]
+
+
+def run_forge(args: list[str], cwd: Path, env: dict[str, str],
+              timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FORGE_RUN, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+def run_id_of(stdout: str) -> str:
+    found = RUN_LINE.search(stdout)
+    assert found, f"no 'otel-forge: run ...' line in stdout:\n{stdout}"
+    return found.group(1)
+
+
+def unique(name: str) -> str:
+    return f"cli-run-{name}-{uuid.uuid4().hex[:8]}"
+
+
+def steps_of(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=otel-forge tests", "-c", "user.email=tests@example.invalid",
+                           "-c", "commit.gpgsign=false", *args], cwd=repo, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def client(mlflow_server):  # type: ignore[no-untyped-def]
+    from mlflow import MlflowClient
+
+    return MlflowClient(mlflow_server.uri)
+
+
+@dataclass
+class Launched:
+    result: subprocess.CompletedProcess[str]
+    run_id: str
+    cwd: Path
+    experiment: str
+
+
+# --- a script that only knows mlflow.log_metric ------------------------------------------------
+
+LAUNCH_TOML = """\
+[model]
+dim = 8
+layers = [16, 32]
+
+[optim]
+lr = 0.1
+"""
+
+
+@pytest.fixture(scope="module")
+def git_repo(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    """A committed repository holding examples/train_plain_mlflow.py, its launcher and a launch TOML."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copy(EXAMPLES / "train_plain_mlflow.py", repo)
+    shutil.copy(SCRIPTS / "train_with_launch_config.py", repo / "train.py")
+    (repo / "cfg.toml").write_text(LAUNCH_TOML)
+    (repo / ".gitignore").write_text("__pycache__/\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "the training script")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def plain_run(mlflow_server, git_repo, tmp_path_factory) -> Launched:  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("plain")
+    experiment = unique("plain")
+    result = run_forge([*server_options(mlflow_server.uri, experiment), "--tag", "team=forge", "--",
+                        "python", "train.py", "--steps", "20", "cfg.toml"], cwd=git_repo, env=forge_environ(tmp))
+    return Launched(result, run_id_of(result.stdout), git_repo, experiment)
+
+
+def test_plain_mlflow_script_exits_0_and_the_run_is_finished(plain_run, client) -> None:
+    result = plain_run.result
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    run = client.get_run(plain_run.run_id)
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == plain_run.experiment
+    # ONE run: the experiment holds only the run otel-forge opened, CMD's mlflow calls landed in it.
+    runs = client.search_runs([run.info.experiment_id])
+    assert [r.info.run_id for r in runs] == [plain_run.run_id]
+
+
+def test_plain_mlflow_script_metrics_and_system_metrics_share_the_run(plain_run, client) -> None:
+    run = client.get_run(plain_run.run_id)
+    assert steps_of(client, plain_run.run_id, "loss") == list(range(20))
+    assert run.data.params["steps"] == "20"  # CMD's own mlflow.log_param
+    system = [key for key in run.data.metrics if key.startswith("system/")]
+    assert "system/cpu_utilization_percentage" in system, sorted(run.data.metrics)
+    assert "system/system_memory_usage_megabytes" in system
+    assert len(system) >= 5, system
+    windows = steps_of(client, plain_run.run_id, "system/cpu_utilization_percentage")
+    assert len(windows) >= 2 and windows == list(range(len(windows))), windows
+
+
+def test_plain_mlflow_script_run_has_git_state_command_and_tags(plain_run, client) -> None:
+    tags = client.get_run(plain_run.run_id).data.tags
+    assert tags["mlflow.source.git.commit"] == git(plain_run.cwd, "rev-parse", "HEAD")
+    assert tags["mlflow.source.git.dirty"] == "false"
+    assert tags["otel_forge.command"] == "python train.py --steps 20 cfg.toml"
+    assert tags["team"] == "forge"
+    assert tags["host"] == socket.gethostname()
+
+
+def test_plain_mlflow_script_run_has_the_launch_config_as_artifact_and_params(plain_run, client, tmp_path) -> None:
+    run = client.get_run(plain_run.run_id)
+    artifacts = {a.path for a in client.list_artifacts(plain_run.run_id)}
+    assert {"cfg.toml", "config.json"} <= artifacts, artifacts
+    uploaded = Path(client.download_artifacts(plain_run.run_id, "cfg.toml", str(tmp_path)))
+    assert uploaded.read_text() == LAUNCH_TOML
+    resolved = json.loads(Path(client.download_artifacts(plain_run.run_id, "config.json", str(tmp_path))).read_text())
+    assert resolved == {"model": {"dim": 8, "layers": [16, 32]}, "optim": {"lr": 0.1}}
+    params = run.data.params
+    assert {k: params.get(k) for k in ("model.dim", "model.layers.0", "model.layers.1", "optim.lr")} == \
+        {"model.dim": "8", "model.layers.0": "16", "model.layers.1": "32", "optim.lr": "0.1"}
+
+
+def test_exit_code_3_fails_the_run_and_otel_forge_exits_3(mlflow_server, git_repo, client, tmp_path) -> None:
+    result = run_forge([*server_options(mlflow_server.uri, unique("exit3")), "--", "python", "train.py",
+                        "--steps", "2", "--exit-code", "3"], cwd=git_repo, env=forge_environ(tmp_path))
+
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    run_id = run_id_of(result.stdout)
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert steps_of(client, run_id, "loss") == [0, 1]
+
+
+def test_a_healthy_run_writes_nothing_to_stderr(mlflow_server, tmp_path) -> None:
+    # A short interval makes the race certain; at 0.3 s on 2 busy cores it shows about one run in three.
+    options = ["--tracking-uri", mlflow_server.uri, "--no-prometheus", "--interval", "0.02",
+               "--experiment", unique("quiet")]
+    result = run_forge([*options, "--", sys.executable, "-c", "import time; time.sleep(0.5)"], cwd=tmp_path,
+                       env=forge_environ(tmp_path))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
+# --- signals -----------------------------------------------------------------------------------
+
+
+class Background:
+    """``otel-forge run`` in its own session (its group = otel-forge + CMD), output in files."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
+        self.out, self.err = cwd / "stdout.txt", cwd / "stderr.txt"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen([*FORGE_RUN, *args], cwd=cwd, env=env, stdout=out, stderr=err,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def wait_for(self, predicate, what: str, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if self.process.poll() is not None:
+                pytest.fail(f"otel-forge exited {self.process.returncode} before {what}:\n{self.stdout()}\n"
+                            f"{self.stderr()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {timeout_s} s:\n{self.stdout()}\n{self.stderr()}")
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def background() -> Iterator[list[Background]]:
+    started: list[Background] = []
+    yield started
+    for process in started:
+        process.kill()
+
+
+def _start_signal_child(mlflow_server, tmp_path: Path, background: list[Background], mode: str,
+                        experiment: str) -> tuple[Background, Path]:  # type: ignore[no-untyped-def]
+    record = tmp_path / "signals.txt"
+    forge = Background([*server_options(mlflow_server.uri, experiment), "--", sys.executable,
+                        str(SCRIPTS / "signal_child.py"), str(record), mode], tmp_path, forge_environ(tmp_path))
+    background.append(forge)
+    ready = Path(f"{record}.ready")
+    forge.wait_for(ready.exists, "CMD ready")
+    # otel-forge installs its forwarding handlers right after printing the serving line.
+    forge.wait_for(lambda: "otel-forge: serving" in forge.stdout(), "the serving line")
+    time.sleep(0.5)
+    return forge, record
+
+
+def _child_pid(forge: Background) -> int:
+    children = [child for child in psutil.Process(forge.process.pid).children()
+                if "signal_child.py" in " ".join(child.cmdline())]
+    assert len(children) == 1, children
+    return children[0].pid
+
+
+@pytest.mark.parametrize(("mode", "cmd_exit", "forge_exit"), [
+    ("exit:7", 7, 7),  # CMD handles SIGTERM, cleans up, exits 7: otel-forge exits 7
+    ("default", -signal.SIGTERM, 128 + signal.SIGTERM),  # CMD dies by SIGTERM: otel-forge exits 143
+], ids=["cmd-handles-it", "cmd-dies-by-it"])
+def test_sigterm_is_forwarded_to_cmd_run_killed_and_exit_mirrored(mode, cmd_exit, forge_exit, mlflow_server, client,
+                                                                   tmp_path, background) -> None:
+    forge, record = _start_signal_child(mlflow_server, tmp_path, background, mode, unique("sigterm"))
+    cmd = psutil.Process(_child_pid(forge))
+
+    forge.process.send_signal(signal.SIGTERM)  # to otel-forge only, as `kill PID` or a scheduler does
+    code = forge.wait()
+
+    # otel-forge did not die by the signal: it exited with CMD's code (a Popen of a process killed by
+    # SIGTERM reads -15, not 143).
+    assert code == forge_exit, forge.stderr()
+    assert not cmd.is_running() or cmd.status() == psutil.STATUS_ZOMBIE
+    if cmd_exit >= 0:
+        assert record.read_text().split() == [str(int(signal.SIGTERM))]  # CMD got it, once
+    assert "Traceback" not in forge.stderr()
+    assert client.get_run(run_id_of(forge.stdout())).info.status == "KILLED"
+
+
+def test_terminal_ctrl_c_reaches_cmd_once(mlflow_server, client, tmp_path, background) -> None:
+    forge, record = _start_signal_child(mlflow_server, tmp_path, background, "exit:7", unique("sigint"))
+
+    # Ctrl-C: the terminal sends SIGINT to every process of the foreground group, CMD included. Here
+    # CMD first, then otel-forge, so the outcome does not hang on whose handler runs first (at the same
+    # instant the two deliveries to CMD sometimes merge into one).
+    os.kill(_child_pid(forge), signal.SIGINT)
+    time.sleep(0.2)
+    os.kill(forge.process.pid, signal.SIGINT)
+    code = forge.wait()
+
+    assert code == 7, forge.stderr()
+    assert client.get_run(run_id_of(forge.stdout())).info.status == "KILLED"
+    assert record.read_text().split() == [str(int(signal.SIGINT))]
+
+
+def test_sigterm_right_after_the_run_opened_still_ends_run_and_cmd(mlflow_server, client, tmp_path) -> None:
+    marker = f"otel-forge-test-{uuid.uuid4().hex}"
+    forge = subprocess.Popen(
+        [*FORGE_RUN, *server_options(mlflow_server.uri, unique("early-sigterm")), "--", sys.executable, "-c",
+         f"import time; time.sleep(30)  # {marker}"],
+        cwd=tmp_path, env=forge_environ(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def survivors() -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            if marker in " ".join(process.info["cmdline"] or ()):
+                found.append(process)
+        return found
+
+    try:
+        first_line = forge.stdout.readline()  # printed once the run is open, before CMD starts
+        forge.send_signal(signal.SIGTERM)
+        code = forge.wait(timeout=RUN_TIMEOUT_S)
+        time.sleep(0.5)
+        orphans = survivors()
+
+        run_id = run_id_of(first_line)
+        assert code >= 0, f"otel-forge was killed by signal {-code}"
+        assert client.get_run(run_id).info.status == "KILLED"
+        assert orphans == []
+    finally:
+        for process in survivors():
+            process.kill()
+        if forge.poll() is None:
+            os.killpg(forge.pid, signal.SIGKILL)
+            forge.wait()
+
+
+# --- what CMD is told ----------------------------------------------------------------------------
+
+
+def test_cmd_sees_the_run_id_tracking_uri_and_experiment_id(mlflow_server, client, tmp_path) -> None:
+    seen = tmp_path / "env.json"
+    experiment = unique("env")
+    result = run_forge([*server_options(mlflow_server.uri, experiment), "--", sys.executable,
+                        str(SCRIPTS / "write_env.py"), str(seen)], cwd=tmp_path, env=forge_environ(tmp_path))
+
+    assert result.returncode == 0, result.stderr
+    env = json.loads(seen.read_text())
+    run_id = run_id_of(result.stdout)
+    run = client.get_run(run_id)
+    assert env["MLFLOW_RUN_ID"] == run_id
+    assert env["MLFLOW_TRACKING_URI"] == mlflow_server.uri
+    assert env["MLFLOW_EXPERIMENT_ID"] == run.info.experiment_id
+    assert client.get_experiment(run.info.experiment_id).name == experiment
+    # otel-forge's own HTTP settings (one attempt per call) are not imposed on CMD.
+    assert env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] is None
+    assert env["MLFLOW_HTTP_REQUEST_TIMEOUT"] is None
+
+
+# --- examples/train_with_trainingrun.py ------------------------------------------------------------
+
+
+def _trainingrun_models(client, run):  # type: ignore[no-untyped-def]
+    models = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    return {m.name: m for m in models if m.source_run_id == run.info.run_id}
+
+
+EXAMPLE_PARAMS = {"steps": "50", "batch_size": "32", "optimizer.lr": "0.05", "optimizer.momentum": "0.9",
+                  "layers.0": "16", "layers.1": "16", "checkpoint_every": "25"}
+
+
+def _assert_trainingrun_example_logged(client, run) -> None:  # type: ignore[no-untyped-def]
+    from mlflow.entities import LoggedModelStatus
+
+    assert run.info.status == "FINISHED"
+    for key in ("train/loss", "train/weight", "train/lr"):
+        assert steps_of(client, run.info.run_id, key) == list(range(50)), key
+    models = _trainingrun_models(client, run)
+    base = run.info.run_name
+    assert set(models) == {f"{base}-step-24", f"{base}-step-49"}, set(models)
+    for step in (24, 49):
+        model = models[f"{base}-step-{step}"]
+        assert model.status == LoggedModelStatus.READY
+        assert model.tags["mlflow.model.isExternal"] == "true"
+        assert model.tags["otel_forge.checkpoint.step"] == str(step)
+        assert Path(model.tags["otel_forge.checkpoint.path"], "weight.txt").is_file()
+
+
+def test_trainingrun_example_run_directly(mlflow_server, client, tmp_path) -> None:
+    experiment = unique("direct")
+    result = subprocess.run([sys.executable, str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "50"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                            env=forge_environ(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri,
+                                              MLFLOW_EXPERIMENT_NAME=experiment))
+
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.run_name == "example-trainingrun"
+    _assert_trainingrun_example_logged(client, run)
+    assert run.data.params == EXAMPLE_PARAMS
+    assert run.data.tags["mlflow.note.content"] == "otel_forge example"
+    assert run.data.tags["example"] == "trainingrun"
+    assert "config.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+@pytest.fixture(scope="module")
+def trainingrun_under_forge(mlflow_server, tmp_path_factory) -> Launched:  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("trainingrun")
+    experiment = unique("forge-trainingrun")
+    # The interval also in the environment, which CMD inherits: its TrainingRun samples as often.
+    env = forge_environ(tmp, MLFLOW_TRACKING_URI=mlflow_server.uri, OTEL_FORGE_SAMPLING_INTERVAL=INTERVAL)
+    result = run_forge(["--no-prometheus", "--interval", INTERVAL, "--experiment", experiment, "--", "python",
+                        str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "50"], cwd=tmp, env=env)
+    return Launched(result, run_id_of(result.stdout), tmp, experiment)
+
+
+def test_trainingrun_example_under_otel_forge_run_logs_into_its_run(trainingrun_under_forge, client) -> None:
+    result = trainingrun_under_forge.result
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    run = client.get_run(trainingrun_under_forge.run_id)
+    assert [r.info.run_id for r in client.search_runs([run.info.experiment_id])] == [run.info.run_id]
+    _assert_trainingrun_example_logged(client, run)
+    assert any(key.startswith("system/") for key in run.data.metrics)
+
+
+def test_trainingrun_example_under_otel_forge_run_records_its_config(trainingrun_under_forge, client) -> None:
+    run = client.get_run(trainingrun_under_forge.run_id)
+    assert run.data.params == EXAMPLE_PARAMS
+    assert run.data.tags.get("mlflow.note.content") == "otel_forge example"
+    assert "config.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_trainingrun_example_under_otel_forge_run_has_one_agent(trainingrun_under_forge, client) -> None:
+    history = client.get_metric_history(trainingrun_under_forge.run_id, "system/cpu_utilization_percentage")
+    per_step = collections.Counter(m.step for m in history)
+    assert [step for step, n in sorted(per_step.items()) if n > 1] == []
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--"], "nothing to run"),
+    ([], "nothing to run"),
+    (["--interval", "0", "--", "python", "-c", "pass"], "--interval"),
+    (["--tag", "novalue", "--", "python", "-c", "pass"], "--tag"),
+    (["--", "/nonexistent/otel-forge-test-binary"], "/nonexistent/otel-forge-test-binary"),
+], ids=["missing-command", "no-separator-no-command", "interval-zero", "tag-without-value", "no-such-executable"])
+def test_bad_input_is_one_line_and_exit_2(args, named, mlflow_server, tmp_path) -> None:
+    options = ["--tracking-uri", mlflow_server.uri, "--no-prometheus", "--experiment", unique("bad")]
+    result = run_forge([*options, *args], cwd=tmp_path, env=forge_environ(tmp_path))
+
+    assert result.returncode == USAGE_ERROR, (result.returncode, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("otel-forge: error: "), lines[0]
+    assert named in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+# --- the embedded default: the README quick start --------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # SQLAlchemy's, from MLflow's sqlite store
+def test_without_a_tracking_uri_the_run_lands_in_mlflow_db_of_the_working_directory(tmp_path) -> None:
+    from mlflow import MlflowClient
+
+    work = tmp_path / "work"
+    work.mkdir()
+    # README: `otel-forge run -- python examples/train_with_trainingrun.py --steps 200`, no server.
+    result = run_forge(["--no-prometheus", "--interval", INTERVAL, "--", "python",
+                        str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "200"],
+                       cwd=work, env=forge_environ(tmp_path))
+
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    database = work / "mlflow.db"
+    assert database.is_file()
+    assert RUN_LINE.search(result.stdout).group(3) == f"sqlite:///{database}"
+    local = MlflowClient(f"sqlite:///{database}")
+    run = local.get_run(run_id_of(result.stdout))
+    assert run.info.status == "FINISHED"
+    assert steps_of(local, run.info.run_id, "train/loss") == list(range(200))
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    assert len(_trainingrun_models(local, run)) == 8  # a checkpoint every 25 steps
+
+
+# --- no server ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_server_down_at_start_cmd_still_runs_and_its_exit_code_is_returned(tmp_path) -> None:
+    seen = tmp_path / "env.json"
+    # Credentials in the URI: they must not reach the warning.
+    uri = f"http://forge-user:s3cr3t-token@127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    result = run_forge(["--tracking-uri", uri, "--no-prometheus", "--interval", INTERVAL, "--", sys.executable,
+                        str(SCRIPTS / "write_env.py"), str(seen), "5"], cwd=tmp_path,
+                       env=forge_environ(tmp_path, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+                                         OTEL_FORGE_CALL_DEADLINE="1"))
+    elapsed = time.monotonic() - started
+
+    assert result.returncode == 5, result.stderr
+    assert "cmd ran" in result.stdout
+    assert "Traceback" not in result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "MLflow logging disabled" in line]
+    assert len(warnings) == 1, result.stderr
+    assert "s3cr3t-token" not in result.stderr + result.stdout
+    assert json.loads(seen.read_text())["MLFLOW_RUN_ID"] is None  # nothing to attach to
+    assert elapsed < 30, elapsed
