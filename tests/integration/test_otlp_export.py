@@ -9,7 +9,7 @@ import http.server
 import socket
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path

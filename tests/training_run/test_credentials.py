@@ -6,7 +6,6 @@ import json
 import logging
 from pathlib import Path
 
-import pytest
 from trun_helpers import LOG_BATCH, RecordingProxy, wait_for
 
 from otel_forge.config import ForgeConfig
