@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,10 @@ def load_launch_config(path: Path) -> Any:
         text = path.read_text()
         suffix = path.suffix.lower()
         if suffix == ".toml":
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover - Python 3.10
+                import tomli as tomllib
 
             return tomllib.loads(text)
         if suffix == ".json":
