@@ -42,6 +42,7 @@ def _open_log_close(uri: str, experiment: str, tmp_path: Path) -> tuple[Training
 def test_credentials_in_the_uri_reach_no_log_tag_param_or_entry(mlflow_server, client, experiment, tmp_path,
                                                                 monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)  # every logger, every level
+    caplog.set_level(logging.DEBUG, logger="urllib3")  # even if an earlier in-process CLI test quieted it
     monkeypatch.chdir(tmp_path)
     run, entry = _open_log_close(_with_userinfo(mlflow_server.uri), experiment, tmp_path)
     assert entry == {"backend": "mlflow", "run_id": run.run_id, "experiment": experiment,
