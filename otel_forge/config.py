@@ -218,31 +218,32 @@ DEFAULT = "default"
 
 @dataclass(frozen=True)
 class ForgeConfig:
-    """The resolved settings. Build it with ``ForgeConfig.resolve``; every field is in ``SETTINGS``."""
+    """The resolved settings. Build it with ``ForgeConfig.resolve``; every field is a row of
+    ``SETTINGS``, which holds its default (``ForgeConfig.defaults()``)."""
 
-    sampling_interval_s: float = 10.0
-    samples_per_window: int = 1
-    max_age_s: float | None = None
-    node_id: str | None = None
-    service_name: str = "otel-forge"
-    resource_attributes: Mapping[str, str] = field(default_factory=dict)
-    collectors: tuple[str, ...] = COLLECTOR_NAMES
-    gpus: str = "all"
-    per_cpu: bool = False
-    pid: int | None = None
-    prometheus: bool = True
-    prometheus_host: str = "localhost"
-    prometheus_port: int = 9464
-    otlp_endpoint: str | None = None
-    otlp_protocol: str = "http/protobuf"
-    run_id: str | None = None
-    tracking_uri: str | None = None
-    mlflow_stats: tuple[str, ...] = ("mean",)
-    spool_dir: str | None = None
-    spool_max_bytes: int = 64 << 20
-    queue_size: int = 64
-    call_deadline_s: float = 30.0
-    drain_deadline_s: float = 10.0
+    sampling_interval_s: float
+    samples_per_window: int
+    max_age_s: float | None
+    node_id: str | None
+    service_name: str
+    resource_attributes: Mapping[str, str]
+    collectors: tuple[str, ...]
+    gpus: str
+    per_cpu: bool
+    pid: int | None
+    prometheus: bool
+    prometheus_host: str
+    prometheus_port: int
+    otlp_endpoint: str | None
+    otlp_protocol: str
+    run_id: str | None
+    tracking_uri: str | None
+    mlflow_stats: tuple[str, ...]
+    spool_dir: str | None
+    spool_max_bytes: int
+    queue_size: int
+    call_deadline_s: float
+    drain_deadline_s: float
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -264,6 +265,11 @@ class ForgeConfig:
             values[setting.name], sources[setting.name] = _resolve_one(
                 setting, explicit.get(setting.name), environ, argument_names.get(setting.name, ARGUMENT))
         return cls(**values, sources=sources)
+
+    @classmethod
+    def defaults(cls) -> ForgeConfig:
+        """Every setting at its default, whatever the environment says."""
+        return cls.resolve(environ={})
 
     @property
     def snapshot_max_age_s(self) -> float:

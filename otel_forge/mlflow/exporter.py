@@ -11,24 +11,18 @@ import os
 import time
 from pathlib import Path
 
-from opentelemetry.sdk.metrics import Counter, Histogram, ObservableCounter, ObservableGauge, ObservableUpDownCounter, UpDownCounter
-from opentelemetry.sdk.metrics.export import (
-    AggregationTemporality,
-    MetricExporter,
-    MetricExportResult,
-    MetricsData,
-)
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
+from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.client import WindowLogger, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, system_prefix
-from otel_forge.scrub import scrub, uri_without_credentials
 from otel_forge.mlflow.spool import WindowSpool, default_spool_root
 from otel_forge.mlflow.windows import Window, WindowFolder
+from otel_forge.scrub import scrub, uri_without_credentials
 from otel_forge.worker import DeliveryWorker
 
 _logger = logging.getLogger(__name__)
-
-DEFAULT_SPOOL_MAX_BYTES = 64 * 1024 * 1024
+_DEFAULTS = ForgeConfig.defaults()  # the settings table's defaults, for apps that build their own pipeline
 
 
 class MLflowMetricExporter(MetricExporter):
@@ -42,13 +36,13 @@ class MLflowMetricExporter(MetricExporter):
     """
 
     def __init__(self, run_id: str, *, tracking_uri: str | None = None, node_id: str | None = None,
-                 samples_per_window: int = 1, stats: tuple[str, ...] = ("mean",),
-                 spool_dir: str | os.PathLike[str] | None = None, spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES,
-                 max_queue: int = 64, call_deadline_s: float = 30.0, drain_deadline_s: float = 10.0,
-                 max_call_threads: int = 4) -> None:
-        cumulative = AggregationTemporality.CUMULATIVE
-        super().__init__(preferred_temporality={kind: cumulative for kind in (
-            Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)})
+                 samples_per_window: int = _DEFAULTS.samples_per_window,
+                 stats: tuple[str, ...] = _DEFAULTS.mlflow_stats, spool_dir: str | os.PathLike[str] | None = None,
+                 spool_max_bytes: int = _DEFAULTS.spool_max_bytes, max_queue: int = _DEFAULTS.queue_size,
+                 call_deadline_s: float = _DEFAULTS.call_deadline_s,
+                 drain_deadline_s: float = _DEFAULTS.drain_deadline_s, max_call_threads: int = 4) -> None:
+        # Cumulative temporality (the exporter default): counters fold as growth since start.
+        super().__init__()
         self.run_id = run_id
         self.node_id = node_id
         self._drain_deadline_s = drain_deadline_s
