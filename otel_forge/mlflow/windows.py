@@ -44,6 +44,8 @@ class WindowFolder:
 
     def add(self, sample: Sample, time_s: float) -> Window | None:
         """Add one sample taken at wall-clock ``time_s``; returns the window it completes."""
+        if not sample:
+            return None  # an export before any instrument observed: not a sample of the hardware
         for key, (fold, value) in sample.items():
             if fold is Fold.MEAN:
                 self._gauges.setdefault(key, []).append(value)
