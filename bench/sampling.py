@@ -147,11 +147,11 @@ def count_points(metrics_data: Any, skip_prefix: str | None = None) -> int:
 
 def make_ours(readers: int, clock: FakeClock, closers: list[Callable[[], None]]) -> Subject:
     import otel_forge
-    from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from otel_forge.pipeline import build_meter_provider
 
     reader_list = [InMemoryMetricReader() for _ in range(readers)]
-    provider = MeterProvider(metric_readers=reader_list)
+    provider = build_meter_provider(reader_list)  # the agent's own provider settings
     instrumentation = otel_forge.instrument(provider, collectors=list(HOST_COLLECTORS), max_age_s=MAX_AGE_S)
     if instrumentation.collectors.absent:
         raise SystemExit(f"otel_forge collectors absent: {instrumentation.collectors.absent}")

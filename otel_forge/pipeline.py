@@ -30,6 +30,34 @@ _logger = logging.getLogger(__name__)
 ReaderFactory = Callable[[], "MetricReader"]
 
 
+def _no_exemplar_views() -> list:
+    """Views giving every instrument a reservoir that keeps nothing.
+
+    Exemplars tie synchronous measurements to traces; observable readings have none, yet the SDK
+    still offers and collects a reservoir per data point (a tenth of a reader's collect).
+    """
+    from opentelemetry.sdk.metrics import ExemplarReservoir
+    from opentelemetry.sdk.metrics.view import View
+
+    class _NoExemplars(ExemplarReservoir):
+        def offer(self, value: Any, time_unix_nano: int, attributes: Any, context: Any) -> None:
+            pass
+
+        def collect(self, point_attributes: Any) -> list:
+            return []
+
+    return [View(instrument_name="*", exemplar_reservoir_factory=lambda aggregation: lambda **_: _NoExemplars())]
+
+
+def build_meter_provider(readers: Sequence[MetricReader], resource: Any = None) -> MeterProvider:
+    """A MeterProvider as the agent builds it: ``readers``, ``resource``, and no exemplars."""
+    from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
+
+    options: dict[str, Any] = {"resource": resource} if resource is not None else {}
+    return MeterProvider(metric_readers=readers, views=_no_exemplar_views(),
+                         exemplar_filter=AlwaysOffExemplarFilter(), **options)
+
+
 class EndpointError(OSError):
     """An endpoint could not be served (e.g. the Prometheus port is in use)."""
 
@@ -120,8 +148,6 @@ class Agent:
         if not self.node.runs_agent:
             _logger.info("local rank %s: the node's agent runs on local rank 0", self.node.local_rank)
             return self
-        from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
-
         collectors = open_collectors(self.config)
         resource = build_resource(self.config, self.node)
         try:
@@ -131,9 +157,7 @@ class Agent:
             collectors.close()
             raise
         self.collectors = collectors
-        # Exemplars tie sync measurements to traces; observable readings have none to offer.
-        self.meter_provider = MeterProvider(metric_readers=readers, resource=resource,
-                                            exemplar_filter=AlwaysOffExemplarFilter())
+        self.meter_provider = build_meter_provider(readers, resource)
         self.instruments = InstrumentSet(self.meter_provider.get_meter(INSTRUMENTATION_SCOPE),
                                          (*self.collectors.present, *self._extra_collectors),
                                          self.config.snapshot_max_age_s)
