@@ -1,7 +1,8 @@
 """A real ``mlflow server`` for tests: sqlite backend, 127.0.0.1, a free port, one worker.
 
 ``MlflowServer`` can be stopped (SIGSTOP), resumed, killed and restarted on the same port and
-database, so tests can inject the faults a tracking server really has.
+database, so tests can inject the faults a tracking server really has. As a context manager it is
+started on entry (if it is not running) and stopped on exit.
 """
 
 from __future__ import annotations
@@ -90,3 +91,9 @@ class MlflowServer:
             self._signal_group(signal.SIGKILL)
             self.process.wait(timeout=15)
         self.process = None
+
+    def __enter__(self) -> MlflowServer:
+        return self if self.process is not None else self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -22,17 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hermetic import hermetic_environ
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FAKES_DIR = REPO_ROOT / "tests" / "fakes"
 PROMETHEUS_BINARY = "prometheus"
-
-# Variables that would change what a spawned agent does (endpoints, node id, collectors,
-# launcher ranks): a test's agent sees only what the test passes.
-HERMETIC_PREFIXES = ("OTEL_", "MLFLOW_SYSTEM_METRICS_")
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "NNODES",
-                  "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES",
-                  "SLURM_NNODES", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
-                  "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
 
 T = TypeVar("T")
 
@@ -332,13 +326,11 @@ class AgentProcess:
 
 
 def agent_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a spawned agent: this one without OTel/launcher settings, plus ``env``.
+    """The environment of a spawned agent: the hermetic one (tests/hermetic.py), plus ``env``.
 
     A ``PYTHONPATH`` in ``env`` is put in front of the inherited one.
     """
-    merged = {key: value for key, value in os.environ.items()
-              if not key.startswith(HERMETIC_PREFIXES) and key not in LAUNCHER_VARS}
-    merged["PYTHONUNBUFFERED"] = "1"
+    merged = hermetic_environ()
     for key, value in (env or {}).items():
         if key == "PYTHONPATH" and merged.get("PYTHONPATH"):
             value = os.pathsep.join([value, merged["PYTHONPATH"]])

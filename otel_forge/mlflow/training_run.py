@@ -207,7 +207,13 @@ class TrainingRun:
         found = client.get_experiment_by_name(self.experiment)
         if found is not None:
             return found.experiment_id
-        return client.create_experiment(self.experiment)
+        try:
+            return client.create_experiment(self.experiment)
+        except Exception as error:
+            # Another process of the job created it between our look and our create.
+            if str(getattr(error, "error_code", "")) != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return client.get_experiment_by_name(self.experiment).experiment_id
 
     def _resume(self, client: Any) -> OpenRun | None:
         run_id = self.requested_run_id

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hermetic import hermetic_environ
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
@@ -36,13 +37,6 @@ INTERVAL = "0.3"
 RUN_TIMEOUT_S = 60.0
 USAGE_ERROR = 2
 RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) in experiment (\S+) at (\S+)$", re.MULTILINE)
-
-# Variables that would steer an agent or a run behind a test's back.
-_HERMETIC_PREFIXES = ("OTEL_", "MLFLOW_")
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "NNODES",
-                  "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES",
-                  "SLURM_NNODES", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-                  "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
 
 # Bugs found by these tests (see the report that came with them).
 BUG_CMD_TRAININGRUN_DROPS_CONFIG = (
@@ -71,12 +65,9 @@ BUG_READER_TICKS_BEFORE_REGISTRATION = (
 
 
 def forge_environ(tmp: Path, **extra: str) -> dict[str, str]:
-    """This environment without OTel/MLflow/launcher settings; spool and temp files under ``tmp``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_HERMETIC_PREFIXES) and k not in _LAUNCHER_VARS}
-    env.update(PYTHONUNBUFFERED="1", OTEL_FORGE_SPOOL_DIR=str(tmp / "spool"), TMPDIR=str(tmp),
-               GIT_CONFIG_NOSYSTEM="1")
-    env.update(extra)
-    return env
+    """The hermetic environment without any MLflow setting either; spool and temp files under ``tmp``."""
+    own = {"OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"), "TMPDIR": str(tmp), "GIT_CONFIG_NOSYSTEM": "1"}
+    return hermetic_environ(own, prefixes=("OTEL_", "MLFLOW_"), **extra)
 
 
 def server_options(uri: str, experiment: str) -> list[str]:
@@ -107,13 +98,6 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-c", "user.name=otel-forge tests", "-c", "user.email=tests@example.invalid",
                            "-c", "commit.gpgsign=false", *args], cwd=repo, check=True, capture_output=True,
                           text=True).stdout.strip()
-
-
-@pytest.fixture(scope="module")
-def client(mlflow_server):  # type: ignore[no-untyped-def]
-    from mlflow import MlflowClient
-
-    return MlflowClient(mlflow_server.uri)
 
 
 @dataclass

@@ -5,15 +5,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from otel_forge.collectors.amd import AmdCollector
-from otel_forge.collectors.base import CollectorUnavailable, Readings
+from otel_forge.collectors.base import CollectorUnavailable
 from otel_forge.config import ForgeConfig
 from otel_forge.names import METRICS
+from collector_helpers import by_gpu, messages, opened_with, read
 from gpu_fakes import fake_amdsmi
 
 LOGGER = "otel_forge.collectors.amd"
@@ -21,29 +21,8 @@ SPECS = {spec.name: spec for spec in METRICS if spec.source == "amd"}
 MiB = 1024 * 1024
 
 
-@contextlib.contextmanager
-def opened(scenario: dict, **settings: Any) -> Iterator[tuple[Any, AmdCollector]]:
-    with fake_amdsmi(scenario) as amdsmi:
-        collector = AmdCollector.create(ForgeConfig.resolve(environ={}, **settings))
-        try:
-            yield amdsmi, collector
-        finally:
-            collector.close()
-
-
-def read(collector: AmdCollector) -> Readings:
-    readings = Readings()
-    collector.read(readings)
-    return readings
-
-
-def by_gpu(readings: Readings, metric: str, **attributes: str) -> dict[str, float]:
-    return {attrs["hw.id"]: value for attrs, value in readings.get(metric)
-            if all(attrs.get(key) == wanted for key, wanted in attributes.items())}
-
-
-def messages(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == level and text in r.getMessage()]
+def opened(scenario: dict, **settings: Any) -> contextlib.AbstractContextManager[tuple[Any, AmdCollector]]:
+    return opened_with(fake_amdsmi, AmdCollector, scenario, **settings)
 
 
 def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:

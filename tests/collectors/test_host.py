@@ -8,19 +8,13 @@ import time
 import psutil
 import pytest
 
-from otel_forge.collectors.base import Readings
 from otel_forge.collectors.cpu import CpuCollector
 from otel_forge.collectors.disk import DiskCollector, is_real_filesystem
 from otel_forge.collectors.memory import MemoryCollector
 from otel_forge.collectors.network import NetworkCollector, is_physical_interface
 from otel_forge.collectors.process import ProcessCollector, ProcessTree
 from otel_forge.config import ForgeConfig
-
-
-def read(collector):
-    readings = Readings()
-    collector.read(readings)
-    return readings
+from collector_helpers import read
 
 
 def values(readings, metric, **match):

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from otel_forge.collectors import nvidia
-from otel_forge.collectors.base import CollectorUnavailable, Readings
+from otel_forge.collectors.base import CollectorUnavailable
 from otel_forge.collectors.nvidia import NvidiaCollector
 from otel_forge.config import ForgeConfig
 from otel_forge.names import METRICS
+from collector_helpers import by_gpu, messages, opened_with, read
 from gpu_fakes import fake_nvml
 
 LOGGER = "otel_forge.collectors.nvidia"
@@ -34,30 +35,8 @@ def short_xid_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nvidia, "XID_WAIT_MS", 50)
 
 
-@contextlib.contextmanager
-def opened(scenario: dict, **settings: Any) -> Iterator[tuple[Any, NvidiaCollector]]:
-    with fake_nvml(scenario) as nvml:
-        collector = NvidiaCollector.create(ForgeConfig.resolve(environ={}, **settings))
-        try:
-            yield nvml, collector
-        finally:
-            collector.close()
-
-
-def read(collector: NvidiaCollector) -> Readings:
-    readings = Readings()
-    collector.read(readings)
-    return readings
-
-
-def by_gpu(readings: Readings, metric: str, **attributes: str) -> dict[str, float]:
-    """Values of ``metric`` keyed by hw.id, among readings carrying ``attributes``."""
-    return {attrs["hw.id"]: value for attrs, value in readings.get(metric)
-            if all(attrs.get(key) == wanted for key, wanted in attributes.items())}
-
-
-def messages(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == level and text in r.getMessage()]
+def opened(scenario: dict, **settings: Any) -> contextlib.AbstractContextManager[tuple[Any, NvidiaCollector]]:
+    return opened_with(fake_nvml, NvidiaCollector, scenario, **settings)
 
 
 # --- every metric ----------------------------------------------------------------------------

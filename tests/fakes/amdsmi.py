@@ -42,29 +42,18 @@ Python API: ``configure``, ``calls``, ``call_counts``, ``reset_counts``, ``lose_
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import sys
 import threading
 import types
-from collections import Counter
 from enum import IntEnum
 from typing import Any
 
-ENV_VAR = "OTEL_FORGE_FAKE_GPUS"
+from _fakegpu import FakeState, load_scenario
 
 
 def _load_scenario() -> dict:
-    if _OVERRIDE:
-        scenario = dict(_OVERRIDE[0])
-    else:
-        text = os.environ.get(ENV_VAR, "").strip() or "{}"
-        if not text.startswith("{"):
-            with open(text, encoding="utf-8") as file:
-                text = file.read()
-        scenario = json.loads(text)
-    own = scenario.pop("amd", {})
-    return {"import_error": True} if own is False else {**scenario, **own}
+    return load_scenario(_OVERRIDE[0] if _OVERRIDE else None, "amd", "import_error")
 
 
 _OVERRIDE: list[dict] = []
@@ -254,18 +243,15 @@ class _Gpu:
         return ctypes.c_void_p(ctypes.addressof(self.memory))
 
 
-class _State:
+class _State(FakeState):
     def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.scenario: dict = {}
-        self.initialized = 0
+        super().__init__(threading.RLock())
         self.gpus: list[_Gpu] = []
-        self.calls: Counter = Counter()
-        self.variant_calls: Counter = Counter()
-        self.ticks: Counter = Counter()
 
 
 _state = _State()
+calls, call_counts, reset_counts = _state.count_calls, _state.call_counts, _state.reset_counts
+_value = _state.value
 
 
 def configure(scenario: dict | None) -> None:
@@ -273,22 +259,6 @@ def configure(scenario: dict | None) -> None:
     _OVERRIDE.clear()
     if scenario is not None:
         _OVERRIDE.append(dict(scenario))
-
-
-def calls(function: str | None = None, index: int | None = None) -> int:
-    with _state.lock:
-        return sum(count for (name, gpu), count in _state.calls.items()
-                   if function in (None, name) and index in (None, gpu))
-
-
-def call_counts() -> dict[tuple[str, int | None], int]:
-    with _state.lock:
-        return dict(_state.calls)
-
-
-def reset_counts() -> None:
-    with _state.lock:
-        _state.calls.clear()
 
 
 def lose_gpu(index: int) -> None:
@@ -463,11 +433,3 @@ def _call(function: str, handle: Any, *fields: str) -> _Gpu:
         if error:
             raise AmdSmiLibraryException(AmdSmiStatus[error])
         return gpu
-
-
-def _value(gpu: _Gpu, key: str, default: Any) -> Any:
-    with _state.lock:
-        n = _state.ticks[(key, gpu.index)]
-        _state.ticks[(key, gpu.index)] += 1
-    sequence = _state.scenario.get("sequences", {}).get(str(gpu.index), {}).get(key)
-    return sequence[n % len(sequence)] if sequence else default(n, gpu.index)

@@ -45,14 +45,12 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import importlib.util
-import json
 import os
 import sys
 import threading
-from collections import Counter
 from typing import Any
 
-ENV_VAR = "OTEL_FORGE_FAKE_GPUS"
+from _fakegpu import FakeState, load_scenario
 _REAL_MODULE = "_otel_forge_real_pynvml"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -114,22 +112,19 @@ class _Device:
         return ctypes.pointer(self.struct)
 
 
-class _State:
+class _State(FakeState):
     def __init__(self) -> None:
-        self.lock = threading.Condition(threading.RLock())
+        super().__init__(threading.Condition(threading.RLock()))
         self.override: dict | None = None
-        self.scenario: dict = {}
-        self.initialized = 0
         self.devices: list[_Device] = []
-        self.calls: Counter = Counter()  # (function, gpu index or None) -> calls
-        self.variant_calls: Counter = Counter()  # (function, variant, gpu index) -> calls
-        self.ticks: Counter = Counter()  # (value key, gpu index) -> values served
         self.pending_xids: list[tuple[int, int]] = []
         self.event_sets: dict[int, set[int]] = {}  # event set address -> registered GPU indices
         self.event_set_objects: dict[int, Any] = {}  # keeps each set's memory alive
 
 
 _state = _State()
+calls, call_counts, reset_counts = _state.count_calls, _state.call_counts, _state.reset_counts
+_value = _state.value
 
 
 # --- Python API for tests ----------------------------------------------------------------------
@@ -139,23 +134,6 @@ def configure(scenario: dict | None) -> None:
     """Use ``scenario`` at the next first ``nvmlInit`` instead of the env var (None: the env var)."""
     with _state.lock:
         _state.override = None if scenario is None else dict(scenario)
-
-
-def calls(function: str | None = None, index: int | None = None) -> int:
-    """How many times ``function`` (any, if None) was called, for GPU ``index`` (any, if None)."""
-    with _state.lock:
-        return sum(count for (name, gpu), count in _state.calls.items()
-                   if function in (None, name) and index in (None, gpu))
-
-
-def call_counts() -> dict[tuple[str, int | None], int]:
-    with _state.lock:
-        return dict(_state.calls)
-
-
-def reset_counts() -> None:
-    with _state.lock:
-        _state.calls.clear()
 
 
 def inject_xid(index: int, code: int) -> None:
@@ -180,16 +158,7 @@ def initialized() -> int:
 
 
 def _load_scenario() -> dict:
-    if _state.override is not None:
-        scenario = dict(_state.override)
-    else:
-        text = os.environ.get(ENV_VAR, "").strip() or "{}"
-        if not text.startswith("{"):
-            with open(text, encoding="utf-8") as file:
-                text = file.read()
-        scenario = json.loads(text)
-    own = scenario.pop("nvidia", {})
-    return {"library_missing": True} if own is False else {**scenario, **own}
+    return load_scenario(_state.override, "nvidia", "library_missing")
 
 
 def nvmlInit() -> None:
@@ -454,15 +423,6 @@ def _device(handle: Any) -> _Device:
         if ctypes.addressof(device.struct) == address:
             return device
     raise _real.NVMLError_InvalidArgument()
-
-
-def _value(device: _Device, key: str, default: Any) -> float:
-    """The next value of ``key`` for ``device``: its scenario sequence, else ``default(n, index)``."""
-    with _state.lock:
-        n = _state.ticks[(key, device.index)]
-        _state.ticks[(key, device.index)] += 1
-    sequence = _state.scenario.get("sequences", {}).get(str(device.index), {}).get(key)
-    return sequence[n % len(sequence)] if sequence else default(n, device.index)
 
 
 def _address(pointer: Any) -> int:

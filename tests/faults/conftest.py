@@ -5,7 +5,6 @@ threads."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -14,30 +13,31 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # faultkit.py, erroring_proxy.py
+sys.path.insert(0, str(Path(__file__).parent))  # faultkit.py
 
-from faultkit import HERMETIC_PREFIXES, HTTP_TIMEOUT_S, LAUNCHER_VARS, ExportRecorder, ThreadWatch  # noqa: E402
-from mlflow_server import MlflowServer  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
+from faultkit import HTTP_TIMEOUT_S, ExportRecorder, ThreadWatch  # noqa: E402
+from hermetic import apply_hermetic  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
+from mlflow_server import MlflowServer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def hermetic_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No OTel/launcher/tracking settings from outside; MLflow's client makes one attempt per request
     with a short timeout, so a dead or hung server fails fast and our worker does the retrying."""
-    for key in list(os.environ):
-        if key.startswith(HERMETIC_PREFIXES) or key in LAUNCHER_VARS or key == "MLFLOW_TRACKING_URI":
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", str(HTTP_TIMEOUT_S))
+    apply_hermetic(monkeypatch, http_timeout_s=HTTP_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def _module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    mlflow_server = MlflowServer(tmp_path_factory.mktemp("faults-server")).start()
+def _own_server(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[MlflowServer]:
+    mlflow_server = MlflowServer(tmp_path_factory.mktemp(name)).start()
     try:
         yield mlflow_server
     finally:
         mlflow_server.kill()  # SIGCONT + SIGKILL: fast, and safe whatever state the tests left it in
+
+
+@pytest.fixture(scope="module")
+def _module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    yield from _own_server(tmp_path_factory, "faults-server")
 
 
 @pytest.fixture
@@ -54,11 +54,7 @@ def server(_module_server: MlflowServer) -> Iterator[MlflowServer]:
 
 @pytest.fixture(scope="session")
 def _shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    mlflow_server = MlflowServer(tmp_path_factory.mktemp("faults-shared-server")).start()
-    try:
-        yield mlflow_server
-    finally:
-        mlflow_server.kill()
+    yield from _own_server(tmp_path_factory, "faults-shared-server")
 
 
 @pytest.fixture

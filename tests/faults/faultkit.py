@@ -1,12 +1,9 @@
-"""Helpers of the fault-injection tests: a hermetic environment, what each export() cost, a watch on
-the call threads, and the check a user would make: every window is in the run, in order, once."""
+"""Helpers of the fault-injection tests: what each export() cost, a watch on the call threads, and
+the check a user would make: every window is in the run, in order, once."""
 
 from __future__ import annotations
 
-import os
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 NODE = "node_0"
@@ -19,37 +16,11 @@ MAX_CALL_THREADS = 4  # the exporter's default cap
 # hung server fails fast and the exporter's own worker does the retrying.
 HTTP_TIMEOUT_S = 3
 
-HERMETIC_PREFIXES = ("OTEL_", "MLFLOW_SYSTEM_METRICS_")
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "NNODES",
-                 "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES",
-                 "SLURM_NNODES", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
-                 "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
-
-
-def hermetic_environ(**extra: str) -> dict[str, str]:
-    """This environment without OTel/launcher/tracking settings, plus ``extra`` (for subprocesses)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(HERMETIC_PREFIXES) and k not in LAUNCHER_VARS and k != "MLFLOW_TRACKING_URI"}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
 
 def create_run(tracking_uri: str) -> str:
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri).create_run("0").info.run_id
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 class ExportRecorder:

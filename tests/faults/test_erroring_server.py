@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import time
 
-from erroring_proxy import ErroringProxy
-from faultkit import NODE, assert_every_window, create_run, wait_until
+from faultkit import NODE, assert_every_window, create_run
+from proxy import MlflowProxy
+from servers import wait_for
 
 import otel_forge
 
@@ -17,7 +18,7 @@ INTERVAL_S = 0.2
 def test_500_then_429_are_retried_and_nothing_is_lost(pausable_server, tmp_path, exports) -> None:
     server = pausable_server
     run_id = create_run(server.uri)
-    with ErroringProxy(server.uri) as proxy:
+    with MlflowProxy(server.uri, plain_429=True) as proxy:
         agent = otel_forge.monitor(
             run_id=run_id, tracking_uri=proxy.uri, sampling_interval=INTERVAL_S, samples_per_window=1,
             prometheus=False, node_id=NODE, collectors=["cpu", "memory"], queue_size=4, call_deadline_s=1,
@@ -25,17 +26,18 @@ def test_500_then_429_are_retried_and_nothing_is_lost(pausable_server, tmp_path,
         exporter = agent.exporter
         stats = exporter.worker.stats
         try:
-            wait_until(lambda: stats.delivered >= 3, 15, "the first windows to arrive through the proxy")
+            wait_for(lambda: stats.delivered >= 3, 15, 0.05,
+                     message="the first windows to arrive through the proxy")
             proxy.set_mode("500")
             time.sleep(2.0)
             retried_on_500 = stats.retried
             proxy.set_mode("429")
             time.sleep(1.0)
             # The worker backs off (0.5 s, 1 s, 2 s, ...): 429s last until one request has met them.
-            wait_until(lambda: proxy.answered["429"] >= 1, 10, "a request answered 429")
+            wait_for(lambda: proxy.answered["429"] >= 1, 10, 0.05, message="a request answered 429")
             proxy.set_mode("pass")
-            wait_until(lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows, 30,
-                       "the backlog to be delivered once the server answers normally")
+            wait_for(lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows, 30, 0.05,
+                     message="the backlog to be delivered once the server answers normally")
         finally:
             agent.stop()
 

@@ -9,7 +9,8 @@ import tracemalloc
 from pathlib import Path
 
 import psutil
-from faultkit import MAX_CALL_THREADS, NODE, assert_every_window, create_run, wait_until
+from faultkit import MAX_CALL_THREADS, NODE, assert_every_window, create_run
+from servers import wait_for
 
 import otel_forge
 
@@ -37,20 +38,21 @@ def test_hung_server_never_blocks_the_reader_and_loses_nothing(pausable_server, 
     exporter = agent.exporter
     stats = exporter.worker.stats
     try:
-        wait_until(lambda: stats.delivered >= 3, 15, "the first windows to arrive")
+        wait_for(lambda: stats.delivered >= 3, 15, 0.05, message="the first windows to arrive")
 
         server.pause()
         hung_at = time.monotonic()
         try:
-            wait_until(lambda: stats.hung_calls >= 1, CALL_DEADLINE_S + 2, "a call to pass its deadline")
+            wait_for(lambda: stats.hung_calls >= 1, CALL_DEADLINE_S + 2, 0.05,
+                     message="a call to pass its deadline")
             time.sleep(max(0.0, HANG_S - (time.monotonic() - hung_at)))
             windows_during_hang = exports.windows
             spooled_during_hang = stats.spooled
         finally:
             server.resume()
 
-        wait_until(lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows, 30,
-                   "the backlog to be delivered after SIGCONT")
+        wait_for(lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows, 30, 0.05,
+                 message="the backlog to be delivered after SIGCONT")
     finally:
         agent.stop()
 
@@ -90,7 +92,7 @@ def test_memory_and_threads_stay_bounded_while_the_server_hangs(pausable_server,
     exporter = agent.exporter
     stats = exporter.worker.stats
     try:
-        wait_until(lambda: stats.delivered >= 3, 15, "the first windows to arrive")
+        wait_for(lambda: stats.delivered >= 3, 15, 0.05, message="the first windows to arrive")
         base_heap, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         base_rss = process.memory_info().rss

@@ -9,7 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-from faultkit import EVERY_WINDOW_KEYS, assert_every_window, create_run, hermetic_environ, system_histories
+from faultkit import EVERY_WINDOW_KEYS, assert_every_window, create_run, system_histories
+from hermetic import hermetic_environ
 
 INTERVAL_S = 0.2
 DURATION_S = 4.0

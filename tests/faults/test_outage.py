@@ -15,7 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from faultkit import NODE, assert_every_window, create_run, hermetic_environ, wait_until
+from faultkit import NODE, assert_every_window, create_run
+from hermetic import hermetic_environ
+from servers import free_port, wait_for
 
 import otel_forge
 
@@ -46,15 +48,15 @@ def test_killed_server_comes_back_and_every_window_arrives_in_order(server, tmp_
     exporter = agent.exporter
     stats = exporter.worker.stats
     try:
-        wait_until(lambda: stats.delivered >= 3, 15, "the first windows to arrive")
+        wait_for(lambda: stats.delivered >= 3, 15, 0.05, message="the first windows to arrive")
 
         server.kill()
         # The outage lasts as long as a restart on the same port and database takes (6 s or more).
         restart = threading.Thread(target=server.start, name="test-server-restart")
         restart.start()
         # Exporting goes on past the queue's 4 windows: the rest is written to the spool.
-        wait_until(lambda: len(_spooled_windows(exporter.spool.path)) >= 3, QUEUE_SIZE * INTERVAL_S + 5,
-                   "windows in the spool during the outage")
+        wait_for(lambda: len(_spooled_windows(exporter.spool.path)) >= 3, QUEUE_SIZE * INTERVAL_S + 5, 0.05,
+                 message="windows in the spool during the outage")
         assert not server.healthy(), "the server came back too early to test an outage"
         files_during_outage = len(_spooled_windows(exporter.spool.path))
         spooled_during_outage = stats.spooled
@@ -63,8 +65,8 @@ def test_killed_server_comes_back_and_every_window_arrives_in_order(server, tmp_
 
         restart.join(120)
         assert server.healthy(), "the server did not restart"
-        wait_until(lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows, 45,
-                   "the queue and the spool to be delivered after the restart")
+        wait_for(lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows, 45, 0.05,
+                 message="the queue and the spool to be delivered after the restart")
     finally:
         agent.stop()
 
@@ -86,9 +88,9 @@ def test_closed_while_down_leaves_a_spool_that_replay_delivers(server, tmp_path,
     exporter = agent.exporter
     stats = exporter.worker.stats
     try:
-        wait_until(lambda: stats.delivered >= 3, 15, "the first windows to arrive")
+        wait_for(lambda: stats.delivered >= 3, 15, 0.05, message="the first windows to arrive")
         server.kill()
-        wait_until(lambda: stats.spooled >= 2, QUEUE_SIZE * INTERVAL_S + 10, "windows in the spool")
+        wait_for(lambda: stats.spooled >= 2, QUEUE_SIZE * INTERVAL_S + 10, 0.05, message="windows in the spool")
     finally:
         stopped_at = time.monotonic()
         agent.stop()
@@ -134,12 +136,10 @@ def test_spool_left_at_close_keeps_window_order(tmp_path, exports) -> None:
     """No server at all (a refused port): the queue fills, later windows spill to the spool, then close
     moves the queue's (older) windows to the spool too: in front, since the spool's file order is the
     order ``otel-forge replay`` delivers in. (Regression: they used to be appended after the newer ones.)"""
-    from mlflow_server import free_port
-
     agent = _monitor("0" * 32, f"http://127.0.0.1:{free_port()}", tmp_path, drain_deadline_s=0.3)
     exporter = agent.exporter
     try:
-        wait_until(lambda: exporter.worker.stats.spooled >= 3, 10, "windows in the spool")
+        wait_for(lambda: exporter.worker.stats.spooled >= 3, 10, 0.05, message="windows in the spool")
     finally:
         agent.stop()
     indices = [json.loads(f.read_text())["index"] for f in _spooled_windows(exporter.spool.path)]

@@ -4,7 +4,6 @@ names, units, kinds and attributes as in ``otel_forge.names.METRICS``, and the a
 from __future__ import annotations
 
 import gzip
-import os
 import http.server
 import socket
 import threading
@@ -21,7 +20,8 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.sdk.version import __version__ as sdk_version
-from servers import HERMETIC_PREFIXES, LAUNCHER_VARS, wait_for
+from hermetic import apply_hermetic
+from servers import wait_for
 
 from otel_forge import METRICS, Agent, ForgeConfig
 from otel_forge.names import Kind
@@ -137,9 +137,7 @@ def start_receiver(request: pytest.FixtureRequest) -> Callable[[str], Receiver]:
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """No OTel/otel_forge/launcher setting of the outer environment leaks into the agent."""
-    for name in list(os.environ):
-        if name.startswith(HERMETIC_PREFIXES) or name in LAUNCHER_VARS:
-            monkeypatch.delenv(name)
+    apply_hermetic(monkeypatch)
     return monkeypatch
 
 

@@ -1,13 +1,12 @@
-"""Fixtures of the MLflow tests: a hermetic environment, a client of the session's real server,
-a fresh experiment per test, and the counting proxy (tests/mlflow/proxies.py).
+"""Fixtures of the MLflow tests: a hermetic environment (tests/hermetic.py), a fresh experiment per
+test, and the proxy in front of the session's real server (tests/proxy.py).
 
 tests/mlflow has no ``__init__.py`` on purpose: ``import mlflow`` must find the real package, and
-the helpers here are imported as plain modules (``from proxies import CountingProxy``).
+the helpers here are imported as plain modules (``from otel_points import gauge``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
 from pathlib import Path
@@ -16,28 +15,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hermetic import HERMETIC_NAMES, HERMETIC_PREFIXES  # noqa: E402
-from proxies import CountingProxy  # noqa: E402
+from hermetic import apply_hermetic  # noqa: E402
+from proxy import MlflowProxy  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _hermetic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in list(os.environ):
-        if name.startswith(HERMETIC_PREFIXES) or name in HERMETIC_NAMES:
-            monkeypatch.delenv(name)
-    # A dead or failing server must fail one call fast: our own worker retries, not MLflow's
-    # HTTP layer (whose defaults would hide an outage inside one call for minutes).
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     # A spool, if one is written, lands in the test's own directory.
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def client(mlflow_server):
-    from mlflow import MlflowClient
-
-    return MlflowClient(mlflow_server.uri)
+    apply_hermetic(monkeypatch, http_timeout_s=20, XDG_CACHE_HOME=str(tmp_path / "cache"))
 
 
 @pytest.fixture
@@ -47,5 +32,5 @@ def experiment_id(client) -> str:
 
 @pytest.fixture
 def proxy(mlflow_server):
-    with CountingProxy(mlflow_server.uri) as counting:
-        yield counting
+    with MlflowProxy(mlflow_server.uri) as mlflow_proxy:
+        yield mlflow_proxy

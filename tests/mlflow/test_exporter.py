@@ -4,7 +4,7 @@ run, a failing and a slow server, the spool left at close and its replay, severa
 and compatibility with MLflow's own ``SystemMetricsMonitor``.
 
 GPUs are the fake NVML (tests/fakes/pynvml.py); requests are counted by a proxy in front of the
-real server (tests/mlflow/proxies.py). Nothing of MLflow is mocked.
+real server (tests/proxy.py). Nothing of MLflow is mocked.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from hermetic import hermetic_environ
 from gpu_fakes import fake_gpu_env, fake_nvml
 from otel_points import gauge, metrics_data
-from proxies import GET_RUN, LOG_BATCH, CountingProxy, Mode
+from proxy import GET_RUN, LOG_BATCH, MlflowProxy, Mode
+from servers import free_port, wait_for
 
 import otel_forge
 from otel_forge.mlflow import MLflowMetricExporter
@@ -67,15 +68,6 @@ def new_run(client, experiment_id: str, name: str = "run") -> str:  # type: igno
     return client.create_run(experiment_id, run_name=name).info.run_id
 
 
-def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := predicate():
-            return result
-        time.sleep(interval_s)
-    return predicate()
-
-
 def system_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("mlflow-system-metrics")]
 
@@ -102,7 +94,7 @@ def monitored_run(mlflow_server, tmp_path_factory) -> MonitoredRun:
     run_id = new_run(client, client.create_experiment(f"windows-{uuid.uuid4().hex[:8]}"))
     handler = _ListHandler()
     logging.getLogger("otel_forge").addHandler(handler)
-    with pytest.MonkeyPatch.context() as patch, CountingProxy(mlflow_server.uri) as proxy:
+    with pytest.MonkeyPatch.context() as patch, MlflowProxy(mlflow_server.uri) as proxy:
         patch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         scenario = {"count": 2, "sequences": {gpu: {"utilization": seq} for gpu, seq in SEQUENCES.items()}}
@@ -251,10 +243,10 @@ def test_deleted_run_stops_delivery_with_one_warning(client, experiment_id, mlfl
                                  sampling_interval=0.1, samples_per_window=1, prometheus=False, collectors=("memory",))
     try:
         key = "system/node_0/system_memory_usage_megabytes"
-        assert wait_until(lambda: key in client.get_run(run_id).data.metrics, 10)
+        wait_for(lambda: key in client.get_run(run_id).data.metrics, 10, 0.05)
         client.delete_run(run_id)
         exporter = monitor.exporter
-        assert wait_until(lambda: exporter.worker.stopped, 10), "delivery did not stop"
+        wait_for(lambda: exporter.worker.stopped, 10, 0.05, message="delivery to stop")
         time.sleep(0.5)  # more exports happen after the stop
 
         result = exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, 0.5)])))
@@ -265,7 +257,7 @@ def test_deleted_run_stops_delivery_with_one_warning(client, experiment_id, mlfl
     stopped = [r.getMessage() for r in caplog.records if "delivery stopped" in r.getMessage()]
     assert len(stopped) == 1, stopped
     assert run_id in stopped[0] or "deleted" in stopped[0] or "active" in stopped[0], stopped[0]
-    assert wait_until(lambda: not system_threads(), 5), system_threads()
+    wait_for(lambda: not system_threads(), 5, 0.05, message=lambda: f"no system threads: {system_threads()}")
 
 
 # --- a failing server: nothing lost ---------------------------------------------------------------
@@ -278,7 +270,7 @@ def test_windows_survive_a_failing_server_in_order(client, experiment_id, proxy,
                                  spool_dir=str(tmp_path / "spool"), queue_size=3)
     key = "system/node_0/system_memory_usage_megabytes"
     try:
-        assert wait_until(lambda: key in client.get_run(run_id).data.metrics, 10)
+        wait_for(lambda: key in client.get_run(run_id).data.metrics, 10, 0.05)
         proxy.set_mode(Mode.ERROR_500)
         time.sleep(0.8)  # ~8 windows: more than the queue holds, so some go to the spool
         proxy.set_mode(Mode.ERROR_429)
@@ -316,7 +308,7 @@ def test_a_slow_server_never_blocks_export_and_late_duplicates_are_harmless(
         return time.perf_counter() - started
 
     export(0.0)
-    assert wait_until(lambda: key in client.get_run(run_id).data.metrics, 10)
+    wait_for(lambda: key in client.get_run(run_id).data.metrics, 10, 0.05)
     proxy.set_mode(Mode.DELAY, delay_s=1.2)  # every call answers after 1.2 s: past the 0.4 s deadline
     durations = [export(i / 100) for i in range(1, 11)]
     time.sleep(1.0)
@@ -338,13 +330,11 @@ def test_a_slow_server_never_blocks_export_and_late_duplicates_are_harmless(
 
 
 def _export_to_a_dead_server(run_id: str, tmp_path: Path) -> tuple[MLflowMetricExporter, str]:
-    from mlflow_server import free_port
-
     dead = f"http://alice:s3cret-token@127.0.0.1:{free_port()}"  # nothing listens there
     exporter = MLflowMetricExporter(run_id, tracking_uri=dead, node_id="node_0", spool_dir=tmp_path / "spool",
                                     drain_deadline_s=0.5)
     exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, 0.25)])))
-    assert wait_until(lambda: exporter.worker.stats.retried >= 1, 10)
+    wait_for(lambda: exporter.worker.stats.retried >= 1, 10, 0.05)
     exporter.shutdown()
     return exporter, dead
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from otel_points import as_named_points, counter, gauge, metrics_data
+from servers import wait_for
 
 from otel_forge.mlflow.keys import KeyMapper, key_segment, sanitize_key, system_prefix
 from otel_forge.mlflow.spool import HEADER, WindowSpool
@@ -357,15 +358,6 @@ def call_threads(name: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"{name}-call"]
 
 
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
-
-
 def test_worker_delivers_in_order() -> None:
     delivered: list[int] = []
     worker: DeliveryWorker[int] = DeliveryWorker(delivered.append, name="order", max_queue=1000)
@@ -393,7 +385,7 @@ def test_worker_spills_to_the_spool_when_the_queue_is_full_and_keeps_order(tmp_p
     assert worker.stats.spooled == 8  # 0 and 1 wait in memory (0 is being delivered)
     assert len(spool) == 8 and worker.pending() == 10
     release.set()
-    assert wait_until(lambda: worker.pending() == 0)
+    wait_for(lambda: worker.pending() == 0, 5, 0.01)
     assert worker.close(5) == 0
     assert delivered == list(range(10))
     assert len(spool) == 0
@@ -415,7 +407,7 @@ def test_a_hung_deliver_costs_a_thread_and_a_warning_never_the_caller(caplog: py
         assert max(submit_times) < 0.05, max(submit_times)
         # Each retry of the hung item costs a call thread, up to max_call_threads; then the sender
         # waits for a free one instead of starting more.
-        assert wait_until(lambda: worker.stats.hung_calls >= 3, 5)
+        wait_for(lambda: worker.stats.hung_calls >= 3, 5, 0.01)
         time.sleep(0.5)
         assert worker.stats.hung_calls == 3
         assert len(call_threads("hung")) == 3
@@ -425,7 +417,7 @@ def test_a_hung_deliver_costs_a_thread_and_a_warning_never_the_caller(caplog: py
     finally:
         release.set()
         worker.close(5)
-    assert wait_until(lambda: not call_threads("hung"))
+    wait_for(lambda: not call_threads("hung"), 5, 0.01)
 
 
 def test_worker_thread_cap_is_respected() -> None:
@@ -501,7 +493,7 @@ def test_stop_ends_delivery_for_good_with_one_warning(caplog: pytest.LogCaptureF
     for i in range(4):
         worker.submit(i)
 
-    assert wait_until(lambda: worker.stopped)
+    wait_for(lambda: worker.stopped, 5, 0.01)
     assert worker.submit(99) is False
     worker.close(5)
     assert delivered == [0]
@@ -561,7 +553,7 @@ def test_retry_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> No
 
     worker = DeliveryWorker(always_down, name="noisy", backoff_initial_s=0.01, backoff_max_s=0.01)
     worker.submit(1)
-    assert wait_until(lambda: worker.stats.retried >= 10)
+    wait_for(lambda: worker.stats.retried >= 10, 5, 0.01)
     worker.close(0.1)
 
     retries = [r for r in caplog.records if "retrying" in r.getMessage()]

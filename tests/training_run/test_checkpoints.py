@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from trun_helpers import RecordingProxy, wait_for
+from proxy import MlflowProxy
+from servers import wait_for
 
 from otel_forge.mlflow.training_run import TrainingRun
 
@@ -16,7 +17,7 @@ def test_register_checkpoint_once_per_step(mlflow_server, client, experiment, tm
     checkpoint = tmp_path / "ckpt-100"
     checkpoint.mkdir()
     (checkpoint / "weights.bin").write_bytes(b"\0" * 16)
-    with RecordingProxy(mlflow_server.uri) as proxy:
+    with MlflowProxy(mlflow_server.uri) as proxy:
         run = TrainingRun(tracking_uri=proxy.uri, experiment=experiment, run_name="ckpt-run", system_metrics=False,
                           register_checkpoints=True, launch_argv=["train.py"])
         try:
@@ -28,7 +29,8 @@ def test_register_checkpoint_once_per_step(mlflow_server, client, experiment, tm
             assert proxy.total() == requests  # from memory
             run.register_checkpoint(100, checkpoint)
             run.register_checkpoint(100, checkpoint)  # again: still one model
-            fields = wait_for(lambda: "model_id" in (run.checkpoint_fields(100) or {}) and run.checkpoint_fields(100))
+            fields = wait_for(lambda: "model_id" in (run.checkpoint_fields(100) or {}) and run.checkpoint_fields(100),
+                              30, 0.05)
             requests = proxy.total()
             assert run.checkpoint_fields(100) == fields
             assert proxy.total() == requests
@@ -54,7 +56,8 @@ def test_register_checkpoint_once_per_step(mlflow_server, client, experiment, tm
         resumed.register_checkpoint(100, checkpoint)
         resumed.register_checkpoint(200, checkpoint)
         again = wait_for(lambda: "model_id" in (resumed.checkpoint_fields(100) or {})
-                         and "model_id" in (resumed.checkpoint_fields(200) or {}) and resumed.checkpoint_fields(100))
+                         and "model_id" in (resumed.checkpoint_fields(200) or {}) and resumed.checkpoint_fields(100),
+                         30, 0.05)
     assert again == fields
     assert [m.model_id for m in _models(client, experiment_id, "ckpt-run-step-100")] == [fields["model_id"]]
     assert len(_models(client, experiment_id, "ckpt-run-step-200")) == 1

@@ -6,7 +6,8 @@ import json
 import logging
 from pathlib import Path
 
-from trun_helpers import LOG_BATCH, RecordingProxy, wait_for
+from proxy import LOG_BATCH, MlflowProxy
+from servers import wait_for
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training_run import TrainingRun
@@ -32,7 +33,7 @@ def _open_log_close(uri: str, experiment: str, tmp_path: Path) -> tuple[Training
         assert run.start()  # the server ignores basic auth: the run opens
         run.log({"loss": 1.0}, step=0)
         run.register_checkpoint(1, tmp_path)
-        wait_for(lambda: "model_id" in (run.checkpoint_fields(1) or {}))
+        wait_for(lambda: "model_id" in (run.checkpoint_fields(1) or {}), 30, 0.05)
         entry = run.tracking_entry()
     finally:
         run.close()
@@ -69,14 +70,14 @@ def test_a_delivery_failure_does_not_log_the_credentials(mlflow_server, experime
     caplog.set_level(logging.DEBUG)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    with RecordingProxy(mlflow_server.uri) as proxy:
+    with MlflowProxy(mlflow_server.uri) as proxy:
         run = TrainingRun(tracking_uri=_with_userinfo(proxy.uri), experiment=experiment, system_metrics=False,
                           launch_argv=["train.py"], forge_config=ForgeConfig.resolve(drain_deadline_s=1))
         try:
             assert run.start()
             proxy.fail_paths.add(LOG_BATCH)  # the server answers 500: delivery is retried, a warning said
             run.log({"loss": 1.0}, step=0)
-            wait_for(lambda: any("retrying" in r.getMessage() for r in caplog.records), timeout_s=15)
+            wait_for(lambda: any("retrying" in r.getMessage() for r in caplog.records), 15, 0.05)
         finally:
             run.close()
     assert _leaks(caplog.records) == []

@@ -11,6 +11,7 @@ import statistics
 import time
 
 import pytest
+from hermetic import fail_fast_http
 from mlflow_server import MlflowServer
 from trun_helpers import unique
 
@@ -22,16 +23,14 @@ LOG_CALL_BUDGET_S = 0.05  # log() only enqueues
 
 @pytest.fixture(scope="module")
 def private_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-private")).start()
-    yield server
-    server.stop()
+    with MlflowServer(tmp_path_factory.mktemp("mlflow-private")) as server:
+        yield server
 
 
 @pytest.fixture
 def short_http(monkeypatch):
     """MLflow's HTTP client gives up fast: no retries, a 2 s timeout (a hung call ends, on its thread)."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    fail_fast_http(monkeypatch, 2)
 
 
 def _client(server):

@@ -9,7 +9,9 @@ import signal
 import textwrap
 
 import pytest
-from trun_helpers import RecordingProxy, popen_script, run_script, wait_for
+from proxy import MlflowProxy
+from servers import wait_for
+from trun_helpers import popen_script, run_script
 
 from otel_forge.config import ConfigError
 from otel_forge.mlflow.training_run import TrainingRun
@@ -38,7 +40,7 @@ print(json.dumps({{"mlflow_imported": "mlflow" in sys.modules, "threads": thread
 
 
 def test_construction_does_no_io(mlflow_server, client, experiment):
-    with RecordingProxy(mlflow_server.uri) as proxy:
+    with MlflowProxy(mlflow_server.uri) as proxy:
         done = run_script(LAZY_SCRIPT.format(uri=proxy.uri, experiment=experiment))
         assert done.returncode == 0, done.stderr
         state = json.loads(done.stdout.strip().splitlines()[-1])
@@ -51,12 +53,12 @@ def test_construction_does_no_io(mlflow_server, client, experiment):
 
 
 def test_first_log_opens_the_run(mlflow_server, client, experiment):
-    with RecordingProxy(mlflow_server.uri) as proxy:
+    with MlflowProxy(mlflow_server.uri) as proxy:
         run = TrainingRun({"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False,
                           launch_argv=["train.py"])
         assert (run.run_id, run.tracking_entry(), proxy.total()) == (None, None, 0)
         run.log({"loss": 1.0}, step=0)
-        wait_for(lambda: run.run_id is not None)
+        wait_for(lambda: run.run_id is not None, 30, 0.05)
         assert proxy.total() > 0
         assert run.tracking_entry() == {"backend": "mlflow", "run_id": run.run_id, "experiment": experiment,
                                         "tracking_uri": proxy.uri}
@@ -68,7 +70,7 @@ def test_first_log_opens_the_run(mlflow_server, client, experiment):
 
 
 def test_close_without_a_log_creates_no_run(mlflow_server, client, experiment):
-    with RecordingProxy(mlflow_server.uri) as proxy:
+    with MlflowProxy(mlflow_server.uri) as proxy:
         with TrainingRun({"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False,
                          launch_argv=["train.py"]) as run:
             pass

@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from trun_helpers import LOG_BATCH, RecordingProxy, unique
+from proxy import LOG_BATCH, MlflowProxy
+from trun_helpers import unique
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training_run import TrainingRun
@@ -84,7 +85,7 @@ def test_new_run_params_tags_and_artifacts(mlflow_server, client, experiment, tm
                         "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
 
-    with RecordingProxy(mlflow_server.uri) as proxy:
+    with MlflowProxy(mlflow_server.uri) as proxy:
         with TrainingRun(Config(), tracking_uri=proxy.uri, experiment=experiment, run_name="meta-run",
                          description="baseline, **bold**", tags={"team": "vision", "world_size": "from-user"},
                          launch_argv=["train.py", "cfg.toml"], system_metrics=False) as run:
