@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from otel_forge.collectors.base import Collector, Readings
-from otel_forge.config import ForgeConfig
 from otel_forge.names import METRICS, Kind, MetricSpec
 from otel_forge.sampling import CachedCollector
 
@@ -30,9 +29,6 @@ class SelfTelemetryCollector(Collector):
     def __init__(self, caches: Sequence[CachedCollector]) -> None:
         self._caches = caches
 
-    @classmethod
-    def create(cls, config: ForgeConfig) -> SelfTelemetryCollector:
-        raise NotImplementedError("built by InstrumentSet from the other collectors")
 
     def read(self, readings: Readings) -> None:
         for cache in self._caches:

@@ -51,7 +51,7 @@ class Snapshot:
 class Collector(abc.ABC):
     """One hardware source. Subclasses set ``name`` and implement ``read``.
 
-    ``create`` raises ``CollectorUnavailable`` with the reason when the source is absent;
+    ``create`` opens the source, raising ``CollectorUnavailable`` with the reason when it is absent;
     ``read`` reads the whole source (all devices, all fields) once and may raise: the cache
     counts and rate-limits the failure, and the other collectors go on.
     """
@@ -59,9 +59,13 @@ class Collector(abc.ABC):
     name: ClassVar[str]
 
     @classmethod
-    @abc.abstractmethod
     def create(cls, config: ForgeConfig) -> Collector:
-        """Open the source for ``config`` or raise ``CollectorUnavailable``."""
+        """Open the source for ``config`` or raise ``CollectorUnavailable``.
+
+        Hardware collectors implement it; the agent's own (self-telemetry, MLflow delivery) are
+        built by their owner around what they report on.
+        """
+        raise NotImplementedError(f"{cls.__name__} is built by its owner, not from a config")
 
     @abc.abstractmethod
     def read(self, readings: Readings) -> None:

@@ -22,9 +22,6 @@ class DeliveryStatsCollector(Collector):
     def __init__(self, exporter: MLflowMetricExporter) -> None:
         self._exporter = exporter
 
-    @classmethod
-    def create(cls, config: ForgeConfig) -> DeliveryStatsCollector:
-        raise NotImplementedError("built by SystemMetricsMonitor around its exporter")
 
     def read(self, readings: Readings) -> None:
         for outcome, count in self._exporter.delivery_counts().items():
@@ -41,9 +38,6 @@ class RunInfoCollector(Collector):
         self._window_logger = exporter.window_logger
         self._node_id = node_id
 
-    @classmethod
-    def create(cls, config: ForgeConfig) -> RunInfoCollector:
-        raise NotImplementedError("built by SystemMetricsMonitor around its exporter")
 
     def read(self, readings: Readings) -> None:
         logger = self._window_logger
