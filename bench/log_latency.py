@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -42,17 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_mlflow_server() -> Any:
-    """tests/mlflow_server.py, imported by path (tests/ is not a package)."""
-    path = REPO_ROOT / "tests" / "mlflow_server.py"
-    spec = importlib.util.spec_from_file_location("otel_forge_bench_mlflow_server", path)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+from _common import percentile, test_helper, wait_until
 
 
 @dataclass
@@ -74,12 +63,6 @@ class Row:
                 "max_us": ordered[-1] / 1e3, "mean_us": sum(ordered) / len(ordered) / 1e3}
 
 
-def percentile(ordered: list[int], q: float) -> float:
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
 
 def timed_calls(row: Row, calls: int, call: Callable[[int], Any]) -> None:
     """``call(i)`` for i in range(calls), each timed; exceptions counted, not raised."""
@@ -96,14 +79,6 @@ def timed_calls(row: Row, calls: int, call: Callable[[int], Any]) -> None:
         latencies.append(perf() - started)
     row.calls += calls
 
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 def format_us(value: float | None) -> str:
@@ -146,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlflow import MlflowClient
 
     logging.basicConfig(level=logging.ERROR)  # MLflow's async errors while hung: one line each, not tracebacks
-    server_module = load_mlflow_server()
+    server_module = test_helper("mlflow_server")
     root = Path(tempfile.mkdtemp(prefix="log-latency-"))
     started = time.monotonic()
     server = server_module.MlflowServer(root).start()

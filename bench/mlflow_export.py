@@ -5,7 +5,7 @@ Run:  python bench/mlflow_export.py [--windows 100] [--interval 0.1] [--burst-wi
                                     [--hung-seconds 60] [--json]
 
 Setup: a private ``mlflow server`` (tests/mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker) and,
-in front of it, one counting HTTP proxy per subject (tests/mlflow/proxies.CountingProxy: forwards every
+in front of it, one counting HTTP proxy per subject (tests/proxy.MlflowProxy: forwards every
 request to the real server and counts it by path), so the REST calls of each subject are counted apart.
 One run; otel_forge logs under ``system/ours/``, MLflow's path under ``system/mlflow/`` (node ids).
 
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import logging
 import os
@@ -68,31 +67,18 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from _common import percentile, test_helper, wait_until
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from otel_forge.mlflow.client import MLFLOW_DEFAULTS
+
 OURS_COLLECTORS = ("cpu", "memory", "disk", "network")
 LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
 # otel_forge's bounded HTTP defaults (otel_forge/mlflow/client.py), for both subjects alike.
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
+HTTP_DEFAULTS = {name: value for name, value in MLFLOW_DEFAULTS.items() if name.startswith("MLFLOW_HTTP_")}
 GET_RUN = "/api/2.0/mlflow/runs/get"
 COUNTED_KEY = "system_memory_usage_megabytes"  # both subjects log it every window: steps are counted on it
 
 
-def load_by_path(name: str, path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 @dataclass
@@ -339,14 +325,6 @@ def run_hung(server: Any, ours: Ours, mlflow_path: MlflowPath, client: Any, run_
 # --- helpers ------------------------------------------------------------------------------------------
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
-
 
 def count_keys(client: Any, run_id: str, prefix: str) -> int:
     return sum(1 for key in client.get_run(run_id).data.metrics if key.startswith(prefix))
@@ -442,12 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     import opentelemetry.sdk.version
     from mlflow import MlflowClient
 
-    servers = load_by_path("otel_forge_bench_mlflow_server", REPO_ROOT / "tests" / "mlflow_server.py")
-    proxies_module = load_by_path("otel_forge_bench_proxies", REPO_ROOT / "tests" / "mlflow" / "proxies.py")
+    servers = test_helper("mlflow_server")
+    proxy = test_helper("proxy")
     root = Path(tempfile.mkdtemp(prefix="mlflow-export-"))
     started = time.monotonic()
     server = servers.MlflowServer(root).start()
-    proxies = {"ours": proxies_module.CountingProxy(server.uri), "mlflow": proxies_module.CountingProxy(server.uri)}
+    proxies = {"ours": proxy.MlflowProxy(server.uri), "mlflow": proxy.MlflowProxy(server.uri)}
     for proxy in proxies.values():
         # A client that gave up on the hung server resets its connection: not worth a traceback.
         proxy._server.handle_error = lambda request, client_address: None  # noqa: SLF001

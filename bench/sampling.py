@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+from _common import percentile
 
 HOST_COLLECTORS = ("cpu", "memory", "disk", "network", "process")
 INTERVAL_S = 10.0  # the fake clock's step: one sampling interval
@@ -350,13 +351,6 @@ def warm_up(subject: Subject, seconds: float) -> float:
         subject.after_block()
     return cpu / n
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def build_subjects(closers: list[Callable[[], None]]) -> list[Subject]:
