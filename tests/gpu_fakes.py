@@ -6,7 +6,7 @@ In-process::
 
     def test_something():
         with fake_nvml({"count": 4, "not_supported": {"1": ["power"]}}) as nvml:
-            collector = NvidiaCollector.create(ForgeConfig())
+            collector = NvidiaCollector.create(ForgeConfig.defaults())
             ...
             assert nvml.calls("nvmlDeviceGetPowerUsage", 1) == 1
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import gpu_fakes
 from hermetic import hermetic_environ
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAKES_DIR = REPO_ROOT / "tests" / "fakes"
 PROMETHEUS_BINARY = "prometheus"
 
 T = TypeVar("T")
@@ -364,8 +364,5 @@ def start_agent(args: Sequence[str], env: Mapping[str, str] | None = None,
 
 
 def fake_gpu_env(scenario: Mapping[str, Any]) -> dict[str, str]:
-    """Env additions that make a spawned agent import the fake NVML of ``tests/fakes/pynvml.py``.
-
-    ``scenario`` is the fake's JSON contract, e.g. ``{"count": 2}``.
-    """
-    return {"PYTHONPATH": str(FAKES_DIR), "OTEL_FORGE_FAKE_GPUS": json.dumps(dict(scenario))}
+    """Env additions that make a spawned agent import the fakes of ``tests/fakes`` with ``scenario``."""
+    return gpu_fakes.fake_gpu_env(scenario, base={})
