@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if live:
         entry = training_run.tracking_entry()
         env.update(MLFLOW_RUN_ID=training_run.run_id, MLFLOW_TRACKING_URI=training_run.tracking_uri,
-                   MLFLOW_EXPERIMENT_ID=training_run._run.experiment_id,  # noqa: SLF001
+                   MLFLOW_EXPERIMENT_ID=training_run.experiment_id,
                    **{LAUNCHED_RUN_ENV: training_run.run_id})
         print(f"otel-forge: run {entry['run_id']} in experiment {entry['experiment']} at {entry['tracking_uri']}",
               flush=True)

@@ -21,13 +21,14 @@ class RunGone(Exception):
     """The run was deleted or never existed: nothing can be logged to it."""
 
 
+def run_gone(error: BaseException) -> bool:
+    """The error says the run does not exist (or was deleted): no retry can help."""
+    return isinstance(error, RunGone) or str(getattr(error, "error_code", "") or "") in _RUN_GONE_CODES
+
+
 def classify(error: BaseException) -> Outcome:
     """A gone run stops delivery; other client errors (4xx) drop the window; the rest is retried."""
-    if isinstance(error, RunGone):
-        return Outcome.STOP
-    code = str(getattr(error, "error_code", "") or "")
-    text = str(error)
-    if code in _RUN_GONE_CODES or "must be in the 'active' state" in text:
+    if run_gone(error) or "must be in the 'active' state" in str(error):
         return Outcome.STOP
     status = _http_status(error)
     if status is not None and 400 <= status < 500 and status not in (408, 429):

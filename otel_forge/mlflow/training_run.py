@@ -23,7 +23,7 @@ from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.checkpoints import find_or_create_external_model
-from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunGone, classify, import_mlflow, live_run, make_client
+from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, classify, import_mlflow, live_run, make_client, run_gone
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.metric_buffer import MetricBuffer
 from otel_forge.mlflow.run_metadata import (
@@ -60,11 +60,6 @@ def embedded_tracking_uri() -> str:
 
 def _is_databricks(uri: str) -> bool:
     return uri.startswith("databricks")
-
-
-def _run_gone(error: BaseException) -> bool:
-    code = str(getattr(error, "error_code", "") or "")
-    return isinstance(error, RunGone) or code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
 
 
 @dataclass
@@ -220,7 +215,7 @@ class TrainingRun:
         try:
             run = live_run(client, run_id)
         except Exception as error:
-            if not _run_gone(error):
+            if not run_gone(error):
                 # Transient (server down, 5xx, timeout): a new run would fork the history.
                 raise
             _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, scrub(_first_line(error)))
@@ -283,7 +278,10 @@ class TrainingRun:
             return
         self._begin_opening()
         timestamp_ms = int(time.time() * 1000)  # fixed now: a retry resends identical metrics
-        values = {sanitize_key(str(k)): v for k, v in ((k, _as_float(v)) for k, v in metrics.items()) if v is not None}
+        values = {}
+        for key, raw in metrics.items():
+            if (value := _as_float(raw)) is not None:
+                values[sanitize_key(str(key))] = value
         if not self._metrics.add(values, step, timestamp_ms):
             self._warnings.warning("log-buffer", "MLflow: %d metric values waiting; metrics dropped (%d so far)",
                                    len(self._metrics), self._metrics.dropped)
@@ -352,6 +350,10 @@ class TrainingRun:
     @property
     def run_id(self) -> str | None:
         return self._run.run_id if self._run else None
+
+    @property
+    def experiment_id(self) -> str | None:
+        return self._run.experiment_id if self._run else None
 
     # --- ending ------------------------------------------------------------------------------
 
