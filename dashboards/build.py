@@ -33,18 +33,17 @@ DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
 
 # --- metric names ---------------------------------------------------------------------------------
 
-_UNIT_SUFFIX = {"By": "bytes", "W": "watts", "J": "joules", "Cel": "celsius", "Hz": "hertz", "s": "seconds",
-                "By/s": "bytes_per_second", "1": "", "": ""}
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 
 
 def prometheus_name(spec: MetricSpec) -> str:
     """The name the OTel Prometheus exporter gives ``spec`` (without the Collector's ``_ratio``)."""
+    from opentelemetry.exporter.prometheus import map_unit  # the exporter's own UCUM -> suffix table
+
     name = spec.name.replace(".", "_")
-    if not spec.unit.startswith("{"):
-        suffix = _UNIT_SUFFIX[spec.unit]
-        if suffix and not name.endswith("_" + suffix):
-            name += "_" + suffix
+    suffix = map_unit(spec.unit)
+    if suffix and not name.endswith("_" + suffix):
+        name += "_" + suffix
     if spec.kind is Kind.COUNTER:
         name += "_total"
     return name
