@@ -172,7 +172,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_age_s", ("OTEL_FORGE_MAX_AGE",), _positive_float, None,
             "A snapshot younger than this is served from cache (default: 0.9 x sampling interval)."),
     Setting("node_id", ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID"), _optional_text, None,
-            "Node id in metric keys and the resource (default: derived from SLURM/torchrun when the job spans nodes)."),
+            "Node id in metric keys and the resource (default: derived from SLURM/torchrun when the job spans nodes, "
+            "the host name under MPI)."),
+    Setting("job_id", ("OTEL_FORGE_JOB_ID",), _optional_text, None,
+            "Job key every process of one job shares, to find the job's one MLflow run (default: derived from "
+            "SLURM job id and step, torchrun's rendezvous id or the MPI job)."),
     Setting("service_name", ("OTEL_SERVICE_NAME",), _optional_text, "otel-forge", "OTel `service.name`."),
     Setting("resource_attributes", ("OTEL_RESOURCE_ATTRIBUTES",), _resource_attributes, {},
             "Extra resource attributes, `key=value,...`."),
@@ -225,6 +229,7 @@ class ForgeConfig:
     samples_per_window: int
     max_age_s: float | None
     node_id: str | None
+    job_id: str | None
     service_name: str
     resource_attributes: Mapping[str, str]
     collectors: tuple[str, ...]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,8 +23,23 @@ _LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
 _WORLD_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _NODE_RANK_VARS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
 _NODE_COUNT_VARS = ("GROUP_WORLD_SIZE", "NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+# MPI has no node index; its processes per host tell whether the job spans hosts.
+_MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+# The MPI job's identity: the PMIx namespace (Open MPI 4/5, PRRTE), else Open MPI 4's job id.
+_MPI_JOB_VARS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
+# torchrun's rendezvous id; "none" is torchrun's default, shared by every job that did not set one.
+_TORCHRUN_UNSET_RUN_ID = "none"
 
 NODE_ID_ATTRIBUTE = "otel_forge.node.id"
+UNKNOWN = "none"
+
+
+def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    """(variable, value) of the first of ``names`` set to a non-empty value."""
+    for name in names:
+        if value := environ.get(name, "").strip():
+            return name, value
+    return None
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None:
@@ -33,6 +49,42 @@ def _first_int(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None
         except (KeyError, ValueError):
             continue
     return None
+
+
+def host_node_id(hostname: str) -> str:
+    """A node id from a host name (``gpu-07.cluster.local`` -> ``gpu-07``): stable, key-safe."""
+    short = hostname.split(".")[0] or hostname
+    return re.sub(r"[^\w\-]+", "_", short).strip("_") or "host"
+
+
+def _derived_node_id(environ: Mapping[str, str], node_rank: int | None, node_count: int | None,
+                     world_size: int | None, hostname: str, host_named: bool) -> tuple[str | None, str]:
+    """The launcher's node id and the variables it came from; None on a single node."""
+    if node_rank is not None and (node_count or 0) > 1:
+        source = next(name for name in _NODE_RANK_VARS if _first_int(environ, (name,)) is not None)
+        return f"node_{node_rank}", f"launcher {source}"
+    local_size = _first_int(environ, _MPI_LOCAL_SIZE_VARS)
+    if host_named or (local_size is not None and world_size is not None and world_size > local_size):
+        return host_node_id(hostname), "host name (MPI: no node index)"
+    return None, UNKNOWN
+
+
+def job_key(environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """The job every process of one launch shares, and the variables it came from.
+
+    SLURM: job id and step (a requeued job keeps both); torchrun: the rendezvous id; MPI: the
+    PMIx namespace or Open MPI's job id. None outside a launcher that names its job.
+    """
+    if slurm := _first(environ, ("SLURM_JOB_ID", "SLURM_JOBID")):
+        if step := _first(environ, ("SLURM_STEP_ID", "SLURM_STEPID")):
+            return f"slurm-{slurm[1]}.{step[1]}", f"launcher {slurm[0]}, {step[0]}"
+        return f"slurm-{slurm[1]}", f"launcher {slurm[0]}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id != _TORCHRUN_UNSET_RUN_ID:
+        return f"torchrun-{run_id}", "launcher TORCHELASTIC_RUN_ID"
+    if mpi := _first(environ, _MPI_JOB_VARS):
+        return f"mpi-{mpi[1]}", f"launcher {mpi[0]}"
+    return None, UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -46,25 +98,44 @@ class NodeIdentity:
     node_rank: int | None
     node_count: int | None
     hostname: str
+    job_key: str | None = None
+    node_id_source: str = UNKNOWN
+    job_key_source: str = UNKNOWN
 
     @classmethod
-    def detect(cls, explicit_node_id: str | None = None, environ: Mapping[str, str] | None = None) -> NodeIdentity:
-        """Read the launcher's variables; ``explicit_node_id`` (already resolved from config) wins."""
+    def detect(cls, explicit_node_id: str | None = None, environ: Mapping[str, str] | None = None, *,
+               explicit_job_id: str | None = None, sources: Mapping[str, str] | None = None,
+               host_named: bool = False) -> NodeIdentity:
+        """Read the launcher's variables; explicit ids (already resolved from config) win.
+
+        ``sources`` says where the explicit values came from (``ForgeConfig.sources``);
+        ``host_named``: node ids are host names, as under an MPI launcher.
+        """
         environ = os.environ if environ is None else environ
+        sources = sources or {}
+        hostname = socket.gethostname()
         node_rank = _first_int(environ, _NODE_RANK_VARS)
         node_count = _first_int(environ, _NODE_COUNT_VARS)
-        node_id = explicit_node_id
-        if node_id is None and node_rank is not None and (node_count or 0) > 1:
-            node_id = f"node_{node_rank}"
-        return cls(
-            node_id=node_id,
-            rank=_first_int(environ, _RANK_VARS),
-            local_rank=_first_int(environ, _LOCAL_RANK_VARS),
-            world_size=_first_int(environ, _WORLD_SIZE_VARS),
-            node_rank=node_rank,
-            node_count=node_count,
-            hostname=socket.gethostname(),
-        )
+        world_size = _first_int(environ, _WORLD_SIZE_VARS)
+        if explicit_node_id is not None:
+            node_id, node_id_source = explicit_node_id, sources.get("node_id", "argument")
+        else:
+            node_id, node_id_source = _derived_node_id(environ, node_rank, node_count, world_size, hostname,
+                                                       host_named)
+        if explicit_job_id is not None:
+            key, key_source = explicit_job_id, sources.get("job_id", "argument")
+        else:
+            key, key_source = job_key(environ)
+        return cls(node_id=node_id, rank=_first_int(environ, _RANK_VARS),
+                   local_rank=_first_int(environ, _LOCAL_RANK_VARS), world_size=world_size,
+                   node_rank=node_rank, node_count=node_count, hostname=hostname, job_key=key,
+                   node_id_source=node_id_source, job_key_source=key_source)
+
+    @classmethod
+    def from_config(cls, config: ForgeConfig, environ: Mapping[str, str] | None = None,
+                    host_named: bool = False) -> NodeIdentity:
+        return cls.detect(config.node_id, environ, explicit_job_id=config.job_id, sources=config.sources,
+                          host_named=host_named)
 
     @property
     def runs_agent(self) -> bool:
@@ -74,6 +145,11 @@ class NodeIdentity:
     @property
     def is_global_zero(self) -> bool:
         return self.rank in (None, 0)
+
+    @property
+    def sampling_key(self) -> str:
+        """What names this node's sampler: the host and the node id (one host may simulate many)."""
+        return f"{self.hostname}/{self.node_id or ''}"
 
 
 def host_id() -> str | None:

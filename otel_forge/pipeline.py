@@ -129,7 +129,7 @@ class Agent:
     def __init__(self, config: ForgeConfig | None = None, extra_readers: Sequence[ReaderFactory] = (),
                  node: NodeIdentity | None = None, extra_collectors: Sequence[Collector] = ()) -> None:
         self.config = config or ForgeConfig.resolve()
-        self.node = node or NodeIdentity.detect(self.config.node_id)
+        self.node = node or NodeIdentity.from_config(self.config)
         self._extra_readers = extra_readers
         self._extra_collectors = extra_collectors
         self.collectors: OpenedCollectors | None = None

@@ -102,7 +102,7 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
         collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
     return {
         "collectors": collectors,
-        "node": asdict(NodeIdentity.detect(config.node_id)),
+        "node": asdict(NodeIdentity.from_config(config)),
         "config": {s.name: {"value": _plain(getattr(config, s.name)), "source": config.sources.get(s.name, "default")}
                    for s in SETTINGS},
         "endpoints": {"prometheus": _prometheus_check(config), "otlp": _otlp_check(config),
@@ -129,8 +129,9 @@ def _print_text(report: dict[str, Any]) -> None:
         else:
             print(f"  {name:<8} absent: {entry['reason']}")
     node = report["node"]
-    print(f"node: id={node['node_id']} host={node['hostname']} rank={node['rank']} "
+    print(f"node: id={node['node_id']} ({node['node_id_source']}) host={node['hostname']} rank={node['rank']} "
           f"local_rank={node['local_rank']} world_size={node['world_size']}")
+    print(f"job: key={node['job_key']} ({node['job_key_source']})")
     print("config:")
     for name, entry in report["config"].items():
         print(f"  {name:<22} {entry['value']!s:<30} ({entry['source']})")

@@ -2,24 +2,34 @@
 
 The run is opened first so CMD inherits ``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI`` and
 ``MLFLOW_EXPERIMENT_ID`` (``mlflow.log_*`` in CMD lands in the same run, and launchers pass them
-on to other nodes). SIGINT/SIGTERM are forwarded; the run ends FINISHED, FAILED or KILLED from
-CMD's exit, and ``otel-forge`` exits with CMD's code.
+on to other nodes). Under a launcher every task's ``otel-forge run`` finds the job's one run by
+the job key (``TrainingRun``'s rendezvous). SIGINT/SIGTERM are forwarded; processes CMD leaves
+behind are stopped; the run ends FINISHED, FAILED or KILLED from CMD's exit, and ``otel-forge``
+exits with CMD's code.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
 import shutil
 import signal
 import subprocess
 from typing import Any
 
+import psutil
+
+from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.config import ConfigError
+from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub
 
 _logger = logging.getLogger(__name__)
+_PR_SET_CHILD_SUBREAPER = 36
+_LEFTOVER_GRACE_S = 5.0
 
 
 def add_parser(commands: Any) -> None:
@@ -52,7 +62,7 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from otel_forge.mlflow.run_metadata import launch_config_path, load_launch_config
-    from otel_forge.mlflow.training_run import LAUNCHED_RUN_ENV, TrainingRun
+    from otel_forge.mlflow.training_run import TrainingRun
 
     command = _command(args)
     config = config_from_args(args)
@@ -60,33 +70,36 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"invalid command (from CMD): {command[0]!r} is not an executable on PATH")
     # From here a signal is the user's: it must end the run, never kill us half way.
     signals = SignalForwarder()
+    launch = read_launch(command)
+    node = NodeIdentity.from_config(config, {**os.environ, **launch.environ}, host_named=launch.host_named)
     launch_file = launch_config_path(["otel-forge", *command])
     training_run = TrainingRun(
         config=load_launch_config(launch_file) if launch_file else None, tracking_uri=config.tracking_uri,
         experiment=args.experiment, run_name=args.run_name, run_id=config.run_id, description=args.description,
         tags={**_tags(args.tag), "otel_forge.command": scrub(" ".join(command))}, system_metrics=False,
-        launch_argv=["otel-forge", *command], forge_config=config, handle_sigterm=False)
+        launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False)
     live = training_run.start()
     env = dict(args.child_environ)
     if live:
-        entry = training_run.tracking_entry()
-        env.update(MLFLOW_RUN_ID=training_run.run_id, MLFLOW_TRACKING_URI=training_run.tracking_uri,
-                   MLFLOW_EXPERIMENT_ID=training_run.experiment_id,
-                   **{LAUNCHED_RUN_ENV: training_run.run_id})
-        print(f"otel-forge: run {entry['run_id']} in experiment {entry['experiment']} at {entry['tracking_uri']}",
-              flush=True)
+        env.update(_run_environ(training_run, node))
+        entry = training_run.tracking_entry() or {}
+        print(f"otel-forge: run {entry.get('run_id')} in experiment {entry.get('experiment')} at "
+              f"{entry.get('tracking_uri')}", flush=True)
     if signals.received:
         training_run.close("KILLED")
         return 128 + signals.received[0]
+    _become_subreaper()
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as error:
         training_run.close("FAILED")
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
-    monitor = _start_system_metrics(config, training_run, child.pid) if live else None
+    monitor = _start_system_metrics(config, training_run, child.pid, node) if live else None
     try:
         code = child.wait()
+        # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
+        _stop_leftovers()
     finally:
         if monitor is not None:
             monitor.stop()
@@ -95,13 +108,68 @@ def run(args: argparse.Namespace) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _start_system_metrics(config: Any, training_run: Any, pid: int) -> Any:
+def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
+    """What CMD inherits: the run (so ``mlflow.log_*`` lands in it) and who samples this node."""
+    from otel_forge.mlflow.training_run import DESCRIBE_RUN_ENV, LAUNCHED_RUN_ENV, SAMPLED_NODE_ENV
+
+    run_id = training_run.run_id
+    env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": training_run.tracking_uri, LAUNCHED_RUN_ENV: run_id,
+           # This node's local rank 0 samples it: this process, or its sibling task's otel-forge.
+           SAMPLED_NODE_ENV: node.sampling_key}
+    if training_run.experiment_id is not None:
+        env["MLFLOW_EXPERIMENT_ID"] = training_run.experiment_id
+    if training_run.described:
+        env[DESCRIBE_RUN_ENV] = run_id
+    return env
+
+
+def _become_subreaper() -> None:
+    """Orphans of CMD become our children (Linux), so none outlives the run unnoticed."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans go to init, as before
+        _logger.debug("not a child subreaper on this platform")
+
+
+def _stop_leftovers() -> None:
+    """SIGTERM what CMD left running, SIGKILL it after a grace period, and reap it."""
+    # git is ours: the run's metadata is read on the delivery worker.
+    left = [p for p in psutil.Process().children(recursive=True) if _name(p) != "git"]
+    if not left:
+        return
+    _logger.warning("CMD left %d process(es) running (pids %s): stopping them before the run ends", len(left),
+                    ", ".join(str(p.pid) for p in left))
+    for process in left:
+        _signal(process, signal.SIGTERM)
+    _, alive = psutil.wait_procs(left, timeout=_LEFTOVER_GRACE_S)
+    for process in alive:
+        _signal(process, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=_LEFTOVER_GRACE_S)
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
+
+
+def _signal(process: psutil.Process, sig: int) -> None:
+    try:
+        process.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def _start_system_metrics(config: Any, training_run: Any, pid: int, node: NodeIdentity) -> Any:
     from otel_forge.mlflow.monitor import SystemMetricsMonitor
 
-    monitor = SystemMetricsMonitor(config.replace(run_id=training_run.run_id, tracking_uri=training_run.tracking_uri,
-                                                  pid=pid))
-    if not monitor.node.runs_agent:
+    if not node.runs_agent:
+        _logger.info("local rank %s: local rank 0 samples node %s", node.local_rank, node.node_id or "-")
         return None
+    monitor = SystemMetricsMonitor(config.replace(run_id=training_run.run_id, tracking_uri=training_run.tracking_uri,
+                                                  pid=pid), node=node)
     monitor.start()
     for endpoint in monitor.endpoints:
         print(f"otel-forge: serving {endpoint}", flush=True)

@@ -18,6 +18,7 @@ from otel_forge.mlflow.client import WindowLogger, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, system_prefix
 from otel_forge.mlflow.spool import WindowSpool, default_spool_root
 from otel_forge.mlflow.windows import Window, WindowFolder
+from otel_forge.mlflow.writer_lock import NodeWriterLock
 from otel_forge.scrub import scrub, uri_without_credentials
 from otel_forge.worker import DeliveryWorker
 
@@ -60,10 +61,26 @@ class MLflowMetricExporter(MetricExporter):
             self.window_logger, name="mlflow-system-metrics", max_queue=max_queue, max_call_threads=max_call_threads,
             call_deadline_s=call_deadline_s, classify=classify, overflow=self.spool)
         self._shut_down = False
+        self._writer_lock = NodeWriterLock(run_id, prefix)
+        self.standing_down = not self._acquire_writer_lock()
+
+    def _acquire_writer_lock(self) -> bool:
+        try:
+            if self._writer_lock.acquire():
+                return True
+        except OSError as error:
+            _logger.debug("writer lock %s not usable (%s): writing unchecked", self._writer_lock.path, error)
+            return True
+        _logger.warning("another agent (pid %s) already writes %s of MLflow run %s on this host: this one stands "
+                        "down from MLflow (its other sinks go on). Run one agent per node.",
+                        self._writer_lock.holder(), self.window_logger.prefix, self.run_id)
+        return False
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object) -> MetricExportResult:
         if self._shut_down or self.worker.stopped:
             return MetricExportResult.FAILURE
+        if self.standing_down:
+            return MetricExportResult.SUCCESS
         window = self._folder.add(self._mapper.sample(_points(metrics_data)), time.time())
         if window is not None:
             self.worker.submit(window)
@@ -82,6 +99,7 @@ class MLflowMetricExporter(MetricExporter):
             self.worker.submit(window)
         left = self.worker.close(min(self._drain_deadline_s, timeout_millis / 1000))
         self._report_leftovers(left)
+        self._writer_lock.release()
 
     def _report_leftovers(self, left: int) -> None:
         if self.worker.stopped:

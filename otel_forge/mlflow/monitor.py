@@ -63,9 +63,9 @@ class SystemMetricsMonitor:
     Only local rank 0 of a node samples; elsewhere start/stop do nothing.
     """
 
-    def __init__(self, config: ForgeConfig) -> None:
+    def __init__(self, config: ForgeConfig, node: NodeIdentity | None = None) -> None:
         self.config = config
-        self.node = NodeIdentity.detect(config.node_id)
+        self.node = node or NodeIdentity.from_config(config)
         self.exporter: MLflowMetricExporter | None = None
         self.agent: Agent | None = None
 

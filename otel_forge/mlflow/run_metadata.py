@@ -24,6 +24,8 @@ _logger = logging.getLogger(__name__)
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
 GIT_DIRTY_TAG = "mlflow.source.git.dirty"
 NOTE_TAG = "mlflow.note.content"
+# Set once a run holds a job's params, tags and config: a resume never records them again.
+DESCRIBED_TAG = "otel_forge.described"
 PARAM_VALUE_MAX_CHARS = 6000  # MLflow's limit for a param value
 PARAMS_PER_BATCH = 100
 LAUNCH_CONFIG_SUFFIXES = (".toml", ".yaml", ".yml", ".json")

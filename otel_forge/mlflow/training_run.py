@@ -26,7 +26,9 @@ from otel_forge.mlflow.checkpoints import find_or_create_external_model
 from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, classify, import_mlflow, live_run, make_client, run_gone
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.metric_buffer import MetricBuffer
+from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, find_experiment, publish, published_run_id, wait_for_run
 from otel_forge.mlflow.run_metadata import (
+    DESCRIBED_TAG,
     NOTE_TAG,
     batches,
     config_as_dict,
@@ -44,8 +46,14 @@ from otel_forge.worker import DeliveryWorker, Outcome
 _logger = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "otel-forge"
-# Set by `otel-forge run` for its command: the run it opened, and whose node it already samples.
+# Set by `otel-forge run` for its command: the run it opened in this attempt of the job; that run
+# again if it described it just now (the command's TrainingRun adds its own config); the node it
+# samples already (NodeIdentity.sampling_key).
 LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
+DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
+SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
+OUTCOME_TAG_PREFIX = "otel_forge.outcome."  # + node: how that node's process ended, when not FINISHED
+JOB_OUTCOME_TAG = "otel_forge.job.outcome"  # FAILED or KILLED once any process of the job ended so
 MAX_PENDING_METRIC_VALUES = 200_000
 CONFIG_ARTIFACT = "config.json"
 _DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
@@ -73,15 +81,18 @@ class OpenRun:
     resumed: bool
     last_step: int | None
     client: Any = field(repr=False)
+    described: bool = False  # the run already holds a job's params, tags and config
 
 
 class TrainingRun:
     """The MLflow run of a training job: ``log``, ``register_checkpoint``, ``close``.
 
-    Only global rank 0 creates the run and logs training metrics; with ``system_metrics`` local
-    rank 0 of every node samples its node into the same run (other nodes find it through
-    ``run_id`` / ``MLFLOW_RUN_ID``). Failures are warned (rate-limited), never raised into
-    training: a run that cannot be opened leaves logging disabled.
+    Run the same code in every rank. Global rank 0 creates the run (or resumes the one its job key
+    names) and logs training metrics; every other process finds the run by the job key (or takes
+    ``run_id`` / ``MLFLOW_RUN_ID``), and with ``system_metrics`` local rank 0 of every node samples
+    its node into it from the moment the run is entered. Any process that fails ends the run
+    FAILED. Failures are warned (rate-limited), never raised into training: a run that cannot be
+    opened leaves logging disabled.
     """
 
     def __init__(self, config: Any = None, tracking_uri: str | None = None, experiment: str | None = None,
@@ -101,7 +112,7 @@ class TrainingRun:
         self.system_metrics = system_metrics
         self.register_checkpoints = register_checkpoints
         self.launch_argv = list(sys.argv if launch_argv is None else launch_argv)
-        self.node = node or NodeIdentity.detect(self.forge_config.node_id)
+        self.node = node or NodeIdentity.from_config(self.forge_config)
         self._deadlines = (init_deadline_s, end_deadline_s)
         self._lock = threading.Lock()
         self._owner: RunOwner | None = None
@@ -113,8 +124,11 @@ class TrainingRun:
         self._model_ids: dict[int, str] = {}
         self._metrics = MetricBuffer(MAX_PENDING_METRIC_VALUES)
         self._flush_pending = False
-        # A run `otel-forge run` opened for this process is ours to describe, not a resume.
+        # A run `otel-forge run` opened for this process is this attempt's, not a requeued one.
         self._launched = bool(self.requested_run_id) and self.requested_run_id == os.environ.get(LAUNCHED_RUN_ENV)
+        self._describe_launched = self._launched and self.requested_run_id == os.environ.get(DESCRIBE_RUN_ENV)
+        self._node_sampled_by_launcher = os.environ.get(SAMPLED_NODE_ENV) == self.node.sampling_key
+        self.described = False
         self._warnings = RateLimitedLogger(_logger)
         self._handle_sigterm = handle_sigterm
         self._previous_sigterm: Any = None
@@ -150,8 +164,6 @@ class TrainingRun:
         with self._lock:
             if self._opening is not None or self._closed:
                 return
-            if not self._owns_run and not self.requested_run_id:
-                _logger.info("rank %s: no MLFLOW_RUN_ID to attach to; rank 0 owns the run", self.node.rank)
             self._owner = RunOwner("mlflow-run-owner")
             self._opening = self._owner.submit(self._open)
             self._worker = DeliveryWorker(lambda call: call(), name="mlflow-training-run",
@@ -175,13 +187,9 @@ class TrainingRun:
         return classify(error)
 
     def _open(self) -> OpenRun | None:
-        """On the owner thread: experiment, run (new or resumed), then system metrics."""
+        """On the owner thread: find or make the run (explicit id > job key > new), then sample."""
         try:
-            client = make_client(self.tracking_uri)
-            run = self._resume(client) if self.requested_run_id else None
-            if run is None and self._owns_run:
-                # Only a new run needs the experiment: a resumed one already has its own.
-                run = self._create(client, self._experiment_id(client))
+            run = self._find_or_create(make_client(self.tracking_uri))
         except Exception as error:  # noqa: BLE001 - reported once; training goes on without MLflow
             hint = f". {_DATABRICKS_AUTH_HINT}" if _is_databricks(self.tracking_uri) and _auth_error(error) else ""
             _logger.warning("MLflow logging disabled: %s%s", scrub(_first_line(error)), hint)
@@ -189,12 +197,53 @@ class TrainingRun:
         if run is None:
             return None
         self._run = run
-        if self._launched:
+        if self._owns_run and (self._describe_launched or not run.described):
             self._record_new_run(run)
         _logger.info("MLflow run %s (%s) in experiment %s at %s", run.run_id, "resumed" if run.resumed else "new",
                      run.experiment, scrub(self.tracking_uri))
         self._start_system_metrics(run)
         return run
+
+    def _find_or_create(self, client: Any) -> OpenRun | None:
+        if not self._owns_run:
+            if self.requested_run_id:
+                # Another rank never reads the run: its size must not cost every node.
+                return OpenRun(self.requested_run_id, None, os.environ.get("MLFLOW_EXPERIMENT_ID"),  # type: ignore[arg-type]
+                               self.experiment, True, None, client)
+            return self._find_job_run(client)
+        run = self._resume(client, self.requested_run_id) if self.requested_run_id else None
+        if run is not None:
+            return run
+        # No run id (or its run is gone): the job key's run, else a new one carrying the key.
+        key = self.node.job_key
+        experiment = find_experiment(client, self.experiment)
+        experiment_id = experiment.experiment_id if experiment is not None else self._experiment_id(client)
+        if key is not None and (published := published_run_id(experiment, key)) is not None:
+            run = self._resume(client, published)  # a requeued job continues its run
+        if run is None:
+            run = self._create(client, experiment_id)
+        if key is not None:
+            publish(client, run.experiment_id, key, run.run_id)
+        return run
+
+    def _find_job_run(self, client: Any) -> OpenRun | None:
+        key = self.node.job_key
+        wants_run = self.system_metrics and self.node.runs_agent and not self._node_sampled_by_launcher
+        if key is None:
+            if wants_run:
+                _logger.warning("rank %s (node %s): no MLflow run to attach to, so this node is not sampled into "
+                                "MLflow; set MLFLOW_RUN_ID, or OTEL_FORGE_JOB_ID (--job-id) to the same value in "
+                                "every process of the job", self.node.rank, self.node.node_id or "-")
+            return None
+        found = wait_for_run(client, self.experiment, key, self._deadlines[0])
+        if found is None:
+            _logger.warning("rank %s (node %s): rank 0 published no run for job %s in experiment %s within %.0f s; "
+                            "this process logs nothing to MLflow. Check rank 0's log, or set MLFLOW_RUN_ID for "
+                            "every process", self.node.rank, self.node.node_id or "-", key, self.experiment,
+                            self._deadlines[0])
+            return None
+        _logger.info("job %s: found run %s after %d look(s)", key, found.run_id, found.polls)
+        return OpenRun(found.run_id, None, found.experiment_id, self.experiment, True, None, client)  # type: ignore[arg-type]
 
     def _experiment_id(self, client: Any) -> str:
         if self.experiment.isdigit():
@@ -210,8 +259,7 @@ class TrainingRun:
                 raise
             return client.get_experiment_by_name(self.experiment).experiment_id
 
-    def _resume(self, client: Any) -> OpenRun | None:
-        run_id = self.requested_run_id
+    def _resume(self, client: Any, run_id: str) -> OpenRun | None:
         try:
             run = live_run(client, run_id)
         except Exception as error:
@@ -220,31 +268,40 @@ class TrainingRun:
                 raise
             _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, scrub(_first_line(error)))
             return None
-        if run.info.status != "RUNNING" and self._owns_run:
-            client.update_run(run_id, status="RUNNING")
+        if not self._launched:
+            self._begin_attempt(client, run)
         training_steps = [m.step for m in run.data._metric_objs  # noqa: SLF001 - latest metrics with steps
                           if not m.key.startswith("system/")]
         experiment = client.get_experiment(run.info.experiment_id)
         return OpenRun(run_id, run.info.run_name, run.info.experiment_id, experiment.name, True,
-                       max(training_steps, default=None), client)
+                       max(training_steps, default=None), client, described=DESCRIBED_TAG in run.data.tags)
+
+    @staticmethod
+    def _begin_attempt(client: Any, run: Any) -> None:
+        """A new attempt of the job (a requeue, a run made beforehand): running again, and its
+        outcome is this attempt's, not the last one's."""
+        if run.info.status != "RUNNING":
+            client.update_run(run.info.run_id, status="RUNNING")
+        for tag in [t for t in run.data.tags if t == JOB_OUTCOME_TAG or t.startswith(OUTCOME_TAG_PREFIX)]:
+            client.delete_tag(run.info.run_id, tag)
 
     def _create(self, client: Any, experiment_id: str) -> OpenRun:
-        created = client.create_run(experiment_id, run_name=self.run_name)
-        run = OpenRun(created.info.run_id, created.info.run_name, experiment_id, self.experiment, False, None, client)
-        self._record_new_run(run)
-        return run
+        tags = {JOB_KEY_TAG: self.node.job_key} if self.node.job_key else None
+        created = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+        return OpenRun(created.info.run_id, created.info.run_name, experiment_id, self.experiment, False, None, client)
 
     def _start_system_metrics(self, run: OpenRun) -> None:
-        if not self.system_metrics or not self.node.runs_agent or self._launched:
+        if not self.system_metrics or not self.node.runs_agent or self._node_sampled_by_launcher:
             return  # under `otel-forge run` the launcher's agent samples this node already
         from otel_forge.mlflow.monitor import SystemMetricsMonitor
 
         config = self.forge_config.replace(run_id=run.run_id, tracking_uri=self.tracking_uri)
-        self._system_monitor = SystemMetricsMonitor(config).start()
+        self._system_monitor = SystemMetricsMonitor(config, node=self.node).start()
 
     # --- what a new run records, all on the worker -----------------------------------------
 
     def _record_new_run(self, run: OpenRun) -> None:
+        self.described = True
         submit = self._submit
         if self.config is not None:
             for params in batches(flatten_params(self.config)):
@@ -261,7 +318,7 @@ class TrainingRun:
 
     def _log_tags(self, run: OpenRun) -> None:
         RunTag = import_mlflow().entities.RunTag
-        tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags()}
+        tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags(), DESCRIBED_TAG: "true"}
         if self.description:
             tags[NOTE_TAG] = self.description
         tags.update(self.tags)
@@ -377,15 +434,38 @@ class TrainingRun:
         if self._owner is None:
             return
         run = self._run
-        if run is not None and self._owns_run:
+        if run is not None:
             try:
-                self._owner.call(lambda: run.client.set_terminated(run.run_id, status), self._deadlines[1])
+                self._owner.call(lambda: self._end(run, status), self._deadlines[1])
             except Exception as error:  # noqa: BLE001 - the run end is best effort too
                 _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status,
                                 scrub(_first_line(error)))
         self._owner.close()
 
+    def _end(self, run: OpenRun, status: str) -> None:
+        """The run's status is the job's: a process that fails ends it so and tags the job and its
+        node; rank 0 ends it FINISHED only when no process of the job has failed."""
+        client = run.client
+        if status != "FINISHED":
+            node = self.node.node_id or (f"rank_{self.node.rank}" if self.node.rank is not None else "node")
+            client.log_batch(run.run_id, tags=[_tag(OUTCOME_TAG_PREFIX + key_segment(node),
+                                                    f"{status} (rank {self.node.rank})"),
+                                               _tag(JOB_OUTCOME_TAG, status)], synchronous=True)
+            client.set_terminated(run.run_id, status)
+        elif self._owns_run:
+            client.set_terminated(run.run_id, self._job_outcome(run) or status)
+
+    @staticmethod
+    def _job_outcome(run: OpenRun) -> str | None:
+        """FAILED or KILLED if a process of the job ended so (the tag survives a status that a
+        script's own ``mlflow.end_run`` rewrote); a search that matches nothing costs little."""
+        failed = f"attributes.run_id = '{run.run_id}' and tags.`{JOB_OUTCOME_TAG}` LIKE '%'"
+        found = run.client.search_runs([run.experiment_id], failed, max_results=1)
+        return found[0].data.tags.get(JOB_OUTCOME_TAG) if found else None
+
     def __enter__(self) -> TrainingRun:
+        # Entering opens the run in the background: every rank finds it and its node is sampled.
+        self._begin_opening()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
@@ -451,6 +531,10 @@ class _MetricFlush:
             training_run._warnings.warning("log-drop", "MLflow: %d metric values dropped: %s",  # noqa: SLF001
                                            len(self._batch), scrub(_first_line(error)))
         training_run._flush_done()  # noqa: SLF001
+
+
+def _tag(key: str, value: str) -> Any:
+    return import_mlflow().entities.RunTag(key, value)
 
 
 def _as_float(value: Any) -> float | None:

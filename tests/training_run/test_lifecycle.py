@@ -69,14 +69,22 @@ def test_first_log_opens_the_run(mlflow_server, client, experiment):
     assert run.tracking_entry() is None  # closed
 
 
-def test_close_without_a_log_creates_no_run(mlflow_server, client, experiment):
+def test_close_without_entering_or_logging_creates_no_run(mlflow_server, client, experiment):
     with MlflowProxy(mlflow_server.uri) as proxy:
-        with TrainingRun({"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False,
-                         launch_argv=["train.py"]) as run:
-            pass
+        run = TrainingRun({"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False,
+                          launch_argv=["train.py"])
         run.close()
         assert proxy.total() == 0
     assert client.get_experiment_by_name(experiment) is None
+
+
+def test_entering_opens_the_run_without_a_log(mlflow_server, client, experiment):
+    # Every rank enters its TrainingRun: that alone must open the run (and start the node's sampling).
+    with TrainingRun({"lr": 0.1}, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
+                     launch_argv=["train.py"]) as run:
+        wait_for(lambda: run.run_id is not None, 30, 0.05)
+    found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert [(r.info.run_id, r.info.status, r.data.params) for r in found] == [(run.run_id, "FINISHED", {"lr": "0.1"})]
 
 
 def test_databricks_relative_experiment_is_a_config_error(monkeypatch):

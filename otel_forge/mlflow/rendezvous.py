@@ -1,0 +1,77 @@
+"""One job, one run: global rank 0 publishes the job's run under the job key; every other process
+finds it there, without a run id handed around.
+
+The key is published as an experiment tag (``otel_forge.job.<key>`` = run id), so finding the run
+reads the experiment, never the run: a node's cost at start does not grow with the run. The run
+also carries the key (``otel_forge.job.key``) for search.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from otel_forge.mlflow.keys import key_segment
+from otel_forge.scrub import scrub
+
+_logger = logging.getLogger(__name__)
+
+JOB_KEY_TAG = "otel_forge.job.key"
+_FIRST_POLL_S = 0.2
+_MAX_POLL_S = 2.0
+
+
+def job_tag(key: str) -> str:
+    """The experiment tag naming the job's run."""
+    return f"otel_forge.job.{key_segment(key)}"
+
+
+def find_experiment(client: Any, experiment: str) -> Any:
+    """The experiment by id (all digits) or name; None if it does not exist (yet)."""
+    if experiment.isdigit():
+        return client.get_experiment(experiment)
+    return client.get_experiment_by_name(experiment)
+
+
+def published_run_id(experiment: Any, key: str) -> str | None:
+    return experiment.tags.get(job_tag(key)) if experiment is not None else None
+
+
+def publish(client: Any, experiment_id: str, key: str, run_id: str) -> None:
+    client.set_experiment_tag(experiment_id, job_tag(key), run_id)
+
+
+@dataclass(frozen=True)
+class FoundRun:
+    run_id: str
+    experiment_id: str
+    polls: int
+
+
+def wait_for_run(client: Any, experiment: str, key: str, deadline_s: float,
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> FoundRun | None:
+    """Poll the experiment until rank 0 has published the job's run; None after ``deadline_s``.
+
+    The experiment may not exist yet (rank 0 creates it) and the server may not answer yet:
+    both are "not yet". Polls back off from 0.2 s to 2 s.
+    """
+    end = clock() + deadline_s
+    delay = _FIRST_POLL_S
+    polls = 0
+    while True:
+        polls += 1
+        try:
+            experiment_entity = find_experiment(client, experiment)
+        except Exception as error:  # noqa: BLE001 - the server not answering yet is "not yet"
+            _logger.debug("looking for job %s's run: %s", key, scrub(str(error).splitlines()[0] if str(error) else ""))
+            experiment_entity = None
+        if (run_id := published_run_id(experiment_entity, key)) is not None:
+            return FoundRun(run_id, experiment_entity.experiment_id, polls)
+        if clock() + delay > end:
+            return None
+        sleep(delay)
+        delay = min(delay * 2, _MAX_POLL_S)

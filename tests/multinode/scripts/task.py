@@ -1,0 +1,63 @@
+"""One task of a simulated job: trains for a while through TrainingRun, MLflow's own API, or neither.
+
+Its rank and node come from the harness's arguments (each launcher names them differently).
+``--fail-node N --exit-code C``: the tasks of node N exit C. ``--orphan-s S``: leave behind a child
+that resumes the run with ``mlflow.start_run()`` and exits S seconds later (MLflow's atexit ends
+the run FINISHED then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+ORPHAN = """
+import sys, time, mlflow
+mlflow.start_run()
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api", choices=("trainingrun", "mlflow", "none"), default="none")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--node-seconds", action="append", default=[], metavar="N:S",
+                        help="node N trains S seconds instead")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--first-step", type=int, default=0)
+    parser.add_argument("--fail-node", type=int)
+    parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--orphan-s", type=float)
+    parser.add_argument("launch_config", nargs="?")
+    args = parser.parse_args()
+    seconds = dict((int(n), float(s)) for n, s in (item.split(":") for item in args.node_seconds)).get(
+        args.node, args.seconds)
+    steps = range(args.first_step, args.first_step + args.steps)
+    if args.api == "trainingrun":
+        from otel_forge import TrainingRun
+
+        with TrainingRun(config={"lr": 0.1, "model": {"dim": 8}}) as run:
+            for step in steps:
+                run.log({"loss": 1.0 / (step + 1)}, step)
+                time.sleep(seconds / args.steps)
+    elif args.api == "mlflow" and args.rank == 0:
+        import mlflow
+
+        with mlflow.start_run():
+            for step in steps:
+                mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
+                time.sleep(seconds / args.steps)
+    else:
+        time.sleep(seconds)
+    if args.orphan_s is not None:
+        subprocess.Popen([sys.executable, "-c", ORPHAN, str(args.orphan_s)])
+    return args.exit_code if args.fail_node in (None, args.node) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
