@@ -85,6 +85,7 @@ class Job:
     nodes: int = 2
     tasks_per_node: int = 2
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+    name: str = "job"  # names its tasks' output files: one directory may hold several jobs
     processes: list[tuple[Task, subprocess.Popen[str]]] = field(default_factory=list)
 
     def tasks(self) -> list[Task]:
@@ -98,7 +99,7 @@ class Job:
     def start(self, argv: Callable[[Task], Sequence[str]], environ: Callable[[Task], dict[str, str]],
               cwd: Path) -> Job:
         """Start every task; ``argv``/``environ`` give a task's command and its own variables."""
-        gate = self.directory / f"start-{self.job_id}"
+        gate = self.directory / f"start-{uuid.uuid4().hex}"
         leaders: dict[int, int] = {}
         for task in self.tasks():
             command = list(argv(task))
@@ -106,8 +107,8 @@ class Job:
                 command = ["unshare", "--uts", "--fork", "sh", "-c", _HOSTNAME_GATE,
                            mpi_hostname(self.job_id, task.node), *command]
             env = hermetic_environ({**environ(task), **self.launcher_environ(task)})
-            out = open(self.directory / f"task{task.rank}.out", "w")  # noqa: SIM115 - closed by the child's exit
-            err = open(self.directory / f"task{task.rank}.err", "w")  # noqa: SIM115
+            out = open(self._output_path(task, "out"), "w")  # noqa: SIM115 - the child holds its own copy
+            err = open(self._output_path(task, "err"), "w")  # noqa: SIM115
             group = leaders.get(task.node, 0)  # 0: a new group, led by this task
             process = subprocess.Popen(["sh", "-c", _START_GATE, str(gate), *command], cwd=cwd, env=env, stdout=out,
                                        stderr=err, stdin=subprocess.DEVNULL, text=True, process_group=group)
@@ -130,9 +131,11 @@ class Job:
             finished.append(Finished(task, code, *self.output(task)))
         return finished
 
+    def _output_path(self, task: Task, stream: str) -> Path:
+        return self.directory / f"{self.name}-task{task.rank}.{stream}"
+
     def output(self, task: Task) -> tuple[str, str]:
-        return ((self.directory / f"task{task.rank}.out").read_text(),
-                (self.directory / f"task{task.rank}.err").read_text())
+        return self._output_path(task, "out").read_text(), self._output_path(task, "err").read_text()
 
     def kill(self) -> None:
         for node_leader in {process.pid for task, process in self.processes if task.local_rank == 0}:

@@ -8,14 +8,9 @@ and git state in it. The job is real processes against the session's real ``mlfl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
-from conftest import git, require, task_environ, unique
-from jobsim import FORGE, TASK, Finished, Job, Task, mpi_hostname
-
-from otel_forge.node import host_node_id
+from helpers import JobResult, contiguous, git, node_steps, run_job, the_run
+from jobsim import FORGE, TASK
 
 PATTERNS = {
     # srun otel-forge run -- python train.py: one wrapper per task; CMD uses MLflow's own API.
@@ -27,28 +22,6 @@ PATTERNS = {
 }
 
 
-@dataclass
-class JobResult:
-    job: Job
-    finished: list[Finished]
-    experiment: str
-    cwd: Path
-
-    def node_names(self) -> list[str]:
-        if self.job.launcher == "mpi":
-            return [host_node_id(mpi_hostname(self.job.job_id, n)) for n in range(self.job.nodes)]
-        return [f"node_{n}" for n in range(self.job.nodes)]
-
-
-def run_job(launcher: str, argv, tmp: Path, tracking_uri: str, cwd: Path, **job_options) -> JobResult:  # type: ignore[no-untyped-def]
-    if launcher == "mpi":
-        require("unshare")
-    experiment = unique(launcher)
-    job = Job(tmp, launcher, **job_options)
-    job.start(argv, lambda task: task_environ(tracking_uri, experiment, tmp), cwd)
-    return JobResult(job, job.wait(), experiment, cwd)
-
-
 @pytest.fixture(scope="module", params=[(launcher, pattern) for launcher in ("slurm", "torchrun", "mpi")
                                         for pattern in PATTERNS], ids=lambda p: f"{p[0]}-{p[1]}")
 def job_result(request, mlflow_server, job_repo, tmp_path_factory) -> JobResult:  # type: ignore[no-untyped-def]
@@ -57,26 +30,9 @@ def job_result(request, mlflow_server, job_repo, tmp_path_factory) -> JobResult:
     return run_job(launcher, PATTERNS[pattern], tmp, mlflow_server.uri, job_repo)
 
 
-def the_run(client, experiment: str):  # type: ignore[no-untyped-def]
-    found = client.get_experiment_by_name(experiment)
-    assert found is not None, f"no experiment {experiment}"
-    runs = client.search_runs([found.experiment_id])
-    assert len(runs) == 1, f"{len(runs)} runs: {[(r.info.run_id, r.data.tags.get('otel_forge.job.key')) for r in runs]}"
-    return runs[0]
-
-
-def node_steps(client, run_id: str, node: str) -> list[int]:  # type: ignore[no-untyped-def]
-    return sorted(m.step for m in client.get_metric_history(run_id, f"system/{node}/cpu_utilization_percentage"))
-
-
-def describe(result: JobResult) -> str:
-    return "\n".join(f"task {f.task.rank} (node {f.task.node}) exit {f.returncode}\n{f.stdout}\n{f.stderr}"
-                     for f in result.finished)
-
-
 def test_every_task_exits_0_without_a_traceback(job_result: JobResult) -> None:
-    assert [f.returncode for f in job_result.finished] == [0, 0, 0, 0], describe(job_result)
-    assert not any("Traceback" in f.stderr for f in job_result.finished), describe(job_result)
+    assert [f.returncode for f in job_result.finished] == [0, 0, 0, 0], job_result.describe()
+    assert not any("Traceback" in f.stderr for f in job_result.finished), job_result.describe()
 
 
 def test_one_run_holds_every_node_each_step_once(job_result: JobResult, client) -> None:
@@ -84,7 +40,7 @@ def test_one_run_holds_every_node_each_step_once(job_result: JobResult, client) 
     assert run.info.status == "FINISHED"
     for node in job_result.node_names():
         steps = node_steps(client, run.info.run_id, node)
-        assert len(steps) >= 3 and steps == list(range(len(steps))), (node, steps, describe(job_result))
+        assert len(steps) >= 3 and contiguous(steps), (node, steps, job_result.describe())
     nodes_in_run = {key.split("/")[1] for key in run.data.metrics if key.startswith("system/")}
     assert nodes_in_run == set(job_result.node_names()), sorted(run.data.metrics)
 

@@ -9,6 +9,7 @@ the run FINISHED then).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -23,8 +24,9 @@ time.sleep(float(sys.argv[1]))
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=("trainingrun", "mlflow", "none"), default="none")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--node", type=int, required=True)
+    # Under a real torchrun every worker gets the same arguments: its place comes from torchrun's variables.
+    parser.add_argument("--rank", type=int, default=os.environ.get("RANK"))
+    parser.add_argument("--node", type=int, default=os.environ.get("GROUP_RANK"))
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--node-seconds", action="append", default=[], metavar="N:S",
                         help="node N trains S seconds instead")
@@ -32,6 +34,7 @@ def main() -> int:
     parser.add_argument("--first-step", type=int, default=0)
     parser.add_argument("--fail-node", type=int)
     parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--raise-on-node", type=int, help="node N's tasks raise inside the TrainingRun")
     parser.add_argument("--orphan-s", type=float)
     parser.add_argument("launch_config", nargs="?")
     args = parser.parse_args()
@@ -45,6 +48,8 @@ def main() -> int:
             for step in steps:
                 run.log({"loss": 1.0 / (step + 1)}, step)
                 time.sleep(seconds / args.steps)
+            if args.raise_on_node == args.node:
+                raise RuntimeError(f"node {args.node} diverged")
     elif args.api == "mlflow" and args.rank == 0:
         import mlflow
 

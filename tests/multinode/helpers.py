@@ -1,0 +1,94 @@
+"""Running a simulated job against a tracking server, and reading its run back: the one run of an
+experiment, a node's system steps."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobsim import Finished, Job, Task, mpi_hostname
+
+from otel_forge.node import host_node_id
+
+LAUNCH_TOML = "[optim]\nlr = 0.1\n"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=otel-forge tests", "-c", "user.email=tests@example.invalid",
+                           "-c", "commit.gpgsign=false", *args], cwd=repo, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def unique(name: str) -> str:
+    return f"job-{name}-{uuid.uuid4().hex[:8]}"
+
+
+def task_environ(tracking_uri: str, experiment: str, tmp: Path) -> dict[str, str]:
+    """What every task of a job gets besides its launcher's variables: the server, a fast interval."""
+    return {"MLFLOW_TRACKING_URI": tracking_uri, "MLFLOW_EXPERIMENT_NAME": experiment,
+            "OTEL_FORGE_SAMPLING_INTERVAL": "0.3", "OTEL_FORGE_PROMETHEUS": "false",
+            "OTEL_FORGE_COLLECTORS": "cpu,memory,process", "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
+            "TMPDIR": str(tmp), "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+@dataclass
+class JobResult:
+    job: Job
+    finished: list[Finished]
+    experiment: str
+    cwd: Path
+
+    def node_names(self) -> list[str]:
+        if self.job.launcher == "mpi":
+            return [host_node_id(mpi_hostname(self.job.job_id, n)) for n in range(self.job.nodes)]
+        return [f"node_{n}" for n in range(self.job.nodes)]
+
+    def codes(self) -> list[int]:
+        return [f.returncode for f in self.finished]
+
+    def describe(self) -> str:
+        return describe(self.finished)
+
+
+def run_job(launcher: str, argv: Callable[[Task], Sequence[str]], tmp: Path, tracking_uri: str, cwd: Path,
+            experiment: str | None = None, **job_options: Any) -> JobResult:
+    """Start a job's tasks together and wait for all of them."""
+    if launcher == "mpi":
+        assert shutil.which("unshare"), "unshare (util-linux) gives each simulated MPI node its host name"
+    experiment = experiment or unique(launcher)
+    job = Job(tmp, launcher, **job_options)
+    job.start(argv, lambda task: task_environ(tracking_uri, experiment, tmp), cwd)
+    return JobResult(job, job.wait(), experiment, cwd)
+
+SYSTEM_KEY = "system/{node}/cpu_utilization_percentage"
+
+
+def the_run(client: Any, experiment: str) -> Any:
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no experiment {experiment}"
+    runs = client.search_runs([found.experiment_id])
+    assert len(runs) == 1, f"{len(runs)} runs: {[(r.info.run_id, r.data.tags.get('otel_forge.job.key')) for r in runs]}"
+    return runs[0]
+
+
+def node_history(client: Any, run_id: str, node: str) -> list[Any]:
+    return sorted(client.get_metric_history(run_id, SYSTEM_KEY.format(node=node)), key=lambda m: m.step)
+
+
+def node_steps(client: Any, run_id: str, node: str) -> list[int]:
+    return [m.step for m in node_history(client, run_id, node)]
+
+
+def contiguous(steps: list[int]) -> bool:
+    """Steps 0..n-1, each once."""
+    return steps == list(range(len(steps)))
+
+
+def describe(finished: list[Finished]) -> str:
+    return "\n".join(f"task {f.task.rank} (node {f.task.node}) exit {f.returncode}\n{f.stdout}\n{f.stderr}"
+                     for f in finished)
