@@ -21,6 +21,21 @@ def test_doctor_json_reports_collectors_config_sources_and_endpoints(capsys, mon
     assert report["endpoints"]["prometheus"].startswith("free")
 
 
+def test_doctor_shows_the_node_id_and_job_key_with_where_they_came_from(capsys, monkeypatch):
+    for name, value in {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
+                        "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID", "OTEL_FORGE_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["doctor", "--collectors", "cpu", "--no-prometheus"]) == 0
+    out = capsys.readouterr().out
+    assert "node: id=node_1 (launcher SLURM_NODEID)" in out
+    assert "job: key=slurm-77.0 (launcher SLURM_JOB_ID, SLURM_STEP_ID)" in out
+    assert main(["doctor", "--json", "--collectors", "cpu", "--no-prometheus", "--job-id", "nightly"]) == 0
+    node = json.loads(capsys.readouterr().out)["node"]
+    assert (node["job_key"], node["job_key_source"]) == ("nightly", "--job-id")
+
+
 def test_doctor_text_names_each_collector(capsys):
     assert main(["doctor", "--collectors", "cpu", "--otlp-endpoint", "http://127.0.0.1:9"]) == 0
     out = capsys.readouterr().out

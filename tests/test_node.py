@@ -57,3 +57,43 @@ def test_default_service_name():
     resource = build_resource(ForgeConfig.resolve(environ={}), NodeIdentity.detect(environ={}))
     assert resource.attributes["service.name"] == "otel-forge"
     assert NODE_ID_ATTRIBUTE not in resource.attributes
+
+
+def test_job_key_and_its_source_per_launcher():
+    cases = {
+        "slurm": ({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3"}, "slurm-4242.3", "launcher SLURM_JOB_ID, SLURM_STEP_ID"),
+        "slurm batch": ({"SLURM_JOB_ID": "4242"}, "slurm-4242", "launcher SLURM_JOB_ID"),
+        "torchrun": ({"TORCHELASTIC_RUN_ID": "exp7"}, "torchrun-exp7", "launcher TORCHELASTIC_RUN_ID"),
+        "open mpi 5": ({"PMIX_NAMESPACE": "prterun-a-1@1"}, "mpi-prterun-a-1@1", "launcher PMIX_NAMESPACE"),
+        "open mpi 4": ({"OMPI_MCA_ess_base_jobid": "39"}, "mpi-39", "launcher OMPI_MCA_ess_base_jobid"),
+    }
+    for name, (environ, key, source) in cases.items():
+        node = NodeIdentity.detect(environ=environ)
+        assert (node.job_key, node.job_key_source) == (key, source), name
+
+
+def test_torchrun_default_rendezvous_id_names_no_job():
+    # torchrun's default --rdzv-id is "none", shared by every job that did not set one.
+    assert NodeIdentity.detect(environ={"TORCHELASTIC_RUN_ID": "none"}).job_key is None
+
+
+def test_explicit_job_id_and_node_id_win_with_their_source():
+    config = ForgeConfig.resolve(environ={"OTEL_FORGE_JOB_ID": "nightly-7", "OTEL_FORGE_NODE_ID": "rack3"})
+    node = NodeIdentity.from_config(config, environ={"SLURM_JOB_ID": "1", "SLURM_NODEID": "1",
+                                                     "SLURM_JOB_NUM_NODES": "2"})
+    assert (node.job_key, node.job_key_source) == ("nightly-7", "env OTEL_FORGE_JOB_ID")
+    assert (node.node_id, node.node_id_source) == ("rack3", "env OTEL_FORGE_NODE_ID")
+
+
+def test_mpi_across_hosts_names_the_node_by_its_host(monkeypatch):
+    monkeypatch.setattr("socket.gethostname", lambda: "gpu-07.cluster.example")
+    env = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "8",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    node = NodeIdentity.detect(environ=env)
+    assert (node.node_id, node.node_id_source) == ("gpu-07", "host name (MPI: no node index)")
+    assert node.sampling_key == "gpu-07.cluster.example/gpu-07"
+
+
+def test_node_id_source_names_the_launcher_variable():
+    node = NodeIdentity.detect(environ={"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"})
+    assert (node.node_id, node.node_id_source) == ("node_1", "launcher GROUP_RANK")
