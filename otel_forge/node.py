@@ -117,6 +117,8 @@ class NodeIdentity:
         node_rank = _first_int(environ, _NODE_RANK_VARS)
         node_count = _first_int(environ, _NODE_COUNT_VARS)
         world_size = _first_int(environ, _WORLD_SIZE_VARS)
+        node_id: str | None
+        key: str | None
         if explicit_node_id is not None:
             node_id, node_id_source = explicit_node_id, sources.get("node_id", "argument")
         else:

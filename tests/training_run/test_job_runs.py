@@ -52,9 +52,9 @@ def test_another_rank_finds_the_jobs_run_by_key_without_reading_the_run(mlflow_s
     with MlflowProxy(mlflow_server.uri) as proxy:
         finder = TrainingRun(tracking_uri=proxy.uri, experiment=experiment, system_metrics=False,
                              node=_node({**SLURM_NODE_1, "SLURM_JOB_ID": key}), launch_argv=["train.py"])
-        with finder:  # it looks for the run before rank 0 has made it (or the experiment)
-            with owner:
-                wait_for(lambda: finder.run_id is not None, 30, 0.05, "the finder to find the run")
+        # The finder looks for the run before rank 0 has made it (or the experiment).
+        with finder, owner:
+            wait_for(lambda: finder.run_id is not None, 30, 0.05, "the finder to find the run")
         paths = set(proxy.counts())
     assert finder.run_id == owner.run_id
     run = client.get_run(owner.run_id)

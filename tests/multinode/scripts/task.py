@@ -38,8 +38,8 @@ def main() -> int:
     parser.add_argument("--orphan-s", type=float)
     parser.add_argument("launch_config", nargs="?")
     args = parser.parse_args()
-    seconds = dict((int(n), float(s)) for n, s in (item.split(":") for item in args.node_seconds)).get(
-        args.node, args.seconds)
+    per_node = {int(node): float(s) for node, s in (item.split(":") for item in args.node_seconds)}
+    seconds = per_node.get(args.node, args.seconds)
     steps = range(args.first_step, args.first_step + args.steps)
     if args.api == "trainingrun":
         from otel_forge import TrainingRun
