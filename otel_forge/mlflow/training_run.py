@@ -75,8 +75,8 @@ class OpenRun:
     """The live run, as the owner thread opened it."""
 
     run_id: str
-    run_name: str
-    experiment_id: str
+    run_name: str | None  # None where the run is not read (ranks other than 0)
+    experiment_id: str | None  # None where nothing says it (a rank other than 0 given only the run id)
     experiment: str
     resumed: bool
     last_step: int | None
@@ -208,8 +208,8 @@ class TrainingRun:
         if not self._owns_run:
             if self.requested_run_id:
                 # Another rank never reads the run: its size must not cost every node.
-                return OpenRun(self.requested_run_id, None, os.environ.get("MLFLOW_EXPERIMENT_ID"),  # type: ignore[arg-type]
-                               self.experiment, True, None, client)
+                return OpenRun(self.requested_run_id, None, os.environ.get("MLFLOW_EXPERIMENT_ID"), self.experiment,
+                               True, None, client)
             return self._find_job_run(client)
         run = self._resume(client, self.requested_run_id) if self.requested_run_id else None
         if run is not None:
@@ -217,13 +217,13 @@ class TrainingRun:
         # No run id (or its run is gone): the job key's run, else a new one carrying the key.
         key = self.node.job_key
         experiment = find_experiment(client, self.experiment)
-        experiment_id = experiment.experiment_id if experiment is not None else self._experiment_id(client)
+        experiment_id = experiment.experiment_id if experiment is not None else self._create_experiment(client)
         if key is not None and (published := published_run_id(experiment, key)) is not None:
             run = self._resume(client, published)  # a requeued job continues its run
         if run is None:
             run = self._create(client, experiment_id)
         if key is not None:
-            publish(client, run.experiment_id, key, run.run_id)
+            publish(client, experiment_id, key, run.run_id)
         return run
 
     def _find_job_run(self, client: Any) -> OpenRun | None:
@@ -243,14 +243,9 @@ class TrainingRun:
                             self._deadlines[0])
             return None
         _logger.info("job %s: found run %s after %d look(s)", key, found.run_id, found.polls)
-        return OpenRun(found.run_id, None, found.experiment_id, self.experiment, True, None, client)  # type: ignore[arg-type]
+        return OpenRun(found.run_id, None, found.experiment_id, self.experiment, True, None, client)
 
-    def _experiment_id(self, client: Any) -> str:
-        if self.experiment.isdigit():
-            return self.experiment
-        found = client.get_experiment_by_name(self.experiment)
-        if found is not None:
-            return found.experiment_id
+    def _create_experiment(self, client: Any) -> str:
         try:
             return client.create_experiment(self.experiment)
         except Exception as error:
