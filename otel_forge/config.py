@@ -9,7 +9,10 @@ so an error (and ``otel-forge doctor``) can say so.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import math
 import os
+import re
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,18 +30,39 @@ class ConfigError(ValueError):
 # --- parsers: each takes the raw text and returns the typed value or raises ValueError ---------
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"must be a number > 0, got {text!r}")
-    return value
+def _float_within(low: float, high: float, unit: str = "") -> Callable[[str], float]:
+    """A finite number in [low, high]: outside it is a typo or a value that cannot work."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:
+            raise ValueError(f"must be a number from {low:g} to {high:g}{unit}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be an integer >= 1, got {text!r}")
-    return value
+def _int_within(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"must be an integer from {low} to {high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise ValueError(f"must be an integer from {low} to {high}, got {text!r}")
+        return value
+
+    return parse
+
+
+# Below 10 ms a sample costs more CPU than it is worth; past a day a timer is surely a typo (and
+# past ~292 years Python's own timers overflow).
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 86_400.0
+_interval = _float_within(MIN_INTERVAL_S, MAX_INTERVAL_S, " s")
+_deadline = _float_within(0.1, 3_600.0, " s")
 
 
 def _port(text: str) -> int:
@@ -59,6 +83,34 @@ def _bool(text: str) -> bool:
 
 def _optional_text(text: str) -> str | None:
     return text.strip() or None
+
+
+_NODE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+
+
+def _node_id(text: str) -> str | None:
+    """A node id is one segment of an MLflow key and a label value: letters, digits, ``_.-``."""
+    value = text.strip()
+    if value and not _NODE_ID.fullmatch(value):
+        raise ValueError(f"must be 1-128 letters, digits, '_', '.' or '-' (not starting with '.' or '-'), "
+                         f"got {text!r}")
+    return value or None
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _host(text: str) -> str:
+    """An address to bind: an IP address or a host name. Empty would mean every interface: say so."""
+    value = text.strip()
+    try:
+        ipaddress.ip_address(value.strip("[]"))
+        return value.strip("[]")
+    except ValueError:
+        pass
+    if not value or len(value) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in value.split(".")):
+        raise ValueError(f"must be a host name or an IP address (0.0.0.0 for every interface), got {text!r}")
+    return value
 
 
 def _pid(text: str) -> int | None:
@@ -86,16 +138,26 @@ def _subset_of(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
         unknown = [n for n in names if n not in choices]
         if unknown:
             raise ValueError(f"unknown {', '.join(unknown)}; known: {', '.join(choices)}")
+        if not names:
+            raise ValueError(f"must name at least one of {', '.join(choices)}, got {text!r}")
         return names
 
     return parse
 
 
+_GPU_ENTRY = re.compile(r"\d+|(?:GPU-|MIG-)?[0-9A-Fa-f][0-9A-Fa-f\-]{3,}", re.IGNORECASE)
+
+
 def _gpus(text: str) -> str:
     value = text.strip()
-    if not value:
-        raise ValueError("must be 'all', 'visible' or a list of GPU indices/UUIDs")
-    return value.lower() if value.lower() in ("all", "visible") else value
+    if value.lower() in ("all", "visible"):
+        return value.lower()
+    entries = [entry.strip() for entry in value.split(",")]
+    bad = [entry for entry in entries if not _GPU_ENTRY.fullmatch(entry)]
+    if not value or bad:
+        raise ValueError(f"must be 'all', 'visible' or a list of GPU indices (0, 1, ...) and UUIDs "
+                         f"(GPU-..., MIG-...){'; not ' + ', '.join(map(repr, bad)) if value else ''}")
+    return value
 
 
 def _url(text: str) -> str | None:
@@ -126,6 +188,9 @@ def _stats(text: str) -> tuple[str, ...]:
     return stats if "mean" in stats else ("mean", *stats)
 
 
+_MAX_SPOOL_BYTES = 1 << 40
+
+
 def _byte_size(text: str) -> int:
     value = text.strip().upper()
     factor = 1
@@ -133,10 +198,10 @@ def _byte_size(text: str) -> int:
         if value.endswith(suffix):
             value, factor = value[: -len(suffix)], multiplier
             break
-    size = int(float(value) * factor)
-    if size < 0:
-        raise ValueError(f"must be a size >= 0 (bytes, or with KiB/MiB/GiB), got {text!r}")
-    return size
+    number = float(value) * factor
+    if not 0 <= number <= _MAX_SPOOL_BYTES:
+        raise ValueError(f"must be a size from 0 to 1 TiB (bytes, or with KiB/MiB/GiB), got {text!r}")
+    return int(number)
 
 
 def _resource_attributes(text: str) -> dict[str, str]:
@@ -166,12 +231,12 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("sampling_interval_s", ("OTEL_FORGE_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"),
-            _positive_float, 10.0, "Seconds between two samples of the hardware (periodic readers' interval)."),
+            _interval, 10.0, "Seconds between two samples of the hardware (periodic readers' interval), 0.01 to 86400."),
     Setting("samples_per_window", ("OTEL_FORGE_SAMPLES_PER_WINDOW", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING"),
-            _positive_int, 1, "Samples folded into one MLflow step."),
-    Setting("max_age_s", ("OTEL_FORGE_MAX_AGE",), _positive_float, None,
+            _int_within(1, 10_000), 1, "Samples folded into one MLflow step."),
+    Setting("max_age_s", ("OTEL_FORGE_MAX_AGE",), _float_within(0.001, MAX_INTERVAL_S, " s"), None,
             "A snapshot younger than this is served from cache (default: 0.9 x sampling interval)."),
-    Setting("node_id", ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID"), _optional_text, None,
+    Setting("node_id", ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID"), _node_id, None,
             "Node id in metric keys and the resource (default: derived from SLURM/torchrun when the job spans nodes, "
             "the host name under MPI)."),
     Setting("job_id", ("OTEL_FORGE_JOB_ID",), _optional_text, None,
@@ -187,8 +252,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("per_cpu", ("OTEL_FORGE_PER_CPU",), _bool, False, "Also report utilization per logical CPU."),
     Setting("pid", ("OTEL_FORGE_PID",), _pid, None, "Root of the monitored process tree (default: this process)."),
     Setting("prometheus", ("OTEL_FORGE_PROMETHEUS",), _bool, True, "Serve a Prometheus `/metrics` endpoint."),
-    Setting("prometheus_host", ("OTEL_EXPORTER_PROMETHEUS_HOST",), _optional_text, "localhost",
-            "Address the Prometheus endpoint binds."),
+    Setting("prometheus_host", ("OTEL_EXPORTER_PROMETHEUS_HOST",), _host, "localhost",
+            "Address the Prometheus endpoint binds (`0.0.0.0`: every interface)."),
     Setting("prometheus_port", ("OTEL_EXPORTER_PROMETHEUS_PORT",), _port, 9464,
             "Port of the Prometheus endpoint (0 picks a free one)."),
     Setting("otlp_endpoint", ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"), _url, None,
@@ -205,11 +270,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Where undeliverable windows wait (default: `$XDG_CACHE_HOME/otel-forge/spool`)."),
     Setting("spool_max_bytes", ("OTEL_FORGE_SPOOL_MAX_BYTES",), _byte_size, 64 << 20,
             "Cap of the on-disk spool per exporter; past it windows are dropped and counted."),
-    Setting("queue_size", ("OTEL_FORGE_QUEUE_SIZE",), _positive_int, 64,
+    Setting("queue_size", ("OTEL_FORGE_QUEUE_SIZE",), _int_within(1, 100_000), 64,
             "Windows held in memory before spilling to the spool."),
-    Setting("call_deadline_s", ("OTEL_FORGE_CALL_DEADLINE",), _positive_float, 30.0,
+    Setting("call_deadline_s", ("OTEL_FORGE_CALL_DEADLINE",), _deadline, 30.0,
             "Deadline of one tracking-server call; a hung call costs a thread, never the caller."),
-    Setting("drain_deadline_s", ("OTEL_FORGE_DRAIN_DEADLINE",), _positive_float, 10.0,
+    Setting("drain_deadline_s", ("OTEL_FORGE_DRAIN_DEADLINE",), _deadline, 10.0,
             "How long closing waits for pending windows before leaving them in the spool."),
 )
 

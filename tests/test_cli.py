@@ -49,6 +49,17 @@ def test_doctor_text_names_each_collector(capsys):
     ["monitor", "--duration", "soon"],
     ["doctor", "--gpus", ""],
     ["monitor", "--otlp-protocol", "smtp"],
+    ["monitor", "--duration", "inf"],
+    ["monitor", "--duration", "nan"],
+    ["monitor", "--prometheus-host", "x..y"],
+    ["monitor", "--prometheus-host", ""],
+    ["monitor", "--interval", "1e-9"],
+    ["monitor", "--interval", "1e10", "--otlp-endpoint", "http://127.0.0.1:9"],
+    ["monitor", "--collectors", ""],
+    ["monitor", "--gpus", "x,-1"],
+    ["monitor", "--node-id", "../../x y"],
+    ["run", "--interval", "0.001", "--", "true"],
+    ["run", "--collectors", "", "--", "true"],
 ])
 def test_bad_values_are_one_line_and_exit_2(argv, capsys):
     assert main(argv) == 2

@@ -30,10 +30,24 @@ def test_our_env_var_beats_mlflow_one():
 
 
 @pytest.mark.parametrize("name, raw, words", [
-    ("sampling_interval_s", "0", "> 0"),
-    ("sampling_interval_s", "-1", "> 0"),
-    ("sampling_interval_s", "nan", "> 0"),
-    ("samples_per_window", "0", ">= 1"),
+    ("sampling_interval_s", "0", "from 0.01 to 86400 s"),
+    ("sampling_interval_s", "-1", "from 0.01 to 86400 s"),
+    ("sampling_interval_s", "nan", "from 0.01 to 86400 s"),
+    ("sampling_interval_s", "1e-9", "from 0.01 to 86400 s"),
+    ("sampling_interval_s", "0.001", "from 0.01 to 86400 s"),
+    ("sampling_interval_s", "1e10", "from 0.01 to 86400 s"),
+    ("sampling_interval_s", "inf", "from 0.01 to 86400 s"),
+    ("samples_per_window", "0", "from 1 to 10000"),
+    ("collectors", " , ", "at least one of"),
+    ("gpus", "x,-1", "not 'x', '-1'"),
+    ("gpus", "abc", "not 'abc'"),
+    ("node_id", "../../x y", "letters, digits"),
+    ("node_id", ".hidden", "letters, digits"),
+    ("queue_size", "99999999999", "from 1 to 100000"),
+    ("spool_max_bytes", "inf", "from 0 to 1 TiB"),
+    ("spool_max_bytes", "-1", "from 0 to 1 TiB"),
+    ("prometheus_host", "x..y", "host name or an IP address"),
+    ("call_deadline_s", "0", "from 0.1 to 3600 s"),
     ("prometheus_port", "70000", "0-65535"),
     ("collectors", "cpu,tpu", "unknown tpu"),
     ("otlp_protocol", "udp", "grpc"),
@@ -49,6 +63,18 @@ def test_invalid_values_name_the_setting_and_the_source(name, raw, words):
     assert words in str(from_env.value)
     with pytest.raises(ConfigError, match=rf"invalid {name} \(from --flag\)"):
         ForgeConfig.resolve(environ={}, argument_names={name: "--flag"}, **{name: raw})
+
+
+@pytest.mark.parametrize("name, words", [("collectors", "at least one of"), ("mlflow_stats", "at least one of"),
+                                         ("prometheus_host", "host name or an IP address"),
+                                         ("gpus", "'all', 'visible'")])
+def test_an_empty_argument_is_refused_though_an_empty_variable_means_unset(name, words):
+    # The OTel spec: an empty environment variable is unset. An empty flag is a mistake.
+    setting = next(s for s in SETTINGS if s.name == name)
+    assert getattr(ForgeConfig.resolve(environ={setting.env[0]: ""}), name) == setting.default
+    with pytest.raises(ConfigError, match=rf"invalid {name} \(from --flag\)") as error:
+        ForgeConfig.resolve(environ={}, argument_names={name: "--flag"}, **{name: ""})
+    assert words in str(error.value)
 
 
 def test_otlp_http_endpoint_gains_the_signal_path_only_when_generic():

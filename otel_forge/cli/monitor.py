@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import threading
@@ -30,8 +31,8 @@ def _duration_s(text: str | None) -> float | None:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ConfigError(f"invalid duration (from --duration): must be a number > 0, got {text!r}")
+    if not 0 < value < math.inf:
+        raise ConfigError(f"invalid duration (from --duration): must be a number of seconds > 0, got {text!r}")
     return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,12 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as error:
         raise ConfigError(f"invalid path (from PATH): {error}") from None
     except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
-        print(f"otel-forge: replay stopped, the spool is kept: {scrub(str(error)).splitlines()[0]}")
+        print(f"otel-forge: replay stopped, the spool is kept: {scrub(str(error)).splitlines()[0]}", file=sys.stderr)
         return 1
     print(f"otel-forge: delivered {result.delivered} window(s) to run {result.run_id}")
+    if result.set_aside:
+        # Each file was named on stderr as it was set aside.
+        print(f"otel-forge: {result.set_aside} file(s) in {path} were not windows and are left there as *.corrupt",
+              file=sys.stderr)
+        return 1
     return 0

@@ -17,12 +17,14 @@ class ReplayResult:
     delivered: int
     remaining: int
     run_id: str
+    set_aside: int = 0  # files that were not windows, kept beside the spool as *.corrupt
 
 
 def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     """Send the spool's windows in order to its run; delivered windows leave the spool.
 
-    Stops at the first failure (the rest stays for another try) and removes the spool once empty.
+    Stops at the first delivery failure (the rest stays for another try); a file that is not a
+    window is set aside and skipped. Removes the spool once nothing is left in it.
     ``tracking_uri`` overrides the one recorded (which has no credentials).
     """
     spool = WindowSpool.open(path)
@@ -40,8 +42,9 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
         log_window(window)
         spool.pop()
         delivered += 1
-    spool.remove_if_empty()
-    return ReplayResult(delivered, len(spool), run_id)
+    if not spool.set_aside:
+        spool.remove_if_empty()
+    return ReplayResult(delivered, len(spool), run_id, spool.set_aside)
 
 
 __all__ = ["ReplayResult", "RunGone", "replay_spool"]

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ _logger = logging.getLogger(__name__)
 HEADER = "spool.json"
 STATS = "stats.json"
 _SUFFIX = ".window.json"
+CORRUPT_SUFFIX = ".corrupt"
 # Sequence numbers start high so windows older than all held ones can be put in front.
 _FIRST_SEQUENCE = 10**11
 
@@ -38,8 +40,11 @@ def _sequence(path: Path) -> int:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    """Write whole or not at all, readable by its owner only (windows may name hosts and runs)."""
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
     os.replace(temporary, path)
 
 
@@ -51,6 +56,8 @@ class WindowSpool:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._header = dict(header or {})
+        self._refused: set[str] = set()
+        self.set_aside = 0  # files found not to be windows
         files = sorted(path.glob(f"*{_SUFFIX}")) if path.is_dir() else []
         # Sequence numbers only (a window's file name follows from it): small, whatever the spool holds.
         self._sequences: collections.deque[int] = collections.deque(_sequence(f) for f in files)
@@ -74,7 +81,7 @@ class WindowSpool:
         with self._lock:
             self._header.update(fields)
             if self.path.is_dir():
-                _write_atomically(self.path / HEADER, json.dumps(self._header))
+                self._guarded(lambda: _write_atomically(self.path / HEADER, json.dumps(self._header)))
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -109,23 +116,58 @@ class WindowSpool:
     def _write(self, window: Window, sequence: int) -> bool:
         text = json.dumps(window.to_json())
         if self._bytes + len(text) > self.max_bytes:
+            self._refuse("full", "the spool %s is full (%d bytes, OTEL_FORGE_SPOOL_MAX_BYTES): windows that "
+                         "cannot wait in memory are dropped and counted", self.path, self.max_bytes)
             return False
-        if not self.path.is_dir():
-            self.path.mkdir(parents=True, exist_ok=True)
-            _write_atomically(self.path / HEADER, json.dumps(self._header))
-        try:
-            _write_atomically(self._file(sequence), text)
-        except OSError as error:
-            _logger.warning("cannot write the spool %s: %s", self.path, error)
+        if not self._guarded(lambda: self._write_window(sequence, text)):
             return False
         self._bytes += len(text)
         return True
 
+    def _write_window(self, sequence: int, text: str) -> None:
+        if not self.path.is_dir():
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _write_atomically(self.path / HEADER, json.dumps(self._header))
+        _write_atomically(self._file(sequence), text)
+
+    def _guarded(self, write: Callable[[], None]) -> bool:
+        try:
+            write()
+            return True
+        except OSError as error:
+            self._refuse("unwritable", "cannot write the spool %s (%s): set OTEL_FORGE_SPOOL_DIR to a writable "
+                         "directory; windows wait in memory only, and past that are dropped and counted",
+                         self.path, error.strerror or error)
+            return False
+
+    def _refuse(self, reason: str, message: str, *args: object) -> None:
+        """Warn once per reason; the worker counts every window the spool refuses."""
+        if reason not in self._refused:
+            self._refused.add(reason)
+            _logger.warning(message, *args)
+
     def peek(self) -> Window | None:
+        """The oldest window. A file that is not one (corrupt, foreign) is set aside as
+        ``<name>.corrupt`` with a warning naming it, and the next one is read: it never blocks."""
         with self._lock:
-            if not self._sequences:
-                return None
-            return Window.from_json(json.loads(self._file(self._sequences[0]).read_text()))
+            while self._sequences:
+                path = self._file(self._sequences[0])
+                try:
+                    return Window.from_json(json.loads(path.read_text()))
+                except (OSError, ValueError, KeyError, TypeError) as error:
+                    self._set_aside(path, error)
+            return None
+
+    def _set_aside(self, path: Path, error: Exception) -> None:
+        self._sequences.popleft()
+        self.set_aside += 1
+        try:
+            self._bytes -= path.stat().st_size
+            path.rename(path.with_name(path.name + CORRUPT_SUFFIX))
+        except OSError:
+            pass
+        _logger.warning("spool file %s is not a window (%s: %s): set aside as %s%s", path, type(error).__name__,
+                        error, path.name, CORRUPT_SUFFIX)
 
     def pop(self) -> None:
         with self._lock:
@@ -137,7 +179,7 @@ class WindowSpool:
     def write_stats(self, stats: dict[str, int]) -> None:
         """Delivery counts beside the windows, for ``otel-forge doctor``."""
         if self.path.is_dir():
-            _write_atomically(self.path / STATS, json.dumps(stats))
+            self._guarded(lambda: _write_atomically(self.path / STATS, json.dumps(stats)))
 
     def discard(self) -> int:
         """Delete the spool and every window in it; how many windows there were."""
