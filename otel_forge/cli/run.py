@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from typing import Any
 
 import psutil
@@ -38,6 +39,8 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--run-name", help="name of a new run")
     parser.add_argument("--description", help="run description (mlflow.note.content)")
     parser.add_argument("--tag", action="append", default=[], metavar="K=V", help="a run tag (repeatable)")
+    parser.add_argument("--create-if-missing", action="store_true",
+                        help="with --run-id / MLFLOW_RUN_ID: start a new run if that run does not exist")
     add_agent_options(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     parser.set_defaults(run=run)
@@ -62,7 +65,7 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from otel_forge.mlflow.run_metadata import launch_config_path, load_launch_config
-    from otel_forge.mlflow.training_run import TrainingRun
+    from otel_forge.mlflow.training_run import MissingRun, TrainingRun
 
     command = _command(args)
     config = config_from_args(args)
@@ -77,8 +80,14 @@ def run(args: argparse.Namespace) -> int:
         config=load_launch_config(launch_file) if launch_file else None, tracking_uri=config.tracking_uri,
         experiment=args.experiment, run_name=args.run_name, run_id=config.run_id, description=args.description,
         tags={**_tags(args.tag), "otel_forge.command": scrub(" ".join(command))}, system_metrics=False,
-        launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False)
+        launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False,
+        create_if_missing=args.create_if_missing)
     live = training_run.start()
+    if isinstance(training_run.open_error, MissingRun):
+        training_run.close("FAILED")
+        source = config.sources.get("run_id", "argument")
+        raise ConfigError(f"invalid run_id (from {source}): {training_run.open_error}; "
+                          f"--create-if-missing starts a new run instead")
     env = dict(args.child_environ)
     if live:
         env.update(_run_environ(training_run, node))
@@ -173,6 +182,10 @@ def _start_system_metrics(config: Any, training_run: Any, pid: int, node: NodeId
     monitor.start()
     for endpoint in monitor.endpoints:
         print(f"otel-forge: serving {endpoint}", flush=True)
+    if config.sources.get("collectors", "default") != "default":
+        for name, reason in monitor.absent_collectors.items():
+            if name in config.collectors:
+                print(f"otel-forge: collector {name} absent: {reason}", file=sys.stderr, flush=True)
     return monitor
 
 

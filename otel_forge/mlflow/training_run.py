@@ -23,7 +23,15 @@ from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.checkpoints import find_or_create_external_model
-from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, classify, import_mlflow, live_run, make_client, run_gone
+from otel_forge.mlflow.client import (
+    MAX_METRICS_PER_BATCH,
+    RunGone,
+    classify,
+    import_mlflow,
+    live_run,
+    make_client,
+    run_gone,
+)
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.metric_buffer import MetricBuffer
 from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, find_experiment, publish, published_run_id, wait_for_run
@@ -100,7 +108,8 @@ class TrainingRun:
                  tags: Mapping[str, str] | None = None, system_metrics: bool = True,
                  register_checkpoints: bool = False, launch_argv: Sequence[str] | None = None,
                  forge_config: ForgeConfig | None = None, node: NodeIdentity | None = None,
-                 init_deadline_s: float = 60.0, end_deadline_s: float = 60.0, handle_sigterm: bool = True) -> None:
+                 init_deadline_s: float = 60.0, end_deadline_s: float = 60.0, handle_sigterm: bool = True,
+                 create_if_missing: bool = False) -> None:
         self.forge_config = forge_config or ForgeConfig.resolve()
         self.config = config
         self.tracking_uri = tracking_uri or self.forge_config.tracking_uri or embedded_tracking_uri()
@@ -132,6 +141,8 @@ class TrainingRun:
         self._warnings = RateLimitedLogger(_logger)
         self._handle_sigterm = handle_sigterm
         self._previous_sigterm: Any = None
+        self._create_if_missing = create_if_missing
+        self.open_error: BaseException | None = None  # why the run did not open, once it did not
 
     # --- configuration (no I/O) -------------------------------------------------------------
 
@@ -191,6 +202,7 @@ class TrainingRun:
         try:
             run = self._find_or_create(make_client(self.tracking_uri))
         except Exception as error:  # noqa: BLE001 - reported once; training goes on without MLflow
+            self.open_error = error
             hint = f". {_DATABRICKS_AUTH_HINT}" if _is_databricks(self.tracking_uri) and _auth_error(error) else ""
             _logger.warning("MLflow logging disabled: %s%s", scrub(_first_line(error)), hint)
             raise
@@ -261,6 +273,10 @@ class TrainingRun:
             if not run_gone(error):
                 # Transient (server down, 5xx, timeout): a new run would fork the history.
                 raise
+            if not isinstance(error, RunGone) and not self._create_if_missing:
+                # Never existed: a mistyped id, not a run to replace.
+                raise MissingRun(f"run {run_id} does not exist at {uri_without_credentials(self.tracking_uri)}; "
+                                 f"pass an existing run id, or ask to create one if missing") from None
             _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, scrub(_first_line(error)))
             return None
         if not self._launched:
@@ -492,6 +508,10 @@ class TrainingRun:
             # Die as SIGTERM would have killed us, now that the run is ended.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class MissingRun(LookupError):
+    """The run id names no run at all (deleted runs are replaced; a mistyped id is not)."""
 
 
 class _RunUnavailable(Exception):

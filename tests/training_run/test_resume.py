@@ -80,6 +80,18 @@ def test_resume_skips_steps_already_logged(mlflow_server, client, experiment):
     assert lr == [(s, 0.1) for s in range(10)] + [(s, 0.2) for s in range(10, 15)]
 
 
+def test_a_run_id_that_never_existed_is_an_error_not_a_new_run(mlflow_server, client, experiment, caplog):
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    experiment_id = client.create_experiment(experiment)
+    mistyped = "0123456789abcdef0123456789abcdef"
+    with _training_run(mlflow_server, experiment, run_id=mistyped, config={"lr": 0.1}) as run:
+        assert not run.start()
+        run.log({"loss": 2.0}, step=0)
+    assert run.run_id is None and client.search_runs([experiment_id]) == []
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and mistyped in r.getMessage()]
+    assert len(warned) == 1 and "does not exist" in warned[0], caplog.text
+
+
 @pytest.mark.parametrize("how", ["deleted", "never-existed"])
 def test_a_gone_run_falls_back_to_a_new_run(how, mlflow_server, client, experiment, caplog):
     caplog.set_level(logging.WARNING, logger="otel_forge")
@@ -90,7 +102,9 @@ def test_a_gone_run_falls_back_to_a_new_run(how, mlflow_server, client, experime
         client.delete_run(gone)
     else:
         gone = "0123456789abcdef0123456789abcdef"
-    with _training_run(mlflow_server, experiment, run_id=gone, config={"lr": 0.1}) as run:
+    # A deleted run is replaced; an id that never existed only when asked to (else it is a typo).
+    with _training_run(mlflow_server, experiment, run_id=gone, config={"lr": 0.1},
+                       create_if_missing=how == "never-existed") as run:
         run.log({"loss": 2.0}, step=0)
     assert run.run_id is not None and run.run_id != gone
     fresh = client.get_run(run.run_id)
