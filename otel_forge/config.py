@@ -183,6 +183,10 @@ def _tracking_uri(text: str) -> str | None:
     return value
 
 
+def _phrases(text: str) -> tuple[str, ...]:
+    return tuple(phrase.strip() for phrase in text.split(",") if phrase.strip())
+
+
 def _stats(text: str) -> tuple[str, ...]:
     stats = _subset_of(MLFLOW_STATS)(text)
     return stats if "mean" in stats else ("mean", *stats)
@@ -266,6 +270,9 @@ SETTINGS: tuple[Setting, ...] = (
             "MLflow tracking URI (default: MLflow's own default, a local store in the working directory)."),
     Setting("mlflow_stats", ("OTEL_FORGE_MLFLOW_STATS",), _stats, ("mean",),
             "Window statistics logged to MLflow: `mean`, plus `max`/`min` as `<key>_max`/`<key>_min`."),
+    Setting("secret_keys", ("OTEL_FORGE_SECRET_KEYS",), _phrases, (),
+            "More key words that name a secret, comma-separated (`vault path,pin`): values under such keys are "
+            "masked in params, tags, config.json and the uploaded launch file. Built in: see Credentials."),
     Setting("spool_dir", ("OTEL_FORGE_SPOOL_DIR",), _optional_text, None,
             "Where undeliverable windows wait (default: `$XDG_CACHE_HOME/otel-forge/spool`)."),
     Setting("spool_max_bytes", ("OTEL_FORGE_SPOOL_MAX_BYTES",), _byte_size, 64 << 20,
@@ -309,6 +316,7 @@ class ForgeConfig:
     run_id: str | None
     tracking_uri: str | None
     mlflow_stats: tuple[str, ...]
+    secret_keys: tuple[str, ...]
     spool_dir: str | None
     spool_max_bytes: int
     queue_size: int

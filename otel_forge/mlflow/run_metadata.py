@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from otel_forge.scrub import REDACTED, SecretKeys, scrub
+
 _logger = logging.getLogger(__name__)
 
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
@@ -28,26 +30,71 @@ NOTE_TAG = "mlflow.note.content"
 DESCRIBED_TAG = "otel_forge.described"
 PARAM_VALUE_MAX_CHARS = 6000  # MLflow's limit for a param value
 PARAMS_PER_BATCH = 100
+# A config text value past this is cut, with a marker, before anything else reads it.
+CONFIG_VALUE_MAX_CHARS = 64 * 1024
 LAUNCH_CONFIG_SUFFIXES = (".toml", ".yaml", ".yml", ".json")
 _GIT_TIMEOUT_S = 10.0
 _GIT_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
 def config_as_dict(config: Any) -> Any:
-    """Dataclasses, pydantic models, argparse namespaces and mappings as plain nested data."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return {f.name: config_as_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    if hasattr(config, "model_dump") and callable(config.model_dump):  # pydantic v2
-        return config_as_dict(config.model_dump())
-    if hasattr(config, "dict") and hasattr(config, "__fields__"):  # pydantic v1
-        return config_as_dict(config.dict())
-    if isinstance(config, argparse.Namespace):
-        return config_as_dict(vars(config))
-    if isinstance(config, Mapping):
-        return {str(key): config_as_dict(value) for key, value in config.items()}
-    if isinstance(config, (list, tuple)):
-        return [config_as_dict(item) for item in config]
-    return config
+    """Dataclasses, pydantic models, argparse namespaces and mappings as plain nested data.
+
+    Whatever cannot be read costs only itself: a value whose ``str`` raises becomes a marker, a
+    cycle becomes ``<cycle>``; leaves that are not JSON scalars become their text.
+    """
+    return _plain(config, set())
+
+
+def _plain(value: Any, seen: set[int]) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if id(value) in seen:
+        return "<cycle>"
+    seen.add(id(value))
+    try:
+        return _container(value, seen)
+    except Exception as error:  # noqa: BLE001 - a config object that cannot be read loses only itself
+        _logger.warning("config value of type %s not recorded: %s", type(value).__name__, _text(error))
+        return f"<unreadable {type(value).__name__}>"
+    finally:
+        seen.discard(id(value))
+
+
+def _container(value: Any, seen: set[int]) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name), seen) for f in dataclasses.fields(value)}
+    if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic v2
+        return _plain(value.model_dump(), seen)
+    if hasattr(value, "dict") and hasattr(value, "__fields__"):  # pydantic v1
+        return _plain(value.dict(), seen)
+    if isinstance(value, argparse.Namespace):
+        return _plain(vars(value), seen)
+    if isinstance(value, Mapping):
+        return {_text(key): _plain(item, seen) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, seen) for item in value]
+    return _text(value)
+
+
+def _text(value: Any) -> str:
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - an object whose __str__ raises
+        return f"<unprintable {type(value).__name__}>"
+
+
+def redact(data: Any, secret: SecretKeys, max_chars: int = CONFIG_VALUE_MAX_CHARS) -> Any:
+    """Plain data with every value under a secret-naming key masked, text scrubbed of
+    credentials, and text past ``max_chars`` cut with a marker (before it is scrubbed: linear)."""
+    if isinstance(data, Mapping):
+        return {key: REDACTED if secret(key) else redact(item, secret, max_chars) for key, item in data.items()}
+    if isinstance(data, list):
+        return [redact(item, secret, max_chars) for item in data]
+    if isinstance(data, str):
+        cut = data if len(data) <= max_chars else f"{data[:max_chars]}...[{len(data) - max_chars} more characters]"
+        return scrub(cut)
+    return data
 
 
 def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[str, str]:
@@ -63,7 +110,7 @@ def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[
         if isinstance(value, Mapping):
             for key, item in value.items():
                 walk(f"{prefix}.{key}" if prefix else str(key), item)
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, list):
             for index, item in enumerate(value):
                 walk(f"{prefix}.{index}" if prefix else str(index), item)
         else:
@@ -71,6 +118,14 @@ def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[
 
     walk("", config_as_dict(config))
     return flat
+
+
+def redacted_copy(path: Path, secret: SecretKeys, directory: Path) -> Path:
+    """The launch file as uploaded: same name, secret-keyed values and credentials masked. The
+    original is never touched."""
+    copy = directory / path.name
+    copy.write_text(secret.redact_text(path.read_text(errors="replace")))
+    return copy
 
 
 def batches(params: Mapping[str, str], size: int = PARAMS_PER_BATCH) -> list[dict[str, str]]:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,11 +45,13 @@ from otel_forge.mlflow.run_metadata import (
     git_tags,
     job_tags,
     launch_config_path,
+    redact,
+    redacted_copy,
 )
 from otel_forge.mlflow.run_owner import RunOwner
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
-from otel_forge.scrub import scrub, uri_without_credentials
+from otel_forge.scrub import REDACTED, SecretKeys, scrub, uri_without_credentials
 from otel_forge.worker import DeliveryWorker, Outcome
 
 _logger = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ OUTCOME_TAG_PREFIX = "otel_forge.outcome."  # + node: how that node's process en
 JOB_OUTCOME_TAG = "otel_forge.job.outcome"  # FAILED or KILLED once any process of the job ended so
 MAX_PENDING_METRIC_VALUES = 200_000
 CONFIG_ARTIFACT = "config.json"
+MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
 _DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
                          "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
                          "DATABRICKS_CLIENT_SECRET), or run `databricks auth login`")
@@ -142,6 +146,7 @@ class TrainingRun:
         self._handle_sigterm = handle_sigterm
         self._previous_sigterm: Any = None
         self._create_if_missing = create_if_missing
+        self._secret = SecretKeys(self.forge_config.secret_keys)
         self.open_error: BaseException | None = None  # why the run did not open, once it did not
 
     # --- configuration (no I/O) -------------------------------------------------------------
@@ -314,26 +319,44 @@ class TrainingRun:
     def _record_new_run(self, run: OpenRun) -> None:
         self.described = True
         submit = self._submit
-        if self.config is not None:
-            for params in batches(flatten_params(self.config)):
-                submit(lambda p=params: self._log_params(run, p))
-            submit(lambda: run.client.log_dict(run.run_id, _json_safe(config_as_dict(self.config)), CONFIG_ARTIFACT))
+        # Tags and the files first: a large config's params take many calls (100 per call).
         submit(lambda: self._log_tags(run))
         if (launch_file := launch_config_path(self.launch_argv)) is not None:
-            submit(lambda: run.client.log_artifact(run.run_id, str(launch_file)))
+            submit(lambda: self._log_launch_file(run, launch_file))
+        if self.config is not None:
+            # Made once, off the training thread: linear in the config's size, secrets masked.
+            plain = redact(config_as_dict(self.config), self._secret)
+            submit(lambda: run.client.log_dict(run.run_id, plain, CONFIG_ARTIFACT))
+            for params in batches(self._param_keys(flatten_params(plain))):
+                submit(lambda p=params: self._log_params(run, p))
+
+    def _param_keys(self, params: Mapping[str, str]) -> dict[str, str]:
+        """Params under keys MLflow accepts: sanitised, at most 250 characters, each once."""
+        kept: dict[str, str] = {}
+        for key, value in params.items():
+            name = sanitize_key(key)
+            if len(name) > MAX_PARAM_KEY_CHARS or name in kept:
+                self._warnings.warning("param-key", "MLflow: param %r not recorded: its key is %s", key[:80],
+                                       "too long" if len(name) > MAX_PARAM_KEY_CHARS else f"the same as {name!r}")
+                continue
+            kept[name] = value
+        return kept
 
     def _log_params(self, run: OpenRun, params: Mapping[str, str]) -> None:
         Param = import_mlflow().entities.Param
-        run.client.log_batch(run.run_id, params=[Param(sanitize_key(k), scrub(v)) for k, v in params.items()],
-                             synchronous=True)
+        run.client.log_batch(run.run_id, params=[Param(k, v) for k, v in params.items()], synchronous=True)
 
     def _log_tags(self, run: OpenRun) -> None:
         RunTag = import_mlflow().entities.RunTag
         tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags(), DESCRIBED_TAG: "true"}
         if self.description:
             tags[NOTE_TAG] = self.description
-        tags.update(self.tags)
+        tags.update({key: REDACTED if self._secret(key) else value for key, value in self.tags.items()})
         run.client.log_batch(run.run_id, tags=[RunTag(k, scrub(str(v))) for k, v in tags.items()], synchronous=True)
+
+    def _log_launch_file(self, run: OpenRun, path: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="otel-forge-launch-") as directory:
+            run.client.log_artifact(run.run_id, str(redacted_copy(path, self._secret, Path(directory))))
 
     def _submit(self, call: Callable[[], None]) -> bool:
         return self._worker is not None and self._worker.submit(call)
@@ -558,17 +581,6 @@ def _as_float(value: Any) -> float | None:
         return float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError):
         return None
-
-
-def _json_safe(data: Any) -> Any:
-    """The config as JSON can hold it, with credentials scrubbed out of its text values."""
-    if isinstance(data, Mapping):
-        return {str(k): _json_safe(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_json_safe(v) for v in data]
-    if isinstance(data, str):
-        return scrub(data)
-    return data if isinstance(data, (int, float, bool)) or data is None else scrub(str(data))
 
 
 def _first_line(error: BaseException) -> str:

@@ -108,9 +108,23 @@ def test_other_values_are_stringified():
     assert flat == {"color": "Color.RED", "path": "/a/b", "flag": "False", "f": "1e-08"}
 
 
-def test_config_as_dict_leaves_a_dataclass_type_alone():
-    assert config_as_dict(Optim) is Optim
+def test_config_as_dict_records_a_dataclass_type_as_its_name_not_its_fields():
+    assert config_as_dict(Optim) == str(Optim)
     assert config_as_dict(Optim()) == {"name": "adamw", "lr": 3e-4, "betas": [0.9, 0.95]}
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def test_a_value_that_cannot_be_read_costs_only_itself():
+    recursive: dict = {"lr": 0.1}
+    recursive["self"] = recursive
+    plain = config_as_dict({"odd": Unprintable(), "loop": recursive, "ok": 1})
+    assert plain == {"odd": "<unprintable Unprintable>", "loop": {"lr": 0.1, "self": "<cycle>"}, "ok": 1}
+    assert flatten_params(plain) == {"odd": "<unprintable Unprintable>", "loop.lr": "0.1", "loop.self": "<cycle>",
+                                     "ok": "1"}
 
 
 def test_batches_of_one_hundred():

@@ -1,0 +1,116 @@
+"""What a config may hold and what never reaches MLflow: secrets are masked everywhere a run shows
+them (params, tags, config.json, the uploaded launch file), the original file untouched; a value
+that cannot be read costs only itself; a config of any size gets all its params and config.json;
+a huge value never holds the training loop. Real ``mlflow server``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from servers import wait_for
+
+from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.scrub import SecretKeys, scrub
+
+SECRETS = ("hunter2", "sk-live-123", "tok-abc", "pw-in-url", "vault-9")
+LAUNCH = """\
+[db]
+url = "postgresql://admin:pw-in-url@db.example/runs"
+password = "hunter2"
+
+[model]
+tokenizer = "bpe"
+max_tokens = 4096
+"""
+
+
+def _everything_mlflow_shows(client, run_id: str, tmp_path: Path) -> str:  # type: ignore[no-untyped-def]
+    run = client.get_run(run_id)
+    shown = [json.dumps(run.data.params), json.dumps(run.data.tags)]
+    for artifact in client.list_artifacts(run_id):
+        shown.append(Path(client.download_artifacts(run_id, artifact.path, str(tmp_path / "dl"))).read_text())
+    return "\n".join(shown)
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no")
+
+
+def test_secrets_are_masked_in_params_tags_config_and_launch_file(mlflow_server, client, experiment, tmp_path,
+                                                                   monkeypatch, capfd):
+    monkeypatch.setenv("OTEL_FORGE_SECRET_KEYS", "vault path")
+    launch = tmp_path / "train.toml"
+    launch.write_text(LAUNCH)
+    config = {"db": {"password": "hunter2", "host": "db"}, "openai_api_key": "sk-live-123", "hf_token": "tok-abc",
+              "creds": {"url": "https://u:pw-in-url@hub.example"}, "vault_path": "vault-9",
+              "model": {"tokenizer": "bpe", "max_tokens": 4096}}
+    with TrainingRun(config, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
+                     tags={"api_key": "sk-live-123", "team": "ml"}, launch_argv=["train.py", str(launch)]) as run:
+        run.log({"loss": 1.0}, step=0)
+
+    shown = _everything_mlflow_shows(client, run.run_id, tmp_path)
+    out, err = capfd.readouterr()
+    assert not [secret for secret in SECRETS if secret in shown + out + err], shown
+    params = client.get_run(run.run_id).data.params
+    assert params["db.password"] == "***" and params["db.host"] == "db" and params["model.tokenizer"] == "bpe"
+    assert params["model.max_tokens"] == "4096" and params["vault_path"] == "***"
+    uploaded = Path(client.download_artifacts(run.run_id, "train.toml", str(tmp_path / "up"))).read_text()
+    assert 'password = "***"' in uploaded and 'tokenizer = "bpe"' in uploaded and "max_tokens = 4096" in uploaded
+    assert launch.read_text() == LAUNCH  # the original is untouched
+
+
+def test_an_odd_value_costs_only_itself_and_a_big_config_is_recorded_whole(mlflow_server, client, experiment,
+                                                                            tmp_path):
+    recursive: dict = {"depth": 1}
+    recursive["again"] = recursive
+    config = {f"layer_{i:05d}": {"width": i} for i in range(10_000)}
+    config.update({"odd": Unprintable(), "loop": recursive})
+    with TrainingRun(config, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
+                     launch_argv=["train.py"]) as run:
+        run.log({"loss": 1.0}, step=0)
+        # 101 calls of 100 params (MLflow's limit); the sqlite server slows as a run's params grow.
+        wait_for(lambda: run.run_id and len(client.get_run(run.run_id).data.params) == 10_003, 90, 0.5,
+                 "every param in the run")
+
+    data = client.get_run(run.run_id).data
+    assert data.params["odd"] == "<unprintable Unprintable>" and data.params["loop.again"] == "<cycle>"
+    assert data.metrics == {"loss": 1.0}
+    config_json = json.loads(Path(client.download_artifacts(run.run_id, "config.json", str(tmp_path))).read_text())
+    assert len(config_json) == 10_002 and config_json["layer_09999"] == {"width": 9999}
+
+
+def test_a_huge_config_value_never_holds_the_training_loop(mlflow_server, client, experiment):
+    # 1 MiB in one value, with something secret-looking in it; the loop logs every 10 ms meanwhile.
+    huge = ("token=abc " + "x" * 1000 + "\n") * 1000
+    gaps = []
+    with TrainingRun({"huge": huge, "lr": 0.1}, tracking_uri=mlflow_server.uri, experiment=experiment,
+                     system_metrics=False, launch_argv=["train.py"]) as run:
+        last = time.perf_counter()
+        for step in range(300):
+            run.log({"loss": 1.0 / (step + 1)}, step)
+            time.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last - 0.01)
+            last = now
+        wait_for(lambda: run.run_id is not None, 30, 0.05)
+    print(f"\nworst extra gap of a 10 ms log() loop while a 1 MiB config value was recorded: {max(gaps) * 1000:.1f} ms")
+    assert sum(gap > 1.0 for gap in gaps) == 0, max(gaps)
+    params = client.get_run(run.run_id).data.params
+    assert len(params["huge"]) == 6000 and "abc" not in params["huge"]
+    assert len(client.get_metric_history(run.run_id, "loss")) == 300
+
+
+def test_scrubbing_is_linear():
+    # 25k -> 100k -> 400k characters: 4x the text costs about 4x, never 16x.
+    def cost(n: int) -> float:
+        text = "a" * n + "://" + "b" * n
+        started = time.perf_counter()
+        scrub(text)
+        SecretKeys().redact_text(text)
+        return time.perf_counter() - started
+
+    small, large = min(cost(25_000) for _ in range(3)), min(cost(400_000) for _ in range(3))
+    assert large / small < 40, (small, large)  # quadratic would be ~256
