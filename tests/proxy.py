@@ -12,7 +12,9 @@ value):
   rate-limiting gateway does;
 - ``Mode.DELAY`` / ``"delay"``: sleep ``delay_s`` seconds, then forward (a slow server).
 
-Whatever the mode, a request whose path is in ``fail_paths`` is answered 500 and not forwarded.
+Whatever the mode, a request whose path is in ``fail_paths`` is answered 500 and not forwarded, and
+a ``log_batch`` holding a metric key in ``refuse_metric_keys`` is answered 400
+``INVALID_PARAMETER_VALUE``, as MLflow refuses a batch with one value it will not store.
 
 What it saw: ``requests(path)`` (method, path, JSON body) of every request as it arrived, ``total()``
 of them; ``counts()`` / ``count(path)`` of the answered ones by path, ``log()`` (time answered,
@@ -73,6 +75,7 @@ class MlflowProxy:
         self.plain_429 = plain_429
         self.upstream_timeout_s = upstream_timeout_s
         self.fail_paths: set[str] = set()
+        self.refuse_metric_keys: set[str] = set()
         self._lock = threading.Lock()
         self._requests: list[_Request] = []
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
@@ -154,6 +157,11 @@ class MlflowProxy:
             self._requests.append(request)
         return request
 
+    def _refused(self, path: str, body: Any) -> bool:
+        if path != LOG_BATCH or not self.refuse_metric_keys or not isinstance(body, dict):
+            return False
+        return any(metric.get("key") in self.refuse_metric_keys for metric in body.get("metrics", ()))
+
     def _decided(self, request: _Request, how: str) -> None:
         with self._lock:
             request.how = how
@@ -177,7 +185,11 @@ class MlflowProxy:
                 path = urllib.parse.urlsplit(self.path).path
                 request = proxy._arrived(self.command, path, body)
                 mode, delay_s = proxy.mode, proxy.delay_s
-                if mode is Mode.ERROR_500 or path in proxy.fail_paths:
+                if proxy._refused(path, request.body):
+                    proxy._decided(request, "400")
+                    status, headers, answer = 400, {"Content-Type": "application/json"}, json.dumps(
+                        {"error_code": "INVALID_PARAMETER_VALUE", "message": "proxy refuses the batch"}).encode()
+                elif mode is Mode.ERROR_500 or path in proxy.fail_paths:
                     proxy._decided(request, Mode.ERROR_500.value)
                     status, headers, answer = 500, {"Content-Type": "application/json"}, json.dumps(
                         {"error_code": "INTERNAL_ERROR", "message": "proxy answers 500"}).encode()

@@ -1,10 +1,37 @@
-"""Training metrics waiting for delivery: many ``log()`` calls become few ``log_batch`` calls."""
+"""Training metrics waiting for delivery: many ``log()`` calls become few ``log_batch`` calls, and
+each value checked first, so that one bad value costs only itself, never the batch it would join."""
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from collections.abc import Mapping
+from typing import Any
+
+MAX_KEY_CHARS = 250  # MLflow's limit for a metric key
+MAX_STEP = 2**63 - 1  # MLflow stores steps as int64
+
+
+def checked_step(step: Any) -> int | None:
+    """``step`` as MLflow can store it (an integer from 0 to int64's max, integral floats and
+    numpy/torch scalars included); None otherwise."""
+    if hasattr(step, "item") and not isinstance(step, (int, float)):
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        return None
+    if isinstance(step, float) and not step.is_integer():
+        return None
+    return int(step) if 0 <= step <= MAX_STEP else None
+
+
+def checked_value(value: Any) -> float | None:
+    """A number MLflow can store: finite, or NaN (a diverged loss is worth seeing); else None."""
+    try:
+        number = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return None if math.isinf(number) else number
 
 # (key, value, timestamp_ms, step)
 MetricRow = tuple[str, float, int, int]

@@ -34,7 +34,7 @@ from otel_forge.mlflow.client import (
     run_gone,
 )
 from otel_forge.mlflow.keys import key_segment, sanitize_key
-from otel_forge.mlflow.metric_buffer import MetricBuffer
+from otel_forge.mlflow.metric_buffer import MAX_KEY_CHARS, MetricBuffer, checked_step, checked_value
 from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, find_experiment, publish, published_run_id, wait_for_run
 from otel_forge.mlflow.run_metadata import (
     DESCRIBED_TAG,
@@ -66,6 +66,7 @@ SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
 OUTCOME_TAG_PREFIX = "otel_forge.outcome."  # + node: how that node's process ended, when not FINISHED
 JOB_OUTCOME_TAG = "otel_forge.job.outcome"  # FAILED or KILLED once any process of the job ended so
 MAX_PENDING_METRIC_VALUES = 200_000
+_MAX_REMEMBERED_KEYS = 10_000
 CONFIG_ARTIFACT = "config.json"
 MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
 _DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
@@ -136,6 +137,8 @@ class TrainingRun:
         self._closed = False
         self._model_ids: dict[int, str] = {}
         self._metrics = MetricBuffer(MAX_PENDING_METRIC_VALUES)
+        self._key_names: dict[Any, str | None] = {}
+        self.rejected = 0  # metric values log() refused (bad step, key or value), each warned
         self._flush_pending = False
         # A run `otel-forge run` opened for this process is this attempt's, not a requeued one.
         self._launched = bool(self.requested_run_id) and self.requested_run_id == os.environ.get(LAUNCHED_RUN_ENV)
@@ -369,11 +372,11 @@ class TrainingRun:
             return
         self._begin_opening()
         timestamp_ms = int(time.time() * 1000)  # fixed now: a retry resends identical metrics
-        values = {}
-        for key, raw in metrics.items():
-            if (value := _as_float(raw)) is not None:
-                values[sanitize_key(str(key))] = value
-        if not self._metrics.add(values, step, timestamp_ms):
+        if (checked := checked_step(step)) is None:
+            self._reject(len(metrics), "step %r is not an integer from 0 to 2**63-1", step)
+            return
+        values = self._checked_values(metrics)
+        if not self._metrics.add(values, checked, timestamp_ms):
             self._warnings.warning("log-buffer", "MLflow: %d metric values waiting; metrics dropped (%d so far)",
                                    len(self._metrics), self._metrics.dropped)
             return
@@ -384,6 +387,35 @@ class TrainingRun:
         if not self._submit(_MetricFlush(self)):
             with self._lock:
                 self._flush_pending = False
+
+    def _checked_values(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for key, raw in metrics.items():
+            name = self._key_name(key)
+            if name is None:
+                self._reject(1, "metric key %r is longer than %d characters", str(key)[:80], MAX_KEY_CHARS)
+            elif name in values:
+                self._reject(1, "metric key %r is %r once sanitised, as another key of the same step", key, name)
+            elif (value := checked_value(raw)) is None:
+                self._reject(1, "metric %r: %r is not a finite number or NaN", name, str(raw)[:80])
+            else:
+                values[name] = value
+        return values
+
+    def _key_name(self, key: Any) -> str | None:
+        """The key as MLflow accepts it, or None; remembered, since the same keys come every step."""
+        if (name := self._key_names.get(key, "")) != "":
+            return name
+        name = sanitize_key(str(key))
+        name = name if len(name) <= MAX_KEY_CHARS else None
+        if len(self._key_names) < _MAX_REMEMBERED_KEYS:
+            self._key_names[key] = name
+        return name
+
+    def _reject(self, count: int, message: str, *args: object) -> None:
+        self.rejected += count
+        self._warnings.warning("log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args,
+                               self.rejected)
 
     def _flush_done(self) -> None:
         """After a flush: another one if metrics are waiting, else none pending."""
@@ -545,7 +577,7 @@ class _MetricFlush:
     """A worker call sending the oldest buffered metrics (up to one ``log_batch``).
 
     The worker retries the same object after a transient failure, so it keeps the batch it took;
-    any other failure drops that batch (warned) and flushing goes on.
+    a batch the server refuses is split to drop only the values it refuses.
     """
 
     def __init__(self, training_run: TrainingRun) -> None:
@@ -559,28 +591,32 @@ class _MetricFlush:
             skip_to = -1 if run.last_step is None else run.last_step
             # A resumed run already holds its steps up to last_step.
             self._batch = [row for row in training_run._metrics.take(MAX_METRICS_PER_BATCH) if row[3] > skip_to]
+        self._send(run, self._batch)
+        training_run._flush_done()  # noqa: SLF001
+
+    def _send(self, run: OpenRun, rows: list) -> None:
+        """One ``log_batch``; a batch the server refuses is split until the refused values are
+        found, and only they are dropped (warned). Resending what was delivered costs nothing:
+        MLflow drops exact duplicates."""
+        if not rows:
+            return
         try:
-            if self._batch:
-                Metric = import_mlflow().entities.Metric
-                run.client.log_batch(run.run_id, metrics=[Metric(*row) for row in self._batch], synchronous=True)
+            Metric = import_mlflow().entities.Metric
+            run.client.log_batch(run.run_id, metrics=[Metric(*row) for row in rows], synchronous=True)
         except Exception as error:
             if classify(error) is not Outcome.DROP:
                 raise  # retried by the worker with this same batch, or the end of delivery
-            training_run._warnings.warning("log-drop", "MLflow: %d metric values dropped: %s",  # noqa: SLF001
-                                           len(self._batch), scrub(_first_line(error)))
-        training_run._flush_done()  # noqa: SLF001
+            if len(rows) > 1:
+                middle = len(rows) // 2
+                self._send(run, rows[:middle])
+                self._send(run, rows[middle:])
+                return
+            self._training_run._reject(1, "metric %r at step %d refused by the server: %s",  # noqa: SLF001
+                                       rows[0][0], rows[0][3], scrub(_first_line(error)))
 
 
 def _tag(key: str, value: str) -> Any:
     return import_mlflow().entities.RunTag(key, value)
-
-
-def _as_float(value: Any) -> float | None:
-    """A number MLflow can store (NaN included: a diverged loss is worth seeing); else None."""
-    try:
-        return float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _first_line(error: BaseException) -> str:

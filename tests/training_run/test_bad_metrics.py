@@ -1,0 +1,52 @@
+"""One bad metric costs only itself: ``log()`` refuses a bad step, key or value alone (warned,
+counted), and a batch the server still refuses is split so only the refused value is lost.
+Real ``mlflow server`` (behind the counting proxy where the server must refuse)."""
+
+from __future__ import annotations
+
+import logging
+
+from proxy import MlflowProxy
+from servers import wait_for
+
+from otel_forge.mlflow.training_run import TrainingRun
+
+
+def _run(uri: str, experiment: str) -> TrainingRun:
+    return TrainingRun(tracking_uri=uri, experiment=experiment, system_metrics=False, launch_argv=["train.py"])
+
+
+def _steps(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_bad_steps_keys_and_values_cost_only_themselves(mlflow_server, client, experiment, caplog):
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    with _run(mlflow_server.uri, experiment) as run:
+        for step in range(300):
+            run.log({"loss": float(step), "x" * 300: 1.0}, step=10.5 if step == 150 else step)
+        for bad_step in ("7", None, 2**63, -1, True):
+            run.log({"loss": 1.0}, step=bad_step)
+        run.log({"acc": "high", "inf": float("inf"), "": 1.0, "..": 2.0, "nan": float("nan")}, step=300)
+
+    assert _steps(client, run.run_id, "loss") == [s for s in range(300) if s != 150]  # 299 of 300
+    latest = client.get_run(run.run_id).data.metrics
+    assert set(latest) == {"loss", "_", "nan"} and latest["_"] == 1.0  # "" kept, ".." collided with it
+    # 300 over-long keys + 1 step 10.5 + 5 bad steps + "high" + inf + ".." collision
+    assert run.rejected == 300 + 1 + 5 + 3
+    warned = [r for r in caplog.records if "dropped (" in r.getMessage()]
+    assert 1 <= len(warned) <= 2, [r.getMessage() for r in warned]  # rate-limited: one a minute
+
+
+def test_a_batch_the_server_refuses_loses_only_the_refused_value(mlflow_server, client, experiment, caplog):
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    with MlflowProxy(mlflow_server.uri) as proxy:
+        proxy.refuse_metric_keys = {"poison"}
+        with _run(proxy.uri, experiment) as run:
+            for step in range(200):
+                run.log({"loss": float(step), **({"poison": 1.0} if step == 77 else {})}, step=step)
+            wait_for(lambda: run.run_id is not None, 30, 0.05)
+    assert _steps(client, run.run_id, "loss") == list(range(200))
+    assert client.get_metric_history(run.run_id, "poison") == []
+    assert run.rejected == 1
+    assert any("'poison' at step 77 refused by the server" in r.getMessage() for r in caplog.records), caplog.text
