@@ -11,7 +11,6 @@ exits with CMD's code.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import shutil
@@ -20,8 +19,7 @@ import subprocess
 import sys
 from typing import Any
 
-import psutil
-
+from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
 from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.config import ConfigError
@@ -29,8 +27,6 @@ from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub
 
 _logger = logging.getLogger(__name__)
-_PR_SET_CHILD_SUBREAPER = 36
-_LEFTOVER_GRACE_S = 5.0
 
 
 def add_parser(commands: Any) -> None:
@@ -97,24 +93,32 @@ def run(args: argparse.Namespace) -> int:
     if signals.received:
         training_run.close("KILLED")
         return 128 + signals.received[0]
-    _become_subreaper()
+    become_subreaper()
+    watchdog = Watchdog(training_run.run_id, training_run.tracking_uri, training_run.experiment_id, node,
+                        args.child_environ) if live else None
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(command, env=env, preexec_fn=dies_with_us())
     except OSError as error:
-        training_run.close("FAILED")
+        _end(training_run, "FAILED", watchdog)
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
     monitor = _start_system_metrics(config, training_run, child.pid, node) if live else None
     try:
         code = child.wait()
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
-        _stop_leftovers()
+        stop_leftovers(keep={watchdog.pid} if watchdog else ())
     finally:
         if monitor is not None:
             monitor.stop()
-    status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
-    training_run.close(status)
+    _end(training_run, "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED"),
+         watchdog)
     return code if code >= 0 else 128 - code
+
+
+def _end(training_run: Any, status: str, watchdog: Watchdog | None) -> None:
+    training_run.close(status)
+    if watchdog is not None:
+        watchdog.disarm()
 
 
 def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
@@ -130,45 +134,6 @@ def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
     if training_run.described:
         env[DESCRIBE_RUN_ENV] = run_id
     return env
-
-
-def _become_subreaper() -> None:
-    """Orphans of CMD become our children (Linux), so none outlives the run unnoticed."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: orphans go to init, as before
-        _logger.debug("not a child subreaper on this platform")
-
-
-def _stop_leftovers() -> None:
-    """SIGTERM what CMD left running, SIGKILL it after a grace period, and reap it."""
-    # git is ours: the run's metadata is read on the delivery worker.
-    left = [p for p in psutil.Process().children(recursive=True) if _name(p) != "git"]
-    if not left:
-        return
-    _logger.warning("CMD left %d process(es) running (pids %s): stopping them before the run ends", len(left),
-                    ", ".join(str(p.pid) for p in left))
-    for process in left:
-        _signal(process, signal.SIGTERM)
-    _, alive = psutil.wait_procs(left, timeout=_LEFTOVER_GRACE_S)
-    for process in alive:
-        _signal(process, signal.SIGKILL)
-    psutil.wait_procs(alive, timeout=_LEFTOVER_GRACE_S)
-
-
-def _name(process: psutil.Process) -> str:
-    try:
-        return process.name()
-    except psutil.Error:
-        return ""
-
-
-def _signal(process: psutil.Process, sig: int) -> None:
-    try:
-        process.send_signal(sig)
-    except psutil.Error:
-        pass
 
 
 def _start_system_metrics(config: Any, training_run: Any, pid: int, node: NodeIdentity) -> Any:

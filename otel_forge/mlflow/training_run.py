@@ -35,6 +35,7 @@ from otel_forge.mlflow.client import (
 )
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.metric_buffer import MAX_KEY_CHARS, MetricBuffer, checked_step, checked_value
+from otel_forge.mlflow.outcome import begin_attempt, end_run
 from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, find_experiment, publish, published_run_id, wait_for_run
 from otel_forge.mlflow.run_metadata import (
     DESCRIBED_TAG,
@@ -63,8 +64,6 @@ DEFAULT_EXPERIMENT = "otel-forge"
 LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
 DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
 SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
-OUTCOME_TAG_PREFIX = "otel_forge.outcome."  # + node: how that node's process ended, when not FINISHED
-JOB_OUTCOME_TAG = "otel_forge.job.outcome"  # FAILED or KILLED once any process of the job ended so
 MAX_PENDING_METRIC_VALUES = 200_000
 _MAX_REMEMBERED_KEYS = 10_000
 CONFIG_ARTIFACT = "config.json"
@@ -288,21 +287,12 @@ class TrainingRun:
             _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, scrub(_first_line(error)))
             return None
         if not self._launched:
-            self._begin_attempt(client, run)
+            begin_attempt(client, run)
         training_steps = [m.step for m in run.data._metric_objs  # noqa: SLF001 - latest metrics with steps
                           if not m.key.startswith("system/")]
         experiment = client.get_experiment(run.info.experiment_id)
         return OpenRun(run_id, run.info.run_name, run.info.experiment_id, experiment.name, True,
                        max(training_steps, default=None), client, described=DESCRIBED_TAG in run.data.tags)
-
-    @staticmethod
-    def _begin_attempt(client: Any, run: Any) -> None:
-        """A new attempt of the job (a requeue, a run made beforehand): running again, and its
-        outcome is this attempt's, not the last one's."""
-        if run.info.status != "RUNNING":
-            client.update_run(run.info.run_id, status="RUNNING")
-        for tag in [t for t in run.data.tags if t == JOB_OUTCOME_TAG or t.startswith(OUTCOME_TAG_PREFIX)]:
-            client.delete_tag(run.info.run_id, tag)
 
     def _create(self, client: Any, experiment_id: str) -> OpenRun:
         tags = {JOB_KEY_TAG: self.node.job_key} if self.node.job_key else None
@@ -502,32 +492,12 @@ class TrainingRun:
         run = self._run
         if run is not None:
             try:
-                self._owner.call(lambda: self._end(run, status), self._deadlines[1])
+                self._owner.call(lambda: end_run(run.client, run.run_id, run.experiment_id, status, self.node),
+                                 self._deadlines[1])
             except Exception as error:  # noqa: BLE001 - the run end is best effort too
                 _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status,
                                 scrub(_first_line(error)))
         self._owner.close()
-
-    def _end(self, run: OpenRun, status: str) -> None:
-        """The run's status is the job's: a process that fails ends it so and tags the job and its
-        node; rank 0 ends it FINISHED only when no process of the job has failed."""
-        client = run.client
-        if status != "FINISHED":
-            node = self.node.node_id or (f"rank_{self.node.rank}" if self.node.rank is not None else "node")
-            client.log_batch(run.run_id, tags=[_tag(OUTCOME_TAG_PREFIX + key_segment(node),
-                                                    f"{status} (rank {self.node.rank})"),
-                                               _tag(JOB_OUTCOME_TAG, status)], synchronous=True)
-            client.set_terminated(run.run_id, status)
-        elif self._owns_run:
-            client.set_terminated(run.run_id, self._job_outcome(run) or status)
-
-    @staticmethod
-    def _job_outcome(run: OpenRun) -> str | None:
-        """FAILED or KILLED if a process of the job ended so (the tag survives a status that a
-        script's own ``mlflow.end_run`` rewrote); a search that matches nothing costs little."""
-        failed = f"attributes.run_id = '{run.run_id}' and tags.`{JOB_OUTCOME_TAG}` LIKE '%'"
-        found = run.client.search_runs([run.experiment_id], failed, max_results=1)
-        return found[0].data.tags.get(JOB_OUTCOME_TAG) if found else None
 
     def __enter__(self) -> TrainingRun:
         # Entering opens the run in the background: every rank finds it and its node is sampled.
@@ -613,10 +583,6 @@ class _MetricFlush:
                 return
             self._training_run._reject(1, "metric %r at step %d refused by the server: %s",  # noqa: SLF001
                                        rows[0][0], rows[0][3], scrub(_first_line(error)))
-
-
-def _tag(key: str, value: str) -> Any:
-    return import_mlflow().entities.RunTag(key, value)
 
 
 def _first_line(error: BaseException) -> str:

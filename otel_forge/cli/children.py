@@ -1,0 +1,121 @@
+"""CMD's processes under ``otel-forge run``: none outlives the run, whatever happens to us.
+
+Linux process controls, each a no-op elsewhere: we are CMD's *child subreaper* (its orphans become
+our children, so we can stop them before the run ends); CMD gets SIGTERM when we die (a parent
+death signal), even by SIGKILL; and a small watchdog process ends the run KILLED if we die before
+ending it ourselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Collection
+
+import psutil
+
+from otel_forge.node import NodeIdentity
+
+_logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+LEFTOVER_GRACE_S = 5.0
+
+
+def _prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+def become_subreaper() -> None:
+    """Orphans of CMD become our children, so none outlives the run unnoticed."""
+    if (prctl := _prctl()) is not None:
+        prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def dies_with_us() -> Callable[[], None] | None:
+    """A ``preexec_fn`` giving the child SIGTERM when this process dies, however it dies."""
+    if (prctl := _prctl()) is None:
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # we died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
+def stop_leftovers(keep: Collection[int] = ()) -> None:
+    """SIGTERM what CMD left running, SIGKILL it after a grace period, and reap it."""
+    # git is ours: the run's metadata is read on the delivery worker.
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep and _name(p) != "git"]
+    if not left:
+        return
+    _logger.warning("CMD left %d process(es) running (pids %s): stopping them before the run ends", len(left),
+                    ", ".join(str(p.pid) for p in left))
+    for process in left:
+        _signal(process, signal.SIGTERM)
+    _, alive = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_S)
+    for process in alive:
+        _signal(process, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=LEFTOVER_GRACE_S)
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
+
+
+def _signal(process: psutil.Process, sig: int) -> None:
+    try:
+        process.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+class Watchdog:
+    """A small process (stdlib only until needed) that ends the run KILLED if we die first.
+
+    It waits on a pipe whose write end only we hold: ``disarm()`` writes that the run was ended;
+    end of file without it means we died (SIGKILL, OOM), and it ends the run itself. In a session
+    of its own, so a signal to our process group does not reach it.
+    """
+
+    def __init__(self, run_id: str, tracking_uri: str, experiment_id: str | None, node: NodeIdentity,
+                 environ: dict[str, str]) -> None:
+        read_end, self._write_end = os.pipe()
+        command = [sys.executable, "-m", "otel_forge.cli.watchdog", str(read_end), run_id, experiment_id or "",
+                   json.dumps(dataclasses.asdict(node))]
+        # The tracking URI may hold credentials: in the environment, never on a command line.
+        self.process = subprocess.Popen(command, pass_fds=(read_end,), start_new_session=True,
+                                        env={**environ, "MLFLOW_TRACKING_URI": tracking_uri},
+                                        stdin=subprocess.DEVNULL)
+        os.close(read_end)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def disarm(self) -> None:
+        """We ended the run ourselves: the watchdog exits without touching it."""
+        try:
+            os.write(self._write_end, b"ended\n")
+            os.close(self._write_end)
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
