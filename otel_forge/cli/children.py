@@ -25,7 +25,7 @@ from otel_forge.node import NodeIdentity
 _logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-LEFTOVER_GRACE_S = 5.0
+LEFTOVER_GRACE_S = 3.0  # then SIGKILL: part of the 20 s a SIGTERM leaves us
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -68,7 +68,7 @@ def stop_leftovers(keep: Collection[int] = ()) -> None:
     _, alive = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_S)
     for process in alive:
         _signal(process, signal.SIGKILL)
-    psutil.wait_procs(alive, timeout=LEFTOVER_GRACE_S)
+    psutil.wait_procs(alive, timeout=1.0)
 
 
 def _name(process: psutil.Process) -> str:
@@ -86,11 +86,12 @@ def _signal(process: psutil.Process, sig: int) -> None:
 
 
 class Watchdog:
-    """A small process (stdlib only until needed) that ends the run KILLED if we die first.
+    """A small process (stdlib only until needed) that ends the run if we cannot.
 
-    It waits on a pipe whose write end only we hold: ``disarm()`` writes that the run was ended;
-    end of file without it means we died (SIGKILL, OOM), and it ends the run itself. In a session
-    of its own, so a signal to our process group does not reach it.
+    It waits on a pipe whose write end only we hold. ``disarm()``: we ended the run, it exits.
+    ``hand_over(status)``: we could not (the server did not answer in time), it ends the run with
+    ``status`` once the server answers. End of file with neither: we died (SIGKILL, OOM), it ends
+    the run KILLED. In a session of its own, so a signal to our process group does not reach it.
     """
 
     def __init__(self, run_id: str, tracking_uri: str, experiment_id: str | None, node: NodeIdentity,
@@ -110,12 +111,21 @@ class Watchdog:
 
     def disarm(self) -> None:
         """We ended the run ourselves: the watchdog exits without touching it."""
-        try:
-            os.write(self._write_end, b"ended\n")
-            os.close(self._write_end)
-        except OSError:
-            pass
+        self._say(b"ended\n")
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+    def hand_over(self, status: str) -> None:
+        """We could not end the run: the watchdog ends it with ``status`` when the server answers."""
+        self._say(f"end {status}\n".encode())
+        _logger.warning("the run could not be ended now; a watchdog (pid %d) ends it %s once the tracking server "
+                        "answers", self.pid, status)
+
+    def _say(self, message: bytes) -> None:
+        try:
+            os.write(self._write_end, message)
+            os.close(self._write_end)
+        except OSError:
+            pass

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
@@ -103,22 +104,32 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
     monitor = _start_system_metrics(config, training_run, child.pid, node) if live else None
+    stopping: threading.Thread | None = None
     try:
         code = child.wait()
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
         stop_leftovers(keep={watchdog.pid} if watchdog else ())
     finally:
         if monitor is not None:
-            monitor.stop()
-    _end(training_run, "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED"),
-         watchdog)
+            # Its last windows drain while the run's own calls do: one drain deadline for both.
+            stopping = threading.Thread(target=monitor.stop, name="otel-forge-monitor-stop", daemon=True)
+            stopping.start()
+    status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
+    _end(training_run, status, watchdog, stopping)
     return code if code >= 0 else 128 - code
 
 
-def _end(training_run: Any, status: str, watchdog: Watchdog | None) -> None:
+def _end(training_run: Any, status: str, watchdog: Watchdog | None,
+         stopping: threading.Thread | None = None) -> None:
     training_run.close(status)
-    if watchdog is not None:
+    if stopping is not None:
+        stopping.join(training_run.forge_config.drain_deadline_s)
+    if watchdog is None:
+        return
+    if training_run.ended:
         watchdog.disarm()
+    else:
+        watchdog.hand_over(status)
 
 
 def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:

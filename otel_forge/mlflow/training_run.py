@@ -66,6 +66,7 @@ DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
 SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
 MAX_PENDING_METRIC_VALUES = 200_000
 _MAX_REMEMBERED_KEYS = 10_000
+_END_RESERVE_S = 3.0  # of the close budget, kept for the call that ends the run
 CONFIG_ARTIFACT = "config.json"
 MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
 _DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
@@ -144,6 +145,7 @@ class TrainingRun:
         self._describe_launched = self._launched and self.requested_run_id == os.environ.get(DESCRIBE_RUN_ENV)
         self._node_sampled_by_launcher = os.environ.get(SAMPLED_NODE_ENV) == self.node.sampling_key
         self.described = False
+        self.ended = False  # the run's end was recorded by close()
         self._warnings = RateLimitedLogger(_logger)
         self._handle_sigterm = handle_sigterm
         self._previous_sigterm: Any = None
@@ -471,32 +473,46 @@ class TrainingRun:
     # --- ending ------------------------------------------------------------------------------
 
     def close(self, status: str = "FINISHED") -> None:
-        """Drain pending calls, stop system metrics, end the run with ``status``. Idempotent."""
+        """Drain pending calls, stop system metrics, end the run with ``status``. Idempotent.
+
+        Bounded whatever the server does: the drain deadline plus a few seconds for the run's end
+        (20 s at most by default, inside the 30 s that SLURM and Kubernetes give after SIGTERM).
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._remove_exit_handlers()
+        deadline = time.monotonic() + self.forge_config.drain_deadline_s + _END_RESERVE_S
+
+        def left(reserve_s: float = 0.0) -> float:
+            return max(0.0, deadline - time.monotonic() - reserve_s)
+
+        stopping = _in_background(self._system_monitor.stop) if self._system_monitor is not None else None
         if self._opening is not None:
-            # A run still opening queues its metadata when it opens: let it, within the deadline.
-            concurrent.futures.wait([self._opening], timeout=self._deadlines[0])
+            # A run still opening queues its metadata when it opens: let it, within the budget.
+            concurrent.futures.wait([self._opening], timeout=left(_END_RESERVE_S))
         if self._worker is not None:
-            left = self._worker.close(self.forge_config.drain_deadline_s)
-            if left or len(self._metrics):
+            undelivered = self._worker.close(left(_END_RESERVE_S))
+            if undelivered or len(self._metrics):
                 _logger.warning("MLflow: %d call(s) and %d metric value(s) for the run were not delivered "
-                                "before close", left, len(self._metrics))
-        if self._system_monitor is not None:
-            self._system_monitor.stop()
-        if self._owner is None:
-            return
+                                "before close", undelivered, len(self._metrics))
+        if stopping is not None:
+            stopping.join(left(_END_RESERVE_S))
+        if self._owner is not None:
+            self._end(status, max(left(), 1.0))
+
+    def _end(self, status: str, timeout_s: float) -> None:
+        assert self._owner is not None
         run = self._run
         if run is not None:
             try:
                 self._owner.call(lambda: end_run(run.client, run.run_id, run.experiment_id, status, self.node),
-                                 self._deadlines[1])
+                                 min(self._deadlines[1], timeout_s))
+                self.ended = True
             except Exception as error:  # noqa: BLE001 - the run end is best effort too
                 _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status,
-                                scrub(_first_line(error)))
+                                scrub(_first_line(error)) if str(error) else type(error).__name__)
         self._owner.close()
 
     def __enter__(self) -> TrainingRun:
@@ -583,6 +599,12 @@ class _MetricFlush:
                 return
             self._training_run._reject(1, "metric %r at step %d refused by the server: %s",  # noqa: SLF001
                                        rows[0][0], rows[0][3], scrub(_first_line(error)))
+
+
+def _in_background(call: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=call, name="otel-forge-close", daemon=True)
+    thread.start()
+    return thread
 
 
 def _first_line(error: BaseException) -> str:

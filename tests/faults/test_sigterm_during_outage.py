@@ -1,0 +1,55 @@
+"""SIGTERM to ``otel-forge run`` while its tracking server hangs (SIGSTOP): it exits within 20 s
+(SLURM and Kubernetes give 30 s before SIGKILL) with default settings; the windows that could not
+be delivered are in the spool, a line says how to replay them, and once the server answers again
+the run is ended KILLED by the watchdog otel-forge left behind, not left RUNNING."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hermetic import hermetic_environ
+from servers import wait_for
+
+SIGTERM_BUDGET_S = 20.0
+
+
+def test_sigterm_during_an_outage_exits_within_20_s(pausable_server, tmp_path: Path) -> None:
+    server = pausable_server
+    out = tmp_path / "stdout.txt"
+    err = tmp_path / "stderr.txt"
+    env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}, prefixes=("OTEL_", "MLFLOW_"))
+    cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "otel_forge.cli", "run", "--tracking-uri", server.uri,
+                                    "--no-prometheus", "--interval", "0.2", "--", *cmd], env=env, stdout=stdout,
+                                   stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: "serving mlflow run" in out.read_text(), 60, 0.05, "the run to open and be sampled")
+        time.sleep(1.0)
+        server.pause()
+        time.sleep(1.0)  # windows and the end of the run now wait on a hung server
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+        took_s = time.monotonic() - signalled
+    finally:
+        server.resume()
+        if process.poll() is None:
+            process.kill()
+    stderr_text = err.read_text()
+    print(f"\nSIGTERM during a hang: exit {code} after {took_s:.1f} s\n{stderr_text}")
+    assert took_s < SIGTERM_BUDGET_S, stderr_text
+    assert code == 128 + signal.SIGTERM, stderr_text
+    assert "Traceback" not in stderr_text
+    replay = [line for line in stderr_text.splitlines() if "otel-forge replay" in line]
+    assert replay and re.search(r"otel-forge replay \S+", replay[-1]), stderr_text
+    run_id = re.search(r"otel-forge: run ([0-9a-f]{32})", out.read_text()).group(1)  # type: ignore[union-attr]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(server.uri)
+    wait_for(lambda: client.get_run(run_id).info.status == "KILLED", 60, 0.5, "the watchdog to end the run")
