@@ -281,6 +281,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Windows held in memory before spilling to the spool."),
     Setting("call_deadline_s", ("OTEL_FORGE_CALL_DEADLINE",), _deadline, 30.0,
             "Deadline of one tracking-server call; a hung call costs a thread, never the caller."),
+    Setting("start_wait_s", ("OTEL_FORGE_START_WAIT",), _float_within(0.0, 3_600.0, " s"), 15.0,
+            "How long `otel-forge run` waits for the tracking server before starting CMD; the run goes on "
+            "opening in the background, and CMD finds it by a job key."),
     Setting("drain_deadline_s", ("OTEL_FORGE_DRAIN_DEADLINE",), _deadline, 10.0,
             "How long closing waits for pending windows before leaving them in the spool."),
 )
@@ -321,6 +324,7 @@ class ForgeConfig:
     spool_max_bytes: int
     queue_size: int
     call_deadline_s: float
+    start_wait_s: float
     drain_deadline_s: float
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 

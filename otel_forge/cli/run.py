@@ -18,6 +18,8 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
@@ -79,18 +81,23 @@ def run(args: argparse.Namespace) -> int:
         tags={**_tags(args.tag), "otel_forge.command": scrub(" ".join(command))}, system_metrics=False,
         launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False,
         create_if_missing=args.create_if_missing)
-    live = training_run.start()
+    # The node is sampled once the run is open and CMD runs, whichever comes last.
+    sampling = _NodeSampling(lambda pid: _start_system_metrics(config, training_run, pid, node))
+    training_run.on_open.append(sampling.run_opened)
+    live = training_run.start(config.start_wait_s)
     if isinstance(training_run.open_error, MissingRun):
         training_run.close("FAILED")
         source = config.sources.get("run_id", "argument")
         raise ConfigError(f"invalid run_id (from {source}): {training_run.open_error}; "
                           f"--create-if-missing starts a new run instead")
-    env = dict(args.child_environ)
+    # Never another store behind the user's back: CMD talks to ours, whether the run is open or not.
+    env = {**args.child_environ, "MLFLOW_TRACKING_URI": training_run.tracking_uri}
     if live:
         env.update(_run_environ(training_run, node))
-        entry = training_run.tracking_entry() or {}
-        print(f"otel-forge: run {entry.get('run_id')} in experiment {entry.get('experiment')} at "
-              f"{entry.get('tracking_uri')}", flush=True)
+        _announce(training_run)
+    elif training_run.open_error is None:
+        env.update(_pending_run_environ(training_run, config.run_id))
+        training_run.on_open.append(lambda: _announce(training_run))
     if signals.received:
         training_run.close("KILLED")
         return 128 + signals.received[0]
@@ -103,14 +110,14 @@ def run(args: argparse.Namespace) -> int:
         _end(training_run, "FAILED", watchdog)
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
-    monitor = _start_system_metrics(config, training_run, child.pid, node) if live else None
+    sampling.cmd_started(child.pid)
     stopping: threading.Thread | None = None
     try:
         code = child.wait()
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
         stop_leftovers(keep={watchdog.pid} if watchdog else ())
     finally:
-        if monitor is not None:
+        if (monitor := sampling.stop_starting()) is not None:
             # Its last windows drain while the run's own calls do: one drain deadline for both.
             stopping = threading.Thread(target=monitor.stop, name="otel-forge-monitor-stop", daemon=True)
             stopping.start()
@@ -145,6 +152,61 @@ def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
     if training_run.described:
         env[DESCRIBE_RUN_ENV] = run_id
     return env
+
+
+class _NodeSampling:
+    """Starts the node's agent once both the run is open and CMD runs (its pid roots the process
+    tree): at once when the server answers at start, later when it answers late."""
+
+    def __init__(self, start: Callable[[int], Any]) -> None:
+        self._start = start
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._open = self._stopped = False
+        self.monitor: Any = None
+
+    def run_opened(self) -> None:
+        with self._lock:
+            self._open = True
+            self._start_if_ready()
+
+    def cmd_started(self, pid: int) -> None:
+        with self._lock:
+            self._pid = pid
+            self._start_if_ready()
+
+    def _start_if_ready(self) -> None:
+        if self._open and self._pid is not None and not self._stopped and self.monitor is None:
+            self.monitor = self._start(self._pid)
+
+    def stop_starting(self) -> Any:
+        """CMD has ended: no agent starts from now on; the one running, if any, to stop."""
+        with self._lock:
+            self._stopped = True
+            return self.monitor
+
+
+def _announce(training_run: Any) -> None:
+    entry = training_run.tracking_entry() or {}
+    print(f"otel-forge: run {entry.get('run_id')} in experiment {entry.get('experiment')} at "
+          f"{entry.get('tracking_uri')}", flush=True)
+
+
+def _pending_run_environ(training_run: Any, run_id: str | None) -> dict[str, str]:
+    """The server did not answer in time: CMD starts, and finds the run once it opens, by its id
+    when one was given, else by a job key under which we publish the run we open."""
+    if run_id is not None:
+        return {"MLFLOW_RUN_ID": run_id}
+    key = training_run.node.job_key or f"otel-forge-{uuid.uuid4().hex}"
+    training_run.adopt_job_key(key, "otel-forge run (the server did not answer in time)")
+    _logger.warning("MLflow: the run is not open yet; CMD starts now and finds it by job key %s once the tracking "
+                    "server answers", key)
+    from otel_forge.mlflow.training_run import LAUNCHED_RUN_ENV, LAUNCHER_OPENS, SAMPLED_NODE_ENV
+
+    experiment = training_run.experiment
+    return {"OTEL_FORGE_JOB_ID": key, LAUNCHED_RUN_ENV: LAUNCHER_OPENS,
+            SAMPLED_NODE_ENV: training_run.node.sampling_key,  # we sample the node once the run opens
+            "MLFLOW_EXPERIMENT_ID" if experiment.isdigit() else "MLFLOW_EXPERIMENT_NAME": experiment}
 
 
 def _start_system_metrics(config: Any, training_run: Any, pid: int, node: NodeIdentity) -> Any:

@@ -9,6 +9,7 @@ also carries the key (``otel_forge.job.key``) for search.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,15 +52,14 @@ class FoundRun:
     polls: int
 
 
-def wait_for_run(client: Any, experiment: str, key: str, deadline_s: float,
-                 sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> FoundRun | None:
-    """Poll the experiment until rank 0 has published the job's run; None after ``deadline_s``.
+def wait_for_run(client: Any, experiment: str, key: str, stop: threading.Event, late_after_s: float,
+                 on_late: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> FoundRun | None:
+    """Poll the experiment until rank 0 has published the job's run; None once ``stop`` is set.
 
-    The experiment may not exist yet (rank 0 creates it) and the server may not answer yet:
-    both are "not yet". Polls back off from 0.2 s to 2 s.
+    The experiment may not exist yet (rank 0 creates it) and the server may not answer yet: both
+    are "not yet". Polls back off from 0.2 s to 2 s; ``on_late`` is called once, after ``late_after_s``.
     """
-    end = clock() + deadline_s
+    late_at: float | None = clock() + late_after_s
     delay = _FIRST_POLL_S
     polls = 0
     while True:
@@ -71,7 +71,9 @@ def wait_for_run(client: Any, experiment: str, key: str, deadline_s: float,
             experiment_entity = None
         if (run_id := published_run_id(experiment_entity, key)) is not None:
             return FoundRun(run_id, experiment_entity.experiment_id, polls)
-        if clock() + delay > end:
+        if late_at is not None and clock() >= late_at:
+            late_at = None
+            on_late()
+        if stop.wait(delay):
             return None
-        sleep(delay)
         delay = min(delay * 2, _MAX_POLL_S)

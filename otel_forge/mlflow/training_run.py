@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import signal
@@ -58,15 +59,18 @@ from otel_forge.worker import DeliveryWorker, Outcome
 _logger = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "otel-forge"
-# Set by `otel-forge run` for its command: the run it opened in this attempt of the job; that run
+# Set by `otel-forge run` for its command: the run it opened in this attempt of the job (or
+# LAUNCHER_OPENS, with a job key, when the server did not answer in time); that run
 # again if it described it just now (the command's TrainingRun adds its own config); the node it
 # samples already (NodeIdentity.sampling_key).
 LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
+LAUNCHER_OPENS = "pending"  # LAUNCHED_RUN_ENV's value while the launcher is still opening the run
 DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
 SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
 MAX_PENDING_METRIC_VALUES = 200_000
 _MAX_REMEMBERED_KEYS = 10_000
 _END_RESERVE_S = 3.0  # of the close budget, kept for the call that ends the run
+_FIRST_OPEN_RETRY_S, _MAX_OPEN_RETRY_S = 1.0, 30.0
 CONFIG_ARTIFACT = "config.json"
 MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
 _DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
@@ -143,6 +147,8 @@ class TrainingRun:
         # A run `otel-forge run` opened for this process is this attempt's, not a requeued one.
         self._launched = bool(self.requested_run_id) and self.requested_run_id == os.environ.get(LAUNCHED_RUN_ENV)
         self._describe_launched = self._launched and self.requested_run_id == os.environ.get(DESCRIBE_RUN_ENV)
+        # `otel-forge run` is still opening the run (the server was late): find it by key, never make one.
+        self._launcher_opens = not self.requested_run_id and os.environ.get(LAUNCHED_RUN_ENV) == LAUNCHER_OPENS
         self._node_sampled_by_launcher = os.environ.get(SAMPLED_NODE_ENV) == self.node.sampling_key
         self.described = False
         self.ended = False  # the run's end was recorded by close()
@@ -152,6 +158,9 @@ class TrainingRun:
         self._create_if_missing = create_if_missing
         self._secret = SecretKeys(self.forge_config.secret_keys)
         self.open_error: BaseException | None = None  # why the run did not open, once it did not
+        self._stopping = threading.Event()  # set when close() stops waiting for the run to open
+        self._created: OpenRun | None = None
+        self.on_open: list[Callable[[], None]] = []  # called on the owner thread once the run is open
 
     # --- configuration (no I/O) -------------------------------------------------------------
 
@@ -170,15 +179,21 @@ class TrainingRun:
 
     # --- opening ----------------------------------------------------------------------------
 
-    def start(self) -> bool:
-        """Open (or resume) the run now, waiting at most the init deadline; True when it is live."""
+    def start(self, timeout_s: float | None = None) -> bool:
+        """Open (or resume) the run now, waiting at most ``timeout_s`` (default: the init deadline);
+        True when it is live. Not live yet: it goes on opening in the background."""
+        timeout_s = self._deadlines[0] if timeout_s is None else timeout_s
         self._begin_opening()
         try:
-            return self._wait_open(self._deadlines[0]) is not None
+            return self._wait_open(timeout_s) is not None
         except concurrent.futures.TimeoutError:
-            self._warnings.warning("open", "MLflow: the run did not open within %.0f s; logging goes on "
-                                   "in the background", self._deadlines[0])
+            self._warnings.warning("open", "MLflow: the run did not open within %.0f s; it goes on opening in "
+                                   "the background", timeout_s)
             return False
+
+    def adopt_job_key(self, key: str, source: str) -> None:
+        """Find or make the run by ``key`` from the next attempt on (one the caller shares)."""
+        self.node = dataclasses.replace(self.node, job_key=key, job_key_source=source)
 
     def _begin_opening(self) -> None:
         with self._lock:
@@ -207,14 +222,21 @@ class TrainingRun:
         return classify(error)
 
     def _open(self) -> OpenRun | None:
-        """On the owner thread: find or make the run (explicit id > job key > new), then sample."""
-        try:
-            run = self._find_or_create(make_client(self.tracking_uri))
-        except Exception as error:  # noqa: BLE001 - reported once; training goes on without MLflow
-            self.open_error = error
-            hint = f". {_DATABRICKS_AUTH_HINT}" if _is_databricks(self.tracking_uri) and _auth_error(error) else ""
-            _logger.warning("MLflow logging disabled: %s%s", scrub(_first_line(error)), hint)
-            raise
+        """On the owner thread: find or make the run (explicit id > job key > new), then sample.
+
+        A server that does not answer (refused, timed out, 5xx, 429) is retried with backoff until
+        it does or the run is closed: the job outlives the server, what it logs waits meanwhile.
+        """
+        pause_s = _FIRST_OPEN_RETRY_S
+        while True:
+            try:
+                run = self._find_or_create(make_client(self.tracking_uri))
+                break
+            except Exception as error:  # noqa: BLE001 - reported once; training goes on without MLflow
+                if not self._transient(error) or self._stopping.wait(pause_s):
+                    self._disable(error)
+                    raise
+                pause_s = min(pause_s * 2, _MAX_OPEN_RETRY_S)
         if run is None:
             return None
         self._run = run
@@ -223,10 +245,25 @@ class TrainingRun:
         _logger.info("MLflow run %s (%s) in experiment %s at %s", run.run_id, "resumed" if run.resumed else "new",
                      run.experiment, scrub(self.tracking_uri))
         self._start_system_metrics(run)
+        for callback in self.on_open:
+            callback()
         return run
 
+    def _transient(self, error: BaseException) -> bool:
+        if isinstance(error, (MissingRun, ConfigError)) or classify(error) is not Outcome.RETRY:
+            return False
+        self._warnings.warning("open-retry", "MLflow: the tracking server at %s does not answer (%s); the run "
+                               "opens when it does, and what is logged waits in memory meanwhile",
+                               uri_without_credentials(self.tracking_uri), scrub(_first_line(error)))
+        return True
+
+    def _disable(self, error: BaseException) -> None:
+        self.open_error = error
+        hint = f". {_DATABRICKS_AUTH_HINT}" if _is_databricks(self.tracking_uri) and _auth_error(error) else ""
+        _logger.warning("MLflow logging disabled: %s%s", scrub(_first_line(error)), hint)
+
     def _find_or_create(self, client: Any) -> OpenRun | None:
-        if not self._owns_run:
+        if not self._owns_run or self._launcher_opens:
             if self.requested_run_id:
                 # Another rank never reads the run: its size must not cost every node.
                 return OpenRun(self.requested_run_id, None, os.environ.get("MLFLOW_EXPERIMENT_ID"), self.experiment,
@@ -242,8 +279,9 @@ class TrainingRun:
         if key is not None and (published := published_run_id(experiment, key)) is not None:
             run = self._resume(client, published)  # a requeued job continues its run
         if run is None:
-            run = self._create(client, experiment_id)
-        if key is not None:
+            # Kept across retries: a failure after the create must not create a second run.
+            run = self._created = self._created or self._create(client, experiment_id)
+        if (key := self.node.job_key) is not None:  # read again: `otel-forge run` may hand one out meanwhile
             publish(client, experiment_id, key, run.run_id)
         return run
 
@@ -256,12 +294,14 @@ class TrainingRun:
                                 "MLflow; set MLFLOW_RUN_ID, or OTEL_FORGE_JOB_ID (--job-id) to the same value in "
                                 "every process of the job", self.node.rank, self.node.node_id or "-")
             return None
-        found = wait_for_run(client, self.experiment, key, self._deadlines[0])
+        def late() -> None:
+            _logger.warning("rank %s (node %s): rank 0 has published no run for job %s in experiment %s after "
+                            "%.0f s; still looking. Check rank 0's log, or set MLFLOW_RUN_ID for every process",
+                            self.node.rank, self.node.node_id or "-", key, self.experiment, self._deadlines[0])
+
+        found = wait_for_run(client, self.experiment, key, self._stopping, late_after_s=self._deadlines[0],
+                             on_late=late)
         if found is None:
-            _logger.warning("rank %s (node %s): rank 0 published no run for job %s in experiment %s within %.0f s; "
-                            "this process logs nothing to MLflow. Check rank 0's log, or set MLFLOW_RUN_ID for "
-                            "every process", self.node.rank, self.node.node_id or "-", key, self.experiment,
-                            self._deadlines[0])
             return None
         _logger.info("job %s: found run %s after %d look(s)", key, found.run_id, found.polls)
         return OpenRun(found.run_id, None, found.experiment_id, self.experiment, True, None, client)
@@ -492,6 +532,7 @@ class TrainingRun:
         if self._opening is not None:
             # A run still opening queues its metadata when it opens: let it, within the budget.
             concurrent.futures.wait([self._opening], timeout=left(_END_RESERVE_S))
+        self._stopping.set()
         if self._worker is not None:
             undelivered = self._worker.close(left(_END_RESERVE_S))
             if undelivered or len(self._metrics):
