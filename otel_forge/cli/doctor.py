@@ -75,7 +75,8 @@ def _tracking_check(config: ForgeConfig) -> str:
 
 
 def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
-    """Spool directories left by exporters: what is pending and how delivery went."""
+    """Spool directories left by a close: what is pending and how delivery went. A training run's
+    spool counts its files of metric rows and says whether the run still has to be ended."""
     from otel_forge.mlflow.spool import HEADER, STATS, default_spool_root
 
     root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
@@ -84,8 +85,11 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
         directory = header.parent
         info = json.loads(header.read_text())
         stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}
+        if info.get("kind") == "training" and not info.get("ended"):
+            stats = {**stats, "run end pending": info.get("status")}
         found.append({"path": str(directory), "run_id": info.get("run_id"), "node_id": info.get("node_id"),
-                      "pending_windows": len(list(directory.glob("*.window.json"))), "stats": stats,
+                      "pending_windows": len(list(directory.glob("*.window.json"))) +
+                      len(list(directory.glob("*.metrics.json"))), "stats": stats,
                       "replay": f"otel-forge replay {directory}"})
     return found
 

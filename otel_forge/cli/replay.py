@@ -1,4 +1,5 @@
-"""``otel-forge replay PATH``: deliver system-metrics windows kept in a spool."""
+"""``otel-forge replay PATH``: deliver what a close left in a spool (system-metrics windows, or a
+training run's metrics and its end)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from otel_forge.scrub import scrub
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("replay", help="deliver the windows kept in a spool directory")
+    parser = commands.add_parser("replay", help="deliver what a spool directory keeps")
     parser.add_argument("path", help="the spool directory named in the exporter's warning")
     parser.add_argument("--tracking-uri", help="tracking server (default: the one recorded, or MLFLOW_TRACKING_URI)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from otel_forge.mlflow.replay import replay_spool
+    from otel_forge.mlflow.replay import replay
 
     path = Path(args.path)
     tracking_uri = ForgeConfig.resolve(argument_names={"tracking_uri": "--tracking-uri"},
@@ -27,13 +28,14 @@ def run(args: argparse.Namespace) -> int:
     if not path.is_dir():
         raise ConfigError(f"invalid path (from PATH): {path} is not a directory")
     try:
-        result = replay_spool(path, tracking_uri if args.tracking_uri else None)
+        result = replay(path, tracking_uri if args.tracking_uri else None)
     except FileNotFoundError as error:
         raise ConfigError(f"invalid path (from PATH): {error}") from None
     except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
         print(f"otel-forge: replay stopped, the spool is kept: {scrub(str(error)).splitlines()[0]}", file=sys.stderr)
         return 1
-    print(f"otel-forge: delivered {result.delivered} window(s) to run {result.run_id}")
+    print(f"otel-forge: delivered {result.delivered} {result.unit} to run {result.run_id}"
+          f"{f' and ended it {result.ended}' if result.ended else ''}")
     if result.set_aside:
         # Each file was named on stderr as it was set aside.
         print(f"otel-forge: {result.set_aside} file(s) in {path} were not windows and are left there as *.corrupt",

@@ -1,4 +1,5 @@
-"""Deliver a spool left behind by an exporter that closed while the server was down."""
+"""Deliver a spool left behind by a close while the server was down: an exporter's system-metrics
+windows, or a TrainingRun's metrics and the run's end."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from otel_forge.mlflow.client import RunGone, WindowLogger, live_run, make_client, next_system_step
+from otel_forge.mlflow.client import RunGone, WindowLogger, import_mlflow, live_run, make_client, next_system_step
+from otel_forge.mlflow.outcome import end_run
 from otel_forge.mlflow.spool import WindowSpool
+from otel_forge.mlflow.training_spool import TrainingSpool, is_training_spool
+from otel_forge.node import NodeIdentity
 
 _logger = logging.getLogger(__name__)
 
@@ -18,6 +22,35 @@ class ReplayResult:
     remaining: int
     run_id: str
     set_aside: int = 0  # files that were not windows, kept beside the spool as *.corrupt
+    ended: str | None = None  # the status the run was ended with (a training spool)
+    unit: str = "window(s)"  # what ``delivered`` counts
+
+
+def replay(path: Path, tracking_uri: str | None = None) -> ReplayResult:
+    """Deliver whichever spool ``path`` is."""
+    return (replay_training if is_training_spool(path) else replay_spool)(path, tracking_uri)
+
+
+def replay_training(path: Path, tracking_uri: str | None = None) -> ReplayResult:
+    """Send a TrainingRun's kept metric rows in order, then end the run as it ended (unless it was)."""
+    spool = TrainingSpool(path)
+    header = spool.header
+    client = make_client(tracking_uri or header.get("tracking_uri"))
+    Metric = import_mlflow().entities.Metric
+    delivered = 0
+    for file, rows in spool.batches():
+        client.log_batch(header["run_id"], metrics=[Metric(*row) for row in rows], synchronous=True)
+        file.unlink()
+        delivered += len(rows)
+    ended = None
+    if not header.get("ended"):
+        end_run(client, header["run_id"], header.get("experiment_id"), header["status"],
+                NodeIdentity(**header["node"]))
+        ended = header["status"]
+    set_aside = len(list(path.glob("*.corrupt")))
+    if not set_aside:
+        spool.remove()
+    return ReplayResult(delivered, 0, header["run_id"], set_aside, ended, "metric value(s)")
 
 
 def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
@@ -47,4 +80,4 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     return ReplayResult(delivered, len(spool), run_id, spool.set_aside)
 
 
-__all__ = ["ReplayResult", "RunGone", "replay_spool"]
+__all__ = ["ReplayResult", "RunGone", "replay", "replay_spool", "replay_training"]

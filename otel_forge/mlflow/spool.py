@@ -39,7 +39,7 @@ def _sequence(path: Path) -> int:
     return int(path.name.split(".")[0])
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     """Write whole or not at all, readable by its owner only (windows may name hosts and runs)."""
     temporary = path.with_name(path.name + ".tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -81,7 +81,7 @@ class WindowSpool:
         with self._lock:
             self._header.update(fields)
             if self.path.is_dir():
-                self._guarded(lambda: _write_atomically(self.path / HEADER, json.dumps(self._header)))
+                self._guarded(lambda: write_atomically(self.path / HEADER, json.dumps(self._header)))
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -127,8 +127,8 @@ class WindowSpool:
     def _write_window(self, sequence: int, text: str) -> None:
         if not self.path.is_dir():
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _write_atomically(self.path / HEADER, json.dumps(self._header))
-        _write_atomically(self._file(sequence), text)
+            write_atomically(self.path / HEADER, json.dumps(self._header))
+        write_atomically(self._file(sequence), text)
 
     def _guarded(self, write: Callable[[], None]) -> bool:
         try:
@@ -179,7 +179,7 @@ class WindowSpool:
     def write_stats(self, stats: dict[str, int]) -> None:
         """Delivery counts beside the windows, for ``otel-forge doctor``."""
         if self.path.is_dir():
-            self._guarded(lambda: _write_atomically(self.path / STATS, json.dumps(stats)))
+            self._guarded(lambda: write_atomically(self.path / STATS, json.dumps(stats)))
 
     def discard(self) -> int:
         """Delete the spool and every window in it; how many windows there were."""

@@ -51,6 +51,8 @@ from otel_forge.mlflow.run_metadata import (
     redacted_copy,
 )
 from otel_forge.mlflow.run_owner import RunOwner
+from otel_forge.mlflow.spool import default_spool_root
+from otel_forge.mlflow.training_spool import TrainingSpool, training_spool_path
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import REDACTED, SecretKeys, scrub, uri_without_credentials
@@ -144,6 +146,7 @@ class TrainingRun:
         self._key_names: dict[Any, str | None] = {}
         self.rejected = 0  # metric values log() refused (bad step, key or value), each warned
         self._flush_pending = False
+        self._rows_in_flight: list = []  # taken from the buffer by the flush being delivered
         # A run `otel-forge run` opened for this process is this attempt's, not a requeued one.
         self._launched = bool(self.requested_run_id) and self.requested_run_id == os.environ.get(LAUNCHED_RUN_ENV)
         self._describe_launched = self._launched and self.requested_run_id == os.environ.get(DESCRIBE_RUN_ENV)
@@ -533,15 +536,37 @@ class TrainingRun:
             # A run still opening queues its metadata when it opens: let it, within the budget.
             concurrent.futures.wait([self._opening], timeout=left(_END_RESERVE_S))
         self._stopping.set()
-        if self._worker is not None:
-            undelivered = self._worker.close(left(_END_RESERVE_S))
-            if undelivered or len(self._metrics):
-                _logger.warning("MLflow: %d call(s) and %d metric value(s) for the run were not delivered "
-                                "before close", undelivered, len(self._metrics))
+        undelivered = self._worker.close(left(_END_RESERVE_S)) if self._worker is not None else 0
         if stopping is not None:
             stopping.join(left(_END_RESERVE_S))
         if self._owner is not None:
             self._end(status, max(left(), 1.0))
+        self._keep_undelivered(status, undelivered)
+
+    def _keep_undelivered(self, status: str, undelivered_calls: int) -> None:
+        """What close could not deliver: metric rows and the run's end go to a spool that
+        ``otel-forge replay`` delivers; other calls (params, tags, files) are only counted."""
+        rows = [*self._rows_in_flight, *self._metrics.take(len(self._metrics))]
+        run = self._run
+        if run is None:
+            if rows:
+                _logger.warning("MLflow: %d metric value(s) were not delivered: the run never opened", len(rows))
+            return
+        if not rows and (self.ended or self._owner is None):
+            if undelivered_calls:
+                _logger.warning("MLflow: %d call(s) for run %s were not delivered before close", undelivered_calls,
+                                run.run_id)
+            return
+        spool = TrainingSpool(training_spool_path(self._spool_root(), run.run_id))
+        header = {"run_id": run.run_id, "experiment_id": run.experiment_id, "status": status, "ended": self.ended,
+                  "tracking_uri": uri_without_credentials(self.tracking_uri), "node": dataclasses.asdict(self.node)}
+        if spool.keep(rows, header):
+            _logger.warning("MLflow: %d metric value(s) for run %s were not delivered%s; they are kept in %s. "
+                            "Deliver them with: otel-forge replay %s", len(rows), run.run_id,
+                            "" if self.ended else f" and the run was not ended {status}", spool.path, spool.path)
+
+    def _spool_root(self) -> Path:
+        return Path(self.forge_config.spool_dir) if self.forge_config.spool_dir else default_spool_root()
 
     def _end(self, status: str, timeout_s: float) -> None:
         assert self._owner is not None
@@ -618,7 +643,9 @@ class _MetricFlush:
             skip_to = -1 if run.last_step is None else run.last_step
             # A resumed run already holds its steps up to last_step.
             self._batch = [row for row in training_run._metrics.take(MAX_METRICS_PER_BATCH) if row[3] > skip_to]
+            training_run._rows_in_flight = self._batch  # noqa: SLF001 - kept at close if never sent
         self._send(run, self._batch)
+        training_run._rows_in_flight = []  # noqa: SLF001
         training_run._flush_done()  # noqa: SLF001
 
     def _send(self, run: OpenRun, rows: list) -> None:

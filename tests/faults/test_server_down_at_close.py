@@ -1,0 +1,47 @@
+"""The tracking server dies before a TrainingRun's last metrics and its end are delivered: they are
+kept in a spool, and ``otel-forge replay`` delivers every value and then ends the run with its real
+status (the run does not stay RUNNING)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+import time
+
+from hermetic import hermetic_environ
+
+from otel_forge.config import ForgeConfig
+from otel_forge.mlflow.training_run import TrainingRun
+
+
+def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, caplog) -> None:
+    from mlflow import MlflowClient
+
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    config = ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path / "spool"), drain_deadline_s=1.0)
+    run = TrainingRun({"lr": 0.1}, tracking_uri=server.uri, experiment="down-at-close", system_metrics=False,
+                      forge_config=config, launch_argv=["train.py"])
+    with run:
+        for step in range(30):
+            run.log({"loss": float(step)}, step)
+            time.sleep(0.02)
+        time.sleep(1.0)  # the first 30 are delivered
+        server.kill()
+        for step in range(30, 200):
+            run.log({"loss": float(step)}, step)
+    kept = [r.getMessage() for r in caplog.records if "otel-forge replay" in r.getMessage()]
+    assert len(kept) == 1 and "and the run was not ended FINISHED" in kept[0], caplog.text
+    path = re.search(r"otel-forge replay (\S+)", kept[0]).group(1)  # type: ignore[union-attr]
+
+    server.start()
+    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", path], capture_output=True, text=True,
+                            timeout=120, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert re.search(r"delivered \d+ metric value\(s\) to run \w+ and ended it FINISHED", result.stdout)
+    client = MlflowClient(server.uri)
+    assert sorted(m.step for m in client.get_metric_history(run.run_id, "loss")) == list(range(200))
+    assert client.get_run(run.run_id).info.status == "FINISHED"
+    assert not (tmp_path / "spool").exists() or not any((tmp_path / "spool").iterdir())
