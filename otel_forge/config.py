@@ -16,6 +16,7 @@ import re
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 COLLECTOR_NAMES = ("cpu", "memory", "disk", "network", "process", "nvidia", "amd")
@@ -185,6 +186,22 @@ def _tracking_uri(text: str) -> str | None:
 
 def _phrases(text: str) -> tuple[str, ...]:
     return tuple(phrase.strip() for phrase in text.split(",") if phrase.strip())
+
+
+def local_store_problem(tracking_uri: str) -> str | None:
+    """Why a local sqlite store cannot be written, else None: found by opening the file for
+    appending (MLflow creates it anyway), since access checks do not see read-only mounts as root."""
+    parsed = urllib.parse.urlsplit(tracking_uri)
+    if parsed.scheme != "sqlite" or parsed.path in ("", "/", "/:memory:"):
+        return None
+    path = Path(urllib.parse.unquote(parsed.path[1:]))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as error:
+        return f"cannot write {path}: {error.strerror or error}"
+    return None
 
 
 def _stats(text: str) -> tuple[str, ...]:

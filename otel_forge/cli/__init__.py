@@ -64,8 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The OTel SDK logs a failed OTLP export every interval: once a minute is enough to be told.
     for handler in logging.getLogger().handlers:
         handler.addFilter(RepeatFilter("opentelemetry", interval_s=60.0))
-    # The delivery worker retries with its own backoff; urllib3's per-attempt lines are noise.
+    # The delivery worker retries with its own backoff; urllib3's per-attempt lines are noise, and
+    # so are MLflow's own (its store's retries, its table creation): -v shows them.
     logging.getLogger("urllib3").setLevel(max(level, logging.ERROR))
+    if not args.verbose:
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # read when mlflow is imported
     # In the agent's own process our worker does the retrying: one attempt per call.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     try:

@@ -25,7 +25,7 @@ from typing import Any
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
 from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
-from otel_forge.config import ConfigError
+from otel_forge.config import ConfigError, local_store_problem
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub
 
@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         tags={**_tags(args.tag), "otel_forge.command": scrub(" ".join(command))}, system_metrics=False,
         launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False,
         create_if_missing=args.create_if_missing)
+    if problem := local_store_problem(training_run.tracking_uri):
+        raise ConfigError(f"invalid tracking_uri (from {config.sources.get('tracking_uri', 'default')}): {problem}")
     # The node is sampled once the run is open and CMD runs, whichever comes last.
     sampling = _NodeSampling(lambda pid: _start_system_metrics(config, training_run, pid, node))
     training_run.on_open.append(sampling.run_opened)

@@ -85,6 +85,10 @@ def embedded_tracking_uri() -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def _is_remote(uri: str) -> bool:
+    return uri.startswith(("http://", "https://", "databricks"))
+
+
 def _is_databricks(uri: str) -> bool:
     return uri.startswith("databricks")
 
@@ -253,7 +257,10 @@ class TrainingRun:
         return run
 
     def _transient(self, error: BaseException) -> bool:
+        """An outage of a tracking server, worth waiting for; a local store's errors are not."""
         if isinstance(error, (MissingRun, ConfigError)) or classify(error) is not Outcome.RETRY:
+            return False
+        if not _is_remote(self.tracking_uri) and "database is locked" not in str(error):
             return False
         self._warnings.warning("open-retry", "MLflow: the tracking server at %s does not answer (%s); the run "
                                "opens when it does, and what is logged waits in memory meanwhile",

@@ -48,3 +48,12 @@ def test_a_requested_collector_that_is_absent_is_named(mlflow_server, tmp_path) 
                   env=no_driver)
     assert result.returncode == 0, result.stderr
     assert "otel-forge: collector nvidia absent:" in result.stderr
+
+
+def test_a_local_store_that_cannot_be_written_is_one_line_at_once(tmp_path) -> None:
+    # /proc takes no new file, even from root (a read-only file or directory for anyone else).
+    result = _run(["--tracking-uri", "sqlite:////proc/otel-forge-test/mlflow.db", "--no-prometheus", "--",
+                   sys.executable, "-c", "pass"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("otel-forge: error: invalid tracking_uri (from --tracking-uri): cannot write")
