@@ -76,12 +76,15 @@ class DeliveryWorker(Generic[T]):
                  max_call_threads: int = 4, call_deadline_s: float = 30.0,
                  classify: Callable[[BaseException], Outcome] = _retry_everything,
                  overflow: Overflow[T] | None = None, backoff_initial_s: float = 0.5,
-                 backoff_max_s: float = 10.0) -> None:
+                 backoff_max_s: float = 10.0, write_ahead: bool = False) -> None:
         self.name = name
         self.stats = DeliveryStats()
         self._deliver = deliver
         self._classify = classify
         self._overflow = overflow
+        # Write-ahead: every item goes to the overflow (the spool) first and leaves it once
+        # delivered, so nothing is lost if the process dies; memory only when the spool refuses.
+        self._write_ahead = write_ahead and overflow is not None
         self._max_queue = max_queue
         self._call_deadline_s = call_deadline_s
         self._backoff = (backoff_initial_s, backoff_max_s)
@@ -114,8 +117,13 @@ class DeliveryWorker(Generic[T]):
             if self._stopped or (self._closing and not follow_up):
                 self.stats.dropped += 1
                 return False
+            if self._write_ahead and self._overflow.append(item):  # type: ignore[union-attr]
+                self.stats.spooled += 1
+                self._cond.notify()
+                return True
             # Once anything is in the overflow, newer items follow it there: order is kept.
-            if len(self._queue) < self._max_queue and not (self._overflow is not None and len(self._overflow)):
+            spilled = self._overflow is not None and len(self._overflow) and not self._write_ahead
+            if len(self._queue) < self._max_queue and not spilled:
                 self._queue.append(item)
                 self._cond.notify()
                 return True
@@ -163,6 +171,8 @@ class DeliveryWorker(Generic[T]):
     def _next(self) -> T | None:
         with self._cond:
             while not self._stopped and not self._abandon.is_set():
+                if self._write_ahead and (item := self._overflow.peek()) is not None:  # type: ignore[union-attr]
+                    return item
                 if self._queue:
                     return self._queue[0]
                 if self._overflow is not None and (item := self._overflow.peek()) is not None:

@@ -59,7 +59,7 @@ class MLflowMetricExporter(MetricExporter):
         self.window_logger.on_first_step.append(lambda step: self.spool.update_header(first_step=step))
         self.worker: DeliveryWorker[Window] = DeliveryWorker(
             self.window_logger, name="mlflow-system-metrics", max_queue=max_queue, max_call_threads=max_call_threads,
-            call_deadline_s=call_deadline_s, classify=classify, overflow=self.spool)
+            call_deadline_s=call_deadline_s, classify=classify, overflow=self.spool, write_ahead=True)
         self._shut_down = False
         self._writer_lock = NodeWriterLock(run_id, prefix)
         self.standing_down = not self._acquire_writer_lock()

@@ -133,13 +133,13 @@ def test_replay_of_a_missing_path_is_one_line_and_exit_2(tmp_path) -> None:
 
 
 def test_spool_left_at_close_keeps_window_order(tmp_path, exports) -> None:
-    """No server at all (a refused port): the queue fills, later windows spill to the spool, then close
-    moves the queue's (older) windows to the spool too: in front, since the spool's file order is the
-    order ``otel-forge replay`` delivers in. (Regression: they used to be appended after the newer ones.)"""
+    """No server at all (a refused port): every window is written to the spool as it is made (write-
+    ahead), and close leaves them there in window order, the order ``otel-forge replay`` delivers in.
+    (Regression: windows that waited in memory used to be appended after newer ones.)"""
     agent = _monitor("0" * 32, f"http://127.0.0.1:{free_port()}", tmp_path, drain_deadline_s=0.3)
     exporter = agent.exporter
     try:
-        wait_for(lambda: exporter.worker.stats.spooled >= 3, 10, 0.05, message="windows in the spool")
+        wait_for(lambda: exporter.worker.stats.spooled >= QUEUE_SIZE + 3, 10, 0.05, message="windows in the spool")
     finally:
         agent.stop()
     indices = [json.loads(f.read_text())["index"] for f in _spooled_windows(exporter.spool.path)]
