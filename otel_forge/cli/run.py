@@ -25,7 +25,7 @@ from typing import Any
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
 from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
-from otel_forge.config import ConfigError, local_store_problem
+from otel_forge.config import ConfigError, ForgeConfig, local_store_problem
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub
 
@@ -63,8 +63,7 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from otel_forge.mlflow.run_metadata import launch_config_path, load_launch_config
-    from otel_forge.mlflow.training_run import MissingRun, TrainingRun
+    from otel_forge.mlflow.training_run import MissingRun
 
     command = _command(args)
     config = config_from_args(args)
@@ -74,15 +73,7 @@ def run(args: argparse.Namespace) -> int:
     signals = SignalForwarder()
     launch = read_launch(command)
     node = NodeIdentity.from_config(config, {**os.environ, **launch.environ}, host_named=launch.host_named)
-    launch_file = launch_config_path(["otel-forge", *command])
-    training_run = TrainingRun(
-        config=load_launch_config(launch_file) if launch_file else None, tracking_uri=config.tracking_uri,
-        experiment=args.experiment, run_name=args.run_name, run_id=config.run_id, description=args.description,
-        tags={**_tags(args.tag), "otel_forge.command": scrub(" ".join(command))}, system_metrics=False,
-        launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False,
-        create_if_missing=args.create_if_missing)
-    if problem := local_store_problem(training_run.tracking_uri):
-        raise ConfigError(f"invalid tracking_uri (from {config.sources.get('tracking_uri', 'default')}): {problem}")
+    training_run = _training_run(args, command, config, node)
     # The node is sampled once the run is open and CMD runs, whichever comes last.
     sampling = _NodeSampling(lambda pid: _start_system_metrics(config, training_run, pid, node))
     training_run.on_open.append(sampling.run_opened)
@@ -92,22 +83,16 @@ def run(args: argparse.Namespace) -> int:
         source = config.sources.get("run_id", "argument")
         raise ConfigError(f"invalid run_id (from {source}): {training_run.open_error}; "
                           f"--create-if-missing starts a new run instead")
-    # Never another store behind the user's back: CMD talks to ours, whether the run is open or not.
-    env = {**args.child_environ, "MLFLOW_TRACKING_URI": training_run.tracking_uri}
-    if live:
-        env.update(_run_environ(training_run, node))
-        _announce(training_run)
-    elif training_run.open_error is None:
-        env.update(_pending_run_environ(training_run, config.run_id))
-        training_run.on_open.append(lambda: _announce(training_run))
+    env = _cmd_environ(args.child_environ, training_run, node, live)
     if signals.received:
         training_run.close("KILLED")
         return 128 + signals.received[0]
     become_subreaper()
     watchdog = Watchdog(training_run.run_id, training_run.tracking_uri, training_run.experiment_id, node,
-                        args.child_environ) if live else None
+                        args.child_environ) if live and training_run.run_id else None
     try:
-        child = subprocess.Popen(command, env=env, preexec_fn=dies_with_us())
+        # preexec_fn with threads running: it only calls prctl, through a function resolved before the fork.
+        child = subprocess.Popen(command, env=env, preexec_fn=dies_with_us())  # noqa: PLW1509
     except OSError as error:
         _end(training_run, "FAILED", watchdog)
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
@@ -126,6 +111,35 @@ def run(args: argparse.Namespace) -> int:
     status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
     _end(training_run, status, watchdog, stopping)
     return code if code >= 0 else 128 - code
+
+
+def _training_run(args: argparse.Namespace, command: list[str], config: ForgeConfig, node: NodeIdentity) -> Any:
+    from otel_forge.mlflow.run_metadata import launch_config_path, load_launch_config
+    from otel_forge.mlflow.training_run import TrainingRun
+
+    launch_file = launch_config_path(["otel-forge", *command])
+    training_run = TrainingRun(
+        config=load_launch_config(launch_file) if launch_file else None, tracking_uri=config.tracking_uri,
+        experiment=args.experiment, run_name=args.run_name, run_id=config.run_id, description=args.description,
+        tags={**_tags(args.tag), "otel_forge.command": scrub(" ".join(command))}, system_metrics=False,
+        launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False,
+        create_if_missing=args.create_if_missing)
+    if problem := local_store_problem(training_run.tracking_uri):
+        raise ConfigError(f"invalid tracking_uri (from {config.sources.get('tracking_uri', 'default')}): {problem}")
+    return training_run
+
+
+def _cmd_environ(environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool) -> dict[str, str]:
+    """CMD's environment: the run (or how to find it once open) and who samples its node."""
+    # Never another store behind the user's back: CMD talks to ours, whether the run is open or not.
+    env = {**environ, "MLFLOW_TRACKING_URI": training_run.tracking_uri}
+    if live:
+        env.update(_run_environ(training_run, node))
+        _announce(training_run)
+    elif training_run.open_error is None:
+        env.update(_pending_run_environ(training_run, training_run.requested_run_id))
+        training_run.on_open.append(lambda: _announce(training_run))
+    return env
 
 
 def _end(training_run: Any, status: str, watchdog: Watchdog | None,

@@ -9,14 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from faultkit import HTTP_TIMEOUT_S
 from hermetic import hermetic_environ
-from servers import wait_for
 
-from otel_forge.mlflow.training_run import TrainingRun
 from otel_forge.config import ForgeConfig
+from otel_forge.mlflow.training_run import TrainingRun
 
 HANG_S = 8.0
 TRAIN = """
