@@ -32,6 +32,7 @@ class Outcome(enum.Enum):
     RETRY = "retry"  # transient: try the same item again after a backoff
     DROP = "drop"  # this item can never be delivered: count it and go on
     STOP = "stop"  # nothing more can be delivered (e.g. the run is gone)
+    WAIT = "wait"  # not deliverable yet, and expected (the run is not open): try again, quietly
 
 
 class DeadlineExceeded(TimeoutError):
@@ -198,6 +199,9 @@ class DeliveryWorker(Generic[T]):
                 self._pop(item)
                 return
             outcome = self._classify(error)
+            if outcome is Outcome.WAIT:
+                self._abandon.wait(self._backoff[0])
+                continue
             if outcome is Outcome.STOP:
                 self._stop(error)
                 return

@@ -75,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
     node = NodeIdentity.from_config(config, {**os.environ, **launch.environ}, host_named=launch.host_named)
     training_run = _training_run(args, command, config, node)
     # The node is sampled once the run is open and CMD runs, whichever comes last.
-    sampling = _NodeSampling(lambda pid: _start_system_metrics(config, training_run, pid, node))
-    training_run.on_open.append(sampling.run_opened)
+    sampling = _NodeSampling(lambda pid, run_id: _start_system_metrics(config, training_run.tracking_uri, pid,
+                                                                       run_id, node))
+    training_run.on_open.append(lambda: sampling.run_opened(training_run.run_id))
     live = training_run.start(config.start_wait_s)
     if isinstance(training_run.open_error, MissingRun):
         training_run.close("FAILED")
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
         stop_leftovers(keep={watchdog.pid} if watchdog else ())
     finally:
-        if (monitor := sampling.stop_starting()) is not None:
+        if (monitor := sampling.monitor) is not None:
             # Its last windows drain while the run's own calls do: one drain deadline for both.
             stopping = threading.Thread(target=monitor.stop, name="otel-forge-monitor-stop", daemon=True)
             stopping.start()
@@ -171,35 +172,24 @@ def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
 
 
 class _NodeSampling:
-    """Starts the node's agent once both the run is open and CMD runs (its pid roots the process
-    tree): at once when the server answers at start, later when it answers late."""
+    """The node's agent, from the moment CMD runs (its pid roots the process tree); its windows go
+    to the run once the run is open (at once when the server answers at start, later else)."""
 
-    def __init__(self, start: Callable[[int], Any]) -> None:
+    def __init__(self, start: Callable[[int, str | None], Any]) -> None:
         self._start = start
         self._lock = threading.Lock()
-        self._pid: int | None = None
-        self._open = self._stopped = False
+        self._run_id: str | None = None
         self.monitor: Any = None
-
-    def run_opened(self) -> None:
-        with self._lock:
-            self._open = True
-            self._start_if_ready()
 
     def cmd_started(self, pid: int) -> None:
         with self._lock:
-            self._pid = pid
-            self._start_if_ready()
+            self.monitor = self._start(pid, self._run_id)
 
-    def _start_if_ready(self) -> None:
-        if self._open and self._pid is not None and not self._stopped and self.monitor is None:
-            self.monitor = self._start(self._pid)
-
-    def stop_starting(self) -> Any:
-        """CMD has ended: no agent starts from now on; the one running, if any, to stop."""
+    def run_opened(self, run_id: str) -> None:
         with self._lock:
-            self._stopped = True
-            return self.monitor
+            self._run_id = run_id
+            if self.monitor is not None:
+                self.monitor.attach(run_id)
 
 
 def _announce(training_run: Any) -> None:
@@ -225,14 +215,14 @@ def _pending_run_environ(training_run: Any, run_id: str | None) -> dict[str, str
             "MLFLOW_EXPERIMENT_ID" if experiment.isdigit() else "MLFLOW_EXPERIMENT_NAME": experiment}
 
 
-def _start_system_metrics(config: Any, training_run: Any, pid: int, node: NodeIdentity) -> Any:
+def _start_system_metrics(config: Any, tracking_uri: str, pid: int, run_id: str | None, node: NodeIdentity) -> Any:
     from otel_forge.mlflow.monitor import SystemMetricsMonitor
 
     if not node.runs_agent:
         _logger.info("local rank %s: local rank 0 samples node %s", node.local_rank, node.node_id or "-")
         return None
-    monitor = SystemMetricsMonitor(config.replace(run_id=training_run.run_id, tracking_uri=training_run.tracking_uri,
-                                                  pid=pid), node=node)
+    monitor = SystemMetricsMonitor(config.replace(run_id=run_id, tracking_uri=tracking_uri, pid=pid), node=node,
+                                   run_pending=run_id is None)
     monitor.start()
     for endpoint in monitor.endpoints:
         print(f"otel-forge: serving {endpoint}", flush=True)

@@ -21,6 +21,10 @@ class RunGone(Exception):
     """The run was deleted or never existed: nothing can be logged to it."""
 
 
+class RunPending(Exception):
+    """The run is not open yet (the server did not answer, rank 0 has not made it): windows wait."""
+
+
 def run_gone(error: BaseException) -> bool:
     """The error says the run does not exist (or was deleted): no retry can help."""
     return isinstance(error, RunGone) or str(getattr(error, "error_code", "") or "") in _RUN_GONE_CODES
@@ -28,6 +32,8 @@ def run_gone(error: BaseException) -> bool:
 
 def classify(error: BaseException) -> Outcome:
     """A gone run stops delivery; other client errors (4xx) drop the window; the rest is retried."""
+    if isinstance(error, RunPending):
+        return Outcome.WAIT
     if run_gone(error) or "must be in the 'active' state" in str(error):
         return Outcome.STOP
     status = _http_status(error)
@@ -98,10 +104,12 @@ class WindowLogger:
 
     The run is read once, on the first delivery (on the delivery thread, never the reader's):
     after a resume the first step continues the node's own steps; ``experiment_id`` and
-    ``run_name`` become known then.
+    ``run_name`` become known then. Without a run id yet, deliveries wait (``RunPending``) until
+    ``attach``.
     """
 
-    def __init__(self, run_id: str, tracking_uri: str | None, prefix: str, first_step: int | None = None) -> None:
+    def __init__(self, run_id: str | None, tracking_uri: str | None, prefix: str,
+                 first_step: int | None = None) -> None:
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self.prefix = prefix
@@ -112,7 +120,12 @@ class WindowLogger:
         self._lock = threading.Lock()
         self.on_first_step: list[Any] = []
 
+    def attach(self, run_id: str) -> None:
+        self.run_id = run_id
+
     def _ensure_ready(self) -> tuple[Any, int]:
+        if self.run_id is None:
+            raise RunPending("the run is not open yet")
         with self._lock:
             if self._client is None:
                 self._client = make_client(self.tracking_uri)

@@ -36,7 +36,7 @@ class MLflowMetricExporter(MetricExporter):
     ``otel-forge replay`` can deliver later.
     """
 
-    def __init__(self, run_id: str, *, tracking_uri: str | None = None, node_id: str | None = None,
+    def __init__(self, run_id: str | None, *, tracking_uri: str | None = None, node_id: str | None = None,
                  samples_per_window: int = _DEFAULTS.samples_per_window,
                  stats: tuple[str, ...] = _DEFAULTS.mlflow_stats, spool_dir: str | os.PathLike[str] | None = None,
                  spool_max_bytes: int = _DEFAULTS.spool_max_bytes, max_queue: int = _DEFAULTS.queue_size,
@@ -52,7 +52,7 @@ class MLflowMetricExporter(MetricExporter):
         self._folder = WindowFolder(samples_per_window, stats)
         spool_root = Path(spool_dir) if spool_dir else default_spool_root()
         self.spool = WindowSpool(
-            spool_root / f"{run_id}-{key_segment(node_id or 'node')}-{os.getpid()}", spool_max_bytes,
+            spool_root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}", spool_max_bytes,
             header={"run_id": run_id, "node_id": node_id, "prefix": prefix,
                     "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None})
         self.window_logger = WindowLogger(run_id, tracking_uri, prefix)
@@ -61,10 +61,24 @@ class MLflowMetricExporter(MetricExporter):
             self.window_logger, name="mlflow-system-metrics", max_queue=max_queue, max_call_threads=max_call_threads,
             call_deadline_s=call_deadline_s, classify=classify, overflow=self.spool, write_ahead=True)
         self._shut_down = False
-        self._writer_lock = NodeWriterLock(run_id, prefix)
+        self._writer_lock: NodeWriterLock | None = None
+        self.standing_down = False
+        if run_id is not None:
+            self.attach(run_id)
+
+    def attach(self, run_id: str) -> None:
+        """The run the windows go to, once it is open: windows made before wait in the spool."""
+        self.run_id = run_id
+        self.spool.update_header(run_id=run_id)
+        self._writer_lock = NodeWriterLock(run_id, self.window_logger.prefix)
         self.standing_down = not self._acquire_writer_lock()
+        if self.standing_down:
+            self.spool.discard()  # windows the other agent writes
+        else:
+            self.window_logger.attach(run_id)
 
     def _acquire_writer_lock(self) -> bool:
+        assert self._writer_lock is not None
         try:
             if self._writer_lock.acquire():
                 return True
@@ -97,9 +111,16 @@ class MLflowMetricExporter(MetricExporter):
         window = self._folder.flush()
         if window is not None:
             self.worker.submit(window)
-        left = self.worker.close(min(self._drain_deadline_s, timeout_millis / 1000))
+        if self.run_id is None or self.standing_down:
+            self.worker.close(0.0)
+            if (discarded := self.spool.discard()) and self.run_id is None:
+                _logger.warning("%d system-metrics window(s) discarded: the run never opened", discarded)
+            return
+        timeout_s = kwargs.get("timeout", timeout_millis)  # the SDK passes `timeout` (ms left)
+        left = self.worker.close(min(self._drain_deadline_s, float(timeout_s) / 1000))  # type: ignore[arg-type]
         self._report_leftovers(left)
-        self._writer_lock.release()
+        if self._writer_lock is not None:
+            self._writer_lock.release()
 
     def _report_leftovers(self, left: int) -> None:
         if self.worker.stopped:

@@ -63,9 +63,11 @@ class SystemMetricsMonitor:
     Only local rank 0 of a node samples; elsewhere start/stop do nothing.
     """
 
-    def __init__(self, config: ForgeConfig, node: NodeIdentity | None = None) -> None:
+    def __init__(self, config: ForgeConfig, node: NodeIdentity | None = None, run_pending: bool = False) -> None:
         self.config = config
         self.node = node or NodeIdentity.from_config(config)
+        # Sampling starts now; the windows wait in the spool until ``attach`` names the run.
+        self._run_pending = run_pending
         self.exporter: MLflowMetricExporter | None = None
         self.agent: Agent | None = None
 
@@ -76,7 +78,7 @@ class SystemMetricsMonitor:
     def start(self) -> SystemMetricsMonitor:
         if self.agent is not None or not self.node.runs_agent:
             return self
-        if self.config.run_id is None:
+        if self.config.run_id is None and not self._run_pending:
             run_id, tracking_uri = _active_run()
             self.config = self.config.replace(run_id=run_id, tracking_uri=self.config.tracking_uri or tracking_uri)
         self.exporter = self._exporter()
@@ -106,11 +108,18 @@ class SystemMetricsMonitor:
         return Agent(self.config, node=self.node, extra_collectors=collectors,
                      extra_readers=[lambda: PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)])
 
+    def attach(self, run_id: str) -> None:
+        """The run is open: the windows sampled so far, and all after, go to it."""
+        self.config = self.config.replace(run_id=run_id)
+        if self.exporter is not None:
+            self.exporter.attach(run_id)
+
     @property
     def endpoints(self) -> list[str]:
         if self.agent is None:
             return []
-        return [*self.agent.endpoints, f"mlflow run {self.config.run_id} ({self.exporter.window_logger.prefix}...)"]
+        run = self.config.run_id or "(when it opens)"
+        return [*self.agent.endpoints, f"mlflow run {run} ({self.exporter.window_logger.prefix}...)"]
 
     @property
     def absent_collectors(self) -> dict[str, str]:

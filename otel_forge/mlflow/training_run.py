@@ -207,6 +207,7 @@ class TrainingRun:
             if self._opening is not None or self._closed:
                 return
             self._owner = RunOwner("mlflow-run-owner")
+            self._owner.submit(self._start_sampling)  # from the moment the run is entered
             self._opening = self._owner.submit(self._open)
             self._worker = DeliveryWorker(lambda call: call(), name="mlflow-training-run",
                                           max_queue=self.forge_config.queue_size * 16,
@@ -251,7 +252,8 @@ class TrainingRun:
             self._record_new_run(run)
         _logger.info("MLflow run %s (%s) in experiment %s at %s", run.run_id, "resumed" if run.resumed else "new",
                      run.experiment, scrub(self.tracking_uri))
-        self._start_system_metrics(run)
+        if self._system_monitor is not None:
+            self._system_monitor.attach(run.run_id)
         for callback in self.on_open:
             callback()
         return run
@@ -351,13 +353,19 @@ class TrainingRun:
         created = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
         return OpenRun(created.info.run_id, created.info.run_name, experiment_id, self.experiment, False, None, client)
 
-    def _start_system_metrics(self, run: OpenRun) -> None:
+    def _start_sampling(self) -> None:
+        """Local rank 0 samples its node from now on; the windows wait for the run to open."""
         if not self.system_metrics or not self.node.runs_agent or self._node_sampled_by_launcher:
             return  # under `otel-forge run` the launcher's agent samples this node already
+        if not (self._owns_run or self.requested_run_id or self.node.job_key):
+            return  # no run can be found: _find_job_run says so
         from otel_forge.mlflow.monitor import SystemMetricsMonitor
 
-        config = self.forge_config.replace(run_id=run.run_id, tracking_uri=self.tracking_uri)
-        self._system_monitor = SystemMetricsMonitor(config, node=self.node).start()
+        config = self.forge_config.replace(run_id=None, tracking_uri=self.tracking_uri)
+        try:
+            self._system_monitor = SystemMetricsMonitor(config, node=self.node, run_pending=True).start()
+        except Exception as error:  # noqa: BLE001 - the node's sampling must never cost the run
+            _logger.warning("system metrics not sampled: %s", scrub(_first_line(error)))
 
     # --- what a new run records, all on the worker -----------------------------------------
 

@@ -1,5 +1,6 @@
 """A tracking server that hangs (SIGSTOP) when the job starts does not switch MLflow off: the run
-opens when the server answers again, and what was logged meanwhile lands in it. Never a switch to
+opens when the server answers again, and what was logged meanwhile lands in it -- training values,
+params, and the system windows sampled from the moment the run was entered. Never a switch to
 another store (no ./mlflow.db appears). In-process TrainingRun and ``otel-forge run`` as a process."""
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def test_trainingrun_opens_when_the_server_answers_and_loses_nothing(pausable_se
     assert sorted(m.step for m in client.get_metric_history(run.run_id, "loss")) == list(range(150))
     assert client.get_run(run.run_id).data.params == {"lr": "0.1"}
     assert client.get_run(run.run_id).info.status == "FINISHED"
-    assert len(client.get_metric_history(run.run_id, "system/cpu_utilization_percentage")) >= 2
+    windows = sorted(client.get_metric_history(run.run_id, "system/cpu_utilization_percentage"),
+                     key=lambda m: m.step)
+    assert [m.step for m in windows] == list(range(len(windows)))
+    # Sampled from the moment the run was entered: windows from the hang, before the run existed.
+    assert windows[0].timestamp < client.get_run(run.run_id).info.start_time - 3000, windows[0]
     assert not (tmp_path / "mlflow.db").exists()
 
 
