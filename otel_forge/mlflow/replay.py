@@ -32,10 +32,14 @@ def replay(path: Path, tracking_uri: str | None = None) -> ReplayResult:
 
 
 def replay_training(path: Path, tracking_uri: str | None = None) -> ReplayResult:
-    """Send a TrainingRun's kept metric rows in order, then end the run as it ended (unless it was)."""
+    """Send a TrainingRun's kept records and metric rows in order, then end the run as it ended
+    (unless it was)."""
     spool = TrainingSpool(path)
     header = spool.header
     client = make_client(tracking_uri or header.get("tracking_uri"))
+    for record in spool.records():
+        record.deliver(client, header["run_id"])
+    spool.records_delivered()
     Metric = import_mlflow().entities.Metric
     delivered = 0
     for file, rows in spool.batches():

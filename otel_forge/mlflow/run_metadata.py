@@ -120,14 +120,6 @@ def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[
     return flat
 
 
-def redacted_copy(path: Path, secret: SecretKeys, directory: Path) -> Path:
-    """The launch file as uploaded: same name, secret-keyed values and credentials masked. The
-    original is never touched."""
-    copy = directory / path.name
-    copy.write_text(secret.redact_text(path.read_text(errors="replace")))
-    return copy
-
-
 def batches(params: Mapping[str, str], size: int = PARAMS_PER_BATCH) -> list[dict[str, str]]:
     items = list(params.items())
     return [dict(items[start:start + size]) for start in range(0, len(items), size)]

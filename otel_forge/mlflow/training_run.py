@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,11 +47,10 @@ from otel_forge.mlflow.run_metadata import (
     job_tags,
     launch_config_path,
     redact,
-    redacted_copy,
 )
 from otel_forge.mlflow.run_owner import RunOwner
 from otel_forge.mlflow.spool import default_spool_root
-from otel_forge.mlflow.training_spool import TrainingSpool, training_spool_path
+from otel_forge.mlflow.training_spool import Record, TrainingSpool, training_spool_path
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import REDACTED, SecretKeys, scrub, uri_without_credentials
@@ -151,6 +149,7 @@ class TrainingRun:
         self.rejected = 0  # metric values log() refused (bad step, key or value), each warned
         self._flush_pending = False
         self._rows_in_flight: list = []  # taken from the buffer by the flush being delivered
+        self._pending_records: list[Record] = []  # describing the run, not delivered yet
         # A run `otel-forge run` opened for this process is this attempt's, not a requeued one.
         self._launched = bool(self.requested_run_id) and self.requested_run_id == os.environ.get(LAUNCHED_RUN_ENV)
         self._describe_launched = self._launched and self.requested_run_id == os.environ.get(DESCRIBE_RUN_ENV)
@@ -370,18 +369,38 @@ class TrainingRun:
     # --- what a new run records, all on the worker -----------------------------------------
 
     def _record_new_run(self, run: OpenRun) -> None:
+        """Everything that describes the run, as records made here (off the training thread,
+        linear in the config's size, secrets masked) and delivered by the worker."""
         self.described = True
-        submit = self._submit
         # Tags and the files first: a large config's params take many calls (100 per call).
-        submit(lambda: self._log_tags(run))
+        self._submit_record(run, Record("tags", self._run_tags()))
         if (launch_file := launch_config_path(self.launch_argv)) is not None:
-            submit(lambda: self._log_launch_file(run, launch_file))
+            text = self._secret.redact_text(launch_file.read_text(errors="replace"))
+            self._submit_record(run, Record("text", {"name": launch_file.name, "data": text}))
         if self.config is not None:
-            # Made once, off the training thread: linear in the config's size, secrets masked.
             plain = redact(config_as_dict(self.config), self._secret)
-            submit(lambda: run.client.log_dict(run.run_id, plain, CONFIG_ARTIFACT))
+            self._submit_record(run, Record("dict", {"name": CONFIG_ARTIFACT, "data": plain}))
             for params in batches(self._param_keys(flatten_params(plain))):
-                submit(lambda p=params: self._log_params(run, p))
+                self._submit_record(run, Record("params", params))
+
+    def _submit_record(self, run: OpenRun, record: Record) -> None:
+        # Kept until delivered (or refused): close() spools what is left, for `otel-forge replay`.
+        with self._lock:
+            self._pending_records.append(record)
+        self._submit(lambda: self._deliver_record(run, record))
+
+    def _deliver_record(self, run: OpenRun, record: Record) -> None:
+        try:
+            record.deliver(run.client, run.run_id)
+        except Exception as error:
+            if classify(error) is Outcome.DROP:
+                self._record_done(record)
+            raise
+        self._record_done(record)
+
+    def _record_done(self, record: Record) -> None:
+        with self._lock:
+            self._pending_records.remove(record)
 
     def _param_keys(self, params: Mapping[str, str]) -> dict[str, str]:
         """Params under keys MLflow accepts: sanitised, at most 250 characters, each once."""
@@ -395,21 +414,12 @@ class TrainingRun:
             kept[name] = value
         return kept
 
-    def _log_params(self, run: OpenRun, params: Mapping[str, str]) -> None:
-        Param = import_mlflow().entities.Param
-        run.client.log_batch(run.run_id, params=[Param(k, v) for k, v in params.items()], synchronous=True)
-
-    def _log_tags(self, run: OpenRun) -> None:
-        RunTag = import_mlflow().entities.RunTag
+    def _run_tags(self) -> dict[str, str]:
         tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags(), DESCRIBED_TAG: "true"}
         if self.description:
             tags[NOTE_TAG] = self.description
         tags.update({key: REDACTED if self._secret(key) else value for key, value in self.tags.items()})
-        run.client.log_batch(run.run_id, tags=[RunTag(k, scrub(str(v))) for k, v in tags.items()], synchronous=True)
-
-    def _log_launch_file(self, run: OpenRun, path: Path) -> None:
-        with tempfile.TemporaryDirectory(prefix="otel-forge-launch-") as directory:
-            run.client.log_artifact(run.run_id, str(redacted_copy(path, self._secret, Path(directory))))
+        return {key: scrub(str(value)) for key, value in tags.items()}
 
     def _submit(self, call: Callable[[], None]) -> bool:
         return self._worker is not None and self._worker.submit(call)
@@ -551,34 +561,35 @@ class TrainingRun:
             # A run still opening queues its metadata when it opens: let it, within the budget.
             concurrent.futures.wait([self._opening], timeout=left(_END_RESERVE_S))
         self._stopping.set()
-        undelivered = self._worker.close(left(_END_RESERVE_S)) if self._worker is not None else 0
+        if self._worker is not None:
+            self._worker.close(left(_END_RESERVE_S))
         if stopping is not None:
             stopping.join(left(_END_RESERVE_S))
         if self._owner is not None:
             self._end(status, max(left(), 1.0))
-        self._keep_undelivered(status, undelivered)
+        self._keep_undelivered(status)
 
-    def _keep_undelivered(self, status: str, undelivered_calls: int) -> None:
-        """What close could not deliver: metric rows and the run's end go to a spool that
-        ``otel-forge replay`` delivers; other calls (params, tags, files) are only counted."""
+    def _keep_undelivered(self, status: str) -> None:
+        """What close could not deliver (what describes the run, metric rows, the run's end) goes
+        to a spool that ``otel-forge replay`` delivers."""
         rows = [*self._rows_in_flight, *self._metrics.take(len(self._metrics))]
+        with self._lock:
+            records = list(self._pending_records)
         run = self._run
         if run is None:
             if rows:
                 _logger.warning("MLflow: %d metric value(s) were not delivered: the run never opened", len(rows))
             return
-        if not rows and (self.ended or self._owner is None):
-            if undelivered_calls:
-                _logger.warning("MLflow: %d call(s) for run %s were not delivered before close", undelivered_calls,
-                                run.run_id)
+        if not rows and not records and (self.ended or self._owner is None):
             return
         spool = TrainingSpool(training_spool_path(self._spool_root(), run.run_id))
         header = {"run_id": run.run_id, "experiment_id": run.experiment_id, "status": status, "ended": self.ended,
                   "tracking_uri": uri_without_credentials(self.tracking_uri), "node": dataclasses.asdict(self.node)}
-        if spool.keep(rows, header):
-            _logger.warning("MLflow: %d metric value(s) for run %s were not delivered%s; they are kept in %s. "
-                            "Deliver them with: otel-forge replay %s", len(rows), run.run_id,
-                            "" if self.ended else f" and the run was not ended {status}", spool.path, spool.path)
+        if spool.keep(rows, header, records):
+            _logger.warning("MLflow: %d metric value(s) and %d call(s) describing run %s were not delivered%s; "
+                            "they are kept in %s. Deliver them with: otel-forge replay %s", len(rows), len(records),
+                            run.run_id, "" if self.ended else f" and the run was not ended {status}", spool.path,
+                            spool.path)
 
     def _spool_root(self) -> Path:
         return Path(self.forge_config.spool_dir) if self.forge_config.spool_dir else default_spool_root()

@@ -1,22 +1,26 @@
-"""What a ``TrainingRun`` could not deliver before close: its training metrics and the run's end.
+"""What a ``TrainingRun`` could not deliver before close: its records (tags, params, config and
+launch file), its training metrics and the run's end.
 
 A directory per run and process beside the system-metrics spools: ``spool.json`` (kind
-``training``, run id, tracking URI without credentials, how the run ended and who ended it) and
-the metric rows in files of at most one ``log_batch`` each, written whole (0600 in a 0700
-directory). ``otel-forge replay PATH`` sends the rows in order, then ends the run as it ended.
+``training``, run id, tracking URI without credentials, how the run ended and who ended it),
+``records.json``, and the metric rows in files of at most one ``log_batch`` each, all written
+whole (0600 in a 0700 directory). ``otel-forge replay PATH`` sends the records, then the rows in
+order, then ends the run as it ended.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH
+from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, import_mlflow
 from otel_forge.mlflow.metric_buffer import MetricRow
 from otel_forge.mlflow.spool import HEADER, write_atomically
 
@@ -24,6 +28,28 @@ _logger = logging.getLogger(__name__)
 
 KIND = "training"
 _SUFFIX = ".metrics.json"
+RECORDS = "records.json"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One call that describes the run, as data (so it can wait in a spool): ``tags`` and
+    ``params`` (key -> value), ``dict`` and ``text`` artifacts (``{"name", "data"}``)."""
+
+    kind: str
+    payload: Any
+
+    def deliver(self, client: Any, run_id: str) -> None:
+        entities = import_mlflow().entities
+        if self.kind == "tags":
+            client.log_batch(run_id, tags=[entities.RunTag(k, v) for k, v in self.payload.items()], synchronous=True)
+        elif self.kind == "params":
+            client.log_batch(run_id, params=[entities.Param(k, v) for k, v in self.payload.items()],
+                             synchronous=True)
+        elif self.kind == "dict":
+            client.log_dict(run_id, self.payload["data"], self.payload["name"])
+        else:
+            client.log_text(run_id, self.payload["data"], self.payload["name"])
 
 
 class TrainingSpool:
@@ -32,10 +58,12 @@ class TrainingSpool:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def keep(self, rows: Sequence[MetricRow], header: dict[str, Any]) -> bool:
-        """Write the rows (in ``log_batch``-sized files) and the header; False if it cannot."""
+    def keep(self, rows: Sequence[MetricRow], header: dict[str, Any], records: Sequence[Record] = ()) -> bool:
+        """Write the records, the rows (in ``log_batch``-sized files) and the header; False if it cannot."""
         try:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if records:
+                write_atomically(self.path / RECORDS, json.dumps([dataclasses.asdict(r) for r in records]))
             for number, start in enumerate(range(0, len(rows), MAX_METRICS_PER_BATCH)):
                 chunk = [list(row) for row in rows[start:start + MAX_METRICS_PER_BATCH]]
                 write_atomically(self.path / f"{number:09d}{_SUFFIX}", json.dumps(chunk))
@@ -49,6 +77,13 @@ class TrainingSpool:
     @property
     def header(self) -> dict[str, Any]:
         return dict(json.loads((self.path / HEADER).read_text()))
+
+    def records(self) -> list[Record]:
+        path = self.path / RECORDS
+        return [Record(**record) for record in json.loads(path.read_text())] if path.exists() else []
+
+    def records_delivered(self) -> None:
+        (self.path / RECORDS).unlink(missing_ok=True)
 
     def batches(self) -> Iterator[tuple[Path, list[MetricRow]]]:
         """Each file's rows, oldest first; a file that is not rows is set aside as ``*.corrupt``."""

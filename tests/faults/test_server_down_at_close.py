@@ -45,3 +45,36 @@ def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, 
     assert sorted(m.step for m in client.get_metric_history(run.run_id, "loss")) == list(range(200))
     assert client.get_run(run.run_id).info.status == "FINISHED"
     assert not (tmp_path / "spool").exists() or not any((tmp_path / "spool").iterdir())
+
+
+def test_what_describes_the_run_is_kept_too_and_replayed(server, tmp_path, caplog) -> None:
+    from mlflow import MlflowClient
+
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    launch = tmp_path / "train.toml"
+    launch.write_text('[optim]\nlr = 0.1\npassword = "hunter2"\n')
+    config = ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path / "spool"), drain_deadline_s=0.5)
+    big = {f"layer_{i:04d}": i for i in range(3000)}  # 30 calls of params
+    run = TrainingRun(big, tracking_uri=server.uri, experiment="describe-at-close", system_metrics=False,
+                      forge_config=config, launch_argv=["train.py", str(launch)])
+    assert run.start()
+    server.kill()  # most of what describes the run is still queued
+    run.log({"loss": 1.0}, 0)
+    run.close()
+    kept = [r.getMessage() for r in caplog.records if "otel-forge replay" in r.getMessage()]
+    assert len(kept) == 1, caplog.text
+    path = re.search(r"otel-forge replay (\S+)", kept[0]).group(1)  # type: ignore[union-attr]
+    assert "hunter2" not in "".join(p.read_text() for p in (tmp_path / "spool").rglob("*.json"))
+
+    server.start()
+    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", path], capture_output=True, text=True,
+                            timeout=180, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    client = MlflowClient(server.uri)
+    data = client.get_run(run.run_id).data
+    assert len(data.params) == 3000 and data.metrics == {"loss": 1.0}
+    assert data.tags["otel_forge.described"] == "true"
+    uploaded = client.download_artifacts(run.run_id, "train.toml", str(tmp_path / "dl"))
+    assert 'password = "***"' in open(uploaded).read()
+    assert client.get_run(run.run_id).info.status == "FINISHED"
