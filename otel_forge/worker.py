@@ -118,10 +118,14 @@ class DeliveryWorker(Generic[T]):
             if self._stopped or (self._closing and not follow_up):
                 self.stats.dropped += 1
                 return False
-            if self._write_ahead and self._overflow.append(item):  # type: ignore[union-attr]
-                self.stats.spooled += 1
-                self._cond.notify()
-                return True
+            if self._write_ahead:
+                # Counted as spooled only when it has to wait behind others (the server is down or
+                # behind): a window written and sent at once is the healthy case.
+                waits = bool(len(self._overflow))  # type: ignore[arg-type]
+                if self._overflow.append(item):  # type: ignore[union-attr]
+                    self.stats.spooled += waits
+                    self._cond.notify()
+                    return True
             # Once anything is in the overflow, newer items follow it there: order is kept.
             spilled = self._overflow is not None and len(self._overflow) and not self._write_ahead
             if len(self._queue) < self._max_queue and not spilled:

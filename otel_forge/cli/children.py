@@ -120,8 +120,8 @@ class Watchdog:
     def hand_over(self, status: str) -> None:
         """We could not end the run: the watchdog ends it with ``status`` when the server answers."""
         self._say(f"end {status}\n".encode())
-        _logger.warning("the run could not be ended now; a watchdog (pid %d) ends it %s once the tracking server "
-                        "answers", self.pid, status)
+        _logger.info("the run could not be ended now; a watchdog (pid %d) ends it %s once the tracking server "
+                     "answers", self.pid, status)
 
     def _say(self, message: bytes) -> None:
         try:

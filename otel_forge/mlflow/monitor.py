@@ -41,7 +41,7 @@ class RunInfoCollector(Collector):
 
     def read(self, readings: Readings) -> None:
         logger = self._window_logger
-        if logger.experiment_id is None:
+        if logger.experiment_id is None or logger.run_id is None:
             return  # not read from the server yet: one series per run, never a relabelled one
         readings.add("otel_forge.run.info", 1, {
             "mlflow.run.id": logger.run_id, "mlflow.experiment.id": logger.experiment_id,
@@ -116,7 +116,7 @@ class SystemMetricsMonitor:
 
     @property
     def endpoints(self) -> list[str]:
-        if self.agent is None:
+        if self.agent is None or self.exporter is None:
             return []
         run = self.config.run_id or "(when it opens)"
         return [*self.agent.endpoints, f"mlflow run {run} ({self.exporter.window_logger.prefix}...)"]

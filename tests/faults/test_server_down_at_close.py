@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from hermetic import hermetic_environ
 
@@ -75,6 +76,6 @@ def test_what_describes_the_run_is_kept_too_and_replayed(server, tmp_path, caplo
     data = client.get_run(run.run_id).data
     assert len(data.params) == 3000 and data.metrics == {"loss": 1.0}
     assert data.tags["otel_forge.described"] == "true"
-    uploaded = client.download_artifacts(run.run_id, "train.toml", str(tmp_path / "dl"))
-    assert 'password = "***"' in open(uploaded).read()
+    uploaded = Path(client.download_artifacts(run.run_id, "train.toml", str(tmp_path / "dl")))
+    assert 'password = "***"' in uploaded.read_text()
     assert client.get_run(run.run_id).info.status == "FINISHED"
