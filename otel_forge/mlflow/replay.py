@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from otel_forge.mlflow.client import RunGone, WindowLogger, import_mlflow, live_run, make_client, next_system_step
 from otel_forge.mlflow.outcome import end_run
+from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, find_experiment, publish, published_run_id
 from otel_forge.mlflow.spool import WindowSpool
 from otel_forge.mlflow.training_spool import TrainingSpool, is_training_spool
 from otel_forge.node import NodeIdentity
@@ -37,6 +39,8 @@ def replay_training(path: Path, tracking_uri: str | None = None) -> ReplayResult
     spool = TrainingSpool(path)
     header = spool.header
     client = make_client(tracking_uri or header.get("tracking_uri"))
+    if header.get("run_id") is None:
+        header = _open_run(client, spool, header)
     for record in spool.records():
         record.deliver(client, header["run_id"])
     spool.records_delivered()
@@ -55,6 +59,28 @@ def replay_training(path: Path, tracking_uri: str | None = None) -> ReplayResult
     if not set_aside:
         spool.remove()
     return ReplayResult(delivered, 0, header["run_id"], set_aside, ended, "metric value(s)")
+
+
+def _open_run(client: Any, spool: TrainingSpool, header: dict[str, Any]) -> dict[str, Any]:
+    """The run a TrainingRun would have opened, had the server answered while the job ran: the
+    one asked for, else the job key's, else a new one (recorded at once: a retry continues it)."""
+    spec = header["open"]
+    if (run_id := spec.get("run_id")) is not None:
+        experiment_id = client.get_run(run_id).info.experiment_id
+    else:
+        experiment = find_experiment(client, spec["experiment"])
+        experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(
+            spec["experiment"])
+        key = spec.get("job_key")
+        run_id = published_run_id(experiment, key) if key else None
+        if run_id is None:
+            run_id = client.create_run(experiment_id, run_name=spec.get("run_name"),
+                                       tags={JOB_KEY_TAG: key} if key else None).info.run_id
+            if key:
+                publish(client, experiment_id, key, run_id)
+    header = {**header, "run_id": run_id, "experiment_id": experiment_id}
+    spool.write_header(header)
+    return header
 
 
 def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:

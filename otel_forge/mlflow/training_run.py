@@ -150,6 +150,7 @@ class TrainingRun:
         self._flush_pending = False
         self._rows_in_flight: list = []  # taken from the buffer by the flush being delivered
         self._pending_records: list[Record] = []  # describing the run, not delivered yet
+        self._outage_at_open = False  # closed while the server never answered the open
         # A run `otel-forge run` opened for this process is this attempt's, not a requeued one.
         self._launched = bool(self.requested_run_id) and self.requested_run_id == os.environ.get(LAUNCHED_RUN_ENV)
         self._describe_launched = self._launched and self.requested_run_id == os.environ.get(DESCRIBE_RUN_ENV)
@@ -240,8 +241,12 @@ class TrainingRun:
                 run = self._find_or_create(make_client(self.tracking_uri))
                 break
             except Exception as error:  # noqa: BLE001 - reported once; training goes on without MLflow
-                if not self._transient(error) or self._stopping.wait(pause_s):
+                if not self._transient(error):
                     self._disable(error)
+                    raise
+                if self._stopping.wait(pause_s):
+                    self.open_error = error  # closed before the server answered: close() keeps what waits
+                    self._outage_at_open = True
                     raise
                 pause_s = min(pause_s * 2, _MAX_OPEN_RETRY_S)
         if run is None:
@@ -372,16 +377,20 @@ class TrainingRun:
         """Everything that describes the run, as records made here (off the training thread,
         linear in the config's size, secrets masked) and delivered by the worker."""
         self.described = True
+        for record in self._describe():
+            self._submit_record(run, record)
+
+    def _describe(self) -> list[Record]:
         # Tags and the files first: a large config's params take many calls (100 per call).
-        self._submit_record(run, Record("tags", self._run_tags()))
+        records = [Record("tags", self._run_tags())]
         if (launch_file := launch_config_path(self.launch_argv)) is not None:
             text = self._secret.redact_text(launch_file.read_text(errors="replace"))
-            self._submit_record(run, Record("text", {"name": launch_file.name, "data": text}))
+            records.append(Record("text", {"name": launch_file.name, "data": text}))
         if self.config is not None:
             plain = redact(config_as_dict(self.config), self._secret)
-            self._submit_record(run, Record("dict", {"name": CONFIG_ARTIFACT, "data": plain}))
-            for params in batches(self._param_keys(flatten_params(plain))):
-                self._submit_record(run, Record("params", params))
+            records.append(Record("dict", {"name": CONFIG_ARTIFACT, "data": plain}))
+            records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
+        return records
 
     def _submit_record(self, run: OpenRun, record: Record) -> None:
         # Kept until delivered (or refused): close() spools what is left, for `otel-forge replay`.
@@ -576,20 +585,27 @@ class TrainingRun:
         with self._lock:
             records = list(self._pending_records)
         run = self._run
-        if run is None:
+        header: dict[str, Any] = {"status": status, "ended": self.ended, "node": dataclasses.asdict(self.node),
+                                  "tracking_uri": uri_without_credentials(self.tracking_uri)}
+        if run is not None:
+            header.update(run_id=run.run_id, experiment_id=run.experiment_id)
+        elif self._outage_at_open and self._owns_run and not self._launcher_opens:
+            # The server never answered while the job ran: replay opens the run as we would have.
+            header.update(run_id=None, open={"experiment": self.experiment, "run_name": self.run_name,
+                                             "run_id": self.requested_run_id, "job_key": self.node.job_key})
+            records = self._describe()
+        else:
             if rows:
                 _logger.warning("MLflow: %d metric value(s) were not delivered: the run never opened", len(rows))
             return
         if not rows and not records and (self.ended or self._owner is None):
             return
-        spool = TrainingSpool(training_spool_path(self._spool_root(), run.run_id))
-        header = {"run_id": run.run_id, "experiment_id": run.experiment_id, "status": status, "ended": self.ended,
-                  "tracking_uri": uri_without_credentials(self.tracking_uri), "node": dataclasses.asdict(self.node)}
+        spool = TrainingSpool(training_spool_path(self._spool_root(), header["run_id"] or "unopened"))
         if spool.keep(rows, header, records):
             _logger.warning("MLflow: %d metric value(s) and %d call(s) describing run %s were not delivered%s; "
                             "they are kept in %s. Deliver them with: otel-forge replay %s", len(rows), len(records),
-                            run.run_id, "" if self.ended else f" and the run was not ended {status}", spool.path,
-                            spool.path)
+                            header["run_id"] or "(not opened yet)",
+                            "" if self.ended else f" and the run was not ended {status}", spool.path, spool.path)
 
     def _spool_root(self) -> Path:
         return Path(self.forge_config.spool_dir) if self.forge_config.spool_dir else default_spool_root()

@@ -78,6 +78,9 @@ class TrainingSpool:
     def header(self) -> dict[str, Any]:
         return dict(json.loads((self.path / HEADER).read_text()))
 
+    def write_header(self, header: dict[str, Any]) -> None:
+        write_atomically(self.path / HEADER, json.dumps({**header, "kind": KIND}))
+
     def records(self) -> list[Record]:
         path = self.path / RECORDS
         return [Record(**record) for record in json.loads(path.read_text())] if path.exists() else []

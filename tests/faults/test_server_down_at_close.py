@@ -79,3 +79,29 @@ def test_what_describes_the_run_is_kept_too_and_replayed(server, tmp_path, caplo
     uploaded = Path(client.download_artifacts(run.run_id, "train.toml", str(tmp_path / "dl")))
     assert 'password = "***"' in uploaded.read_text()
     assert client.get_run(run.run_id).info.status == "FINISHED"
+
+
+def test_a_job_that_ends_before_the_server_ever_answers_is_replayed_into_a_new_run(server, tmp_path, caplog) -> None:
+    from mlflow import MlflowClient
+
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    server.kill()  # down for the whole job
+    config = ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path / "spool"), drain_deadline_s=1.0)
+    with TrainingRun({"lr": 0.1}, tracking_uri=server.uri, experiment="never-answered", system_metrics=False,
+                     forge_config=config, launch_argv=["train.py"]) as run:
+        for step in range(50):
+            run.log({"loss": float(step)}, step)
+    assert run.run_id is None
+    kept = [r.getMessage() for r in caplog.records if "otel-forge replay" in r.getMessage()]
+    assert len(kept) == 1 and "50 metric value(s)" in kept[0], caplog.text
+    path = re.search(r"otel-forge replay (\S+)", kept[0]).group(1)  # type: ignore[union-attr]
+
+    server.start()
+    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", path], capture_output=True, text=True,
+                            timeout=120, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    client = MlflowClient(server.uri)
+    [opened] = client.search_runs([client.get_experiment_by_name("never-answered").experiment_id])
+    assert sorted(m.step for m in client.get_metric_history(opened.info.run_id, "loss")) == list(range(50))
+    assert opened.data.params == {"lr": "0.1"} and opened.info.status == "FINISHED"
