@@ -295,6 +295,8 @@ class TrainingRun:
         if key is not None and (published := published_run_id(experiment, key)) is not None:
             run = self._resume(client, published)  # a requeued job continues its run
         if run is None:
+            if self._stopping.is_set():  # closed meanwhile: close() keeps what waits, replay makes the run
+                raise RuntimeError("closed before the run was made")
             # Kept across retries: a failure after the create must not create a second run.
             run = self._created = self._created or self._create(client, experiment_id)
         if (key := self.node.job_key) is not None:  # read again: `otel-forge run` may hand one out meanwhile
@@ -589,7 +591,8 @@ class TrainingRun:
                                   "tracking_uri": uri_without_credentials(self.tracking_uri)}
         if run is not None:
             header.update(run_id=run.run_id, experiment_id=run.experiment_id)
-        elif self._outage_at_open and self._owns_run and not self._launcher_opens:
+        elif self._owns_run and not self._launcher_opens and (
+                self._outage_at_open or (self._opening is not None and not self._opening.done())):
             # The server never answered while the job ran: replay opens the run as we would have.
             header.update(run_id=None, open={"experiment": self.experiment, "run_name": self.run_name,
                                              "run_id": self.requested_run_id, "job_key": self.node.job_key})
