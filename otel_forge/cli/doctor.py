@@ -78,6 +78,7 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
     """Spool directories left by a close: what is pending and how delivery went. A training run's
     spool counts its files of metric rows and says whether the run still has to be ended."""
     from otel_forge.mlflow.spool import HEADER, STATS, default_spool_root
+    from otel_forge.mlflow.training_spool import KIND as TRAINING_SPOOL
 
     root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
     found = []
@@ -85,7 +86,7 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
         directory = header.parent
         info = json.loads(header.read_text())
         stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}
-        if info.get("kind") == "training" and not info.get("ended"):
+        if info.get("kind") == TRAINING_SPOOL and not info.get("ended"):
             stats = {**stats, "run end pending": info.get("status")}
         found.append({"path": str(directory), "run_id": info.get("run_id"), "node_id": info.get("node_id"),
                       "pending_windows": len(list(directory.glob("*.window.json"))) +

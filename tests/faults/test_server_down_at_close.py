@@ -17,6 +17,20 @@ from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training_run import TrainingRun
 
 
+def _kept(caplog) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    """The one warning that names a kept spool, and the spool's path."""
+    kept = [r.getMessage() for r in caplog.records if "otel-forge replay" in r.getMessage()]
+    assert len(kept) == 1, caplog.text
+    return kept[0], re.search(r"otel-forge replay (\S+)", kept[0]).group(1)  # type: ignore[union-attr]
+
+
+def _replay(path: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", path], capture_output=True, text=True,
+                            timeout=timeout_s, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    return result
+
+
 def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, caplog) -> None:
     from mlflow import MlflowClient
 
@@ -32,15 +46,12 @@ def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, 
         server.kill()
         for step in range(30, 200):
             run.log({"loss": float(step)}, step)
-    kept = [r.getMessage() for r in caplog.records if "otel-forge replay" in r.getMessage()]
-    assert len(kept) == 1 and "and the run was not ended FINISHED" in kept[0], caplog.text
-    path = re.search(r"otel-forge replay (\S+)", kept[0]).group(1)  # type: ignore[union-attr]
+    message, path = _kept(caplog)
+    assert "and the run was not ended FINISHED" in message
 
     server.start()
-    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", path], capture_output=True, text=True,
-                            timeout=120, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+    result = _replay(path)
 
-    assert result.returncode == 0, (result.stdout, result.stderr)
     assert re.search(r"delivered \d+ metric value\(s\) to run \w+ and ended it FINISHED", result.stdout)
     client = MlflowClient(server.uri)
     assert sorted(m.step for m in client.get_metric_history(run.run_id, "loss")) == list(range(200))
@@ -62,16 +73,12 @@ def test_what_describes_the_run_is_kept_too_and_replayed(server, tmp_path, caplo
     server.kill()  # most of what describes the run is still queued
     run.log({"loss": 1.0}, 0)
     run.close()
-    kept = [r.getMessage() for r in caplog.records if "otel-forge replay" in r.getMessage()]
-    assert len(kept) == 1, caplog.text
-    path = re.search(r"otel-forge replay (\S+)", kept[0]).group(1)  # type: ignore[union-attr]
+    _, path = _kept(caplog)
     assert "hunter2" not in "".join(p.read_text() for p in (tmp_path / "spool").rglob("*.json"))
 
     server.start()
-    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", path], capture_output=True, text=True,
-                            timeout=180, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+    _replay(path)
 
-    assert result.returncode == 0, (result.stdout, result.stderr)
     client = MlflowClient(server.uri)
     data = client.get_run(run.run_id).data
     assert len(data.params) == 3000 and data.metrics == {"loss": 1.0}
@@ -92,15 +99,12 @@ def test_a_job_that_ends_before_the_server_ever_answers_is_replayed_into_a_new_r
         for step in range(50):
             run.log({"loss": float(step)}, step)
     assert run.run_id is None
-    kept = [r.getMessage() for r in caplog.records if "otel-forge replay" in r.getMessage()]
-    assert len(kept) == 1 and "50 metric value(s)" in kept[0], caplog.text
-    path = re.search(r"otel-forge replay (\S+)", kept[0]).group(1)  # type: ignore[union-attr]
+    message, path = _kept(caplog)
+    assert "50 metric value(s)" in message
 
     server.start()
-    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", path], capture_output=True, text=True,
-                            timeout=120, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+    _replay(path)
 
-    assert result.returncode == 0, (result.stdout, result.stderr)
     client = MlflowClient(server.uri)
     [opened] = client.search_runs([client.get_experiment_by_name("never-answered").experiment_id])
     assert sorted(m.step for m in client.get_metric_history(opened.info.run_id, "loss")) == list(range(50))
