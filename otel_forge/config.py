@@ -2,7 +2,8 @@
 
 A value is resolved as: explicit argument > the first environment variable of its row that is
 set > the default. ``OTEL_*`` and ``MLFLOW_*`` variables mean what their own specifications say;
-``OTEL_FORGE_*`` variables are ours. ``ForgeConfig.sources`` remembers where each value came from,
+``OTEL_FORGE_*`` variables are ours: set but empty is a value (refused where it means nothing), not
+the "unset" the OTel spec makes of an empty ``OTEL_*`` variable. ``ForgeConfig.sources`` remembers where each value came from,
 so an error (and ``otel-forge doctor``) can say so.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 COLLECTOR_NAMES = ("cpu", "memory", "disk", "network", "process", "nvidia", "amd")
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 MLFLOW_STATS = ("mean", "max", "min")
+OWN_PREFIX = "OTEL_FORGE_"
 
 
 class ConfigError(ValueError):
@@ -219,9 +221,13 @@ def _byte_size(text: str) -> int:
         if value.endswith(suffix):
             value, factor = value[: -len(suffix)], multiplier
             break
-    number = float(value) * factor
+    problem = ValueError(f"must be a size from 0 to 1 TiB (bytes, or with KiB/MiB/GiB), got {text!r}")
+    try:
+        number = float(value) * factor
+    except ValueError:
+        raise problem from None
     if not 0 <= number <= _MAX_SPOOL_BYTES:
-        raise ValueError(f"must be a size from 0 to 1 TiB (bytes, or with KiB/MiB/GiB), got {text!r}")
+        raise problem
     return int(number)
 
 
@@ -393,13 +399,22 @@ class ForgeConfig:
         return dataclasses.replace(self, **values, sources=sources)
 
 
+def _is_set(env_name: str, environ: Mapping[str, str]) -> bool:
+    """Whether a variable gives a value. The OTel spec makes an empty OTEL_*/MLflow variable unset;
+    an empty variable of our own is a value like any other (and refused where it means nothing)."""
+    value = environ.get(env_name)
+    if value is None:
+        return False
+    return env_name.startswith(OWN_PREFIX) or bool(value.strip())
+
+
 def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str],
                  argument_source: str = ARGUMENT) -> tuple[Any, str]:
     if explicit is not None:
         source = argument_source
         raw = explicit
     else:
-        env_name = next((name for name in setting.env if environ.get(name, "").strip()), None)
+        env_name = next((name for name in setting.env if _is_set(name, environ)), None)
         if env_name is None:
             return setting.default, DEFAULT
         source = f"env {env_name}"

@@ -66,15 +66,32 @@ def test_invalid_values_name_the_setting_and_the_source(name, raw, words):
 
 
 @pytest.mark.parametrize("name, words", [("collectors", "at least one of"), ("mlflow_stats", "at least one of"),
-                                         ("prometheus_host", "host name or an IP address"),
-                                         ("gpus", "'all', 'visible'")])
-def test_an_empty_argument_is_refused_though_an_empty_variable_means_unset(name, words):
-    # The OTel spec: an empty environment variable is unset. An empty flag is a mistake.
+                                         ("gpus", "'all', 'visible'"), ("spool_max_bytes", "size from 0")])
+def test_an_empty_value_of_ours_is_refused(name, words):
     setting = next(s for s in SETTINGS if s.name == name)
-    assert getattr(ForgeConfig.resolve(environ={setting.env[0]: ""}), name) == setting.default
-    with pytest.raises(ConfigError, match=rf"invalid {name} \(from --flag\)") as error:
+    own_variable = next(env for env in setting.env if env.startswith("OTEL_FORGE_"))
+    with pytest.raises(ConfigError, match=rf"invalid {name} \(from env {own_variable}\)") as from_env:
+        ForgeConfig.resolve(environ={own_variable: ""})
+    assert words in str(from_env.value)
+    with pytest.raises(ConfigError, match=rf"invalid {name} \(from --flag\)") as from_flag:
         ForgeConfig.resolve(environ={}, argument_names={name: "--flag"}, **{name: ""})
-    assert words in str(error.value)
+    assert words in str(from_flag.value)
+
+
+def test_an_empty_spec_variable_means_unset():
+    # The OTel spec: an empty OTEL_* variable is unset; the next variable of the row, or the default, applies.
+    config = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "",
+                                         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+                                         "OTEL_EXPORTER_PROMETHEUS_HOST": " ", "MLFLOW_TRACKING_URI": ""})
+    assert config.otlp_endpoint == "http://127.0.0.1:4318"
+    assert config.sources["otlp_endpoint"] == "env OTEL_EXPORTER_OTLP_ENDPOINT"
+    assert (config.prometheus_host, config.sources["prometheus_host"]) == ("localhost", "default")
+    assert config.tracking_uri is None
+
+
+def test_an_empty_prometheus_host_flag_is_refused_rather_than_binding_every_interface():
+    with pytest.raises(ConfigError, match=r"invalid prometheus_host \(from --prometheus-host\)"):
+        ForgeConfig.resolve(environ={}, argument_names={"prometheus_host": "--prometheus-host"}, prometheus_host="")
 
 
 def test_otlp_http_endpoint_gains_the_signal_path_only_when_generic():

@@ -86,8 +86,9 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
         directory = header.parent
         info = json.loads(header.read_text())
         stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}
-        if info.get("kind") == TRAINING_SPOOL and not info.get("ended"):
-            stats = {**stats, "run end pending": info.get("status")}
+        if info.get("kind") == TRAINING_SPOOL:
+            stats = {**stats, **({"values refused by log()": info["rejected"]} if info.get("rejected") else {}),
+                     **({} if info.get("ended") else {"run end pending": info.get("status")})}
         found.append({"path": str(directory), "run_id": info.get("run_id"), "node_id": info.get("node_id"),
                       "pending_windows": len(list(directory.glob("*.window.json"))) +
                       len(list(directory.glob("*.metrics.json"))), "stats": stats,

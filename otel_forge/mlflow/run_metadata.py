@@ -28,6 +28,8 @@ GIT_DIRTY_TAG = "mlflow.source.git.dirty"
 NOTE_TAG = "mlflow.note.content"
 # Set once a run holds a job's params, tags and config: a resume never records them again.
 DESCRIBED_TAG = "otel_forge.described"
+# How many values log() or the server refused (each warned): the count a user finds on the run.
+REJECTED_TAG = "otel_forge.log.rejected"
 PARAM_VALUE_MAX_CHARS = 6000  # MLflow's limit for a param value
 PARAMS_PER_BATCH = 100
 # A config text value past this is cut, with a marker, before anything else reads it.

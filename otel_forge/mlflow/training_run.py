@@ -39,6 +39,7 @@ from otel_forge.mlflow.outcome import begin_attempt, end_run
 from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, find_experiment, publish, published_run_id, wait_for_run
 from otel_forge.mlflow.run_metadata import (
     DESCRIBED_TAG,
+    REJECTED_TAG,
     NOTE_TAG,
     batches,
     config_as_dict,
@@ -148,6 +149,7 @@ class TrainingRun:
         self._key_names: dict[Any, str | None] = {}
         self.rejected = 0  # metric values log() refused (bad step, key or value), each warned
         self._flush_pending = False
+        self._rejected_recorded = False
         self._rows_in_flight: list = []  # taken from the buffer by the flush being delivered
         self._pending_records: list[Record] = []  # describing the run, not delivered yet
         self._outage_at_open = False  # closed while the server never answered the open
@@ -394,11 +396,12 @@ class TrainingRun:
             records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
         return records
 
-    def _submit_record(self, run: OpenRun, record: Record) -> None:
+    def _submit_record(self, run: OpenRun, record: Record, follow_up: bool = False) -> None:
         # Kept until delivered (or refused): close() spools what is left, for `otel-forge replay`.
         with self._lock:
             self._pending_records.append(record)
-        self._submit(lambda: self._deliver_record(run, record))
+        if self._worker is not None:
+            self._worker.submit(lambda: self._deliver_record(run, record), follow_up=follow_up)
 
     def _deliver_record(self, run: OpenRun, record: Record) -> None:
         try:
@@ -493,6 +496,7 @@ class TrainingRun:
         with self._lock:
             self._flush_pending = bool(len(self._metrics)) and self._worker is not None \
                 and self._worker.submit(_MetricFlush(self), follow_up=True)
+        self._record_rejected(follow_up=True)
 
     def _live_run(self) -> OpenRun:
         """On the worker: the open run, waiting for the opening within the call deadline."""
@@ -572,6 +576,7 @@ class TrainingRun:
             # A run still opening queues its metadata when it opens: let it, within the budget.
             concurrent.futures.wait([self._opening], timeout=left(_END_RESERVE_S))
         self._stopping.set()
+        self._record_rejected()
         if self._worker is not None:
             self._worker.close(left(_END_RESERVE_S))
         if stopping is not None:
@@ -579,16 +584,39 @@ class TrainingRun:
         if self._owner is not None:
             self._end(status, max(left(), 1.0))
         self._keep_undelivered(status)
+        if self.rejected:  # the warnings per value are rate-limited: the total, once
+            _logger.warning("MLflow: %d metric value(s) were refused in all (bad step, key or value); "
+                            "tag %s of the run holds the count", self.rejected, REJECTED_TAG)
+
+    def _record_rejected(self, follow_up: bool = False) -> None:
+        """Once closing and no flush is left (a flush may still find values the server refuses):
+        the count of refused values, as a tag of the run."""
+        with self._lock:
+            run = self._run
+            if (self._flush_pending or self._rejected_recorded or not self._stopping.is_set() or not self.rejected
+                    or run is None):
+                return
+            self._rejected_recorded = True
+        self._submit_record(run, self._rejected_record(), follow_up)
+
+    def _rejected_record(self) -> Record:
+        return Record("tags", {REJECTED_TAG: str(self.rejected)})
+
+    def _unrecorded_rejected(self) -> list[Record]:
+        """The refused count's record when no flush got to submit it (the run never opened, the
+        server down at close): replay sets it."""
+        return [self._rejected_record()] if self.rejected and not self._rejected_recorded else []
 
     def _keep_undelivered(self, status: str) -> None:
         """What close could not deliver (what describes the run, metric rows, the run's end) goes
         to a spool that ``otel-forge replay`` delivers."""
         rows = [*self._rows_in_flight, *self._metrics.take(len(self._metrics))]
         with self._lock:
-            records = list(self._pending_records)
+            records = [*self._pending_records, *self._unrecorded_rejected()]
         run = self._run
         header: dict[str, Any] = {"status": status, "ended": self.ended, "node": dataclasses.asdict(self.node),
-                                  "tracking_uri": uri_without_credentials(self.tracking_uri)}
+                                  "tracking_uri": uri_without_credentials(self.tracking_uri),
+                                  "rejected": self.rejected}
         if run is not None:
             header.update(run_id=run.run_id, experiment_id=run.experiment_id)
         elif self._owns_run and not self._launcher_opens and (
@@ -596,7 +624,7 @@ class TrainingRun:
             # The server never answered while the job ran: replay opens the run as we would have.
             header.update(run_id=None, open={"experiment": self.experiment, "run_name": self.run_name,
                                              "run_id": self.requested_run_id, "job_key": self.node.job_key})
-            records = self._describe()
+            records = [*self._describe(), *self._unrecorded_rejected()]
         else:
             if rows:
                 _logger.warning("MLflow: %d metric value(s) were not delivered: the run never opened", len(rows))

@@ -57,3 +57,14 @@ def test_a_local_store_that_cannot_be_written_is_one_line_at_once(tmp_path) -> N
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1
     assert result.stderr.startswith("otel-forge: error: invalid tracking_uri (from --tracking-uri): cannot write")
+
+
+def test_an_empty_variable_of_ours_is_one_line_and_cmd_never_runs(tmp_path) -> None:
+    marker = tmp_path / "cmd-ran"
+    result = _run(["--no-prometheus", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"], tmp_path,
+                  env={"OTEL_FORGE_MLFLOW_STATS": "", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "otel-forge: error: invalid mlflow_stats (from env OTEL_FORGE_MLFLOW_STATS): must name at least one of "
+        "mean, max, min, got ''"]
+    assert not marker.exists()

@@ -31,8 +31,11 @@ def _replay(path: str, timeout_s: float = 180) -> subprocess.CompletedProcess[st
     return result
 
 
-def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, caplog) -> None:
+def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, caplog, capsys,
+                                                              monkeypatch) -> None:
     from mlflow import MlflowClient
+
+    from otel_forge.cli import main
 
     caplog.set_level(logging.WARNING, logger="otel_forge")
     config = ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path / "spool"), drain_deadline_s=1.0)
@@ -46,8 +49,12 @@ def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, 
         server.kill()
         for step in range(30, 200):
             run.log({"loss": float(step)}, step)
+        run.log({"loss": 0.0}, step=-1)
     message, path = _kept(caplog)
     assert "and the run was not ended FINISHED" in message
+    monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path / "spool"))
+    assert main(["doctor", "--collectors", "cpu"]) == 0
+    assert "values refused by log() 1, run end pending FINISHED" in capsys.readouterr().out
 
     server.start()
     result = _replay(path)
@@ -56,6 +63,7 @@ def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, 
     client = MlflowClient(server.uri)
     assert sorted(m.step for m in client.get_metric_history(run.run_id, "loss")) == list(range(200))
     assert client.get_run(run.run_id).info.status == "FINISHED"
+    assert client.get_run(run.run_id).data.tags["otel_forge.log.rejected"] == "1"
     assert not (tmp_path / "spool").exists() or not any((tmp_path / "spool").iterdir())
 
 

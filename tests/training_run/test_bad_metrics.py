@@ -36,6 +36,8 @@ def test_bad_steps_keys_and_values_cost_only_themselves(mlflow_server, client, e
     assert run.rejected == 300 + 1 + 5 + 3
     warned = [r for r in caplog.records if "dropped (" in r.getMessage()]
     assert 1 <= len(warned) <= 2, [r.getMessage() for r in warned]  # rate-limited: one a minute
+    assert client.get_run(run.run_id).data.tags["otel_forge.log.rejected"] == "309"
+    assert "309 metric value(s) were refused in all" in caplog.records[-1].getMessage()
 
 
 def test_a_batch_the_server_refuses_loses_only_the_refused_value(mlflow_server, client, experiment, caplog):
@@ -49,4 +51,6 @@ def test_a_batch_the_server_refuses_loses_only_the_refused_value(mlflow_server, 
     assert _steps(client, run.run_id, "loss") == list(range(200))
     assert client.get_metric_history(run.run_id, "poison") == []
     assert run.rejected == 1
+    # Counted by the last flush, after close began: the tag still holds it.
+    assert client.get_run(run.run_id).data.tags["otel_forge.log.rejected"] == "1"
     assert any("'poison' at step 77 refused by the server" in r.getMessage() for r in caplog.records), caplog.text
