@@ -260,7 +260,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sampling_interval_s", ("OTEL_FORGE_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"),
             _interval, 10.0, "Seconds between two samples of the hardware (periodic readers' interval), 0.01 to 86400."),
     Setting("samples_per_window", ("OTEL_FORGE_SAMPLES_PER_WINDOW", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING"),
-            _int_within(1, 10_000), 1, "Samples folded into one MLflow step."),
+            _int_within(1, 10_000), None,
+            "Samples folded into one MLflow step (default: by the job's node count, 1 alone or up to 32 nodes, 3 up "
+            "to 256, 6 beyond: 10, 30, 60 s windows at the default interval; Prometheus and OTLP keep every "
+            "sample)."),
     Setting("max_age_s", ("OTEL_FORGE_MAX_AGE",), _float_within(0.001, MAX_INTERVAL_S, " s"), None,
             "A snapshot younger than this is served from cache (default: 0.9 x sampling interval)."),
     Setting("node_id", ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID"), _node_id, None,
@@ -311,6 +314,9 @@ SETTINGS: tuple[Setting, ...] = (
             "How long closing waits for pending windows before leaving them in the spool."),
 )
 
+# The default samples per MLflow window by the job's node count: (at most this many nodes, samples).
+SAMPLES_PER_WINDOW_BY_NODE_COUNT: tuple[tuple[float, int], ...] = ((32, 1), (256, 3), (math.inf, 6))
+
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 
 # The source recorded for a value that was not read from the environment.
@@ -324,7 +330,7 @@ class ForgeConfig:
     ``SETTINGS``, which holds its default (``ForgeConfig.defaults()``)."""
 
     sampling_interval_s: float
-    samples_per_window: int
+    samples_per_window: int | None
     max_age_s: float | None
     node_id: str | None
     job_id: str | None
@@ -370,6 +376,13 @@ class ForgeConfig:
             values[setting.name], sources[setting.name] = _resolve_one(
                 setting, explicit.get(setting.name), environ, argument_names.get(setting.name, ARGUMENT))
         return cls(**values, sources=sources)
+
+    def mlflow_samples_per_window(self, node_count: int | None) -> int:
+        """Samples per MLflow window: the setting, else a window that grows with the job, so that one
+        tracking server carries a fleet (each node's calls and rows fall with the window)."""
+        if self.samples_per_window is not None:
+            return self.samples_per_window
+        return next(samples for most, samples in SAMPLES_PER_WINDOW_BY_NODE_COUNT if (node_count or 1) <= most)
 
     @classmethod
     def defaults(cls) -> ForgeConfig:

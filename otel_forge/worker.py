@@ -2,9 +2,10 @@
 
 ``DeliveryWorker.submit`` never blocks: it appends to a bounded queue (or, when the queue is full,
 to an ``Overflow`` such as the on-disk spool) and returns. A sender thread delivers the oldest item
-first; each call runs on a call thread under a deadline, so a hung server costs a thread (at most
-``max_call_threads`` of them) and a warning, never the caller. A failure is classified: retried with
-backoff (the item stays first in line), dropped, or the end of delivery (e.g. the run was deleted).
+first; each call runs on a call thread under a deadline, so a hung server costs one thread and a
+warning, never the caller. An item whose call passed its deadline is never sent again while that call
+may still be running: the retry awaits it. A failure is classified: retried with jittered backoff (the
+item stays first in line), dropped, or the end of delivery (e.g. the run was deleted).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from otel_forge.ratelimit import RateLimitedLogger
@@ -74,11 +76,15 @@ class DeliveryWorker(Generic[T]):
     """A bounded, deadline-guarded, in-order delivery of ``T`` items through ``deliver(item)``."""
 
     def __init__(self, deliver: Callable[[T], None], *, name: str, max_queue: int = 64,
-                 max_call_threads: int = 4, call_deadline_s: float = 30.0,
+                 call_deadline_s: float = 30.0,
                  classify: Callable[[BaseException], Outcome] = _retry_everything,
                  overflow: Overflow[T] | None = None, backoff_initial_s: float = 0.5,
-                 backoff_max_s: float = 10.0, write_ahead: bool = False) -> None:
+                 backoff_max_s: float = 10.0, write_ahead: bool = False,
+                 due: Callable[[T], float] | None = None) -> None:
         self.name = name
+        # due(item): the wall-clock time before which the item is not sent (until close hurries it).
+        self._due = due
+        self._hurry = threading.Event()
         self.stats = DeliveryStats()
         self._deliver = deliver
         self._classify = classify
@@ -91,7 +97,7 @@ class DeliveryWorker(Generic[T]):
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._queue: collections.deque[T] = collections.deque()
         self._cond = threading.Condition()
-        self._call_slots = threading.BoundedSemaphore(max_call_threads)
+        self._in_flight: _Call[T] | None = None  # a call past its deadline, awaited by the retry
         self._closing = False
         self._abandon = threading.Event()  # set when the drain deadline has passed
         self._stopped = False
@@ -152,6 +158,7 @@ class DeliveryWorker(Generic[T]):
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        self._hurry.set()
         self._thread.join(drain_deadline_s)
         self._abandon.set()
         self._thread.join()
@@ -195,6 +202,8 @@ class DeliveryWorker(Generic[T]):
                 self._overflow.pop()
 
     def _deliver_until_done(self, item: T) -> None:
+        if self._due is not None and (wait_s := self._due(item) - time.time()) > 0:
+            self._hurry.wait(wait_s)
         backoff_s = self._backoff[0]
         while not self._abandon.is_set():
             error = self._call(item)
@@ -217,7 +226,8 @@ class DeliveryWorker(Generic[T]):
             self.stats.retried += 1
             self._warnings.warning(f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name,
                                    scrub(str(error)))
-            self._abandon.wait(backoff_s)
+            # Half fixed, half random: nodes failed by one overload come back spread, not together.
+            self._abandon.wait(backoff_s * (0.5 + random.random() / 2))
             backoff_s = min(backoff_s * 2, self._backoff[1])
 
     def _stop(self, error: BaseException) -> None:
@@ -228,30 +238,47 @@ class DeliveryWorker(Generic[T]):
             self._queue.clear()
 
     def _call(self, item: T) -> BaseException | None:
-        """Run ``deliver(item)`` on a call thread; wait at most the call deadline."""
-        while not self._call_slots.acquire(timeout=0.1):
-            if self._abandon.is_set():
-                return DeadlineExceeded("all call threads are busy")
-        done = threading.Event()
-        box: list[BaseException] = []
+        """Run ``deliver(item)`` on a call thread; wait at most the call deadline.
 
-        def call() -> None:
-            try:
-                self._deliver(item)
-            except BaseException as error:  # noqa: BLE001 - reported to the sender, classified there
-                box.append(error)
-            finally:
-                done.set()
-                self._call_slots.release()
-
-        threading.Thread(target=call, name=f"{self.name}-call", daemon=True).start()
+        A call past its deadline is not abandoned for a new one: the server may still be working on
+        it, and sending the item again would double its load when it is slowest. The retry of the
+        same item awaits that first call instead.
+        """
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.item is not item:
+            in_flight = self._start_call(item)
         deadline = time.monotonic() + self._call_deadline_s
-        while not done.wait(0.05):
+        while not in_flight.done.wait(0.05):
             if self._abandon.is_set():
                 return DeadlineExceeded("abandoned: the drain deadline at close has passed")
             if time.monotonic() >= deadline:
+                self._in_flight = in_flight
                 self.stats.hung_calls += 1
                 self._warnings.warning(f"{self.name}-hung", "%s: a call exceeded its %.1f s deadline; "
-                                       "its thread is left to finish", self.name, self._call_deadline_s)
+                                       "waiting for it, not sending again", self.name, self._call_deadline_s)
                 return DeadlineExceeded(f"no answer within {self._call_deadline_s:g} s")
-        return box[0] if box else None
+        self._in_flight = None
+        return in_flight.error
+
+    def _start_call(self, item: T) -> _Call[T]:
+        call = _Call(item)
+
+        def deliver() -> None:
+            try:
+                self._deliver(item)
+            except BaseException as error:  # noqa: BLE001 - reported to the sender, classified there
+                call.error = error
+            finally:
+                call.done.set()
+
+        threading.Thread(target=deliver, name=f"{self.name}-call", daemon=True).start()
+        return call
+
+
+@dataclass
+class _Call(Generic[T]):
+    """One ``deliver(item)`` running on a call thread."""
+
+    item: T
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None

@@ -10,13 +10,16 @@ value):
 - ``Mode.ERROR_429`` / ``"429"``: answer 429 with a ``Retry-After`` header and MLflow's JSON error
   body (``RESOURCE_EXHAUSTED``), or, built with ``plain_429=True``, a plain-text body, as a
   rate-limiting gateway does;
-- ``Mode.DELAY`` / ``"delay"``: sleep ``delay_s`` seconds, then forward (a slow server).
+- ``Mode.DELAY`` / ``"delay"``: sleep ``delay_s`` seconds, then forward (a slow server);
+- ``Mode.OVERLOAD_400`` / ``"overload"``: answer 400 with the body an overloaded ``mlflow server``
+  gives when its store's connection pool is exhausted (SQLAlchemy's ``QueuePool limit ... reached``).
 
 Whatever the mode, a request whose path is in ``fail_paths`` is answered 500 and not forwarded, and
 a ``log_batch`` holding a metric key in ``refuse_metric_keys`` is answered 400
 ``INVALID_PARAMETER_VALUE``, as MLflow refuses a batch with one value it will not store.
 
-What it saw: ``requests(path)`` (method, path, JSON body) of every request as it arrived, ``total()``
+What it saw: ``requests(path)`` (method, path, JSON body) of every request as it arrived, ``arrivals(path)``
+(arrival time, JSON body), ``total()``
 of them; ``counts()`` / ``count(path)`` of the answered ones by path, ``log()`` (time answered,
 method, path, status); ``answered``: requests by how they were answered (``"pass"``, ``"500"``,
 ``"429"``, ``"delay"``). No part of MLflow is mocked: what is forwarded is answered by the real server.
@@ -33,7 +36,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
@@ -50,6 +53,14 @@ class Mode(enum.Enum):
     ERROR_500 = "500"
     ERROR_429 = "429"
     DELAY = "delay"
+    OVERLOAD_400 = "overload"
+
+
+# What `mlflow server` answers when its SQLAlchemy pool has no free connection within its timeout.
+QUEUE_POOL_BODY = {"error_code": "BAD_REQUEST",
+                   "message": "(sqlalchemy.exc.TimeoutError) QueuePool limit of size 5 overflow 10 reached, "
+                              "connection timed out, timeout 30.00 (Background on this error at: "
+                              "https://sqlalche.me/e/20/3o7r)"}
 
 
 @dataclass
@@ -60,6 +71,7 @@ class _Request:
     how: str | None = None  # the mode it was answered by, once decided
     status: int | None = None  # once answered
     answered_at: float | None = None  # time.time() when answered
+    arrived_at: float = field(default_factory=time.time)
 
 
 class MlflowProxy:
@@ -103,6 +115,11 @@ class MlflowProxy:
         """(method, path, parsed JSON body or None) of every request received, on ``path`` if given."""
         with self._lock:
             return [(r.method, r.path, r.body) for r in self._requests if path is None or r.path == path]
+
+    def arrivals(self, path: str) -> list[tuple[float, Any]]:
+        """(time.time() at arrival, parsed JSON body) of every request on ``path``, as they arrived."""
+        with self._lock:
+            return [(r.arrived_at, r.body) for r in self._requests if r.path == path]
 
     def total(self) -> int:
         """Requests received so far (answered or not)."""
@@ -193,6 +210,10 @@ class MlflowProxy:
                     proxy._decided(request, Mode.ERROR_500.value)
                     status, headers, answer = 500, {"Content-Type": "application/json"}, json.dumps(
                         {"error_code": "INTERNAL_ERROR", "message": "proxy answers 500"}).encode()
+                elif mode is Mode.OVERLOAD_400:
+                    proxy._decided(request, mode.value)
+                    status, headers = 400, {"Content-Type": "application/json"}
+                    answer = json.dumps(QUEUE_POOL_BODY).encode()
                 elif mode is Mode.ERROR_429:
                     proxy._decided(request, mode.value)
                     status, headers = 429, {"Retry-After": str(proxy.retry_after_s)}

@@ -106,11 +106,16 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
         opened.close()
     for name in ("cpu", "memory", "disk", "network", "process", "nvidia", "amd"):
         collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
+    node = NodeIdentity.from_config(config)
+    settings = {s.name: {"value": _plain(getattr(config, s.name)), "source": config.sources.get(s.name, "default")}
+                for s in SETTINGS}
+    if config.samples_per_window is None:
+        settings["samples_per_window"] = {"value": config.mlflow_samples_per_window(node.node_count),
+                                          "source": f"default for a job of {node.node_count or 1} node(s)"}
     return {
         "collectors": collectors,
-        "node": asdict(NodeIdentity.from_config(config)),
-        "config": {s.name: {"value": _plain(getattr(config, s.name)), "source": config.sources.get(s.name, "default")}
-                   for s in SETTINGS},
+        "node": asdict(node),
+        "config": settings,
         "endpoints": {"prometheus": _prometheus_check(config), "otlp": _otlp_check(config),
                       "mlflow": _tracking_check(config)},
         "spools": _spools(config),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from otel_forge.mlflow.windows import Window
@@ -30,16 +31,29 @@ def run_gone(error: BaseException) -> bool:
     return isinstance(error, RunGone) or str(getattr(error, "error_code", "") or "") in _RUN_GONE_CODES
 
 
+# A tracking server under load answers some requests 400 with its store's error: a full connection
+# pool, a locked database. The request was fine; sent again later it succeeds.
+_OVERLOAD_MARKERS = ("QueuePool limit", "database is locked", "too many connections", "could not obtain lock",
+                     "connection timed out", "OperationalError", "TimeoutError")
+
+
 def classify(error: BaseException) -> Outcome:
-    """A gone run stops delivery; other client errors (4xx) drop the window; the rest is retried."""
+    """A gone run stops delivery; a server overloaded, failing (5xx) or slow is retried; other client
+    errors (4xx) drop the item."""
     if isinstance(error, RunPending):
         return Outcome.WAIT
     if run_gone(error) or "must be in the 'active' state" in str(error):
         return Outcome.STOP
     status = _http_status(error)
-    if status is not None and 400 <= status < 500 and status not in (408, 429):
+    if status is not None and 400 <= status < 500 and status not in (408, 429) and not overloaded(error):
         return Outcome.DROP
-    return Outcome.RETRY  # connection refused, timeouts, 5xx, 429
+    return Outcome.RETRY  # connection refused, timeouts, 5xx, 429, an overloaded store
+
+
+def overloaded(error: BaseException) -> bool:
+    """The server's answer says its store is overloaded, whatever the status code."""
+    text = str(error)
+    return any(marker in text for marker in _OVERLOAD_MARKERS)
 
 
 def _http_status(error: BaseException) -> int | None:
@@ -99,13 +113,23 @@ def next_system_step(run: Any, prefix: str) -> int:
     return last + 1
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What the opener of a run knows of it ("" where it does not: a rank that only found it)."""
+
+    experiment_id: str
+    run_name: str
+
+
 class WindowLogger:
     """Logs windows to one run: ``log_batch`` chunks of at most 1000, step = first step + index.
 
-    The run is read once, on the first delivery (on the delivery thread, never the reader's):
-    after a resume the first step continues the node's own steps; ``experiment_id`` and
-    ``run_name`` become known then. Without a run id yet, deliveries wait (``RunPending``) until
-    ``attach``.
+    The first step is found on the first delivery (on the delivery thread, never the reader's):
+    after a resume it continues the node's own steps. Where the run's opener said what it knows of
+    the run (``attach(run_id, known)``), only the anchor key's history is read (every window holds
+    the anchor): a job of many nodes never has each read the whole run. Else the run is read once,
+    which also tells ``experiment_id`` and ``run_name``. Without a run id yet,
+    deliveries wait (``RunPending``) until ``attach``.
     """
 
     def __init__(self, run_id: str | None, tracking_uri: str | None, prefix: str,
@@ -117,28 +141,41 @@ class WindowLogger:
         self.experiment_id: str | None = None
         self.run_name: str | None = None
         self._client: Any = None
+        self._read_run = True
         self._lock = threading.Lock()
         self.on_first_step: list[Any] = []
 
-    def attach(self, run_id: str) -> None:
+    def attach(self, run_id: str, known: RunInfo | None = None) -> None:
+        """Log to ``run_id`` from now on; ``known``: what the run's opener knows of it, so the run
+        is never read here (None: read it once)."""
+        if known is not None:
+            self.experiment_id, self.run_name, self._read_run = known.experiment_id, known.run_name, False
         self.run_id = run_id
 
-    def _ensure_ready(self) -> tuple[Any, int]:
+    def _ensure_ready(self, window: Window) -> tuple[Any, int]:
         if self.run_id is None:
             raise RunPending("the run is not open yet")
         with self._lock:
             if self._client is None:
                 self._client = make_client(self.tracking_uri)
             if self.first_step is None:
-                run = live_run(self._client, self.run_id)
-                self.experiment_id, self.run_name = run.info.experiment_id, run.info.run_name
-                self.first_step = next_system_step(run, self.prefix)
+                self.first_step = self._resume_step(window)
                 for callback in self.on_first_step:
                     callback(self.first_step)
             return self._client, self.first_step
 
+    def _resume_step(self, window: Window) -> int:
+        if self._read_run:
+            run = live_run(self._client, self.run_id)  # type: ignore[arg-type]
+            self.experiment_id, self.run_name = run.info.experiment_id, run.info.run_name
+            return next_system_step(run, self.prefix)
+        if not window.values:
+            return 0
+        anchor = min(key for key, _ in window.values)
+        return max((m.step for m in self._client.get_metric_history(self.run_id, anchor)), default=-1) + 1
+
     def __call__(self, window: Window) -> None:
-        client, first_step = self._ensure_ready()
+        client, first_step = self._ensure_ready(window)
         Metric = import_mlflow().entities.Metric
         if not window.values:
             return

@@ -14,34 +14,39 @@ from pathlib import Path
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
 from otel_forge.config import ForgeConfig
-from otel_forge.mlflow.client import WindowLogger, classify
+from otel_forge.mlflow.client import RunInfo, WindowLogger, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, system_prefix
 from otel_forge.mlflow.spool import WindowSpool, default_spool_root
-from otel_forge.mlflow.windows import Window, WindowFolder
+from otel_forge.mlflow.windows import ChangedValues, Window, WindowFolder
 from otel_forge.mlflow.writer_lock import NodeWriterLock
 from otel_forge.scrub import scrub, uri_without_credentials
 from otel_forge.worker import DeliveryWorker
 
 _logger = logging.getLogger(__name__)
 _DEFAULTS = ForgeConfig.defaults()  # the settings table's defaults, for apps that build their own pipeline
+# An unchanged value is sent again after this many windows: a chart's line never stops for long.
+REFRESH_WINDOWS = 10
 
 
 class MLflowMetricExporter(MetricExporter):
     """Exports OTel metrics into an MLflow run as ``system/[<node>/]<key>`` metrics, one step a window.
 
     ``samples_per_window`` exports make a window; its step is the window index after the node's
-    last step in the run (read once); its timestamp the window's end. Gauges are averaged (and
-    ``<key>_max`` / ``<key>_min`` added for ``stats=("mean", "max", "min")``). Delivery is
-    asynchronous and ordered; windows that cannot wait in memory go to a spool directory that
-    ``otel-forge replay`` can deliver later.
+    last step in the run; its timestamp the window's end. Gauges are averaged (and ``<key>_max`` /
+    ``<key>_min`` added for ``stats=("mean", "max", "min")``). A value that did not change since it
+    was last sent waits up to ``refresh_windows`` windows (the last window sends everything).
+    Delivery is asynchronous and ordered, ``delivery_phase_s`` into the next window (nodes spread
+    their calls over the window); windows wait in a spool directory that ``otel-forge replay`` can
+    deliver later.
     """
 
     def __init__(self, run_id: str | None, *, tracking_uri: str | None = None, node_id: str | None = None,
-                 samples_per_window: int = _DEFAULTS.samples_per_window,
+                 samples_per_window: int = _DEFAULTS.mlflow_samples_per_window(node_count=None),
                  stats: tuple[str, ...] = _DEFAULTS.mlflow_stats, spool_dir: str | os.PathLike[str] | None = None,
                  spool_max_bytes: int = _DEFAULTS.spool_max_bytes, max_queue: int = _DEFAULTS.queue_size,
                  call_deadline_s: float = _DEFAULTS.call_deadline_s,
-                 drain_deadline_s: float = _DEFAULTS.drain_deadline_s, max_call_threads: int = 4) -> None:
+                 drain_deadline_s: float = _DEFAULTS.drain_deadline_s, delivery_phase_s: float = 0.0,
+                 refresh_windows: int = REFRESH_WINDOWS) -> None:
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         self.run_id = run_id
@@ -50,6 +55,8 @@ class MLflowMetricExporter(MetricExporter):
         prefix = system_prefix(node_id)
         self._mapper = KeyMapper(prefix)
         self._folder = WindowFolder(samples_per_window, stats)
+        self._changed = ChangedValues(refresh_windows)
+        self.delivery_phase_s = delivery_phase_s
         spool_root = Path(spool_dir) if spool_dir else default_spool_root()
         self.spool = WindowSpool(
             spool_root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}", spool_max_bytes,
@@ -58,16 +65,18 @@ class MLflowMetricExporter(MetricExporter):
         self.window_logger = WindowLogger(run_id, tracking_uri, prefix)
         self.window_logger.on_first_step.append(lambda step: self.spool.update_header(first_step=step))
         self.worker: DeliveryWorker[Window] = DeliveryWorker(
-            self.window_logger, name="mlflow-system-metrics", max_queue=max_queue, max_call_threads=max_call_threads,
-            call_deadline_s=call_deadline_s, classify=classify, overflow=self.spool, write_ahead=True)
+            self.window_logger, name="mlflow-system-metrics", max_queue=max_queue, call_deadline_s=call_deadline_s,
+            classify=classify, overflow=self.spool, write_ahead=True,
+            due=lambda window: window.timestamp_ms / 1000 + self.delivery_phase_s)
         self._shut_down = False
         self._writer_lock: NodeWriterLock | None = None
         self.standing_down = False
         if run_id is not None:
             self.attach(run_id)
 
-    def attach(self, run_id: str) -> None:
-        """The run the windows go to, once it is open: windows made before wait in the spool."""
+    def attach(self, run_id: str, known: RunInfo | None = None) -> None:
+        """The run the windows go to, once it is open: windows made before wait in the spool.
+        ``known``: what the run's opener knows of it (then the run itself is never read)."""
         self.run_id = run_id
         self.spool.update_header(run_id=run_id)
         self._writer_lock = NodeWriterLock(run_id, self.window_logger.prefix)
@@ -75,7 +84,7 @@ class MLflowMetricExporter(MetricExporter):
         if self.standing_down:
             self.spool.discard()  # windows the other agent writes
         else:
-            self.window_logger.attach(run_id)
+            self.window_logger.attach(run_id, known)
 
     def _acquire_writer_lock(self) -> bool:
         assert self._writer_lock is not None
@@ -97,7 +106,7 @@ class MLflowMetricExporter(MetricExporter):
             return MetricExportResult.SUCCESS
         window = self._folder.add(self._mapper.sample(_points(metrics_data)), time.time())
         if window is not None:
-            self.worker.submit(window)
+            self.worker.submit(self._changed.keep(window))
         return MetricExportResult.SUCCESS
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
@@ -108,9 +117,11 @@ class MLflowMetricExporter(MetricExporter):
         if self._shut_down:
             return
         self._shut_down = True
+        # The last step holds every value: each chart's line reaches the end of the run.
         window = self._folder.flush()
-        if window is not None:
-            self.worker.submit(window)
+        last = self._changed.keep(window, everything=True) if window is not None else self._changed.held_back()
+        if last is not None:
+            self.worker.submit(last)
         if self.run_id is None or self.standing_down:
             self.worker.close(0.0)
             if (discarded := self.spool.discard()) and self.run_id is None:

@@ -7,7 +7,9 @@ from typing import Any
 
 from otel_forge.collectors.base import Collector, Readings
 from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.exporter import MLflowMetricExporter
+from otel_forge.mlflow.windows import delivery_phase_s
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError
 
@@ -95,10 +97,12 @@ class SystemMetricsMonitor:
 
     def _exporter(self) -> MLflowMetricExporter:
         c = self.config
+        samples_per_window = c.mlflow_samples_per_window(self.node.node_count)
+        phase_s = delivery_phase_s(self.node.node_id or self.node.hostname, samples_per_window * c.sampling_interval_s)
         return MLflowMetricExporter(
-            c.run_id, tracking_uri=c.tracking_uri, node_id=self.node.node_id, samples_per_window=c.samples_per_window,
+            c.run_id, tracking_uri=c.tracking_uri, node_id=self.node.node_id, samples_per_window=samples_per_window,
             stats=c.mlflow_stats, spool_dir=c.spool_dir, spool_max_bytes=c.spool_max_bytes, max_queue=c.queue_size,
-            call_deadline_s=c.call_deadline_s, drain_deadline_s=c.drain_deadline_s)
+            call_deadline_s=c.call_deadline_s, drain_deadline_s=c.drain_deadline_s, delivery_phase_s=phase_s)
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
@@ -108,11 +112,11 @@ class SystemMetricsMonitor:
         return Agent(self.config, node=self.node, extra_collectors=collectors,
                      extra_readers=[lambda: PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)])
 
-    def attach(self, run_id: str) -> None:
+    def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """The run is open: the windows sampled so far, and all after, go to it."""
         self.config = self.config.replace(run_id=run_id)
         if self.exporter is not None:
-            self.exporter.attach(run_id)
+            self.exporter.attach(run_id, known)
 
     @property
     def endpoints(self) -> list[str]:

@@ -27,6 +27,7 @@ from otel_forge.mlflow.checkpoints import find_or_create_external_model
 from otel_forge.mlflow.client import (
     MAX_METRICS_PER_BATCH,
     RunGone,
+    RunInfo,
     classify,
     import_mlflow,
     live_run,
@@ -150,6 +151,7 @@ class TrainingRun:
         self.rejected = 0  # metric values log() refused (bad step, key or value), each warned
         self._flush_pending = False
         self._rejected_recorded = False
+        self._rejected_warned = 0  # the count the last warning said
         self._rows_in_flight: list = []  # taken from the buffer by the flush being delivered
         self._pending_records: list[Record] = []  # describing the run, not delivered yet
         self._outage_at_open = False  # closed while the server never answered the open
@@ -259,7 +261,7 @@ class TrainingRun:
         _logger.info("MLflow run %s (%s) in experiment %s at %s", run.run_id, "resumed" if run.resumed else "new",
                      run.experiment, scrub(self.tracking_uri))
         if self._system_monitor is not None:
-            self._system_monitor.attach(run.run_id)
+            self._system_monitor.attach(run.run_id, RunInfo(run.experiment_id or "", run.run_name or ""))
         for callback in self.on_open:
             callback()
         return run
@@ -488,8 +490,9 @@ class TrainingRun:
 
     def _reject(self, count: int, message: str, *args: object) -> None:
         self.rejected += count
-        self._warnings.warning("log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args,
-                               self.rejected)
+        if self._warnings.warning("log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args,
+                                  self.rejected):
+            self._rejected_warned = self.rejected
 
     def _flush_done(self) -> None:
         """After a flush: another one if metrics are waiting, else none pending."""
@@ -584,7 +587,7 @@ class TrainingRun:
         if self._owner is not None:
             self._end(status, max(left(), 1.0))
         self._keep_undelivered(status)
-        if self.rejected:  # the warnings per value are rate-limited: the total, once
+        if self.rejected > self._rejected_warned:  # the warnings per value are rate-limited: the total
             _logger.warning("MLflow: %d metric value(s) were refused in all (bad step, key or value); "
                             "tag %s of the run holds the count", self.rejected, REJECTED_TAG)
 

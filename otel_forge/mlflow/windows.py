@@ -1,7 +1,9 @@
-"""Samples -> windows: ``samples_per_window`` samples fold into one MLflow step."""
+"""Samples -> windows: ``samples_per_window`` samples fold into one MLflow step; what a window
+sends (only the values that changed) and when (each node at its own phase of the window)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from otel_forge.mlflow.keys import Sample
@@ -90,3 +92,44 @@ class WindowFolder:
                 values.append((key, (value - start_value) / (time_s - start_s)))
             self._rate_start[key] = (time_s, value)  # the next window's rate starts here
         return values
+
+
+class ChangedValues:
+    """Keeps, of each window, the values that changed since they were last sent: a memory total or a
+    power limit is sent once, not every window. Every value is sent again after ``refresh_windows``
+    windows, so a chart's line goes on. The anchor (the smallest key) is sent every window: a
+    resumed node finds its last step by reading that one key's history."""
+
+    def __init__(self, refresh_windows: int) -> None:
+        self.refresh_windows = refresh_windows
+        self._sent: dict[str, tuple[float, int]] = {}  # key -> (value, window index) last sent
+        self._held: Window | None = None  # what the last window held back
+
+    def keep(self, window: Window, everything: bool = False) -> Window:
+        """``window`` with only the values to send (all of them when ``everything``)."""
+        if not window.values:
+            return window
+        anchor = min(key for key, _ in window.values)
+        kept, held = [], []
+        for key, value in window.values:
+            sent = self._sent.get(key)
+            if (everything or key == anchor or sent is None or sent[0] != value
+                    or window.index - sent[1] >= self.refresh_windows):
+                kept.append((key, value))
+                self._sent[key] = (value, window.index)
+            else:
+                held.append((key, value))
+        self._held = Window(window.index, window.timestamp_ms, tuple(held)) if held else None
+        return Window(window.index, window.timestamp_ms, tuple(kept))
+
+    def held_back(self) -> Window | None:
+        """The values the last window held back, at its step: sent at the end, every line reaches it."""
+        held, self._held = self._held, None
+        return held
+
+
+def delivery_phase_s(node: str, window_s: float) -> float:
+    """When in each window this node delivers, from 0 to ``window_s``: spread evenly by a hash of the
+    node's name, so nodes started together do not all call the server at once, every window."""
+    fraction = int.from_bytes(hashlib.sha256(node.encode()).digest()[:8], "big") / 2**64
+    return fraction * window_s

@@ -391,11 +391,17 @@ def test_worker_spills_to_the_spool_when_the_queue_is_full_and_keeps_order(tmp_p
     assert len(spool) == 0
 
 
-def test_a_hung_deliver_costs_a_thread_and_a_warning_never_the_caller(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_hung_deliver_costs_one_thread_and_a_warning_never_the_caller(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="otel_forge.worker")
     release = threading.Event()
-    worker = DeliveryWorker(lambda item: release.wait(), name="hung", max_queue=4, call_deadline_s=0.2,
-                            max_call_threads=3, backoff_initial_s=0.01, backoff_max_s=0.01)
+    calls: list[int] = []
+
+    def deliver(item: int) -> None:
+        calls.append(item)
+        release.wait()
+
+    worker = DeliveryWorker(deliver, name="hung", max_queue=4, call_deadline_s=0.2, backoff_initial_s=0.01,
+                            backoff_max_s=0.01)
     try:
         submit_times = []
         for i in range(50):  # far more than the queue holds: the rest are dropped, never waited for
@@ -405,12 +411,10 @@ def test_a_hung_deliver_costs_a_thread_and_a_warning_never_the_caller(caplog: py
             time.sleep(0.01)
 
         assert max(submit_times) < 0.05, max(submit_times)
-        # Each retry of the hung item costs a call thread, up to max_call_threads; then the sender
-        # waits for a free one instead of starting more.
+        # The deadline passes again and again; the item is never sent a second time meanwhile.
         wait_for(lambda: worker.stats.hung_calls >= 3, 5, 0.01)
-        time.sleep(0.5)
-        assert worker.stats.hung_calls == 3
-        assert len(call_threads("hung")) == 3
+        assert calls == [0]
+        assert len(call_threads("hung")) == 1
         hung = [r for r in caplog.records if "exceeded its" in r.getMessage()]
         assert len(hung) == 1, [r.getMessage() for r in caplog.records]  # rate-limited
         assert worker.stats.dropped == 50 - 4  # the queue holds 4 (no spool here): the rest are counted
@@ -418,24 +422,48 @@ def test_a_hung_deliver_costs_a_thread_and_a_warning_never_the_caller(caplog: py
         release.set()
         worker.close(5)
     wait_for(lambda: not call_threads("hung"), 5, 0.01)
+    assert calls == [0, 1, 2, 3]  # the slow call counted as delivered: nothing sent twice
+    assert worker.stats.delivered == 4
 
 
-def test_worker_thread_cap_is_respected() -> None:
+def test_a_call_past_its_deadline_that_fails_is_retried_once_it_has_ended() -> None:
     release = threading.Event()
-    worker = DeliveryWorker(lambda item: release.wait(), name="cap2", call_deadline_s=0.05, max_call_threads=2,
-                            backoff_initial_s=0.01, backoff_max_s=0.01)
-    try:
-        worker.submit(1)
-        most = 0
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            most = max(most, len(call_threads("cap2")))
-            time.sleep(0.005)
-        assert most == 2
-        assert worker.stats.hung_calls >= 2
-    finally:
-        release.set()
-        worker.close(5)
+    calls: list[int] = []
+
+    def deliver(item: int) -> None:
+        calls.append(item)
+        if len(calls) == 1:
+            release.wait()
+            raise ConnectionError("the slow first call failed in the end")
+
+    worker = DeliveryWorker(deliver, name="late", call_deadline_s=0.05, backoff_initial_s=0.01, backoff_max_s=0.01)
+    worker.submit(7)
+    wait_for(lambda: worker.stats.hung_calls >= 2, 5, 0.01)
+    assert calls == [7]
+    release.set()
+    wait_for(lambda: worker.stats.delivered == 1, 5, 0.01)
+    assert calls == [7, 7] and worker.stats.retried >= 3
+    worker.close(1)
+
+
+def test_retries_back_off_with_jitter() -> None:
+    failures = 6
+    times: list[float] = []
+
+    def deliver(item: int) -> None:
+        times.append(time.monotonic())
+        if len(times) <= failures:
+            raise ConnectionError("down")
+
+    worker = DeliveryWorker(deliver, name="jitter", backoff_initial_s=0.02, backoff_max_s=0.08)
+    worker.submit(1)
+    wait_for(lambda: worker.stats.delivered == 1, 10, 0.01)
+    worker.close(1)
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    caps = [0.02, 0.04, 0.08, 0.08, 0.08, 0.08]
+    # Each pause lies between half its backoff and the whole of it (plus scheduling).
+    assert all(cap / 2 <= gap < cap + 0.05 for gap, cap in zip(gaps, caps)), list(zip(gaps, caps))
+    assert len({round(gap / cap, 2) for gap, cap in zip(gaps, caps)}) > 1  # not one fixed schedule
 
 
 def _failing(errors: dict[int, list[BaseException]], delivered: list[int]):  # type: ignore[no-untyped-def]

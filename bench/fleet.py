@@ -1,0 +1,689 @@
+"""Fleet scale: what a job's nodes cost ONE tracking server, otel_forge's agent vs MLflow's own monitor.
+
+Run:  python bench/fleet.py [--nodes 16] [--fleet 2048] [--interval 0.5] [--seconds 60]
+                            [--backend sqlite|postgresql|both] [--anchor/--no-anchor] [--json]
+
+Setup, per subject and backend (a fresh server and a fresh run each, so neither subject pays for the
+other's rows): a private ``mlflow server`` on 127.0.0.1 (sqlite: tests/mlflow_server.MlflowServer, one
+worker; postgresql: a PostgreSQL cluster the bench starts with ``initdb``/``pg_ctl`` in a temp dir on a
+free 127.0.0.1 port, a fresh database, ``mlflow server --workers 4``), one counting proxy in front of it
+(tests/proxy.MlflowProxy: forwards every request, keeps its path and JSON body), a run created with
+``MlflowClient``, then K simulated nodes started together, each its own process group:
+
+- ``otel_forge``: ``python -m otel_forge.cli monitor --run-id RUN --tracking-uri PROXY --node-id node_<i>
+  --no-prometheus --collectors cpu,memory,disk,network,process,nvidia --interval <compressed>``,
+  ``--samples-per-window`` left at its default;
+- ``mlflow`` (the anchor): MLflow's ``mlflow.system_metrics.system_metrics_monitor.SystemMetricsMonitor``
+  (``node_id=node_<i>``, ``samples_before_logging=1``, sampling interval compressed the same way) in a
+  process of its own, until SIGTERM, then ``finish()``.
+
+Every node: 8 fake NVIDIA GPUs (tests/fakes/pynvml.py through ``fake_gpu_env({"count": 8})``; MLflow's GPU
+monitor imports the same fake), a hermetic environment (tests/hermetic.py) plus SLURM's variables of a job
+of ``--fleet`` nodes (``SLURM_JOB_NUM_NODES``) in which it is node i, its spool in a temp dir.
+
+Time compression: both tools sample every 10 s by default and log one step per window, a window being
+``samples_per_window`` samples (otel_forge's default, read from ``otel-forge doctor --json`` run with the
+nodes' environment, since it may depend on the job's node count) or 1 sample (MLflow's
+``samples_before_logging`` default). The bench samples every ``--interval`` s (0.5 s by default, 20x
+faster), so windows come 20x as often; the server's cost of a window does not depend on how long the
+window lasted, so it is measured per window and scaled back to the defaults:
+
+    ms per node-minute at defaults = server CPU ms per window x 60 / (10 s x samples_per_window)
+    nodes per server core = 60,000 ms / ms per node-minute
+
+What is measured, per subject and backend:
+
+- server CPU: user + system seconds of the server's process tree (the ``mlflow server`` process, its
+  uvicorn workers; with PostgreSQL also the postmaster and its backends), each process counted with its
+  reaped children (psutil ``cpu_times``), so exited workers and backends are not lost;
+- start cost per node: server CPU from the moment the nodes are started until every node's first
+  window has been answered, divided by K (includes the server's idle CPU over those seconds, given apart);
+- steady state: after ``--warmup-windows`` more windows, server CPU over ``--seconds`` s divided by the
+  windows (distinct node x step pairs in ``log-batch`` bodies) that reached the proxy in that time;
+  ``log-batch`` calls, other calls (e.g. MLflow's ``runs/get`` every sample) and metric rows per window
+  are counted by the proxy in the same period;
+- delivered / expected: windows in the period over K x seconds / window length (timer drift, a node
+  that fell behind, or stopped, shows here);
+- lag at the end: at the end of the period, the age of each node's newest window timestamp that reached
+  the proxy (max and median over nodes; a window is stamped at its end);
+- windows not delivered: after SIGTERM and the nodes' own drain, steps missing below each node's last
+  step, plus windows that were due before the stop and never arrived (a node whose newest window is
+  older than 2 windows at the stop); otel_forge's windows left in its spool are counted apart.
+
+Caveats: the proxy opens one upstream connection per request (the clients keep theirs alive), a small
+cost per call that the server would not pay without it, alike for both subjects. The run holds K nodes'
+keys, not ``--fleet`` nodes': a cost that grows with the run's size (MLflow's ``runs/get`` every sample
+returns every latest metric of the run) is measured at K. All nodes share the machine with the server:
+on a small machine they compete for its cores, which shows in lag and delivered / expected, not in the
+server's CPU seconds. MLflow's ``BatchMetricsLogger`` flushes when the time between its calls is at least
+10x its last ``log_batch``: at a compressed interval a slow ``log_batch`` makes it batch several steps per
+call, which it would not at 10 s (log-batch calls per window < 1 shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import platform
+import pwd
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from _common import REPO_ROOT, test_helper, wait_until
+
+DEFAULT_INTERVAL_S = 10.0  # otel_forge's and MLflow's default sampling interval
+MLFLOW_SAMPLES_BEFORE_LOGGING = 1  # MLflow's default, and what the anchor uses
+GPUS = 8
+COLLECTORS = "cpu,memory,disk,network,process,nvidia"
+LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
+TAIL_SLACK_WINDOWS = 2  # a node's newest window may be this old at the stop without counting as missing
+
+ANCHOR = r"""
+import json, signal, sys, threading
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+run_id, uri, node_id, interval = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+stop = threading.Event()
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, samples_before_logging=1, node_id=node_id,
+                               tracking_uri=uri)
+print(json.dumps({"monitors": [type(m).__name__ for m in monitor.monitors]}), flush=True)
+monitor.start()
+stop.wait()
+monitor.finish()
+"""
+
+
+# --- the server's CPU ------------------------------------------------------------------------------
+
+
+def tree_cpu_s(root_pid: int | None) -> float:
+    """User + system seconds of a process and its descendants, each with its reaped children."""
+    if root_pid is None:
+        return 0.0
+    try:
+        root = psutil.Process(root_pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for process in processes:
+        try:
+            t = process.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+@dataclass
+class CpuMeter:
+    """The CPU seconds of the tracking server's process tree and of its database's (PostgreSQL)."""
+
+    server_pid: int
+    database_pid: int | None = None
+
+    def read(self) -> dict[str, float]:
+        server, database = tree_cpu_s(self.server_pid), tree_cpu_s(self.database_pid)
+        return {"server": server, "database": database, "total": server + database}
+
+
+def cpu_delta_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: (after[name] - before[name]) * 1e3 for name in after}
+
+
+# --- servers ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def fleet_server_class() -> type:
+    """``MlflowServer`` (tests/mlflow_server.py) that also takes a backend store URI and a worker count."""
+    base = test_helper("mlflow_server").MlflowServer
+
+    class FleetServer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, root: Path, backend_uri: str | None = None, workers: int = 1) -> None:
+            super().__init__(root)
+            self.backend_uri, self.workers = backend_uri, workers
+
+        def start(self, timeout_s: float = 120.0) -> Any:
+            if self.backend_uri is None and self.workers == 1:
+                return super().start(timeout_s)  # the test suite's server as it is
+            env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+            log = open(self.root / "server.log", "ab")  # noqa: SIM115 - the server's, closed with it
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                 self.backend_uri or f"sqlite:///{self.db}", "--default-artifact-root", str(self.artifacts),
+                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(self.workers)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            if not wait_until(lambda: self.process.poll() is not None or self.healthy(), timeout_s, 0.25):
+                self.kill()
+                raise RuntimeError("mlflow server did not answer /health in time")
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+            return self
+
+    return FleetServer
+
+
+class Postgres:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 (as user ``postgres`` when the bench runs as root)."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="fleet-pg-"))
+        self.data = self.root / "data"
+        self.port = test_helper("mlflow_server").free_port()
+        self.pid: int | None = None
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            user = pwd.getpwnam("postgres")
+            os.chown(self.root, user.pw_uid, user.pw_gid)
+            self._as = ["runuser", "-u", "postgres", "--"]
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why PostgreSQL cannot run here, else None."""
+        missing = [tool for tool in ("initdb", "pg_ctl") if shutil.which(tool) is None]
+        if missing:
+            return f"{' and '.join(missing)} not on PATH"
+        if importlib.util.find_spec("psycopg2") is None:
+            return "psycopg2 is not importable (`pip install psycopg2-binary`): mlflow server needs it for postgresql://"
+        if os.geteuid() == 0:
+            if shutil.which("runuser") is None:
+                return "running as root and no runuser to run PostgreSQL as another user"
+            try:
+                pwd.getpwnam("postgres")
+            except KeyError:
+                return "running as root and there is no 'postgres' user to run PostgreSQL as"
+        return None
+
+    def _run(self, *command: str) -> None:
+        done = subprocess.run([*self._as, *command], check=False, capture_output=True, text=True, timeout=120,
+                              start_new_session=True, cwd=self.root)
+        if done.returncode != 0:
+            raise RuntimeError(f"{command[0]} failed: {(done.stdout + done.stderr)[-2000:]}")
+
+    def start(self) -> Postgres:
+        self._run(shutil.which("initdb") or "initdb", "-D", str(self.data), "-U", "mlflow", "-A", "trust",
+                  "-E", "UTF8", "--no-sync")
+        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c max_connections=200"
+        self._run(shutil.which("pg_ctl") or "pg_ctl", "-D", str(self.data), "-l", str(self.root / "postgres.log"),
+                  "-o", options, "-w", "-t", "60", "start")
+        self.pid = int((self.data / "postmaster.pid").read_text().split()[0])
+        return self
+
+    def create_database(self, name: str) -> str:
+        import psycopg2
+
+        connection = psycopg2.connect(host="127.0.0.1", port=self.port, user="mlflow", dbname="postgres")
+        try:
+            connection.autocommit = True
+            with connection.cursor() as cursor:
+                cursor.execute(f"CREATE DATABASE {name}")
+        finally:
+            connection.close()
+        return f"postgresql://mlflow@127.0.0.1:{self.port}/{name}"
+
+    def stop(self) -> None:
+        if self.pid is not None:
+            try:
+                self._run(shutil.which("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+            except (RuntimeError, subprocess.TimeoutExpired):
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.pid = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# --- what reached the server ---------------------------------------------------------------------------
+
+
+@dataclass
+class NodeLog:
+    steps: set[int] = field(default_factory=set)
+    keys: set[str] = field(default_factory=set)
+    newest_ms: int = 0  # the newest window timestamp seen
+
+
+@dataclass
+class Call:
+    path: str
+    rows: int = 0
+    windows: frozenset[tuple[str, int]] = frozenset()  # (node, step) pairs in a log-batch body
+
+
+class Deliveries:
+    """Reads the proxy's requests as they arrive: calls by path, rows and windows per node."""
+
+    def __init__(self, proxy: Any) -> None:
+        self.proxy = proxy
+        self.calls: list[Call] = []
+        self.nodes: dict[str, NodeLog] = {}
+
+    def poll(self) -> int:
+        """Take in the requests that arrived since the last poll; how many arrived in all."""
+        for _, path, body in self.proxy.requests()[len(self.calls):]:
+            self.calls.append(self._take(path, body))
+        return len(self.calls)
+
+    def _take(self, path: str, body: Any) -> Call:
+        if path != LOG_BATCH or not isinstance(body, dict):
+            return Call(path)
+        windows = set()
+        metrics = body.get("metrics") or []
+        for metric in metrics:
+            parts = str(metric.get("key", "")).split("/")
+            if len(parts) < 3 or parts[0] != "system":
+                continue
+            node, step, timestamp = parts[1], int(metric.get("step", 0)), int(metric.get("timestamp", 0))
+            log = self.nodes.setdefault(node, NodeLog())
+            log.steps.add(step)
+            log.keys.add(parts[-1])
+            log.newest_ms = max(log.newest_ms, timestamp)
+            windows.add((node, step))
+        return Call(path, len(metrics), frozenset(windows))
+
+    def between(self, start: int, end: int) -> dict[str, Any]:
+        calls = self.calls[start:end]
+        windows = set().union(*(call.windows for call in calls))
+        return {"windows": len(windows), "rows": sum(call.rows for call in calls),
+                "calls": dict(Counter(call.path.rsplit("/mlflow/", 1)[-1] for call in calls))}
+
+    def nodes_with(self, windows: int) -> int:
+        return sum(1 for log in self.nodes.values() if len(log.steps) >= windows)
+
+    def keys_per_node(self) -> int:
+        return max((len(log.keys) for log in self.nodes.values()), default=0)
+
+    def gpus_seen(self) -> int:
+        """GPUs whose metrics reached the run (``gpu_<i>_...`` keys of node_0)."""
+        keys = self.nodes["node_0"].keys if "node_0" in self.nodes else set()
+        return len({key.split("_")[1] for key in keys if key.startswith("gpu_")})
+
+
+# --- the nodes -----------------------------------------------------------------------------------------
+
+
+def node_env(i: int, args: argparse.Namespace, job_id: str, tmp: Path) -> dict[str, str]:
+    """Hermetic, 8 fake GPUs, SLURM's variables of node i of a ``--fleet``-node job, its own spool."""
+    hermetic, gpu_fakes = test_helper("hermetic"), test_helper("gpu_fakes")
+    env = hermetic.hermetic_environ({
+        "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp), "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
+        "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": str(args.fleet),
+        "SLURM_NNODES": str(args.fleet), "SLURM_NTASKS": str(args.fleet), "SLURM_NODEID": str(i),
+        "SLURM_PROCID": str(i), "SLURM_LOCALID": "0"})
+    return gpu_fakes.fake_gpu_env({"count": GPUS}, base=env)
+
+
+def ours_command(run_id: str, uri: str, i: int, interval_s: float) -> list[str]:
+    return [sys.executable, "-m", "otel_forge.cli", "monitor", "--run-id", run_id, "--tracking-uri", uri,
+            "--node-id", f"node_{i}", "--no-prometheus", "--collectors", COLLECTORS, "--interval", f"{interval_s:g}"]
+
+
+def anchor_command(run_id: str, uri: str, i: int, interval_s: float) -> list[str]:
+    return [sys.executable, "-c", ANCHOR, run_id, uri, f"node_{i}", f"{interval_s:g}"]
+
+
+def samples_per_window(args: argparse.Namespace, tmp: Path) -> int:
+    """otel_forge's effective default for this job, as ``otel-forge doctor --json`` resolves it."""
+    done = subprocess.run([sys.executable, "-m", "otel_forge.cli", "doctor", "--json", "--no-prometheus",
+                           "--collectors", COLLECTORS, "--interval", f"{args.interval:g}", "--node-id", "node_0"],
+                          env=node_env(0, args, "doctor", tmp), capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"otel-forge doctor failed: {done.stderr[-2000:]}")
+    return int(json.loads(done.stdout)["config"]["samples_per_window"]["value"])
+
+
+class Fleet:
+    """K node processes, each in its own process group, output to a log file each."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.processes: list[subprocess.Popen] = []
+        self.killed = 0
+
+    def start(self, commands: list[list[str]], envs: list[dict[str, str]]) -> None:
+        for i, (command, env) in enumerate(zip(commands, envs)):
+            with open(self.tmp / f"node_{i}.log", "wb") as log:
+                self.processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                       start_new_session=True, cwd=REPO_ROOT))
+
+    def exited(self) -> list[int]:
+        return [i for i, process in enumerate(self.processes) if process.poll() is not None]
+
+    def log_tail(self, i: int) -> str:
+        return (self.tmp / f"node_{i}.log").read_text(errors="replace")[-2000:]
+
+    def _signal(self, process: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, timeout_s: float) -> list[int]:
+        """SIGTERM every group, wait for their drain, SIGKILL what is left; the exit codes."""
+        for process in self.processes:
+            if process.poll() is None:
+                self._signal(process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.killed += 1
+                self._signal(process, signal.SIGKILL)  # its group: the node and anything it started
+        for process in self.processes:
+            process.wait(30)
+        return [process.returncode for process in self.processes]
+
+
+# --- one subject on one backend ----------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What every phase shares."""
+
+    args: argparse.Namespace
+    spw: int  # otel_forge's effective samples_per_window
+    postgres: Postgres | None = None
+
+
+def window_s(ctx: Context, subject: str) -> float:
+    samples = ctx.spw if subject == "otel_forge" else MLFLOW_SAMPLES_BEFORE_LOGGING
+    return ctx.args.interval * samples
+
+
+def start_server(ctx: Context, backend: str, tmp: Path, subject: str) -> tuple[Any, CpuMeter]:
+    server_class = fleet_server_class()
+    (tmp / "server").mkdir()
+    if backend == "sqlite":
+        server = server_class(tmp / "server").start()
+        return server, CpuMeter(server.process.pid)
+    assert ctx.postgres is not None
+    uri = ctx.postgres.create_database(f"fleet_{subject}_{uuid.uuid4().hex[:8]}")
+    server = server_class(tmp / "server", backend_uri=uri, workers=4).start()
+    return server, CpuMeter(server.process.pid, ctx.postgres.pid)
+
+
+def run_phase(ctx: Context, subject: str, backend: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"fleet-{subject}-") as directory:
+        tmp = Path(directory)
+        server, meter = start_server(ctx, backend, tmp, subject)
+        proxy = test_helper("proxy").MlflowProxy(server.uri)
+        proxy._server.handle_error = lambda request, client_address: None  # quiet when a client hangs up
+        fleet = Fleet(tmp)
+        try:
+            return measure(ctx, subject, backend, tmp, server, meter, proxy, fleet)
+        finally:
+            fleet.stop(5.0)
+            proxy.close()
+            server.stop()
+
+
+def measure(ctx: Context, subject: str, backend: str, tmp: Path, server: Any, meter: CpuMeter, proxy: Any,
+            fleet: Fleet) -> dict[str, Any]:
+    from mlflow import MlflowClient
+
+    args, k, length_s = ctx.args, ctx.args.nodes, window_s(ctx, subject)
+    client = MlflowClient(server.uri)
+    run_id = client.create_run(client.create_experiment(f"fleet-{subject}"), run_name=f"fleet-{subject}").info.run_id
+    deliveries = Deliveries(proxy)
+    warm_up(client)
+    idle_before, idle_at = meter.read(), time.monotonic()
+    time.sleep(args.idle_seconds)
+    idle_ms_per_s = cpu_delta_ms(meter.read(), idle_before)["total"] / (time.monotonic() - idle_at)
+
+    command = ours_command if subject == "otel_forge" else anchor_command
+    job_id = uuid.uuid4().hex[:8]
+    started, cpu_start = time.monotonic(), meter.read()
+    fleet.start([command(run_id, proxy.uri, i, args.interval) for i in range(k)],
+                [node_env(i, args, job_id, tmp) for i in range(k)])
+    wait_windows(deliveries, fleet, proxy, k, 1, 120 + 3 * k)
+    start_s, cpu_first = time.monotonic() - started, meter.read()
+
+    wait_windows(deliveries, fleet, proxy, k, 1 + args.warmup_windows, 60 + 5 * args.warmup_windows * length_s)
+    n0, cpu0, t0 = deliveries.poll(), meter.read(), time.monotonic()
+    time.sleep(args.seconds)
+    n1, cpu1, t1 = deliveries.poll(), meter.read(), time.monotonic()
+    lags = [time.time() - log.newest_ms / 1e3 for log in deliveries.nodes.values()]
+    exited_early = fleet.exited()
+
+    stop_wall = time.time()
+    exit_codes = fleet.stop(args.stop_timeout)
+    wait_until(lambda: sum(proxy.counts().values()) >= proxy.total(), 30)
+    deliveries.poll()
+    stored = stored_steps(client, run_id, deliveries)
+    period = deliveries.between(n0, n1)
+    period_cpu = cpu_delta_ms(cpu1, cpu0)
+    start_cpu = cpu_delta_ms(cpu_first, cpu_start)
+    return summarize(ctx, subject, backend, {
+        "period": period, "period_s": t1 - t0, "period_cpu_ms": period_cpu, "start_s": start_s,
+        "start_cpu_ms": start_cpu, "idle_ms_per_s": idle_ms_per_s, "lags": lags, "window_s": length_s,
+        "undelivered": undelivered(stored, k, stop_wall, length_s), "spooled": spooled(tmp / "spool"),
+        "errors": dict(Counter(f"{status} {path.rsplit('/mlflow/', 1)[-1]}" for _, _, path, status in proxy.log()
+                               if status >= 400)),
+        "exit_codes": exit_codes, "killed": fleet.killed, "exited_early": exited_early,
+        "keys_per_node": deliveries.keys_per_node(), "gpus_seen": deliveries.gpus_seen()})
+
+
+def wait_windows(deliveries: Deliveries, fleet: Fleet, proxy: Any, k: int, windows: int, timeout_s: float) -> None:
+    """Until every node's ``windows``-th window has been answered; raises if the nodes died or timed out."""
+    def ready() -> bool:
+        if len(fleet.exited()) == k:
+            raise RuntimeError(f"every node exited; node_0's output:\n{fleet.log_tail(0)}")
+        return deliveries.poll() > 0 and deliveries.nodes_with(windows) >= k - len(fleet.exited())
+
+    if not wait_until(ready, timeout_s, 0.05):
+        raise RuntimeError(f"{k - deliveries.nodes_with(windows)} node(s) had not delivered {windows} window(s) "
+                           f"after {timeout_s:.0f} s; node_0's output:\n{fleet.log_tail(0)}")
+    arrived = deliveries.poll()
+    wait_until(lambda: sum(proxy.counts().values()) >= arrived, 10, 0.02)  # answered, not only arrived
+
+
+def warm_up(client: Any) -> None:
+    """One run's worth of the calls the nodes make, into a throwaway run: the server's first-call costs
+    (imports, compiled queries) are not charged to the nodes' start."""
+    from mlflow.entities import Metric
+
+    run_id = client.create_run(client.create_experiment(f"fleet-warm-up-{uuid.uuid4().hex[:8]}")).info.run_id
+    now = int(time.time() * 1000)
+    for step in range(2):
+        client.log_batch(run_id, metrics=[Metric(f"system/warm/key_{i}", float(i + step), now, step) for i in range(50)])
+    client.get_run(run_id)
+    client.get_metric_history(run_id, "system/warm/key_0")
+
+
+def stored_steps(client: Any, run_id: str, deliveries: Deliveries) -> dict[str, tuple[set[int], int]]:
+    """Per node, the steps the run holds (history of the node's smallest key: otel_forge sends it every window,
+    MLflow sends every key every window) and the newest timestamp among them."""
+    stored = {}
+    for node, log in deliveries.nodes.items():
+        history = client.get_metric_history(run_id, f"system/{node}/{min(log.keys)}")
+        stored[node] = ({m.step for m in history}, max((m.timestamp for m in history), default=0))
+    return stored
+
+
+def undelivered(stored: dict[str, tuple[set[int], int]], k: int, stop_wall: float, length_s: float) -> dict[str, int]:
+    """Steps missing below each node's last stored step, and windows due before the stop that never came."""
+    gaps = tail = 0
+    for steps, newest_ms in stored.values():
+        gaps += max(steps, default=-1) + 1 - len(steps)
+        tail += max(0, int((stop_wall - newest_ms / 1e3) / length_s) - TAIL_SLACK_WINDOWS)
+    missing_nodes = k - sum(1 for i in range(k) if stored.get(f"node_{i}", ((), 0))[0])
+    return {"gaps": gaps, "tail": tail, "nodes_never_delivered": missing_nodes, "total": gaps + tail}
+
+
+def spooled(spool_root: Path) -> int:
+    """Windows otel_forge's agents left in their spools (undelivered, kept for ``otel-forge replay``)."""
+    return sum(1 for _ in spool_root.rglob("*.window.json")) if spool_root.is_dir() else 0
+
+
+def summarize(ctx: Context, subject: str, backend: str, m: dict[str, Any]) -> dict[str, Any]:
+    args, period = ctx.args, m["period"]
+    spw = ctx.spw if subject == "otel_forge" else MLFLOW_SAMPLES_BEFORE_LOGGING
+    windows = max(period["windows"], 1)
+    per_window = m["period_cpu_ms"]["total"] / windows
+    per_node_minute = per_window * 60 / (DEFAULT_INTERVAL_S * spw)
+    calls = period["calls"]
+    log_batch = calls.get("runs/log-batch", 0)
+    expected = args.nodes * m["period_s"] / m["window_s"]
+    return {
+        "subject": subject, "backend": backend, "nodes": args.nodes, "fleet": args.fleet,
+        "interval_s": args.interval, "samples_per_window": spw, "window_s": m["window_s"],
+        "windows_per_node_minute_at_defaults": 60 / (DEFAULT_INTERVAL_S * spw),
+        "measured_s": m["period_s"], "windows": period["windows"],
+        "server_cpu_ms": m["period_cpu_ms"], "cpu_ms_per_window": per_window,
+        "cpu_ms_per_window_server": m["period_cpu_ms"]["server"] / windows,
+        "cpu_ms_per_window_database": m["period_cpu_ms"]["database"] / windows,
+        "ms_per_node_minute": per_node_minute, "nodes_per_core": 60_000 / per_node_minute if per_node_minute else None,
+        "log_batch_per_window": log_batch / windows,
+        "other_calls_per_window": (sum(calls.values()) - log_batch) / windows,
+        "calls": calls, "rows_per_window": period["rows"] / windows, "keys_per_node": m["keys_per_node"],
+        "gpus_seen": m["gpus_seen"], "delivered_vs_expected": period["windows"] / expected if expected else None,
+        "lag_at_end_s": {"max": max(m["lags"], default=None), "max_windows": max(m["lags"], default=0) / m["window_s"],
+                         "median": statistics.median(m["lags"]) if m["lags"] else None},
+        "undelivered": m["undelivered"], "spooled_at_exit": m["spooled"], "error_answers": m["errors"],
+        "start": {"seconds": m["start_s"], "cpu_ms": m["start_cpu_ms"],
+                  "per_node_ms": m["start_cpu_ms"]["total"] / args.nodes},
+        "idle_cpu_ms_per_s": m["idle_ms_per_s"],
+        "nodes_exited_early": m["exited_early"], "nodes_killed_at_stop": m["killed"],
+        "nonzero_exit_codes": [c for c in m["exit_codes"] if c not in (0, -signal.SIGTERM)],
+    }
+
+
+# --- output ------------------------------------------------------------------------------------------
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    m, a = result["machine"], result["settings"]
+    lines = [
+        f"`{result['command']}`", "",
+        (f"{a['nodes']} simulated nodes of a {a['fleet']}-node SLURM job, {GPUS} fake NVIDIA GPUs each, one run on a "
+        f"local `mlflow server` per subject and backend, behind a counting proxy; {m['cpus']} CPUs, Python "
+        f"{m['python']}, mlflow {m['mlflow']}, {m['platform']}."),
+        (f"Time compression: sampling every {a['interval']:g} s instead of {DEFAULT_INTERVAL_S:g} s "
+        f"({DEFAULT_INTERVAL_S / a['interval']:g}x); otel_forge's samples_per_window (its default for this job, "
+        f"from `otel-forge doctor`) = {result['otel_forge_samples_per_window']}, MLflow's samples_before_logging = "
+        f"{MLFLOW_SAMPLES_BEFORE_LOGGING}. Server CPU is measured per window over {a['seconds']:g} s after "
+        f"{a['warmup_windows']} warm-up windows, then scaled: ms per node-minute = ms per window x 60 / "
+        f"(10 s x samples_per_window)."), "",
+        ("| subject | backend | nodes | samples_per_window | server CPU ms / window | ms / node-minute at defaults "
+        "| nodes per server core | log_batch calls / window | rows / window | windows not delivered "
+        "| start cost per node (ms CPU) | other calls / window | delivered / expected | lag at end, max (s) |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for row in result["rows"]:
+        if "skipped" in row:
+            lines.append(f"| {row['subject']} | {row['backend']} | skipped: {row['skipped']} |" + " |" * 11)
+            continue
+        lines.append(
+            f"| {row['subject']} | {row['backend']} | {row['nodes']} | {row['samples_per_window']} "
+            f"| {row['cpu_ms_per_window']:.2f} | {row['ms_per_node_minute']:.1f} | {fmt(row['nodes_per_core'], 0)} "
+            f"| {row['log_batch_per_window']:.2f} | {row['rows_per_window']:.1f} | {row['undelivered']['total']} "
+            f"| {row['start']['per_node_ms']:.1f} | {row['other_calls_per_window']:.2f} "
+            f"| {fmt(100 * row['delivered_vs_expected'], 0)} % | {fmt(row['lag_at_end_s']['max'], 2)} "
+            f"({row['lag_at_end_s']['max_windows']:.1f} windows) |")
+        notes.append(f"- {row['subject']} / {row['backend']}: {row['windows']} windows in {row['measured_s']:.1f} s "
+                     f"(window {row['window_s']:g} s); {row['keys_per_node']} keys per node, {row['gpus_seen']} GPUs "
+                     f"seen; calls in the period {row['calls']}; server idle {row['idle_cpu_ms_per_s']:.1f} ms CPU/s; "
+                     f"start {row['start']['seconds']:.1f} s; not delivered {row['undelivered']}, "
+                     f"{row['spooled_at_exit']} left in spools; error answers {row['error_answers']}; {len(row['nodes_exited_early'])} node(s) exited early, "
+                     f"{row['nodes_killed_at_stop']} killed at stop, nonzero exits {row['nonzero_exit_codes']}"
+                     + (f"; of the CPU per window: server {row['cpu_ms_per_window_server']:.2f} ms, PostgreSQL "
+                        f"{row['cpu_ms_per_window_database']:.2f} ms" if row["backend"] == "postgresql" else ""))
+    lines += ["", *notes, "", f"Whole bench: {result['total_s']:.0f} s."]
+    return "\n".join(lines)
+
+
+def fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=16, help="simulated nodes, K (default 16)")
+    parser.add_argument("--fleet", type=int, default=2048, help="nodes of the simulated job: SLURM_JOB_NUM_NODES "
+                        "(default 2048)")
+    parser.add_argument("--interval", type=float, default=0.5, help="compressed sampling interval, s (default 0.5)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="measured period per subject, s (default 60)")
+    parser.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="sqlite")
+    parser.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure MLflow's SystemMetricsMonitor (default: yes)")
+    parser.add_argument("--warmup-windows", type=int, default=3, help="windows after the first, not measured")
+    parser.add_argument("--idle-seconds", type=float, default=2.0, help="server idle CPU measured before the nodes")
+    parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds the nodes get to drain at stop")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    return parser.parse_args(argv)
+
+
+def run_backend(ctx: Context, backend: str, subjects: list[str]) -> list[dict[str, Any]]:
+    if backend == "postgresql":
+        reason = Postgres.unavailable()
+        if reason is not None:
+            print(f"note: PostgreSQL skipped: {reason}", file=sys.stderr, flush=True)
+            return [{"subject": s, "backend": backend, "skipped": reason} for s in subjects]
+        ctx.postgres = Postgres()
+    try:
+        if ctx.postgres is not None:
+            try:
+                ctx.postgres.start()
+            except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+                reason = f"PostgreSQL did not start: {str(error).strip()[-500:]}"
+                print(f"note: PostgreSQL skipped: {reason}", file=sys.stderr, flush=True)
+                return [{"subject": s, "backend": backend, "skipped": reason} for s in subjects]
+        return [run_phase(ctx, subject, backend) for subject in subjects]
+    finally:
+        if ctx.postgres is not None:
+            ctx.postgres.stop()
+            ctx.postgres = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python " + " ".join(shlex.quote(a) for a in ["bench/fleet.py", *sys.argv[1:]])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that every finally stops what it started
+    import mlflow
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fleet-doctor-") as directory:
+        spw = samples_per_window(args, Path(directory))
+    ctx = Context(args, spw)
+    subjects = ["otel_forge", "mlflow"] if args.anchor else ["otel_forge"]
+    backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
+    rows = [row for backend in backends for row in run_backend(ctx, backend, subjects)]
+    result = {
+        "command": command, "otel_forge_samples_per_window": spw, "total_s": time.monotonic() - started,
+        "settings": {name: getattr(args, name) for name in ("nodes", "fleet", "interval", "seconds", "backend",
+                                                             "anchor", "warmup_windows")},
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "mlflow": mlflow.__version__},
+        "rows": rows,
+    }
+    print(json.dumps(result, indent=2) if args.json else render_markdown(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

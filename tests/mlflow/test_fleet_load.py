@@ -1,0 +1,87 @@
+"""What lets one tracking server carry a fleet, against the REAL ``mlflow server`` behind the counting
+proxy: an overloaded server (400 ``QueuePool limit``) loses nothing, nodes started together deliver
+spread over the window, and a value that does not change is not sent every window (yet every chart
+still spans the run)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from otel_points import gauge, metrics_data
+from proxy import LOG_BATCH, Mode
+from servers import wait_for
+
+import otel_forge
+from otel_forge.mlflow import MLflowMetricExporter
+from otel_forge.mlflow.windows import delivery_phase_s
+
+
+def _steps(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_an_overloaded_server_answering_400_queue_pool_loses_no_window(client, experiment_id, proxy, tmp_path):
+    run_id = client.create_run(experiment_id).info.run_id
+    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", spool_dir=tmp_path)
+    exporter.worker._backoff = (0.05, 0.2)  # noqa: SLF001 - the test's patience, not the behaviour
+    proxy.set_mode(Mode.OVERLOAD_400)
+    for value in range(20):
+        exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, value / 100)])))
+        time.sleep(0.01)
+    wait_for(lambda: exporter.worker.stats.retried >= 3, 10, 0.02, message="retries of the overloaded batch")
+    proxy.set_mode(Mode.PASS)
+    exporter.shutdown()
+
+    assert _steps(client, run_id, "system/node_0/cpu_utilization_percentage") == list(range(20))
+    counts = exporter.delivery_counts()
+    assert counts["dropped"] == 0 and counts["pending"] == 0, counts
+    assert proxy.answered["overload"] >= 3
+
+
+def test_nodes_started_together_deliver_spread_over_the_window(client, experiment_id, proxy, tmp_path):
+    nodes, interval_s, samples = 16, 0.25, 4
+    window_s = interval_s * samples
+    run_id = client.create_run(experiment_id).info.run_id
+    monitors = [otel_forge.monitor(run_id=run_id, tracking_uri=proxy.uri, node_id=f"node_{i}",
+                                   sampling_interval=interval_s, samples_per_window=samples, prometheus=False,
+                                   collectors=("memory",), spool_dir=str(tmp_path / f"spool{i}"))
+                for i in range(nodes)]
+    time.sleep(4.5 * window_s)
+    stopped_at = time.time()
+    for monitor in monitors:
+        monitor.stop()
+
+    # A hash of the node id places each node's calls in the window: spread, not at its end.
+    phases = {f"node_{i}": delivery_phase_s(f"node_{i}", window_s) for i in range(nodes)}
+    quarters = [sum(1 for p in phases.values() if q * window_s / 4 <= p < (q + 1) * window_s / 4) for q in range(4)]
+    assert min(quarters) >= 1 and max(quarters) <= nodes / 2, quarters
+    # Each node's log_batch arrives at its phase after the window's end (its timestamp).
+    delays: dict[str, list[float]] = {}
+    for arrived_at, body in proxy.arrivals(LOG_BATCH):
+        window_end_s = body["metrics"][0]["timestamp"] / 1000
+        if window_end_s + window_s < stopped_at:  # a window due before the stop (which hurries the rest)
+            delays.setdefault(body["metrics"][0]["key"].split("/")[1], []).append(arrived_at - window_end_s)
+    assert len(delays) == nodes
+    for node, seen in delays.items():
+        assert abs(statistics.median(seen) - phases[node]) < 0.25 * window_s, (node, seen, phases[node])
+
+
+def test_an_unchanged_value_is_sent_every_tenth_window_and_at_the_end(client, experiment_id, tmp_path):
+    run_id = client.create_run(experiment_id).info.run_id
+    exporter = MLflowMetricExporter(run_id, tracking_uri=client.tracking_uri, node_id="node_0", spool_dir=tmp_path)
+    for window in range(25):
+        exporter.export(metrics_data(
+            gauge("otel_forge.cpu.utilization", [({}, window / 100)]),  # changes every window
+            gauge("system.memory.limit", [({}, 64 << 30)], unit="By"),  # never changes
+            gauge("system.memory.utilization", [({"system.memory.state": "used"}, 0.5 if window < 12 else 0.7)])))
+        time.sleep(0.002)
+    exporter.shutdown()
+
+    assert _steps(client, run_id, "system/node_0/cpu_utilization_percentage") == list(range(25))
+    assert _steps(client, run_id, "system/node_0/system_memory_total_megabytes") == [0, 10, 20, 24]
+    # Sent when it changed (12), then refreshed 10 windows after, and at the end: the chart spans the run.
+    assert _steps(client, run_id, "system/node_0/system_memory_usage_percentage") == [0, 10, 12, 22, 24]
+    values = [m.value for m in sorted(client.get_metric_history(run_id, "system/node_0/system_memory_usage_percentage"),
+                                      key=lambda m: m.step)]
+    assert values == [50.0, 50.0, 70.0, 70.0, 70.0]
