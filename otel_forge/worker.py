@@ -84,7 +84,8 @@ class DeliveryWorker(Generic[T]):
         self.name = name
         # due(item): the wall-clock time before which the item is not sent (until close hurries it).
         self._due = due
-        self._hurry = threading.Event()
+        self._hurry = threading.Event()  # set at close: nothing waits for its due time any more
+        self._wake = threading.Event()  # set at close (and by abandon): a backoff pause ends at once
         self.stats = DeliveryStats()
         self._deliver = deliver
         self._classify = classify
@@ -159,8 +160,10 @@ class DeliveryWorker(Generic[T]):
             self._closing = True
             self._cond.notify_all()
         self._hurry.set()
+        self._wake.set()
         self._thread.join(drain_deadline_s)
         self._abandon.set()
+        self._wake.set()
         self._thread.join()
         with self._cond:
             leftovers = list(self._queue)
@@ -211,6 +214,8 @@ class DeliveryWorker(Generic[T]):
                 self.stats.delivered += 1
                 self._pop(item)
                 return
+            if self._in_flight is not None:
+                continue  # past its deadline and still running: await it, it is not a new try
             outcome = self._classify(error)
             if outcome is Outcome.WAIT:
                 self._abandon.wait(self._backoff[0])
@@ -227,7 +232,10 @@ class DeliveryWorker(Generic[T]):
             self._warnings.warning(f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name,
                                    scrub(str(error)))
             # Half fixed, half random: nodes failed by one overload come back spread, not together.
-            self._abandon.wait(backoff_s * (0.5 + random.random() / 2))
+            if self._wake.wait(backoff_s * (0.5 + random.random() / 2)):
+                self._wake.clear()  # closing: try again now, and back off afresh within the drain deadline
+                backoff_s = self._backoff[0]
+                continue
             backoff_s = min(backoff_s * 2, self._backoff[1])
 
     def _stop(self, error: BaseException) -> None:

@@ -34,7 +34,7 @@ class MLflowMetricExporter(MetricExporter):
     ``samples_per_window`` exports make a window; its step is the window index after the node's
     last step in the run; its timestamp the window's end. Gauges are averaged (and ``<key>_max`` /
     ``<key>_min`` added for ``stats=("mean", "max", "min")``). A value that did not change since it
-    was last sent waits up to ``refresh_windows`` windows (the last window sends everything).
+    was last sent waits up to ``refresh_windows`` windows.
     Delivery is asynchronous and ordered, ``delivery_phase_s`` into the next window (nodes spread
     their calls over the window); windows wait in a spool directory that ``otel-forge replay`` can
     deliver later.
@@ -117,11 +117,9 @@ class MLflowMetricExporter(MetricExporter):
         if self._shut_down:
             return
         self._shut_down = True
-        # The last step holds every value: each chart's line reaches the end of the run.
         window = self._folder.flush()
-        last = self._changed.keep(window, everything=True) if window is not None else self._changed.held_back()
-        if last is not None:
-            self.worker.submit(last)
+        if window is not None:
+            self.worker.submit(self._changed.keep(window))
         if self.run_id is None or self.standing_down:
             self.worker.close(0.0)
             if (discarded := self.spool.discard()) and self.run_id is None:

@@ -97,35 +97,25 @@ class WindowFolder:
 class ChangedValues:
     """Keeps, of each window, the values that changed since they were last sent: a memory total or a
     power limit is sent once, not every window. Every value is sent again after ``refresh_windows``
-    windows, so a chart's line goes on. The anchor (the smallest key) is sent every window: a
-    resumed node finds its last step by reading that one key's history."""
+    windows, so a chart's line goes on. The anchor (the smallest key) is sent every window: it
+    counts the node's windows, and a resumed node finds its last step in that one key's history."""
 
     def __init__(self, refresh_windows: int) -> None:
         self.refresh_windows = refresh_windows
         self._sent: dict[str, tuple[float, int]] = {}  # key -> (value, window index) last sent
-        self._held: Window | None = None  # what the last window held back
 
-    def keep(self, window: Window, everything: bool = False) -> Window:
-        """``window`` with only the values to send (all of them when ``everything``)."""
+    def keep(self, window: Window) -> Window:
+        """``window`` with only the values to send."""
         if not window.values:
             return window
         anchor = min(key for key, _ in window.values)
-        kept, held = [], []
+        kept = []
         for key, value in window.values:
             sent = self._sent.get(key)
-            if (everything or key == anchor or sent is None or sent[0] != value
-                    or window.index - sent[1] >= self.refresh_windows):
+            if key == anchor or sent is None or sent[0] != value or window.index - sent[1] >= self.refresh_windows:
                 kept.append((key, value))
                 self._sent[key] = (value, window.index)
-            else:
-                held.append((key, value))
-        self._held = Window(window.index, window.timestamp_ms, tuple(held)) if held else None
         return Window(window.index, window.timestamp_ms, tuple(kept))
-
-    def held_back(self) -> Window | None:
-        """The values the last window held back, at its step: sent at the end, every line reaches it."""
-        held, self._held = self._held, None
-        return held
 
 
 def delivery_phase_s(node: str, window_s: float) -> float:

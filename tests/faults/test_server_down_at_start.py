@@ -13,6 +13,7 @@ import time
 
 from faultkit import HTTP_TIMEOUT_S
 from hermetic import hermetic_environ
+from run_reading import anchor_history
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training_run import TrainingRun
@@ -57,8 +58,7 @@ def test_trainingrun_opens_when_the_server_answers_and_loses_nothing(pausable_se
     assert sorted(m.step for m in client.get_metric_history(run.run_id, "loss")) == list(range(700))
     assert client.get_run(run.run_id).data.params == {"lr": "0.1"}
     assert client.get_run(run.run_id).info.status == "FINISHED"
-    windows = sorted(client.get_metric_history(run.run_id, "system/cpu_utilization_percentage"),
-                     key=lambda m: m.step)
+    windows = anchor_history(client, run.run_id)
     assert [m.step for m in windows] == list(range(len(windows)))
     # Sampled from the moment the run was entered: windows from the hang, before the run existed.
     assert windows[0].timestamp < client.get_run(run.run_id).info.start_time - 50_000, windows[0]
@@ -87,6 +87,6 @@ def test_otel_forge_run_starts_cmd_after_its_wait_and_both_meet_in_one_run(pausa
     run_id = runs[0].info.run_id
     assert re.search(rf"otel-forge: run {run_id} ", result.stdout), result.stdout
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(100))
-    assert len(client.get_metric_history(run_id, "system/cpu_utilization_percentage")) >= 2
+    assert len(anchor_history(client, run_id)) >= 2
     assert client.get_run(run_id).info.status == "FINISHED"
     assert not (tmp_path / "mlflow.db").exists()

@@ -30,7 +30,8 @@ def test_windows_of_a_killed_run_survive_in_the_spool(pausable_server, tmp_path:
         wait_for(lambda: "serving mlflow run" in out.read_text(), 60, 0.05, "the run to be sampled")
         run_id = re.search(r"otel-forge: run ([0-9a-f]{32})", out.read_text()).group(1)  # type: ignore[union-attr]
         client = MlflowClient(server.uri)
-        key = "system/cpu_utilization_percentage"
+        wait_for(lambda: client.get_run(run_id).data.metrics, 30, 0.1, "the first window")
+        key = min(client.get_run(run_id).data.metrics)  # the anchor: in every window (the others when changed)
         wait_for(lambda: len(client.get_metric_history(run_id, key)) >= 2, 30, 0.1, "the first windows")
         server.pause()
         time.sleep(2.0)  # ~10 windows wait for a server that does not answer

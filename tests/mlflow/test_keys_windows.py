@@ -22,7 +22,7 @@ from servers import wait_for
 
 from otel_forge.mlflow.keys import KeyMapper, key_segment, sanitize_key, system_prefix
 from otel_forge.mlflow.spool import HEADER, WindowSpool
-from otel_forge.mlflow.windows import Window, WindowFolder
+from otel_forge.mlflow.windows import ChangedValues, Window, WindowFolder, delivery_phase_s
 from otel_forge.names import Fold
 from otel_forge.worker import DeliveryWorker, Outcome
 
@@ -442,7 +442,7 @@ def test_a_call_past_its_deadline_that_fails_is_retried_once_it_has_ended() -> N
     assert calls == [7]
     release.set()
     wait_for(lambda: worker.stats.delivered == 1, 5, 0.01)
-    assert calls == [7, 7] and worker.stats.retried >= 3
+    assert calls == [7, 7] and worker.stats.retried == 1  # awaiting the slow call was no new try
     worker.close(1)
 
 
@@ -587,3 +587,65 @@ def test_retry_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> No
     retries = [r for r in caplog.records if "retrying" in r.getMessage()]
     assert len(retries) == 1
     assert worker.stats.retried >= 10
+
+
+# --- what a window sends, and when ------------------------------------------------------------
+
+
+def test_changed_values_keep_the_anchor_and_what_changed_and_refresh_the_rest() -> None:
+    changed = ChangedValues(refresh_windows=3)
+    sent = []
+    for index in range(7):
+        window = Window(index, 1000 + index, (("a_anchor", 1.0), ("b_total", 64.0), ("c_util", float(index // 2))))
+        sent.append([key for key, _ in changed.keep(window).values])
+    assert sent == [["a_anchor", "b_total", "c_util"], ["a_anchor"], ["a_anchor", "c_util"], ["a_anchor", "b_total"],
+                    ["a_anchor", "c_util"], ["a_anchor"], ["a_anchor", "b_total", "c_util"]]
+
+
+
+def test_a_nan_is_sent_every_window_as_it_never_equals_itself() -> None:
+    changed = ChangedValues(refresh_windows=10)
+    for index in range(3):
+        assert len(changed.keep(Window(index, index, (("a", 1.0), ("b", math.nan)))).values) == 2
+
+
+def test_delivery_phases_of_many_nodes_cover_the_window_evenly() -> None:
+    phases = [delivery_phase_s(f"node_{i}", 60.0) for i in range(2048)]
+    assert all(0.0 <= p < 60.0 for p in phases)
+    per_second = [0] * 60
+    for phase in phases:
+        per_second[int(phase)] += 1
+    # 2,048 nodes over 60 s: about 34 a second, no second more than twice that.
+    assert max(per_second) < 2 * 2048 / 60 and min(per_second) > 0, per_second
+    assert delivery_phase_s("node_7", 10.0) == delivery_phase_s("node_7", 10.0)  # stable across restarts
+
+
+def test_an_overloaded_store_is_retried_and_a_bad_request_dropped() -> None:
+    from mlflow.exceptions import RestException
+
+    from otel_forge.mlflow.client import classify
+
+    overloaded = RestException({"error_code": "BAD_REQUEST", "message": "(sqlalchemy.exc.TimeoutError) QueuePool "
+                                "limit of size 5 overflow 10 reached, connection timed out, timeout 30.00"})
+    locked = RestException({"error_code": "BAD_REQUEST", "message": "(sqlite3.OperationalError) database is locked"})
+    refused = RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "Invalid value for metric key"})
+    assert classify(overloaded) is Outcome.RETRY
+    assert classify(locked) is Outcome.RETRY
+    assert classify(refused) is Outcome.DROP
+    assert classify(RestException({"error_code": "INTERNAL_ERROR", "message": "boom"})) is Outcome.RETRY
+
+
+def test_close_cuts_a_backoff_pause_short_and_tries_again_at_once() -> None:
+    tries: list[float] = []
+
+    def deliver(item: int) -> None:
+        tries.append(time.monotonic())
+        if len(tries) == 1:
+            raise ConnectionError("down for a moment")
+
+    worker = DeliveryWorker(deliver, name="wake", backoff_initial_s=30.0, backoff_max_s=30.0)
+    worker.submit(1)
+    wait_for(lambda: worker.stats.retried == 1, 5, 0.01)
+    started = time.monotonic()
+    assert worker.close(5.0) == 0  # not 15-30 s of backoff: the drain tries at once
+    assert worker.stats.delivered == 1 and time.monotonic() - started < 2.0

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jobsim import Finished, Job, Task, mpi_hostname
+from run_reading import anchor_history
 
 from otel_forge.node import host_node_id
 
@@ -65,9 +66,6 @@ def run_job(launcher: str, argv: Callable[[Task], Sequence[str]], tmp: Path, tra
     job.start(argv, lambda task: task_environ(tracking_uri, experiment, tmp), cwd)
     return JobResult(job, job.wait(), experiment, cwd)
 
-SYSTEM_KEY = "system/{node}/cpu_utilization_percentage"
-
-
 def the_run(client: Any, experiment: str) -> Any:
     found = client.get_experiment_by_name(experiment)
     assert found is not None, f"no experiment {experiment}"
@@ -77,7 +75,8 @@ def the_run(client: Any, experiment: str) -> Any:
 
 
 def node_history(client: Any, run_id: str, node: str) -> list[Any]:
-    return sorted(client.get_metric_history(run_id, SYSTEM_KEY.format(node=node)), key=lambda m: m.step)
+    """The node's windows, as its anchor key's points."""
+    return anchor_history(client, run_id, f"system/{node}/")
 
 
 def node_steps(client: Any, run_id: str, node: str) -> list[int]:
