@@ -14,7 +14,8 @@ with ``MlflowClient``; then K simulated nodes started together, each in its own 
 
 - ``otel_forge``: ``python -m otel_forge.cli monitor --run-id RUN --tracking-uri PROXY --node-id node_<i>
   --no-prometheus --collectors cpu,memory,disk,network,process,nvidia --interval <compressed>``,
-  ``--samples-per-window`` left at its default;
+  ``--samples-per-window`` left at its default, ``MLFLOW_EXPERIMENT_ID`` set as README's "plain way"
+  hands it out (so a node never reads the run; MLflow's monitor gets it too and reads the run anyway);
 - ``mlflow`` (the anchor): MLflow's ``mlflow.system_metrics.system_metrics_monitor.SystemMetricsMonitor``
   (``node_id=node_<i>``, ``samples_before_logging=1``, sampling interval compressed the same way) in a
   process of its own, until SIGTERM, then ``finish()``.
@@ -49,8 +50,8 @@ What is measured, per subject and backend:
   reached the proxy in that time; ``log-batch`` calls, other calls (e.g. MLflow's ``runs/get`` every
   sample) and metric rows per window are counted by the proxy over the same requests;
 - start cost per node: server CPU from the nodes' start until every node's first window was answered,
-  less the steady cost of the later windows early nodes delivered meanwhile, divided by K (the raw figure
-  and the server's idle CPU/s, measured before the nodes start, are in the JSON);
+  less the steady cost of the later windows early nodes delivered meanwhile, divided by K (the raw figure,
+  the calls made meanwhile and the server's idle CPU/s, measured before the nodes start, are given apart);
 - delivered / expected: windows in the period over K x seconds / window length: a node's timer drift
   (both tools wait one interval after each sample's work), a node that fell behind or stopped;
 - lag at the end: at the end of the period, the age of each node's newest window timestamp that reached
@@ -58,8 +59,9 @@ What is measured, per subject and backend:
   over the next window, so up to 2 windows is on time);
 - windows not delivered: after SIGTERM and the nodes' own drain, read back from the run (the history of
   each node's smallest key, which both tools log every window): steps missing below a node's last step,
-  plus windows due before the stop that never came (a node whose newest stored window is more than 2
-  windows older than the stop); windows otel_forge left in its spools, and error answers, are given apart.
+  plus windows due before the stop that never came (more than 2 windows, at the pace the node delivered,
+  between its newest stored window and the stop); windows otel_forge left in its spools, and error answers,
+  are given apart.
 
 Caveats: the proxy opens one upstream connection per request where the clients would keep theirs alive,
 a small cost per call for both subjects. The run holds K nodes' keys, not ``--fleet`` nodes': a cost
@@ -476,7 +478,8 @@ def measure(ctx: Context, subject: str, backend: str, tmp: Path, server: Any, me
 
     args, k, length_s = ctx.args, ctx.args.nodes, window_s(ctx, subject)
     client = MlflowClient(server.uri)
-    run_id = client.create_run(client.create_experiment(f"fleet-{subject}"), run_name=f"fleet-{subject}").info.run_id
+    experiment_id = client.create_experiment(f"fleet-{subject}")
+    run_id = client.create_run(experiment_id, run_name=f"fleet-{subject}").info.run_id
     deliveries = Deliveries(proxy)
     warm_up(client, server.uri)
     idle_before, idle_at = meter.read(), time.monotonic()
@@ -489,7 +492,9 @@ def measure(ctx: Context, subject: str, backend: str, tmp: Path, server: Any, me
         commands = [anchor_command(run_id, proxy.uri, i, args.interval, args.anchor_flush) for i in range(k)]
     job_id = uuid.uuid4().hex[:8]
     started, cpu_start = time.monotonic(), meter.read()
-    fleet.start(commands, [node_env(i, args, job_id, tmp) for i in range(k)])
+    # As README's "plain way" hands them out: the run and its experiment (so no node reads the run).
+    fleet.start(commands, [{**node_env(i, args, job_id, tmp), "MLFLOW_EXPERIMENT_ID": experiment_id}
+                           for i in range(k)])
     n_first = wait_windows(deliveries, fleet, proxy, k, 1, 120 + 3 * k)
     start_s, cpu_first = time.monotonic() - started, meter.read()
 
@@ -511,6 +516,7 @@ def measure(ctx: Context, subject: str, backend: str, tmp: Path, server: Any, me
     return summarize(ctx, subject, backend, {
         "period": period, "period_s": t1 - t0, "period_cpu_ms": period_cpu, "start_s": start_s,
         "start_cpu_ms": start_cpu, "start_windows": deliveries.between(0, n_first)["windows"],
+        "start_calls": deliveries.between(0, n_first)["calls"],
         "idle_ms_per_s": idle_ms_per_s, "lags": lags, "window_s": length_s,
         "undelivered": undelivered(stored, k, stop_wall, length_s), "spooled": spooled(tmp / "spool"),
         "errors": dict(Counter(f"{status} {path.rsplit('/mlflow/', 1)[-1]}" for _, _, path, status in proxy.log()
@@ -555,23 +561,28 @@ def _call(url: str, body: dict[str, Any] | None = None) -> None:
         response.read()
 
 
-def stored_steps(client: Any, run_id: str, deliveries: Deliveries) -> dict[str, tuple[set[int], int]]:
-    """Per node, the steps the run holds (history of the node's smallest key: otel_forge sends it every window,
-    MLflow sends every key every window) and the newest timestamp among them."""
+def stored_steps(client: Any, run_id: str, deliveries: Deliveries) -> dict[str, dict[int, int]]:
+    """Per node, step -> timestamp (ms) of what the run holds: the history of the node's smallest key, which
+    otel_forge sends every window and MLflow too (it sends every key every window)."""
     stored = {}
     for node, log in deliveries.nodes.items():
         history = client.get_metric_history(run_id, f"system/{node}/{min(log.keys)}")
-        stored[node] = ({m.step for m in history}, max((m.timestamp for m in history), default=0))
+        stored[node] = {m.step: m.timestamp for m in history}
     return stored
 
 
-def undelivered(stored: dict[str, tuple[set[int], int]], k: int, stop_wall: float, length_s: float) -> dict[str, int]:
-    """Steps missing below each node's last stored step, and windows due before the stop that never came."""
+def undelivered(stored: dict[str, dict[int, int]], k: int, stop_wall: float, length_s: float) -> dict[str, int]:
+    """Steps missing below each node's last stored step, and windows due before the stop that never came (at
+    the node's own pace: a node slower than its interval is late, not dropping)."""
     gaps = tail = 0
-    for steps, newest_ms in stored.values():
-        gaps += max(steps, default=-1) + 1 - len(steps)
-        tail += max(0, int((stop_wall - newest_ms / 1e3) / length_s) - TAIL_SLACK_WINDOWS)
-    missing_nodes = k - sum(1 for i in range(k) if stored.get(f"node_{i}", ((), 0))[0])
+    for steps in stored.values():
+        if not steps:
+            continue
+        gaps += max(steps) + 1 - len(steps)
+        first, last = min(steps.values()), max(steps.values())
+        pace_s = max(length_s, (last - first) / 1e3 / max(1, len(steps) - 1))
+        tail += max(0, int((stop_wall - last / 1e3) / pace_s) - TAIL_SLACK_WINDOWS)
+    missing_nodes = k - sum(1 for i in range(k) if stored.get(f"node_{i}"))
     return {"gaps": gaps, "tail": tail, "nodes_never_delivered": missing_nodes, "total": gaps + tail}
 
 
@@ -586,6 +597,7 @@ def start_cost(m: dict[str, Any], k: int, per_window_ms: float) -> dict[str, Any
     later = max(0, m["start_windows"] - k)
     raw = m["start_cpu_ms"]["total"]
     return {"seconds": m["start_s"], "cpu_ms": m["start_cpu_ms"], "windows": m["start_windows"],
+            "calls": m["start_calls"],
             "raw_per_node_ms": raw / k, "per_node_ms": max(0.0, raw - later * per_window_ms) / k}
 
 
@@ -680,7 +692,7 @@ def note(row: dict[str, Any]) -> str:
     return (f"- {row['subject']} / {row['backend']}: {row['windows']} windows in {row['measured_s']:.1f} s (window "
             f"{row['window_s']:g} s); {row['keys_per_node']} keys per node, {row['gpus_seen']} GPUs seen; calls "
             f"{row['calls']}{database}; start {start['seconds']:.1f} s, {start['raw_per_node_ms']:.1f} ms per node "
-            f"before taking out {start['windows'] - row['nodes']} later windows; server idle "
+            f"before taking out {start['windows'] - row['nodes']} later windows, calls {start['calls']}; server idle "
             f"{row['idle_cpu_ms_per_s']:.1f} ms CPU/s; not delivered {row['undelivered']}, "
             f"{row['spooled_at_exit']} left in spools, error answers {row['error_answers'] or 'none'}; "
             f"{len(row['nodes_exited_early'])} node(s) exited early, {row['nodes_killed_at_stop']} killed at stop, "

@@ -292,6 +292,9 @@ SETTINGS: tuple[Setting, ...] = (
             _one_of(OTLP_PROTOCOLS), "http/protobuf", "OTLP transport: `grpc` or `http/protobuf`."),
     Setting("run_id", ("MLFLOW_RUN_ID",), _optional_text, None,
             "MLflow run that receives the system metrics (`otel-forge monitor --run-id`)."),
+    Setting("experiment_id", ("MLFLOW_EXPERIMENT_ID",), _optional_text, None,
+            "The run's experiment: with `run_id`, an agent never reads the run (nodes of a large run start "
+            "cheap); without it, a standalone agent reads the run once."),
     Setting("tracking_uri", ("MLFLOW_TRACKING_URI",), _tracking_uri, None,
             "MLflow tracking URI (default: MLflow's own default, a local store in the working directory)."),
     Setting("mlflow_stats", ("OTEL_FORGE_MLFLOW_STATS",), _stats, ("mean",),
@@ -346,6 +349,7 @@ class ForgeConfig:
     otlp_endpoint: str | None
     otlp_protocol: str
     run_id: str | None
+    experiment_id: str | None
     tracking_uri: str | None
     mlflow_stats: tuple[str, ...]
     secret_keys: tuple[str, ...]

@@ -46,7 +46,7 @@ class MLflowMetricExporter(MetricExporter):
                  spool_max_bytes: int = _DEFAULTS.spool_max_bytes, max_queue: int = _DEFAULTS.queue_size,
                  call_deadline_s: float = _DEFAULTS.call_deadline_s,
                  drain_deadline_s: float = _DEFAULTS.drain_deadline_s, delivery_phase_s: float = 0.0,
-                 refresh_windows: int = REFRESH_WINDOWS) -> None:
+                 refresh_windows: int = REFRESH_WINDOWS, known: RunInfo | None = None) -> None:
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         self.run_id = run_id
@@ -72,7 +72,7 @@ class MLflowMetricExporter(MetricExporter):
         self._writer_lock: NodeWriterLock | None = None
         self.standing_down = False
         if run_id is not None:
-            self.attach(run_id)
+            self.attach(run_id, known)
 
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """The run the windows go to, once it is open: windows made before wait in the spool.

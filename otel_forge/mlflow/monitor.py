@@ -102,7 +102,8 @@ class SystemMetricsMonitor:
         return MLflowMetricExporter(
             c.run_id, tracking_uri=c.tracking_uri, node_id=self.node.node_id, samples_per_window=samples_per_window,
             stats=c.mlflow_stats, spool_dir=c.spool_dir, spool_max_bytes=c.spool_max_bytes, max_queue=c.queue_size,
-            call_deadline_s=c.call_deadline_s, drain_deadline_s=c.drain_deadline_s, delivery_phase_s=phase_s)
+            call_deadline_s=c.call_deadline_s, drain_deadline_s=c.drain_deadline_s, delivery_phase_s=phase_s,
+            known=RunInfo(c.experiment_id, "") if c.experiment_id else None)
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader

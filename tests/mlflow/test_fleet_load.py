@@ -9,7 +9,7 @@ import statistics
 import time
 
 from otel_points import gauge, metrics_data
-from proxy import LOG_BATCH, Mode
+from proxy import GET_RUN, LOG_BATCH, Mode
 from servers import wait_for
 
 import otel_forge
@@ -85,3 +85,14 @@ def test_an_unchanged_value_is_sent_every_tenth_window(client, experiment_id, tm
     values = [m.value for m in sorted(client.get_metric_history(run_id, "system/node_0/system_memory_usage_percentage"),
                                       key=lambda m: m.step)]
     assert values == [50.0, 50.0, 70.0, 70.0]
+
+
+def test_an_agent_told_the_experiment_never_reads_the_run(client, experiment_id, proxy, tmp_path):
+    run_id = client.create_run(experiment_id).info.run_id
+    monitor = otel_forge.monitor(run_id=run_id, experiment_id=experiment_id, tracking_uri=proxy.uri,
+                                 node_id="node_9", sampling_interval=0.1, prometheus=False, collectors=("memory",),
+                                 spool_dir=str(tmp_path))
+    wait_for(lambda: proxy.count(LOG_BATCH) >= 3, 10, 0.05, message="three windows")
+    monitor.stop()
+    assert proxy.count(GET_RUN) == 0  # a node of a large run starts without reading it
+    assert monitor.exporter.window_logger.first_step == 0
