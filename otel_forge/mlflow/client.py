@@ -32,9 +32,10 @@ def run_gone(error: BaseException) -> bool:
 
 
 # A tracking server under load answers some requests 400 with its store's error: a full connection
-# pool, a locked database. The request was fine; sent again later it succeeds.
+# pool, a locked database. The request was fine; sent again later it succeeds. Only these: a store
+# error that would fail again every time (a schema mismatch) must not hold the queue forever.
 _OVERLOAD_MARKERS = ("QueuePool limit", "database is locked", "too many connections", "could not obtain lock",
-                     "connection timed out", "OperationalError", "TimeoutError")
+                     "deadlock detected", "server closed the connection unexpectedly")
 
 
 def classify(error: BaseException) -> Outcome:

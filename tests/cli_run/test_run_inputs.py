@@ -65,6 +65,6 @@ def test_an_empty_variable_of_ours_is_one_line_and_cmd_never_runs(tmp_path) -> N
                   env={"OTEL_FORGE_MLFLOW_STATS": "", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"})
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
-        "otel-forge: error: invalid mlflow_stats (from env OTEL_FORGE_MLFLOW_STATS): must name at least one of "
-        "mean, max, min, got ''"]
+        ("otel-forge: error: invalid mlflow_stats (from env OTEL_FORGE_MLFLOW_STATS): must name at least one of "
+         "mean, max, min, got ''")]
     assert not marker.exists()

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics.export import MetricExportResult
-from hermetic import hermetic_environ
 from gpu_fakes import fake_gpu_env, fake_nvml
+from hermetic import hermetic_environ
+from opentelemetry.sdk.metrics.export import MetricExportResult
 from otel_points import gauge, metrics_data
 from proxy import GET_RUN, LOG_BATCH, MlflowProxy, Mode
 from run_reading import anchor_steps

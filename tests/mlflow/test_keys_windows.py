@@ -9,6 +9,7 @@ left out (where-filters, NaN/inf), and in which order and how completely windows
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -459,7 +460,7 @@ def test_retries_back_off_with_jitter() -> None:
     worker.submit(1)
     wait_for(lambda: worker.stats.delivered == 1, 10, 0.01)
     worker.close(1)
-    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     caps = [0.02, 0.04, 0.08, 0.08, 0.08, 0.08]
     # Each pause lies between half its backoff and the whole of it (plus scheduling).
     assert all(cap / 2 <= gap < cap + 0.05 for gap, cap in zip(gaps, caps)), list(zip(gaps, caps))
