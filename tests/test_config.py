@@ -6,11 +6,18 @@ from otel_forge.config import SETTINGS, ConfigError, ForgeConfig
 def test_defaults_when_nothing_is_set():
     config = ForgeConfig.resolve(environ={})
     assert config.sampling_interval_s == 10.0
-    assert config.samples_per_window == 1
+    assert config.samples_per_window is None  # by the job's node count: see below
     assert config.prometheus_host == "localhost" and config.prometheus_port == 9464
     assert config.otlp_endpoint is None and config.otlp_protocol == "http/protobuf"
     assert config.service_name == "otel-forge"
     assert set(config.sources.values()) == {"default"}
+
+
+@pytest.mark.parametrize("nodes, samples", [(None, 1), (1, 1), (32, 1), (33, 3), (256, 3), (257, 6), (2048, 6)])
+def test_the_mlflow_window_grows_with_the_job_unless_set(nodes, samples):
+    assert ForgeConfig.resolve(environ={}).mlflow_samples_per_window(nodes) == samples
+    # 10 s alone, 30 s and 60 s for large jobs at the default interval; a setting always wins.
+    assert ForgeConfig.resolve(environ={"OTEL_FORGE_SAMPLES_PER_WINDOW": "2"}).mlflow_samples_per_window(nodes) == 2
 
 
 def test_explicit_beats_env_beats_default():
