@@ -22,7 +22,8 @@ INSTRUMENTATION_SCOPE = "otel_forge"
 
 
 class SelfTelemetryCollector(Collector):
-    """Reads the agent's own read statistics (time, reads, errors per collector)."""
+    """Reads the agent's own read statistics (time, reads, errors per collector) and when it was
+    read, i.e. collected: what a scrape serves is that old (``time() - otel_forge_collect_time_seconds``)."""
 
     name = "self"
 
@@ -31,6 +32,7 @@ class SelfTelemetryCollector(Collector):
 
 
     def read(self, readings: Readings) -> None:
+        readings.add("otel_forge.collect.time", time.time())
         for cache in self._caches:
             attributes = {"otel_forge.collector": cache.name}
             readings.add("otel_forge.collector.reads", cache.stats.reads, attributes)

@@ -204,6 +204,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Failed reads per collector."),
     MetricSpec("otel_forge.collector.read.time", C, "s", "self", ("otel_forge.collector",),
                "Time spent reading, per collector."),
+    MetricSpec("otel_forge.collect.time", G, "s", "self", (),
+               "When the agent last collected, Unix seconds: Prometheus serves that collect, so the data's age is "
+               "time() minus this (at most one interval)."),
     MetricSpec("otel_forge.run.info", G, "", "run", ("mlflow.run.id", "mlflow.experiment.id", "mlflow.run.name",
                                                  "otel_forge.node.id"),
                "1 while the agent serves an MLflow run: joins a node's series to the run (group_left)."),

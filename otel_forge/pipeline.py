@@ -11,23 +11,25 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from otel_forge.collectors import Collector, OpenedCollectors, open_collectors
 from otel_forge.config import ForgeConfig
+from otel_forge.fanout import FanOutExporter, cumulative_only
 from otel_forge.instruments import INSTRUMENTATION_SCOPE, InstrumentSet
 from otel_forge.node import NodeIdentity, build_resource
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider as ApiMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import MetricReader
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
+
+    from otel_forge.prometheus_endpoint import PrometheusEndpoint, PrometheusRendering
 
 _logger = logging.getLogger(__name__)
 
-# Builds an extra reader (the MLflow reader) at each start: a reader serves one provider only.
-ReaderFactory = Callable[[], "MetricReader"]
+# Builds an extra sink (the MLflow exporter) at each start: a shut-down exporter is not reused.
+ExporterFactory = Callable[[], "MetricExporter"]
 
 
 def _no_exemplar_views() -> list:
@@ -62,36 +64,16 @@ class EndpointError(OSError):
     """An endpoint could not be served (e.g. the Prometheus port is in use)."""
 
 
-@dataclass
-class _PrometheusServer:
-    server: Any
-    thread: threading.Thread
-    url: str
+def _serve_prometheus(config: ForgeConfig, rendering: PrometheusRendering) -> PrometheusEndpoint:
+    from otel_forge.prometheus_endpoint import PrometheusEndpoint
 
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
-
-
-def _start_prometheus(config: ForgeConfig) -> tuple[MetricReader, _PrometheusServer]:
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    # Our own registry: two agents in one process (or the app's own metrics) never collide.
-    registry = CollectorRegistry(auto_describe=True)
-    reader = PrometheusMetricReader(registry=registry)
     try:
-        server, thread = start_http_server(config.prometheus_port, addr=config.prometheus_host, registry=registry)
+        return PrometheusEndpoint.serve(rendering, config.prometheus_host, config.prometheus_port)
     except OSError as error:
-        reader.shutdown()
         where = f"{config.prometheus_host}:{config.prometheus_port}"
         raise EndpointError(f"cannot serve Prometheus on {where} "
                             f"(prometheus_port from {config.sources.get('prometheus_port', 'default')}): "
                             f"{error.strerror or error}") from None
-    host, port = server.server_address[:2]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/metrics"
-    return reader, _PrometheusServer(server, thread, url)
 
 
 def _otlp_timeout_s(config: ForgeConfig) -> float | None:
@@ -103,20 +85,16 @@ def _otlp_timeout_s(config: ForgeConfig) -> float | None:
     return min(10.0, config.sampling_interval_s)
 
 
-def _otlp_reader(config: ForgeConfig) -> MetricReader:
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
+def _otlp_exporter(config: ForgeConfig) -> MetricExporter:
     url = config.otlp_metrics_url
     timeout_s = _otlp_timeout_s(config)
     if config.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
 
-        exporter = GrpcExporter(endpoint=url, insecure=url.startswith("http://"), timeout=timeout_s)
-    else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
+        return GrpcExporter(endpoint=url, insecure=url.startswith("http://"), timeout=timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
 
-        exporter = HttpExporter(endpoint=url, timeout=timeout_s)
-    return PeriodicExportingMetricReader(exporter, export_interval_millis=config.sampling_interval_s * 1000)
+    return HttpExporter(endpoint=url, timeout=timeout_s)
 
 
 class Agent:
@@ -126,17 +104,18 @@ class Agent:
     code can run in every rank of a job. A stopped agent can be started again.
     """
 
-    def __init__(self, config: ForgeConfig | None = None, extra_readers: Sequence[ReaderFactory] = (),
+    def __init__(self, config: ForgeConfig | None = None, extra_exporters: Sequence[ExporterFactory] = (),
                  node: NodeIdentity | None = None, extra_collectors: Sequence[Collector] = ()) -> None:
         self.config = config or ForgeConfig.resolve()
         self.node = node or NodeIdentity.from_config(self.config)
-        self._extra_readers = extra_readers
+        self._extra_exporters = extra_exporters
         self._extra_collectors = extra_collectors
         self.collectors: OpenedCollectors | None = None
         self.instruments: InstrumentSet | None = None
         self.meter_provider: MeterProvider | None = None
         self.endpoints: list[str] = []
-        self._prometheus: _PrometheusServer | None = None
+        self._prometheus: PrometheusEndpoint | None = None
+        self.fan_out: FanOutExporter | None = None  # the one collect's sinks
 
     @property
     def running(self) -> bool:
@@ -164,16 +143,36 @@ class Agent:
         return self
 
     def _build_readers(self) -> list[MetricReader]:
+        """One periodic reader whose one collect per interval goes to every sink (Prometheus's
+        rendering, OTLP, MLflow, extra exporters); an OTLP exporter set to delta gets its own."""
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        interval_ms = self.config.sampling_interval_s * 1000
+        sinks: list[MetricExporter] = []
         readers: list[MetricReader] = []
         self.endpoints = []
+        rendering = None
         if self.config.prometheus:
-            reader, self._prometheus = _start_prometheus(self.config)
-            readers.append(reader)
+            from otel_forge.prometheus_endpoint import PrometheusRendering
+
+            rendering = PrometheusRendering()
+            self._prometheus = _serve_prometheus(self.config, rendering)
+            sinks.append(rendering)
             self.endpoints.append(f"prometheus {self._prometheus.url}")
         if self.config.otlp_endpoint:
-            readers.append(_otlp_reader(self.config))
+            otlp = _otlp_exporter(self.config)
+            if cumulative_only(otlp):
+                sinks.append(otlp)
+            else:
+                readers.append(PeriodicExportingMetricReader(otlp, export_interval_millis=interval_ms))
             self.endpoints.append(f"otlp {self.config.otlp_protocol} {self.config.otlp_metrics_url}")
-        readers.extend(factory() for factory in self._extra_readers)
+        sinks.extend(factory() for factory in self._extra_exporters)
+        if sinks:
+            self.fan_out = FanOutExporter(sinks)
+            reader = PeriodicExportingMetricReader(self.fan_out, export_interval_millis=interval_ms)
+            if rendering is not None:
+                rendering.collect_now = reader.collect
+            readers.append(reader)
         return readers
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

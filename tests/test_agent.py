@@ -1,10 +1,10 @@
-"""The Agent with several readers at once: one hardware read per interval, clean stop and restart."""
+"""The Agent: one collect per interval for every sink and scraper, sinks isolated, clean stop and restart."""
 
 import threading
 import time
 import urllib.request
 
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 
 from otel_forge import Agent, ForgeConfig
 
@@ -25,30 +25,82 @@ class CountingExporter(MetricExporter):
         pass
 
 
-def test_three_readers_share_one_read_per_interval():
+def _scrape(url: str, accept: str, stop: threading.Event, counts: list[int]) -> None:
+    while not stop.is_set():
+        request = urllib.request.Request(url, headers={"Accept": accept})
+        assert b"system_memory" in urllib.request.urlopen(request).read()
+        counts.append(1)
+        stop.wait(0.05)
+
+
+def test_one_collect_per_interval_for_every_sink_and_scraper():
     interval_s = 0.5
     exporters = [CountingExporter(), CountingExporter()]
     config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
                                  sampling_interval_s=interval_s, collectors="cpu,memory")
-    agent = Agent(config, extra_readers=[
-        lambda e=e: PeriodicExportingMetricReader(e, export_interval_millis=interval_s * 1000) for e in exporters])
-    agent.start()
+    agent = Agent(config, extra_exporters=[lambda e=e: e for e in exporters]).start()
     url = agent.endpoints[0].split()[-1]
-    scrapes = 0
-    started = time.monotonic()
-    while time.monotonic() - started < 3.0:  # Prometheus scraping 4x per interval, on its own thread
-        urllib.request.urlopen(url).read()
-        scrapes += 1
-        time.sleep(interval_s / 4)
-    elapsed = time.monotonic() - started
+    stop, scrapes = threading.Event(), []
+    # Two scrapers, as an HA pair of Prometheus servers would, 10x per interval, text and OpenMetrics.
+    scrapers = [threading.Thread(target=_scrape, args=(url, accept, stop, scrapes))
+                for accept in ("text/plain", "application/openmetrics-text; version=1.0.0")]
+    for scraper in scrapers:
+        scraper.start()
+    time.sleep(3.0)
+    stop.set()
+    for scraper in scrapers:
+        scraper.join()
+    fan_out, rendering = agent.fan_out, agent.fan_out.sinks[0]
+    readers = agent.meter_provider._metric_readers  # noqa: SLF001 - the count is the point
+    collects, renderings, encodings = fan_out.exports, rendering.renderings, rendering.encodings
     reads = {name: cache.stats.reads for name, cache in agent.instruments.caches.items()}
-    collects = scrapes + sum(e.exports for e in exporters)
-    agent.shutdown()
-    # Every reader collected many times, but each collector read its hardware at most once per
-    # max_age (0.9 x interval), i.e. about once an interval, whatever the number of readers.
-    assert collects >= 3 * elapsed / interval_s
-    bound = elapsed / config.snapshot_max_age_s + 2
-    assert 1 <= reads["cpu"] <= bound and 1 <= reads["memory"] <= bound, (reads, collects)
+    agent.shutdown()  # one last collect, which the threaded sinks export before they stop
+
+    assert len(readers) == 1  # one reader: every SDK collect is one export to the fan-out
+    assert len(scrapes) > 4 * collects  # scrapes far outnumber collects ...
+    assert 3.0 / interval_s - 2 <= collects <= 3.0 / interval_s + 2  # ... which stay one per interval
+    assert [e.exports for e in exporters] == [fan_out.exports] * 2  # every sink got every collect
+    assert renderings == collects  # a scrape serves the last rendering, never collects
+    assert encodings <= 2 * collects + 2  # one body per format per collect, whatever the scrapes
+    assert 1 <= reads["cpu"] <= collects + 1 and 1 <= reads["memory"] <= collects + 1, (reads, collects)
+
+
+def test_a_hung_sink_delays_no_other_sink():
+    release = threading.Event()
+
+    class HungExporter(CountingExporter):
+        def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+            self.exports += 1
+            release.wait()
+            return MetricExportResult.SUCCESS
+
+    hung, healthy = HungExporter(), CountingExporter()
+    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
+                                 sampling_interval_s=0.2, collectors="memory")
+    agent = Agent(config, extra_exporters=[lambda: hung, lambda: healthy]).start()
+    url = agent.endpoints[0].split()[-1]
+    try:
+        time.sleep(1.5)
+        first = urllib.request.urlopen(url).read()
+        time.sleep(0.5)
+        second = urllib.request.urlopen(url).read()
+        assert hung.exports == 1  # stuck in its first export
+        assert healthy.exports >= 5  # the others go on every interval
+        assert first != second  # the rendering moves on (otel_forge_collect_time_seconds at least)
+        assert agent.fan_out.skipped["HungExporter"] >= 4  # newer collects replaced the waiting one
+    finally:
+        release.set()
+        agent.shutdown(timeout_s=2)
+
+
+def test_a_scrape_before_the_first_collect_triggers_it_once():
+    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
+                                 sampling_interval_s=3600, collectors="memory")
+    with Agent(config) as agent:
+        url = agent.endpoints[0].split()[-1]
+        bodies = [urllib.request.urlopen(url).read() for _ in range(3)]
+        assert b"system_memory_usage_bytes" in bodies[0] and len(set(bodies)) == 1
+        assert agent.fan_out.exports == 1
 
 
 def test_stop_frees_threads_and_port_and_a_second_start_works():

@@ -11,9 +11,10 @@ import os
 import time
 from pathlib import Path
 
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
 from otel_forge.config import ForgeConfig
+from otel_forge.fanout import NonBlockingExporter
 from otel_forge.mlflow.client import RunInfo, WindowLogger, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, system_prefix
 from otel_forge.mlflow.spool import WindowSpool, default_spool_root
@@ -28,7 +29,7 @@ _DEFAULTS = ForgeConfig.defaults()  # the settings table's defaults, for apps th
 REFRESH_WINDOWS = 10
 
 
-class MLflowMetricExporter(MetricExporter):
+class MLflowMetricExporter(NonBlockingExporter):
     """Exports OTel metrics into an MLflow run as ``system/[<node>/]<key>`` metrics, one step a window.
 
     ``samples_per_window`` exports make a window; its step is the window index after the node's

@@ -106,12 +106,8 @@ class SystemMetricsMonitor:
             known=RunInfo(c.experiment_id, "") if c.experiment_id else None)
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-        interval_ms = self.config.sampling_interval_s * 1000
         collectors = [DeliveryStatsCollector(exporter), RunInfoCollector(exporter, self.node.node_id)]
-        return Agent(self.config, node=self.node, extra_collectors=collectors,
-                     extra_readers=[lambda: PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)])
+        return Agent(self.config, node=self.node, extra_collectors=collectors, extra_exporters=[lambda: exporter])
 
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """The run is open: the windows sampled so far, and all after, go to it."""
