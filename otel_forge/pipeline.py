@@ -1,8 +1,9 @@
-"""The agent: collectors on a MeterProvider with the readers the config asks for, or on yours.
+"""The agent: collectors on a MeterProvider whose one reader feeds every sink, or on your provider.
 
-``Agent`` builds its own ``MeterProvider`` with a Prometheus endpoint, an OTLP exporter and any
-extra readers (the MLflow reader); ``instrument`` registers the same collectors on a provider
-the application already has.
+``Agent`` builds its own ``MeterProvider`` with one periodic reader: each collect goes to the
+Prometheus endpoint's rendering, the OTLP exporter and any extra exporters (the MLflow exporter)
+through ``FanOutExporter``; ``instrument`` registers the same collectors on a provider the
+application already has.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from otel_forge.collectors import Collector, OpenedCollectors, open_collectors
 from otel_forge.config import ForgeConfig
-from otel_forge.fanout import FanOutExporter, cumulative_only
 from otel_forge.instruments import INSTRUMENTATION_SCOPE, InstrumentSet
 from otel_forge.node import NodeIdentity, build_resource
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
 
+    from otel_forge.fanout import FanOutExporter
     from otel_forge.prometheus_endpoint import PrometheusEndpoint, PrometheusRendering
 
 _logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def _otlp_timeout_s(config: ForgeConfig) -> float | None:
 
 
 def _otlp_exporter(config: ForgeConfig) -> MetricExporter:
-    url = config.otlp_metrics_url
+    url = config.otlp_metrics_url or ""  # set: the caller checked otlp_endpoint
     timeout_s = _otlp_timeout_s(config)
     if config.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
@@ -146,6 +147,8 @@ class Agent:
         """One periodic reader whose one collect per interval goes to every sink (Prometheus's
         rendering, OTLP, MLflow, extra exporters); an OTLP exporter set to delta gets its own."""
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        from otel_forge.fanout import FanOutExporter, cumulative_only
 
         interval_ms = self.config.sampling_interval_s * 1000
         sinks: list[MetricExporter] = []

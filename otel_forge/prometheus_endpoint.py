@@ -64,12 +64,11 @@ class PrometheusRendering(NonBlockingExporter):
         encoder, content_type = choose_encoder(accept or "")
         compressed = gzip_accepted(accept_encoding or "")
         key = (content_type, compressed)
-        body = rendered.bodies.get(key)
-        if body is None:
-            body = encoder(rendered)  # type: ignore[arg-type]
-            body = gzip.compress(body) if compressed else body
-            with self._lock:
-                rendered.bodies[key] = body
+        with self._lock:  # scrapes at once: one encodes, the others wait for its bytes
+            body = rendered.bodies.get(key)
+            if body is None:
+                body = encoder(rendered)  # type: ignore[arg-type]
+                rendered.bodies[key] = body = gzip.compress(body) if compressed else body
                 self.encodings += 1
         headers = [("Content-Type", content_type)] + ([("Content-Encoding", "gzip")] if compressed else [])
         return body, headers
@@ -122,7 +121,7 @@ class PrometheusEndpoint:
         server = make_server(host, port, _metrics_app(rendering), Server, handler_class=_SilentHandler)
         thread = threading.Thread(target=server.serve_forever, name="otel-forge-prometheus", daemon=True)
         thread.start()
-        bound_host, bound_port = server.server_address[:2]
+        bound_host, bound_port = str(server.server_address[0]), server.server_address[1]
         url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}/metrics"
         return cls(server, thread, url)
 

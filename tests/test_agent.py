@@ -137,3 +137,17 @@ def test_only_local_rank_zero_runs_an_agent():
     agent = Agent(ForgeConfig.resolve(environ={}, prometheus_port=0), node=node).start()
     assert not agent.running and agent.endpoints == []
     agent.shutdown()
+
+
+def test_an_otlp_exporter_set_to_delta_keeps_a_reader_of_its_own(monkeypatch):
+    # The shared collect is cumulative (Prometheus and MLflow need it); delta needs its own collect.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "delta")
+    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0, collectors="memory",
+                                 otlp_endpoint="http://127.0.0.1:9", sampling_interval_s=0.2)  # OTLP gives up fast
+    with Agent(config) as agent:
+        readers = agent.meter_provider._metric_readers  # noqa: SLF001 - the count is the point
+        assert len(readers) == 2 and [type(s).__name__ for s in agent.fan_out.sinks] == ["PrometheusRendering"]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "cumulative")
+    with Agent(config) as agent:
+        assert len(agent.meter_provider._metric_readers) == 1  # noqa: SLF001
+        assert [type(s).__name__ for s in agent.fan_out.sinks] == ["PrometheusRendering", "OTLPMetricExporter"]

@@ -37,7 +37,7 @@ def _duration_s(text: str | None) -> float | None:
 
 
 def _agent(config: ForgeConfig) -> Agent | SystemMetricsMonitor:
-    """The plain agent, or with ``--run-id`` the agent plus the MLflow reader into that run."""
+    """The plain agent, or with ``--run-id`` the agent plus the MLflow exporter into that run."""
     if config.run_id is None:
         return Agent(config)
     from otel_forge.mlflow.monitor import SystemMetricsMonitor

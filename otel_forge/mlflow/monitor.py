@@ -1,4 +1,4 @@
-"""``otel_forge.monitor``: the node agent with an MLflow reader, attached to a run."""
+"""``otel_forge.monitor``: the node agent with the MLflow exporter as one more sink, into a run."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _active_run() -> tuple[str, str]:
 
 
 class SystemMetricsMonitor:
-    """The agent plus an MLflow reader into one run; ``start()``/``stop()`` or a ``with`` block.
+    """The agent plus the MLflow exporter (a sink of its one collect) into one run; ``start()``/``stop()`` or a ``with`` block.
 
     Only local rank 0 of a node samples; elsewhere start/stop do nothing.
     """
