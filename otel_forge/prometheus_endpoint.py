@@ -1,42 +1,50 @@
 """The Prometheus ``/metrics`` endpoint, served from the last collect.
 
-``PrometheusRendering`` is a sink of the agent's one collect: it translates each ``MetricsData`` to
-Prometheus families with opentelemetry-exporter-prometheus's own translation, once. A scrape is
-answered with bytes encoded by prometheus_client (text or OpenMetrics, as the scraper's ``Accept``
-negotiates; gzip when accepted), made once per collect and format and then served as they are: any
-number of scrapers cost one encoding per interval, no SDK collect. A scrape before the first collect
+``PrometheusRendering`` is a sink of the agent's one collect: it keeps the latest ``MetricsData``. The
+first scrape after a collect translates it to Prometheus families with opentelemetry-exporter-
+prometheus's own translation and encodes it with prometheus_client (text or OpenMetrics, as the
+scraper's ``Accept`` negotiates; gzip when accepted); later scrapes of that collect get the same
+bytes. Any number of scrapers cost at most one translation and one encoding per format per
+interval, no SDK collect (none at all when nobody scrapes). A scrape before the first collect
 triggers that collect, once.
 """
 
 from __future__ import annotations
 
 import gzip
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from wsgiref.simple_server import make_server
 
 from opentelemetry.exporter.prometheus import _CustomCollector
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, choose_encoder, gzip_accepted
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from otel_forge.fanout import NonBlockingExporter
 
 
 @dataclass
 class _Rendered:
-    """One collect's families and the bodies encoded from them so far, by (content type, gzip)."""
+    """One collect: its data, translated to Prometheus families at the first scrape that needs them,
+    and the bodies encoded from them so far, by (content type, gzip)."""
 
-    families: list[Any]
+    data: MetricsData | None
+    families: list[Any] | None = None
     bodies: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
     def collect(self) -> Iterable[Any]:  # what prometheus_client's encoders read
-        return self.families
+        return self.families or []
+
+
+# Level 1: a tenth of the default level's CPU for a metrics page, most of its compression.
+_GZIP_LEVEL = 1
 
 
 class PrometheusRendering(NonBlockingExporter):
-    """The latest collect, as Prometheus families, and the bodies a scrape is answered with."""
+    """The latest collect, and the bodies a scrape is answered with, made once per collect."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,15 +55,12 @@ class PrometheusRendering(NonBlockingExporter):
         self._lock = threading.Lock()
         self._first_collect = threading.Lock()  # two scrapes before any collect trigger one
         self.collect_now: Callable[[], None] | None = None  # the agent's reader: a scrape before any collect
-        self.renderings = 0  # collects translated
+        self.renderings = 0  # collects translated (at most one per collect; none when nobody scrapes)
         self.encodings = 0  # bodies encoded (once per collect, format and compression asked for)
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object) -> MetricExportResult:
-        self._translation.add_metrics_data(metrics_data)
-        rendered = _Rendered(list(self._translation.collect()))
         with self._lock:
-            self._latest = rendered
-            self.renderings += 1
+            self._latest = _Rendered(metrics_data)
         return MetricExportResult.SUCCESS
 
     def body(self, accept: str | None, accept_encoding: str | None) -> tuple[bytes, list[tuple[str, str]]]:
@@ -64,20 +69,27 @@ class PrometheusRendering(NonBlockingExporter):
         encoder, content_type = choose_encoder(accept or "")
         compressed = gzip_accepted(accept_encoding or "")
         key = (content_type, compressed)
-        with self._lock:  # scrapes at once: one encodes, the others wait for its bytes
+        with self._lock:  # scrapes at once: one renders, the others wait for its bytes
             body = rendered.bodies.get(key)
             if body is None:
+                self._translate(rendered)
                 body = encoder(rendered)  # type: ignore[arg-type]
-                rendered.bodies[key] = body = gzip.compress(body) if compressed else body
+                rendered.bodies[key] = body = gzip.compress(body, _GZIP_LEVEL) if compressed else body
                 self.encodings += 1
         headers = [("Content-Type", content_type)] + ([("Content-Encoding", "gzip")] if compressed else [])
         return body, headers
+
+    def _translate(self, rendered: _Rendered) -> None:
+        if rendered.families is None and rendered.data is not None:
+            self._translation.add_metrics_data(rendered.data)
+            rendered.families, rendered.data = list(self._translation.collect()), None
+            self.renderings += 1
 
     def _first(self) -> _Rendered:
         with self._first_collect:
             if self._latest is None and self.collect_now is not None:
                 self.collect_now()  # exports inline, to us: sets _latest
-            return self._latest or _Rendered([])
+            return self._latest or _Rendered(None)
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return True
@@ -86,39 +98,45 @@ class PrometheusRendering(NonBlockingExporter):
         pass
 
 
-def _metrics_app(rendering: PrometheusRendering) -> Callable[..., list[bytes]]:
-    """A WSGI app answering GET (any path, as prometheus_client's does) from ``rendering``."""
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """Answers GET (any path, as prometheus_client's handler does) from the server's rendering."""
 
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        if environ["REQUEST_METHOD"] not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Allow", "GET")])
-            return [b""]
-        body, headers = rendering.body(environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING"))
-        start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])
-        return [body]
+    server: _MetricsServer
 
-    return app
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body, headers = self.server.rendering.body(self.headers.get("Accept"), self.headers.get("Accept-Encoding"))
+        self.send_response(200)
+        for name, value in (*headers, ("Content-Length", str(len(body)))):
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+        pass
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], rendering: PrometheusRendering, family: int) -> None:
+        self.address_family = family
+        self.rendering = rendering
+        super().__init__(address, _MetricsHandler)
 
 
 @dataclass
 class PrometheusEndpoint:
     """The HTTP server of ``/metrics``, on a thread of its own."""
 
-    server: Any
+    server: _MetricsServer
     thread: threading.Thread
     url: str
 
     @classmethod
     def serve(cls, rendering: PrometheusRendering, host: str, port: int) -> PrometheusEndpoint:
         """Bind ``host:port`` (0: a free port) and serve; raises OSError when it cannot bind."""
-        import socket
-
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-
-        class Server(ThreadingWSGIServer):
-            address_family = family
-
-        server = make_server(host, port, _metrics_app(rendering), Server, handler_class=_SilentHandler)
+        server = _MetricsServer((host, port), rendering, family)
         thread = threading.Thread(target=server.serve_forever, name="otel-forge-prometheus", daemon=True)
         thread.start()
         bound_host, bound_port = str(server.server_address[0]), server.server_address[1]
