@@ -43,6 +43,7 @@ class WindowFolder:
         self._rate_start: dict[str, tuple[float, float]] = {}  # key -> (time_s, value) the window starts from
         self._baseline: dict[str, float] = {}
         self._last_time_s = 0.0
+        self._last_timestamp_ms = -1
 
     def add(self, sample: Sample, time_s: float) -> Window | None:
         """Add one sample taken at wall-clock ``time_s``; returns the window it completes."""
@@ -64,7 +65,10 @@ class WindowFolder:
         if self._count == 0:
             return None
         values = self._gauge_values() + self._counter_values()
-        window = Window(self._next_index, int(self._last_time_s * 1000), tuple(values))
+        # Strictly rising with the steps: the last collect at shutdown may follow a periodic one
+        # within the same millisecond.
+        self._last_timestamp_ms = max(int(self._last_time_s * 1000), self._last_timestamp_ms + 1)
+        window = Window(self._next_index, self._last_timestamp_ms, tuple(values))
         self._next_index += 1
         self._count = 0
         self._gauges = {}

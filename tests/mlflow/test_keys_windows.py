@@ -650,3 +650,9 @@ def test_close_cuts_a_backoff_pause_short_and_tries_again_at_once() -> None:
     started = time.monotonic()
     assert worker.close(5.0) == 0  # not 15-30 s of backoff: the drain tries at once
     assert worker.stats.delivered == 1 and time.monotonic() - started < 2.0
+
+
+def test_window_timestamps_rise_even_for_samples_in_the_same_millisecond() -> None:
+    folder = WindowFolder(samples_per_window=1)
+    windows = [folder.add({"k": (Fold.MEAN, float(i))}, 1000.0001) for i in range(3)]
+    assert [w.timestamp_ms for w in windows] == [1_000_000, 1_000_001, 1_000_002]
