@@ -3,8 +3,8 @@
 A value is resolved as: explicit argument > the first environment variable of its row that is
 set > the default. ``OTEL_*`` and ``MLFLOW_*`` variables mean what their own specifications say;
 ``OTEL_FORGE_*`` variables are ours: set but empty is a value (refused where it means nothing), not
-the "unset" the OTel spec makes of an empty ``OTEL_*`` variable. ``ForgeConfig.sources`` remembers where each value came from,
-so an error (and ``otel-forge doctor``) can say so.
+the "unset" the OTel spec makes of an empty ``OTEL_*`` variable. ``ForgeConfig.sources`` remembers
+where each value came from, so an error (and ``otel-forge doctor``) can say so.
 """
 
 from __future__ import annotations

@@ -70,8 +70,7 @@ class FanOutExporter(MetricExporter):
     """Gives each collect to every sink: inline for a ``NonBlockingExporter``, else on its thread."""
 
     def __init__(self, sinks: Sequence[MetricExporter]) -> None:
-        # Cumulative for every instrument (the SDK's default): what Prometheus and MLflow need.
-        super().__init__(preferred_temporality={}, preferred_aggregation={})
+        super().__init__()  # the SDK's default, cumulative: what Prometheus and MLflow need
         self.sinks = tuple(sinks)
         self._inline = [sink for sink in self.sinks if isinstance(sink, NonBlockingExporter)]
         self._threads = [_SinkThread(sink) for sink in self.sinks if not isinstance(sink, NonBlockingExporter)]

@@ -105,10 +105,13 @@ class MLflowMetricExporter(NonBlockingExporter):
             return MetricExportResult.FAILURE
         if self.standing_down:
             return MetricExportResult.SUCCESS
-        window = self._folder.add(self._mapper.sample(_points(metrics_data)), time.time())
+        self._submit(self._folder.add(self._mapper.sample(_points(metrics_data)), time.time()))
+        return MetricExportResult.SUCCESS
+
+    def _submit(self, window: Window | None) -> None:
+        """A closed window, with only its changed values, to the delivery worker."""
         if window is not None:
             self.worker.submit(self._changed.keep(window))
-        return MetricExportResult.SUCCESS
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return True
@@ -118,9 +121,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         if self._shut_down:
             return
         self._shut_down = True
-        window = self._folder.flush()
-        if window is not None:
-            self.worker.submit(self._changed.keep(window))
+        self._submit(self._folder.flush())
         if self.run_id is None or self.standing_down:
             self.worker.close(0.0)
             if (discarded := self.spool.discard()) and self.run_id is None:

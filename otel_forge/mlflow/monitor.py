@@ -60,7 +60,8 @@ def _active_run() -> tuple[str, str]:
 
 
 class SystemMetricsMonitor:
-    """The agent plus the MLflow exporter (a sink of its one collect) into one run; ``start()``/``stop()`` or a ``with`` block.
+    """The agent plus the MLflow exporter (a sink of its one collect) into one run;
+    ``start()``/``stop()`` or a ``with`` block.
 
     Only local rank 0 of a node samples; elsewhere start/stop do nothing.
     """

@@ -37,6 +37,17 @@ def find_experiment(client: Any, experiment: str) -> Any:
     return client.get_experiment_by_name(experiment)
 
 
+def create_experiment(client: Any, name: str) -> str:
+    """Create experiment ``name``, or take the one another process of the job created between
+    our look and our create; its id."""
+    try:
+        return str(client.create_experiment(name))
+    except Exception as error:
+        if str(getattr(error, "error_code", "")) != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return str(client.get_experiment_by_name(name).experiment_id)
+
+
 def published_run_id(experiment: Any, key: str) -> str | None:
     return experiment.tags.get(job_tag(key)) if experiment is not None else None
 

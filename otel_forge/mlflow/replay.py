@@ -10,7 +10,7 @@ from typing import Any
 
 from otel_forge.mlflow.client import RunGone, WindowLogger, import_mlflow, live_run, make_client, next_system_step
 from otel_forge.mlflow.outcome import end_run
-from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, find_experiment, publish, published_run_id
+from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, create_experiment, find_experiment, publish, published_run_id
 from otel_forge.mlflow.spool import WindowSpool
 from otel_forge.mlflow.training_spool import TrainingSpool, is_training_spool
 from otel_forge.node import NodeIdentity
@@ -69,8 +69,8 @@ def _open_run(client: Any, spool: TrainingSpool, header: dict[str, Any]) -> dict
         experiment_id = client.get_run(run_id).info.experiment_id
     else:
         experiment = find_experiment(client, spec["experiment"])
-        experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(
-            spec["experiment"])
+        experiment_id = experiment.experiment_id if experiment is not None else create_experiment(
+            client, spec["experiment"])
         key = spec.get("job_key")
         run_id = published_run_id(experiment, key) if key else None
         if run_id is None:

@@ -37,7 +37,14 @@ from otel_forge.mlflow.client import (
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.metric_buffer import MAX_KEY_CHARS, MetricBuffer, checked_step, checked_value
 from otel_forge.mlflow.outcome import begin_attempt, end_run
-from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, find_experiment, publish, published_run_id, wait_for_run
+from otel_forge.mlflow.rendezvous import (
+    JOB_KEY_TAG,
+    create_experiment,
+    find_experiment,
+    publish,
+    published_run_id,
+    wait_for_run,
+)
 from otel_forge.mlflow.run_metadata import (
     DESCRIBED_TAG,
     REJECTED_TAG,
@@ -295,7 +302,8 @@ class TrainingRun:
         # No run id (or its run is gone): the job key's run, else a new one carrying the key.
         key = self.node.job_key
         experiment = find_experiment(client, self.experiment)
-        experiment_id = experiment.experiment_id if experiment is not None else self._create_experiment(client)
+        experiment_id = experiment.experiment_id if experiment is not None else create_experiment(client,
+                                                                                                  self.experiment)
         if key is not None and (published := published_run_id(experiment, key)) is not None:
             run = self._resume(client, published)  # a requeued job continues its run
         if run is None:
@@ -327,15 +335,6 @@ class TrainingRun:
             return None
         _logger.info("job %s: found run %s after %d look(s)", key, found.run_id, found.polls)
         return OpenRun(found.run_id, None, found.experiment_id, self.experiment, True, None, client)
-
-    def _create_experiment(self, client: Any) -> str:
-        try:
-            return client.create_experiment(self.experiment)
-        except Exception as error:
-            # Another process of the job created it between our look and our create.
-            if str(getattr(error, "error_code", "")) != "RESOURCE_ALREADY_EXISTS":
-                raise
-            return client.get_experiment_by_name(self.experiment).experiment_id
 
     def _resume(self, client: Any, run_id: str) -> OpenRun | None:
         try:
@@ -402,8 +401,7 @@ class TrainingRun:
         # Kept until delivered (or refused): close() spools what is left, for `otel-forge replay`.
         with self._lock:
             self._pending_records.append(record)
-        if self._worker is not None:
-            self._worker.submit(lambda: self._deliver_record(run, record), follow_up=follow_up)
+        self._submit(lambda: self._deliver_record(run, record), follow_up)
 
     def _deliver_record(self, run: OpenRun, record: Record) -> None:
         try:
@@ -437,8 +435,8 @@ class TrainingRun:
         tags.update({key: REDACTED if self._secret(key) else value for key, value in self.tags.items()})
         return {key: scrub(str(value)) for key, value in tags.items()}
 
-    def _submit(self, call: Callable[[], None]) -> bool:
-        return self._worker is not None and self._worker.submit(call)
+    def _submit(self, call: Callable[[], None], follow_up: bool = False) -> bool:
+        return self._worker is not None and self._worker.submit(call, follow_up=follow_up)
 
     # --- the training loop's calls: never wait ----------------------------------------------
 

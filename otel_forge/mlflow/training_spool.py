@@ -67,7 +67,7 @@ class TrainingSpool:
             for number, start in enumerate(range(0, len(rows), MAX_METRICS_PER_BATCH)):
                 chunk = [list(row) for row in rows[start:start + MAX_METRICS_PER_BATCH]]
                 write_atomically(self.path / f"{number:09d}{_SUFFIX}", json.dumps(chunk))
-            write_atomically(self.path / HEADER, json.dumps({**header, "kind": KIND}))
+            self.write_header(header)
             return True
         except OSError as error:
             _logger.warning("cannot keep the run's undelivered metrics in %s (%s): set OTEL_FORGE_SPOOL_DIR to a "
