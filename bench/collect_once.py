@@ -20,7 +20,8 @@ collect time. Everything else the bench starts runs in other processes, so it is
   bench/mlflow_export.py measures them).
 - sink 3, "user's": a plain ``MetricExporter`` that only counts; the fan-out gives it a thread of its own.
 - scrapers: ``sys.executable -c`` subprocesses scraping ``/metrics`` with Prometheus's own ``Accept``
-  (OpenMetrics preferred) and ``Accept-Encoding: gzip``. Default period ``--scrape-period`` = 1.5 x the
+  (OpenMetrics preferred) and ``Accept-Encoding: gzip``, each over one kept-alive connection as
+  Prometheus does. Default period ``--scrape-period`` = 1.5 x the
   interval: Prometheus's typical 15 s ``scrape_interval`` against the agent's default 10 s sampling
   interval, compressed the same way; the stress row scrapes every ``--stress-period`` s (default 0.1 s).
 
@@ -135,20 +136,27 @@ server.serve_forever()
 """
 
 SCRAPER = r"""
-import signal, sys, time, urllib.request
-url, period, accept = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-request = urllib.request.Request(url, headers={"Accept": accept, "Accept-Encoding": "gzip"})
+import http.client, signal, sys, time, urllib.parse
+url, period, accept = urllib.parse.urlsplit(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+headers = {"Accept": accept, "Accept-Encoding": "gzip"}
+connection = None
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 scrapes = errors = 0
 started = next_at = time.monotonic()
 while not stop:
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            response.read()
+        # One kept-alive connection, as Prometheus scrapes; a new one after an error.
+        connection = connection or http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+        connection.request("GET", url.path, headers=headers)
+        response = connection.getresponse()
+        response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}")
         scrapes += 1
     except Exception as error:
         errors += 1
+        connection = None
         print(repr(error), file=sys.stderr, flush=True)
     next_at += period
     delay = next_at - time.monotonic()

@@ -151,3 +151,69 @@ def test_an_otlp_exporter_set_to_delta_keeps_a_reader_of_its_own(monkeypatch):
     with Agent(config) as agent:
         assert len(agent.meter_provider._metric_readers) == 1  # noqa: SLF001
         assert [type(s).__name__ for s in agent.fan_out.sinks] == ["PrometheusRendering", "OTLPMetricExporter"]
+
+
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def _rendering_of(attributes: dict[str, str]):
+    """A PrometheusRendering holding one collect of a gauge and a counter with these attributes."""
+    from opentelemetry.metrics import Observation
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from otel_forge.prometheus_endpoint import PrometheusRendering
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("otel_forge")
+    meter.create_observable_gauge("hw.gpu.memory.usage", [lambda _: [Observation(1.5, attributes)]], unit="By")
+    meter.create_counter("system.network.io", unit="By").add(7, {"network.io.direction": 'tx "a"\n'})
+    rendering = PrometheusRendering()
+    rendering.export(reader.get_metrics_data())
+    return rendering
+
+
+def test_a_body_is_exactly_prometheus_clients_encoding_as_negotiated():
+    from prometheus_client.exposition import choose_encoder
+
+    # Attribute keys that prometheus_client's escapings treat differently, were they not translated first.
+    for attributes in ({"hw.id": "GPU-0"}, {"__reserved": "x", "9lives": "y", "a:b": "z", "hw.id": "GPU-0"}):
+        for accept in (PROMETHEUS_2_ACCEPT, "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
+                       "text/plain;version=0.0.4", ""):
+            rendering = _rendering_of(attributes)
+            body, headers = rendering.body(accept, None)
+            encoder, content_type = choose_encoder(accept)
+            assert body == encoder(rendering._latest), (attributes, accept)  # noqa: SLF001
+            assert headers == [("Content-Type", content_type)]
+    assert b'hw_gpu_memory_usage_bytes{_lives="y",_reserved="x",a_b="z",hw_id="GPU-0"' in body
+
+
+def test_a_scraper_keeps_its_connection_and_shutdown_closes_it():
+    import http.client
+
+    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
+                                 sampling_interval_s=0.2, collectors="memory")
+    before = {t.ident for t in threading.enumerate()}
+    agent = Agent(config).start()
+    port = int(agent.endpoints[0].split()[-1].rsplit(":", 1)[1].split("/")[0])
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    sockets = []
+    for _ in range(3):
+        connection.request("GET", "/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT, "Accept-Encoding": "gzip"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("Content-Encoding") == "gzip"
+        response.read()
+        sockets.append(connection.sock)
+    assert sockets[0] is not None and len(set(map(id, sockets))) == 1  # one connection for every scrape
+    agent.shutdown(timeout_s=2)
+    left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == [], left  # the kept-alive connection's handler thread ended with the agent
+    try:
+        connection.request("GET", "/metrics")
+        connection.getresponse()
+        served = True
+    except (OSError, http.client.HTTPException):
+        served = False
+    assert not served
+    connection.close()
