@@ -74,7 +74,7 @@ MAX_AGE_S = 9.0  # otel_forge's default for a 10 s interval (0.9 x interval)
 SELF_TELEMETRY_PREFIX = "otel_forge.collector."
 
 OTEL_SM_CONFIG: dict[str, list[str] | None] = {
-    "system.cpu.utilization": ["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"],
+    "system.cpu.utilization": ["user", "nice", "system", "idle", "iowait", "interrupt", "steal"],
     "system.memory.usage": ["used", "free", "cached", "buffers"],
     "system.memory.utilization": ["used", "free", "cached", "buffers"],
     "system.swap.usage": ["used", "free"],

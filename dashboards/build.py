@@ -386,7 +386,8 @@ ZERO_IS_NORMAL = "Empty or zero on a healthy machine."
 # --- the node dashboard -------------------------------------------------------------------------------
 
 def node_dashboard() -> dict[str, Any]:
-    cpu = sel("system.cpu.utilization", *HOST, 'cpu_mode!="idle"')
+    # All logical CPUs: per-CPU points (with per_cpu) carry cpu_logical_number.
+    cpu = sel("system.cpu.utilization", *HOST, 'cpu_mode!="idle"', 'cpu_logical_number=""')
     rows = [
         Row("Overview", [
             Panel("stat", "Agent", [Query(agent_up(*HOST), instant=True)], unit="none", width=3, height=4,
@@ -519,12 +520,13 @@ def node_dashboard() -> dict[str, Any]:
                          "{{otel_forge_gpu_throttle_reason}}")], unit="short", min=0, width=8,
                   description="Number of GPUs with each clock-throttle reason active (0 when none is)."),
             Panel("timeseries", "PCIe throughput",
-                  [Query(per_gpu("otel_forge.gpu.pcie.throughput", *GPUS, by="network_io_direction"),
+                  [Query(f"max by (job, instance, hw_id, network_io_direction) "
+                         f"(rate({sel('hw.gpu.io', *GPUS)}[$__rate_interval]))",
                          "GPU {{hw_id}} {{network_io_direction}}")], unit="Bps", min=0, width=12,
                   description=NVLINK_NOTE),
             Panel("timeseries", "ECC errors",
-                  [Query(f"sum by (hw_id, hw_error_type) (increase({sel('hw.errors', *GPUS)}[$__rate_interval]))",
-                         "GPU {{hw_id}} {{hw_error_type}}")], unit="short", min=0, width=12,
+                  [Query(f"sum by (hw_id, error_type) (increase({sel('hw.errors', *GPUS)}[$__rate_interval]))",
+                         "GPU {{hw_id}} {{error_type}}")], unit="short", min=0, width=12,
                   description="ECC errors per GPU and type in each interval. " + ZERO_IS_NORMAL),
             Panel("table", "XID events",
                   [Query(f"max by (hw_id, otel_forge_gpu_xid) "
@@ -640,11 +642,11 @@ def fleet_dashboard() -> dict[str, Any]:
                 Query(f"max by (job, instance, hw_id, otel_forge_gpu_xid) "
                       f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
                       instant=True, fmt="table"),
-                Query(f"sum by (job, instance, hw_id, hw_error_type) "
+                Query(f"sum by (job, instance, hw_id, error_type) "
                       f"(increase({sel('hw.errors', *GPUS)}[$__range])) > 0", instant=True, fmt="table")],
                 unit="none", width=14, height=9, thresholds=[(None, "red")],
                 transformations=table_of(2, rename={
-                    "instance": "node", "hw_id": "GPU", "otel_forge_gpu_xid": "XID", "hw_error_type": "ECC",
+                    "instance": "node", "hw_id": "GPU", "otel_forge_gpu_xid": "XID", "error_type": "ECC",
                     "Value #A": "XID events since agent start", "Value #B": "ECC errors in range"}),
                 description="XID events (counted since the agent started, for GPUs that had any in the range) "
                             "and ECC errors in the range. " + ZERO_IS_NORMAL),
@@ -732,20 +734,20 @@ def run_dashboard() -> dict[str, Any]:
                          "{{otel_forge_node_id}} GPU {{hw_id}}")], unit="hertz", width=8),
             Panel("timeseries", "PCIe throughput",
                   [Query(in_run(f"sum by (job, instance, network_io_direction) "
-                                f"({sel('otel_forge.gpu.pcie.throughput', *GPUS)})"),
+                                f"(rate({sel('hw.gpu.io', *GPUS)}[$__rate_interval]))"),
                          "{{otel_forge_node_id}} {{network_io_direction}}")], unit="Bps", min=0, width=12,
                   description=NVLINK_NOTE),
             Panel("table", "XID and ECC events", [
                 Query(in_run(f"max by (job, instance, hw_id, otel_forge_gpu_xid) "
                              f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
                              over_range=True), instant=True, fmt="table"),
-                Query(in_run(f"sum by (job, instance, hw_id, hw_error_type) "
+                Query(in_run(f"sum by (job, instance, hw_id, error_type) "
                              f"(increase({sel('hw.errors', *GPUS)}[$__range])) > 0", over_range=True),
                       instant=True, fmt="table")],
                 unit="none", width=12, thresholds=[(None, "red")],
                 transformations=table_of(2, exclude=["job", "instance"], rename={
                     "otel_forge_node_id": "node", "hw_id": "GPU", "otel_forge_gpu_xid": "XID",
-                    "hw_error_type": "ECC", "Value #A": "XID events since agent start",
+                    "error_type": "ECC", "Value #A": "XID events since agent start",
                     "Value #B": "ECC errors in range"}),
                 description="XID events and ECC errors on the run's GPUs. " + ZERO_IS_NORMAL),
         ]),

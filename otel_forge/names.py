@@ -17,8 +17,9 @@ class Kind(str, Enum):
     UP_DOWN_COUNTER = "updowncounter"
 
 
-# Attributes every GPU reading carries.
-GPU_ATTRIBUTES = ("hw.id", "hw.name", "hw.vendor", "hw.type", "otel_forge.gpu.uuid", "otel_forge.gpu.pci_bus_id")
+# Attributes every GPU reading carries (the identity ones where the library gives them).
+GPU_ATTRIBUTES = ("hw.id", "hw.name", "hw.vendor", "hw.type", "hw.model", "hw.serial_number", "hw.driver_version",
+                  "hw.firmware_version", "otel_forge.gpu.uuid", "otel_forge.gpu.pci_bus_id")
 _FS = ("system.device", "system.filesystem.mountpoint", "system.filesystem.type")
 _DISK = ("system.device", "disk.io.direction")
 _NET = ("network.interface.name", "network.io.direction")
@@ -38,14 +39,16 @@ class MlflowKey:
     """An MLflow key for a metric's data points.
 
     ``key`` may name attributes in braces (``gpu_{hw.id}_power_usage_watts``); ``where`` keeps
-    only points whose attribute has one of the listed values; points that map to the same key
-    are summed (``network_{network.io.direction}_megabytes`` adds up the interfaces).
+    only points whose attribute has one of the listed values, ``without`` only points lacking
+    these attributes; points that map to the same key are summed
+    (``network_{network.io.direction}_megabytes`` adds up the interfaces).
     """
 
     key: str
     scale: float = 1.0
     fold: Fold = Fold.MEAN
     where: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    without: tuple[str, ...] = ()
 
 
 def _where(allowed: dict[str, str | tuple[str, ...]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -78,6 +81,9 @@ _PCT = 100.0
 
 G, C, U = Kind.GAUGE, Kind.COUNTER, Kind.UP_DOWN_COUNTER
 
+# semconv's cpu.mode values a CPU is busy in (not idle, not iowait); psutil's irq and softirq are "interrupt".
+BUSY_CPU_MODES = ("user", "nice", "system", "interrupt", "steal", "kernel")
+
 K = MlflowKey
 _USED, _FREE = _where({"system.filesystem.state": "used"}), _where({"system.filesystem.state": "free"})
 _ROOT = _where({"system.filesystem.mountpoint": "/"})
@@ -86,15 +92,16 @@ _SWAP_USED = _where({"system.paging.state": "used"})
 
 METRICS: tuple[MetricSpec, ...] = (
     # cpu
-    MetricSpec("system.cpu.utilization", G, "1", "cpu", ("cpu.mode",),
-               "Fraction of CPU time in each mode over the last interval, all logical CPUs.",
-               (K("cpu_{cpu.mode}_percentage", _PCT),)),
+    MetricSpec("system.cpu.utilization", G, "1", "cpu", ("cpu.mode", "cpu.logical_number"),
+               "Fraction of CPU time in each mode over the last interval: all logical CPUs, and each one "
+               "(`cpu.logical_number`) with per_cpu.",
+               (K("cpu_{cpu.mode}_percentage", _PCT, without=("cpu.logical_number",)),
+                # A logical CPU's busy fraction: its modes but idle and iowait, summed.
+                K("cpu_{cpu.logical_number}_utilization_percentage", _PCT,
+                  where=_where({"cpu.mode": BUSY_CPU_MODES})))),
     MetricSpec("otel_forge.cpu.utilization", G, "1", "cpu", (),
                "Busy fraction of all logical CPUs over the last interval (not idle, not iowait).",
                (K("cpu_utilization_percentage", _PCT),)),
-    MetricSpec("otel_forge.cpu.logical.utilization", G, "1", "cpu", ("cpu.logical_number",),
-               "Busy fraction per logical CPU (only with per_cpu).",
-               (K("cpu_{cpu.logical_number}_utilization_percentage", _PCT),)),
     MetricSpec("system.cpu.logical.count", U, "{cpu}", "cpu", (), "Logical CPUs."),
     MetricSpec("system.cpu.load_average.1m", G, "{thread}", "cpu", (), "Load average over 1 minute.",
                (K("cpu_load_average_1m"),)),
@@ -182,13 +189,14 @@ METRICS: tuple[MetricSpec, ...] = (
            K("gpu_{hw.id}_hotspot_temperature_celsius", where=_where({"hw.sensor_location": "hotspot"})))),
     *_gpu("otel_forge.gpu.clock.frequency", G, "Hz", ("otel_forge.gpu.clock",), "Clock frequency (sm, memory).",
           (K("gpu_{hw.id}_{otel_forge.gpu.clock}_clock_mhz", _MB),)),
-    *_gpu("hw.errors", C, "{error}", ("hw.error.type",), "ECC errors (corrected, uncorrected).",
-          (K("gpu_{hw.id}_ecc_{hw.error.type}_errors", fold=Fold.SINCE_START),)),
+    *_gpu("hw.errors", C, "{error}", ("error.type",), "ECC errors (`error.type` corrected, uncorrected).",
+          (K("gpu_{hw.id}_ecc_{error.type}_errors", fold=Fold.SINCE_START),)),
     *_gpu("hw.status", U, "1", ("hw.state",), "1 for the GPU's current state (ok, failed), 0 for the others.",
           (K("gpu_{hw.id}_status_ok", where=_where({"hw.state": "ok"})),)),
-    MetricSpec("otel_forge.gpu.pcie.throughput", G, "By/s", "nvidia", GPU_ATTRIBUTES + ("network.io.direction",),
-               "PCIe throughput (transmit, receive).",
-               (K("gpu_{hw.id}_pcie_{network.io.direction}_megabytes_per_second", _MB),)),
+    MetricSpec("hw.gpu.io", C, "By", "nvidia", GPU_ATTRIBUTES + ("network.io.direction",),
+               "Bytes over PCIe (transmit, receive): NVML's throughput, sampled each read, times the time between "
+               "reads.",
+               (K("gpu_{hw.id}_pcie_{network.io.direction}_megabytes_per_second", _MB, Fold.RATE),)),
     MetricSpec("otel_forge.gpu.throttle", G, "1", "nvidia", GPU_ATTRIBUTES + ("otel_forge.gpu.throttle.reason",),
                "1 while a clock throttle reason is active, else 0.",
                (K("gpu_{hw.id}_throttle_{otel_forge.gpu.throttle.reason}"),)),

@@ -38,6 +38,7 @@ def metrics_markdown() -> str:
 def _mlflow_key(key: MlflowKey) -> str:
     notes = [] if key.fold is Fold.MEAN else [key.fold.value.replace("_", " ")]
     notes += [f"{name}={'/'.join(values)}" for name, values in key.where]
+    notes += [f"no {name}" for name in key.without]
     return _code(key.key) + (f" ({'; '.join(notes)})" if notes else "")
 
 

@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from otel_forge.collectors.base import CollectorUnavailable
@@ -158,8 +158,8 @@ class AmdCollector(GpuCollector):
 
     def _read_ecc(self, handle: Any) -> list[Row]:
         counts = self._amdsmi.amdsmi_get_gpu_total_ecc_count(handle)
-        return [("hw.errors", _number(counts.get("correctable_count")), {"hw.error.type": "corrected"}),
-                ("hw.errors", _number(counts.get("uncorrectable_count")), {"hw.error.type": "uncorrected"})]
+        return [("hw.errors", _number(counts.get("correctable_count")), {"error.type": "corrected"}),
+                ("hw.errors", _number(counts.get("uncorrectable_count")), {"error.type": "uncorrected"})]
 
     def _read_process_memory(self, handle: Any) -> list[Row]:
         used = 0
@@ -200,7 +200,21 @@ def _open_gpu(amdsmi: Any, index: int, handle: Any) -> Gpu | None:
             return Gpu("AMD", index, None, "unknown", "", "", lost=True)
         _logger.warning("GPU %d cannot be opened (%s); it is not monitored", index, _one_line(error))
         return None
-    return Gpu("AMD", index, handle, name if name and name != "N/A" else "AMD GPU", uuid, bus_id)
+    identity = {"hw.model": name if name != "N/A" else "",
+                "hw.serial_number": _info(amdsmi.amdsmi_get_gpu_board_info, handle, "product_serial"),
+                "hw.driver_version": _info(amdsmi.amdsmi_get_gpu_driver_info, handle, "driver_version"),
+                "hw.firmware_version": _info(amdsmi.amdsmi_get_gpu_vbios_info, handle, "version")}
+    return Gpu("AMD", index, handle, name if name and name != "N/A" else "AMD GPU", uuid, bus_id, identity=identity)
+
+
+def _info(function: Callable[[Any], dict[str, Any]], handle: Any, key: str) -> str:
+    """One text of an amdsmi info dict, "" when the call fails or says "N/A"."""
+    try:
+        value = str(function(handle).get(key) or "")
+    except Exception as error:  # noqa: BLE001 - identity is optional: any failure leaves it out
+        _logger.debug("%s failed: %s", function.__name__, _one_line(error))
+        return ""
+    return "" if value == "N/A" else value
 
 
 @contextlib.contextmanager

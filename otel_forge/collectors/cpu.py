@@ -1,4 +1,7 @@
-"""CPU: utilization by mode and overall from time deltas, optional per logical CPU, load average."""
+"""CPU: utilization by mode and overall from time deltas, optional per logical CPU, load average.
+
+Modes are semconv's ``cpu.mode`` values: psutil's ``irq`` and ``softirq`` are both ``interrupt``.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +16,17 @@ from otel_forge.config import ForgeConfig
 # Linux counts guest time inside user/nice already.
 _NOT_IN_TOTAL = ("guest", "guest_nice")
 _NOT_BUSY = ("idle", "iowait")
+# psutil's field -> semconv's cpu.mode, where they differ (semconv has one interrupt mode).
+_SEMCONV_MODE = {"irq": "interrupt", "softirq": "interrupt"}
 
 
 def mode_fractions(before: Any, after: Any) -> dict[str, float] | None:
-    """Share of each mode in the CPU time elapsed between two ``cpu_times`` readings."""
-    deltas = {mode: max(0.0, getattr(after, mode) - getattr(before, mode))
-              for mode in after._fields if mode not in _NOT_IN_TOTAL}
+    """Share of each semconv ``cpu.mode`` in the CPU time elapsed between two ``cpu_times`` readings."""
+    deltas: dict[str, float] = {}
+    for field in after._fields:
+        if field not in _NOT_IN_TOTAL:
+            mode = _SEMCONV_MODE.get(field, field)
+            deltas[mode] = deltas.get(mode, 0.0) + max(0.0, getattr(after, field) - getattr(before, field))
     total = sum(deltas.values())
     if total <= 0:
         return None  # no clock tick elapsed: no honest value to give
@@ -52,9 +60,8 @@ class CpuCollector(Collector):
         previous, self._previous = self._previous, current
         if self._per_cpu:
             for number, (before, after) in enumerate(zip(previous, current)):
-                if (fractions := mode_fractions(before, after)) is not None:
-                    readings.add("otel_forge.cpu.logical.utilization", busy_fraction(fractions),
-                                 {"cpu.logical_number": number})
+                for mode, fraction in (mode_fractions(before, after) or {}).items():
+                    readings.add("system.cpu.utilization", fraction, {"cpu.mode": mode, "cpu.logical_number": number})
             previous, current = _summed(previous), _summed(current)
         if (fractions := mode_fractions(previous, current)) is not None:
             for mode, fraction in fractions.items():

@@ -60,12 +60,15 @@ class Gpu:
     uuid: str
     pci_bus_id: str
     lost: bool = False
+    # semconv's hw.model, hw.serial_number, hw.driver_version, hw.firmware_version: those the library gave.
+    identity: dict[str, str] = field(default_factory=dict)
     unsupported: set[str] = field(default_factory=set)
     attributes: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.attributes = {
             "hw.id": str(self.index), "hw.name": self.name, "hw.vendor": self.vendor, "hw.type": "gpu",
+            **{key: value for key, value in self.identity.items() if value},
             "otel_forge.gpu.uuid": self.uuid, "otel_forge.gpu.pci_bus_id": self.pci_bus_id,
         }
 

@@ -8,6 +8,9 @@ error skips the field for this read.
 
 XID critical errors arrive as NVML events; a daemon thread waits on an event set and counts
 them per (GPU, XID code); ``read`` reports the cumulative counts.
+
+NVML gives PCIe traffic only as a throughput (KiB/s over 20 ms); semconv's ``hw.gpu.io`` is a byte
+counter, so each read adds the throughput times the time since the previous read (trapezoids).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from otel_forge.collectors.base import CollectorUnavailable, Readings
@@ -45,6 +50,25 @@ _LOST_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_ResetRequired")
 
 XID_WAIT_MS = 500  # the event thread notices close() within this
 
+_PCIE_COUNTERS = (("NVML_PCIE_UTIL_TX_BYTES", "transmit"), ("NVML_PCIE_UTIL_RX_BYTES", "receive"))
+
+
+class ByteCounter:
+    """Bytes per device, from throughput readings: each adds the mean throughput since the last
+    one times the time between them (the first starts the count at 0)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[float, float]] = {}  # device -> (bytes/s, monotonic s)
+        self._totals: dict[int, float] = {}
+
+    def add(self, device: int, bytes_per_s: float, now_s: float) -> float:
+        last = self._last.get(device)
+        total = self._totals.get(device, 0.0)
+        if last is not None:
+            total += (last[0] + bytes_per_s) / 2 * max(0.0, now_s - last[1])
+        self._last[device], self._totals[device] = (bytes_per_s, now_s), total
+        return total
+
 
 class NvidiaCollector(GpuCollector):
     """All selected NVIDIA GPUs, and the XID critical errors NVML reports for them."""
@@ -63,6 +87,7 @@ class NvidiaCollector(GpuCollector):
         self._throttle_mask = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
                                or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
         self._xid = XidWatcher(nvml, [gpu for gpu in gpus if not gpu.lost], self._warnings)
+        self._pcie = {direction: ByteCounter() for _, direction in _PCIE_COUNTERS}
 
     @property
     def _nvml(self) -> Any:
@@ -108,7 +133,8 @@ class NvidiaCollector(GpuCollector):
     @staticmethod
     def _open_gpus(nvml: Any) -> list[Gpu]:
         count = nvml.nvmlDeviceGetCount()
-        present = [gpu for gpu in (_open_gpu(nvml, index) for index in range(count)) if gpu is not None]
+        driver = _optional(nvml, nvml.nvmlSystemGetDriverVersion)
+        present = [gpu for gpu in (_open_gpu(nvml, index, driver) for index in range(count)) if gpu is not None]
         if not present:
             raise CollectorUnavailable("NVML found no GPUs" if count == 0 else "no GPU could be opened")
         return present
@@ -164,17 +190,18 @@ class NvidiaCollector(GpuCollector):
         return [("otel_forge.gpu.clock.frequency", mhz * 1_000_000, {"otel_forge.gpu.clock": label})]
 
     def _read_pcie(self, handle: Any) -> list[Row]:
-        nvml = self._nvml
         # NVML reports KB/s (KiB) sampled over 20 ms, so each call takes ~20 ms.
-        return [("otel_forge.gpu.pcie.throughput", nvml.nvmlDeviceGetPcieThroughput(handle, counter) * 1024,
-                 {"network.io.direction": direction})
-                for counter, direction in ((nvml.NVML_PCIE_UTIL_TX_BYTES, "transmit"),
-                                           (nvml.NVML_PCIE_UTIL_RX_BYTES, "receive"))]
+        rows: list[Row] = []
+        for counter, direction in _PCIE_COUNTERS:
+            bytes_per_s = self._nvml.nvmlDeviceGetPcieThroughput(handle, getattr(self._nvml, counter)) * 1024
+            total = self._pcie[direction].add(_handle_key(handle), bytes_per_s, time.monotonic())
+            rows.append(("hw.gpu.io", total, {"network.io.direction": direction}))
+        return rows
 
     def _read_ecc(self, handle: Any) -> list[Row]:
         nvml = self._nvml
         return [("hw.errors", nvml.nvmlDeviceGetTotalEccErrors(handle, error_type, nvml.NVML_VOLATILE_ECC),
-                 {"hw.error.type": label})
+                 {"error.type": label})
                 for error_type, label in ((nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, "corrected"),
                                           (nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, "uncorrected"))]
 
@@ -294,7 +321,7 @@ class XidWatcher:
 # --- opening ---------------------------------------------------------------------------------
 
 
-def _open_gpu(nvml: Any, index: int) -> Gpu | None:
+def _open_gpu(nvml: Any, index: int, driver: str) -> Gpu | None:
     """The GPU at ``index``; a lost one is kept (it reports failed), an unreadable one skipped."""
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -305,14 +332,12 @@ def _open_gpu(nvml: Any, index: int) -> Gpu | None:
     except nvml.NVMLError as error:
         _logger.warning("GPU %d cannot be opened (%s); it is not monitored", index, error)
         return None
-    return Gpu("NVIDIA", index, handle, name, uuid, _pci_bus_id(nvml, handle))
-
-
-def _pci_bus_id(nvml: Any, handle: Any) -> str:
-    try:
-        return _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
-    except nvml.NVMLError:
-        return ""
+    identity = {"hw.model": name, "hw.driver_version": driver,
+                # Serial numbers exist on data-center boards only (NotSupported elsewhere).
+                "hw.serial_number": _optional(nvml, nvml.nvmlDeviceGetSerial, handle),
+                "hw.firmware_version": _optional(nvml, nvml.nvmlDeviceGetVbiosVersion, handle)}
+    bus_id = _optional(nvml, lambda: nvml.nvmlDeviceGetPciInfo(handle).busId)
+    return Gpu("NVIDIA", index, handle, name, uuid, bus_id, identity=identity)
 
 
 # --- small helpers ---------------------------------------------------------------------------
@@ -337,6 +362,14 @@ def _handle_key(handle: Any) -> int:
         return ctypes.cast(handle, ctypes.c_void_p).value or 0
     except (TypeError, ctypes.ArgumentError):
         return id(handle)
+
+
+def _optional(nvml: Any, function: Callable[..., str | bytes], *args: Any) -> str:
+    """A text NVML may not give (not supported, no permission): "" then."""
+    try:
+        return _text(function(*args))
+    except nvml.NVMLError:
+        return ""
 
 
 def _text(value: str | bytes) -> str:

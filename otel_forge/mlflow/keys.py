@@ -54,7 +54,8 @@ def _render(template: str, attributes: Mapping[str, Any]) -> str | None:
 
 
 def _matches(key: MlflowKey, attributes: Mapping[str, Any]) -> bool:
-    return all(str(attributes.get(name)) in allowed for name, allowed in key.where)
+    return (all(str(attributes.get(name)) in allowed for name, allowed in key.where)
+            and not any(name in attributes for name in key.without))
 
 
 class KeyMapper:

@@ -42,7 +42,7 @@ WITNESSES = {
     "OtelForgeGpuThermalThrottling": '{__name__=~"otel_forge_gpu_throttle(_ratio)?", '
                                      'otel_forge_gpu_throttle_reason="hw_thermal_slowdown"}',
     "OtelForgeGpuXidError": "otel_forge_gpu_xid_errors_total",
-    "OtelForgeGpuUncorrectableEccErrors": 'hw_errors_total{hw_type="gpu", hw_error_type="uncorrected"}',
+    "OtelForgeGpuUncorrectableEccErrors": 'hw_errors_total{hw_type="gpu", error_type="uncorrected"}',
     "OtelForgeGpuLost": 'hw_status{hw_type="gpu", hw_state="failed"}',
     "OtelForgeGpuIdleDuringRun": 'otel_forge_run_info == 1',
     "OtelForgeMlflowDeliverySpooling": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="spooled"}',

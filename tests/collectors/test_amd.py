@@ -60,8 +60,8 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
         ("hw.temperature", (("hw.sensor_location", "hotspot"),)): 66,
         ("otel_forge.gpu.clock.frequency", (("otel_forge.gpu.clock", "sm"),)): 2100e6,
         ("otel_forge.gpu.clock.frequency", (("otel_forge.gpu.clock", "memory"),)): 1300e6,
-        ("hw.errors", (("hw.error.type", "corrected"),)): 5,
-        ("hw.errors", (("hw.error.type", "uncorrected"),)): 1,
+        ("hw.errors", (("error.type", "corrected"),)): 5,
+        ("hw.errors", (("error.type", "uncorrected"),)): 1,
         ("otel_forge.gpu.process.memory.usage", ()): 0,
         ("hw.status", (("hw.state", "ok"),)): 1,
         ("hw.status", (("hw.state", "failed"),)): 0,
@@ -89,8 +89,8 @@ def test_not_available_values_are_skipped_without_switching_the_field_off(caplog
     assert first.get("hw.gpu.utilization") == []
     assert by_gpu(second, "hw.gpu.utilization") == {"0": 0.4}
     assert first.get("otel_forge.gpu.memory.activity") == second.get("otel_forge.gpu.memory.activity") == []
-    assert "0" not in by_gpu(first, "hw.errors", **{"hw.error.type": "corrected"})
-    assert by_gpu(second, "hw.errors", **{"hw.error.type": "corrected"}) == {"0": 255}  # a count, not "N/A"
+    assert "0" not in by_gpu(first, "hw.errors", **{"error.type": "corrected"})
+    assert by_gpu(second, "hw.errors", **{"error.type": "corrected"}) == {"0": 255}  # a count, not "N/A"
     assert not [r for r in caplog.records if r.levelno >= logging.DEBUG]
 
 

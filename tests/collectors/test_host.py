@@ -34,12 +34,19 @@ def test_cpu_utilization_is_a_fraction_by_mode_and_never_a_fake_zero():
     busy = values(first, "otel_forge.cpu.utilization")
     # Primed at construction: the very first read covers the burn, not 0.
     assert len(busy) == 1 and 0 < busy[0] <= 1
-    by_mode = dict((a["cpu.mode"], v) for a, v in first.get("system.cpu.utilization"))
-    assert {"user", "system", "idle"} <= set(by_mode)
+    points = first.get("system.cpu.utilization")
+    by_mode = {a["cpu.mode"]: v for a, v in points if "cpu.logical_number" not in a}
+    # semconv's modes: psutil's irq and softirq are one "interrupt".
+    assert set(by_mode) == {"user", "nice", "system", "idle", "iowait", "interrupt", "steal"}
     assert all(0 <= v <= 1 for v in by_mode.values())
     assert sum(by_mode.values()) == pytest.approx(1.0, abs=1e-6)
-    per_cpu = first.get("otel_forge.cpu.logical.utilization")
-    assert sorted(a["cpu.logical_number"] for a, _ in per_cpu) == list(range(psutil.cpu_count()))
+    per_cpu: dict[int, dict[str, float]] = {}
+    for attributes, value in points:
+        if "cpu.logical_number" in attributes:
+            per_cpu.setdefault(attributes["cpu.logical_number"], {})[attributes["cpu.mode"]] = value
+    assert sorted(per_cpu) == list(range(psutil.cpu_count()))
+    for modes in per_cpu.values():
+        assert set(modes) == set(by_mode) and sum(modes.values()) == pytest.approx(1.0, abs=1e-6)
     assert values(first, "system.cpu.logical.count") == [psutil.cpu_count()]
     assert len(values(first, "system.cpu.load_average.1m")) == 1
 
@@ -47,7 +54,7 @@ def test_cpu_utilization_is_a_fraction_by_mode_and_never_a_fake_zero():
 def test_cpu_without_per_cpu_reports_no_per_cpu_series():
     collector = CpuCollector()
     time.sleep(0.05)
-    assert read(collector).get("otel_forge.cpu.logical.utilization") == []
+    assert all("cpu.logical_number" not in a for a, _ in read(collector).get("system.cpu.utilization"))
 
 
 def test_memory_usage_within_limit():

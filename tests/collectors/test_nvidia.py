@@ -63,6 +63,9 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
     assert gpu0["hw.name"] == "NVIDIA H100 80GB HBM3"
     assert gpu0["otel_forge.gpu.uuid"] == "GPU-1a2b0000-0000-4000-8000-000000000000"
     assert gpu0["otel_forge.gpu.pci_bus_id"] == "00000000:17:00.0"
+    # semconv's identity attributes, from NVML
+    assert gpu0["hw.model"] == "NVIDIA H100 80GB HBM3" and gpu0["hw.serial_number"] == "1654922000000"
+    assert gpu0["hw.driver_version"] == "999.99-fake" and gpu0["hw.firmware_version"] == "96.00.89.00.01"
     expected = {
         ("hw.gpu.utilization", ()): 0.30,
         ("otel_forge.gpu.memory.activity", ()): 0.12,
@@ -76,10 +79,10 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
         ("hw.temperature", (("hw.sensor_location", "gpu"),)): 61,
         ("otel_forge.gpu.clock.frequency", (("otel_forge.gpu.clock", "sm"),)): 1980e6,
         ("otel_forge.gpu.clock.frequency", (("otel_forge.gpu.clock", "memory"),)): 2619e6,
-        ("otel_forge.gpu.pcie.throughput", (("network.io.direction", "transmit"),)): 1000 * 1024,
-        ("otel_forge.gpu.pcie.throughput", (("network.io.direction", "receive"),)): 3000 * 1024,
-        ("hw.errors", (("hw.error.type", "corrected"),)): 5,
-        ("hw.errors", (("hw.error.type", "uncorrected"),)): 1,
+        ("hw.gpu.io", (("network.io.direction", "transmit"),)): 0,  # a byte counter: 0 at the first read
+        ("hw.gpu.io", (("network.io.direction", "receive"),)): 0,
+        ("hw.errors", (("error.type", "corrected"),)): 5,
+        ("hw.errors", (("error.type", "uncorrected"),)): 1,
         ("otel_forge.gpu.process.memory.usage", ()): 0,
         ("hw.status", (("hw.state", "ok"),)): 1,
         ("hw.status", (("hw.state", "failed"),)): 0,
@@ -88,6 +91,25 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
         assert by_gpu(readings, metric, **dict(attributes))["0"] == pytest.approx(value), (metric, attributes)
     assert by_gpu(readings, "hw.gpu.utilization")["0"] == 0.30
     assert {a["hw.gpu.task"] for a, _ in readings.get("hw.gpu.utilization")} == {"general"}
+
+
+def test_pcie_bytes_add_the_mean_throughput_times_the_time_between_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([100.0, 100.0, 102.0, 102.0, 112.0, 112.0])  # tx, rx at each of three reads
+    monkeypatch.setattr(nvidia.time, "monotonic", lambda: next(clock))
+    scenario = {"count": 1, "sequences": {"0": {"pcie_tx": [1000, 3000, 3000], "pcie_rx": [0, 0, 500]}}}
+    with opened(scenario, gpus="all") as (_, collector):
+        totals = [(by_gpu(readings, "hw.gpu.io", **{"network.io.direction": "transmit"})["0"],
+                   by_gpu(readings, "hw.gpu.io", **{"network.io.direction": "receive"})["0"])
+                  for readings in (read(collector), read(collector), read(collector))]
+    kib = 1024
+    assert totals == [(0, 0), (2 * 2000 * kib, 0), (2 * 2000 * kib + 10 * 3000 * kib, 10 * 250 * kib)]
+
+
+def test_a_board_without_a_serial_number_leaves_the_attribute_out() -> None:
+    with opened({"count": 2, "not_supported": {"1": ["nvmlDeviceGetSerial"]}}) as (_, collector):
+        readings = read(collector)
+    serials = {a["hw.id"]: a.get("hw.serial_number") for a, _ in readings.get("hw.power")}
+    assert serials == {"0": "1654922000000", "1": None}
 
 
 def test_one_read_calls_each_nvml_function_once_per_gpu() -> None:

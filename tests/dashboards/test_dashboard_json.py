@@ -165,7 +165,7 @@ def test_builder_maps_otel_names_to_the_exporters_prometheus_names() -> None:
     assert name(builder.SPECS["hw.energy"]) == "hw_energy_joules_total"
     assert name(builder.SPECS["hw.temperature"]) == "hw_temperature_celsius"
     assert name(builder.SPECS["otel_forge.gpu.clock.frequency"]) == "otel_forge_gpu_clock_frequency_hertz"
-    assert name(builder.SPECS["otel_forge.gpu.pcie.throughput"]) == "otel_forge_gpu_pcie_throughput_bytes_per_second"
+    assert name(builder.SPECS["hw.gpu.io"]) == "hw_gpu_io_bytes_total"
     assert name(builder.SPECS["hw.errors"]) == "hw_errors_total"
     assert name(builder.SPECS["otel_forge.run.info"]) == "otel_forge_run_info"
     assert builder.sel("hw.gpu.utilization", 'job=~"$job"') == '{__name__=~"hw_gpu_utilization(_ratio)?", job=~"$job"}'

@@ -315,6 +315,23 @@ def amdsmi_get_gpu_asic_info(handle: Any) -> dict[str, Any]:
             "subsystem_id": "0x74a1"}
 
 
+def amdsmi_get_gpu_board_info(handle: Any) -> dict[str, Any]:
+    gpu = _call("amdsmi_get_gpu_board_info", handle)
+    return {"model_number": "102-G30211-00", "product_serial": f"692251001{gpu.index:03d}", "fru_id": "N/A",
+            "product_name": gpu.name, "manufacturer_name": "AMD"}
+
+
+def amdsmi_get_gpu_vbios_info(handle: Any) -> dict[str, Any]:
+    _call("amdsmi_get_gpu_vbios_info", handle)
+    return {"name": "AMD MI300X", "build_date": "2024/01/01 00:00", "part_number": "113-M3000100-102",
+            "version": "022.040.003.043.000001"}
+
+
+def amdsmi_get_gpu_driver_info(handle: Any) -> dict[str, Any]:
+    _call("amdsmi_get_gpu_driver_info", handle)
+    return {"driver_name": "amdgpu", "driver_version": "6.8.5", "driver_date": "2015/01/01 00:00"}
+
+
 def amdsmi_get_gpu_activity(handle: Any) -> dict[str, Any]:
     gpu = _call("amdsmi_get_gpu_activity", handle, "activity")
     return {"gfx_activity": _value(gpu, "gfx_activity", lambda n, i: (10 * i + 7 * n) % 101),

@@ -18,7 +18,8 @@ it in-process. The fake amdsmi reads the same variable: keys under ``"nvidia": {
 this fake only (over the top-level ones), and ``"nvidia": false`` means no NVIDIA driver
 (``library_missing``). Keys (all optional; GPU keys are indices as strings):
 
-- ``count`` (2): number of GPUs. ``name``: model name of every GPU.
+- ``count`` (2): number of GPUs. ``name``: model name of every GPU. ``not_supported`` may name
+  ``nvmlDeviceGetSerial`` (consumer boards have no serial number).
 - ``library_missing`` / ``driver_not_loaded``: ``nvmlInit`` raises LibraryNotFound / DriverNotLoaded.
 - ``not_supported``: {"1": ["power", ...]} fields (or function names) raising NotSupported.
   Fields: utilization memory power power_limit energy temperature clock pcie ecc throttle
@@ -233,6 +234,15 @@ def nvmlDeviceGetName(handle: Any) -> str:
 
 def nvmlDeviceGetUUID(handle: Any) -> str:
     return _call("nvmlDeviceGetUUID", handle).uuid
+
+
+def nvmlDeviceGetSerial(handle: Any) -> str:
+    return f"{1654922000000 + _call('nvmlDeviceGetSerial', handle).index}"
+
+
+def nvmlDeviceGetVbiosVersion(handle: Any) -> str:
+    _call("nvmlDeviceGetVbiosVersion", handle)
+    return "96.00.89.00.01"
 
 
 def nvmlDeviceGetIndex(handle: Any) -> int:
