@@ -18,7 +18,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 COLLECTOR_NAMES = ("cpu", "memory", "disk", "network", "process", "nvidia", "amd")
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
@@ -163,14 +163,54 @@ def _gpus(text: str) -> str:
     return value
 
 
-def _url(text: str) -> str | None:
+# The OTel exporter spec's endpoint variables: the signal's own is the URL posted to, the generic
+# one a base URL that gains the signal's path.
+OTLP_METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+OTLP_METRICS_PATH = "/v1/metrics"
+# ``host:port`` without a scheme, as the OTel gRPC exporter takes it (``[::1]:4317`` for IPv6).
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})")
+
+
+def _otlp_endpoint(text: str) -> str | None:
+    """An http(s) URL, or ``host:port``; that the latter is only for gRPC needs the protocol, so
+    ``ForgeConfig`` checks it."""
     value = text.strip()
     if not value:
         return None
     parsed = urllib.parse.urlsplit(value)
+    host_port = _HOST_PORT.fullmatch(value)
+    if host_port and int(host_port.group(1)) <= 65535:
+        return value
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        raise ValueError(f"must be an http:// or https:// URL (or host:port with grpc), got {value!r}")
+    try:
+        _ = parsed.port  # checked on access
+    except ValueError:
+        raise ValueError(f"has a port out of range 0-65535: {value!r}") from None
     return value
+
+
+def _grpc_target(endpoint: str) -> str:
+    """What the gRPC exporter dials: ``host:port`` as given, else the URL's scheme and authority
+    (gRPC has no path; the scheme still decides TLS)."""
+    if _HOST_PORT.fullmatch(endpoint):
+        return endpoint
+    parsed = urllib.parse.urlsplit(endpoint)
+    return f"{parsed.scheme}://{parsed.netloc}"
+
+
+def _http_metrics_url(endpoint: str, env_name: str | None) -> str:
+    """The URL the HTTP exporter posts to: the metrics variable's value as is, the generic
+    variable's plus ``/v1/metrics``; an argument is taken as a full URL when its path already ends
+    in ``/v1/metrics`` (as users paste it), else as a base URL."""
+    if env_name == OTLP_METRICS_ENDPOINT_ENV:
+        return endpoint
+    parsed = urllib.parse.urlsplit(endpoint)
+    path = parsed.path.rstrip("/")
+    if env_name is None and path.endswith(OTLP_METRICS_PATH):
+        return urllib.parse.urlunsplit(parsed._replace(path=path))
+    return urllib.parse.urlunsplit(parsed._replace(path=path + OTLP_METRICS_PATH))
 
 
 _TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
@@ -286,8 +326,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Address the Prometheus endpoint binds (`0.0.0.0`: every interface)."),
     Setting("prometheus_port", ("OTEL_EXPORTER_PROMETHEUS_PORT",), _port, 9464,
             "Port of the Prometheus endpoint (0 picks a free one)."),
-    Setting("otlp_endpoint", ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"), _url, None,
-            "OTLP endpoint; unset means no OTLP export."),
+    Setting("otlp_endpoint", (OTLP_METRICS_ENDPOINT_ENV, OTLP_ENDPOINT_ENV), _otlp_endpoint, None,
+            "OTLP endpoint; unset means no OTLP export. HTTP: `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` is the URL "
+            "posted to, `OTEL_EXPORTER_OTLP_ENDPOINT` a base URL that gains `/v1/metrics`, an argument "
+            "(`--otlp-endpoint`) either: a URL ending in `/v1/metrics` is kept, any other gains it. gRPC: also "
+            "`host:port`, which uses TLS unless `OTEL_EXPORTER_OTLP_[METRICS_]INSECURE=true`, as the OTel exporter "
+            "does (`http://` is plaintext, `https://` TLS); a path means nothing to gRPC and is dropped, with a "
+            "warning. `otel-forge doctor` shows the URL used."),
     Setting("otlp_protocol", ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
             _one_of(OTLP_PROTOCOLS), "http/protobuf", "OTLP transport: `grpc` or `http/protobuf`."),
     Setting("run_id", ("MLFLOW_RUN_ID",), _optional_text, None,
@@ -325,6 +370,23 @@ SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 # The source recorded for a value that was not read from the environment.
 ARGUMENT = "argument"
 DEFAULT = "default"
+
+
+@final
+class EnvSource(str):
+    """The source of a value read from the environment: reads ``env NAME`` in messages and
+    ``doctor``, and keeps ``name``, so code that depends on the variable (the OTLP endpoint's
+    meaning) need not parse the text."""
+
+    name: str
+
+    def __new__(cls, name: str) -> EnvSource:
+        source = super().__new__(cls, f"env {name}")
+        source.name = name
+        return source
+
+    def __getnewargs__(self) -> tuple[str]:  # type: ignore[override] - pickles from the name, not the text
+        return (self.name,)
 
 
 @dataclass(frozen=True)
@@ -400,12 +462,21 @@ class ForgeConfig:
 
     @property
     def otlp_metrics_url(self) -> str | None:
-        """The URL the OTLP exporter posts to: a generic HTTP endpoint gains ``/v1/metrics``."""
-        if self.otlp_endpoint is None or self.otlp_protocol == "grpc":
-            return self.otlp_endpoint
-        if self.sources.get("otlp_endpoint") == "env OTEL_EXPORTER_OTLP_METRICS_ENDPOINT":
-            return self.otlp_endpoint
-        return self.otlp_endpoint.rstrip("/") + "/v1/metrics"
+        """The endpoint the OTLP exporter is given: for HTTP the URL it posts to, for gRPC the
+        target it dials (see the ``otlp_endpoint`` row)."""
+        if self.otlp_endpoint is None:
+            return None
+        if self.otlp_protocol == "grpc":
+            return _grpc_target(self.otlp_endpoint)
+        source = self.sources.get("otlp_endpoint")
+        return _http_metrics_url(self.otlp_endpoint, source.name if isinstance(source, EnvSource) else None)
+
+    def __post_init__(self) -> None:
+        # Only here are endpoint and protocol known together: host:port alone is gRPC's form.
+        if self.otlp_endpoint and self.otlp_protocol != "grpc" and _HOST_PORT.fullmatch(self.otlp_endpoint):
+            raise ConfigError(f"invalid otlp_endpoint (from {self.sources.get('otlp_endpoint', ARGUMENT)}): must be "
+                              f"an http:// or https:// URL with otlp_protocol {self.otlp_protocol} (host:port alone "
+                              f"is for grpc), got {self.otlp_endpoint!r}")
 
     def replace(self, **changes: Any) -> ForgeConfig:
         """A copy with ``changes`` applied as explicit arguments (validated the same way)."""
@@ -434,7 +505,7 @@ def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str],
         env_name = next((name for name in setting.env if _is_set(name, environ)), None)
         if env_name is None:
             return setting.default, DEFAULT
-        source = f"env {env_name}"
+        source = EnvSource(env_name)
         raw = environ[env_name]
     try:
         return _parse(setting, raw), source

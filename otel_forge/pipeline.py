@@ -92,7 +92,14 @@ def _otlp_exporter(config: ForgeConfig) -> MetricExporter:
     if config.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
 
-        return GrpcExporter(endpoint=url, insecure=url.startswith("http://"), timeout=timeout_s)
+        endpoint = config.otlp_endpoint or ""
+        if endpoint.rstrip("/").lower() != url.lower():
+            _logger.warning("otlp_endpoint %r (from %s): a gRPC endpoint has no path; dialing %s", endpoint,
+                            config.sources.get("otlp_endpoint", "argument"), url)
+        # A scheme decides TLS; without one (host:port) None lets the exporter read
+        # OTEL_EXPORTER_OTLP_[METRICS_]INSECURE as the OTel spec says (unset: TLS).
+        insecure = True if url.startswith("http://") else False if url.startswith("https://") else None
+        return GrpcExporter(endpoint=url, insecure=insecure, timeout=timeout_s)
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
 
     return HttpExporter(endpoint=url, timeout=timeout_s)

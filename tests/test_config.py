@@ -1,6 +1,8 @@
+import pickle
+
 import pytest
 
-from otel_forge.config import SETTINGS, ConfigError, ForgeConfig
+from otel_forge.config import SETTINGS, ConfigError, EnvSource, ForgeConfig
 
 
 def test_defaults_when_nothing_is_set():
@@ -109,6 +111,73 @@ def test_otlp_http_endpoint_gains_the_signal_path_only_when_generic():
     grpc = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317",
                                         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     assert grpc.otlp_metrics_url == "http://c:4317"
+
+
+@pytest.mark.parametrize("given, used", [
+    ("http://c:4318/v1/metrics", "http://c:4318/v1/metrics"),  # a full URL, as users paste it: not doubled
+    ("http://c:4318/v1/metrics/", "http://c:4318/v1/metrics"),
+    ("https://c/otlp/v1/metrics", "https://c/otlp/v1/metrics"),
+    ("http://c:4318", "http://c:4318/v1/metrics"),  # a base URL gains the signal path
+    ("http://c:4318/", "http://c:4318/v1/metrics"),
+    ("https://c/otlp", "https://c/otlp/v1/metrics"),
+])
+def test_an_otlp_http_endpoint_argument_is_a_full_url_or_a_base_url(given, used):
+    assert ForgeConfig.resolve(environ={}, otlp_endpoint=given).otlp_metrics_url == used
+
+
+def test_the_otlp_endpoint_variables_keep_the_spec_meaning_whatever_the_path():
+    # The signal's variable is used as is; the generic one is a base URL even if it ends in /v1/metrics.
+    specific = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:4318/v1/metrics"})
+    assert specific.otlp_metrics_url == "http://c:4318/v1/metrics"
+    generic = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/v1/metrics"})
+    assert generic.otlp_metrics_url == "http://c:4318/v1/metrics/v1/metrics"
+    # An argument over the variables is read as an argument.
+    argument = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:4318/custom"},
+                                   otlp_endpoint="http://d:4318")
+    assert argument.otlp_metrics_url == "http://d:4318/v1/metrics"
+    assert ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).replace(
+        otlp_endpoint="http://d:4318/v1/metrics").otlp_metrics_url == "http://d:4318/v1/metrics"
+
+
+def test_the_source_of_an_env_value_keeps_the_variable_through_pickling():
+    config = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    source = pickle.loads(pickle.dumps(config)).sources["otlp_endpoint"]
+    assert source == "env OTEL_EXPORTER_OTLP_ENDPOINT" and isinstance(source, EnvSource)
+    assert source.name == "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+
+@pytest.mark.parametrize("given, used", [
+    ("127.0.0.1:4317", "127.0.0.1:4317"),  # scheme-less, as the OTel gRPC exporter takes it
+    ("collector.example:4317", "collector.example:4317"),
+    ("[::1]:4317", "[::1]:4317"),
+    ("http://c:4317", "http://c:4317"),
+    ("https://c:4317/", "https://c:4317"),
+    ("http://c:4317/v1/metrics", "http://c:4317"),  # gRPC has no path: dropped (the agent warns)
+])
+def test_an_otlp_grpc_endpoint_is_host_port_or_a_url_without_path(given, used):
+    config = ForgeConfig.resolve(environ={}, otlp_endpoint=given, otlp_protocol="grpc")
+    assert config.otlp_metrics_url == used
+
+
+@pytest.mark.parametrize("environ, explicit, words", [
+    ({}, {"otlp_endpoint": "localhost:4317"}, ("(from argument): must be an http:// or https:// URL with otlp_protocol "
+                                               "http/protobuf (host:port alone is for grpc), got 'localhost:4317'")),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:4318"}, {}, "(from env OTEL_EXPORTER_OTLP_ENDPOINT): must be"),
+    ({}, {"otlp_endpoint": "ftp://c:4317", "otlp_protocol": "grpc"}, "(or host:port with grpc), got 'ftp://c:4317'"),
+    ({}, {"otlp_endpoint": "c:70000", "otlp_protocol": "grpc"}, "got 'c:70000'"),
+    ({}, {"otlp_endpoint": "http://c:70000"}, "port out of range"),
+    ({}, {"otlp_endpoint": "c:4317/v1/metrics", "otlp_protocol": "grpc"}, "got 'c:4317/v1/metrics'"),
+])
+def test_a_bad_otlp_endpoint_is_one_config_error(environ, explicit, words):
+    with pytest.raises(ConfigError) as error:
+        ForgeConfig.resolve(environ=environ, **explicit)
+    assert str(error.value).startswith("invalid otlp_endpoint") and words in str(error.value)
+
+
+def test_a_scheme_less_endpoint_stays_grpc_only_through_replace():
+    grpc = ForgeConfig.resolve(environ={}, otlp_endpoint="c:4317", otlp_protocol="grpc")
+    with pytest.raises(ConfigError, match="host:port alone is for grpc"):
+        grpc.replace(otlp_protocol="http/protobuf")
 
 
 def test_resource_attributes_follow_the_otel_format():

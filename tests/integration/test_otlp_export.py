@@ -3,8 +3,11 @@ names, units, kinds and attributes as in ``otel_forge.names.METRICS``, and the a
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import http.server
+import ipaddress
+import logging
 import socket
 import threading
 import zlib
@@ -21,7 +24,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.sdk.version import __version__ as sdk_version
 from hermetic import apply_hermetic
-from servers import wait_for
+from servers import AgentProcess, spawn_agent, wait_for
 
 from otel_forge import METRICS, Agent, ForgeConfig
 from otel_forge.names import Kind
@@ -101,17 +104,55 @@ class Receiver:
     endpoint: str  # what the agent is configured with
     received: Received
 
+    @property
+    def host_port(self) -> str:
+        return self.endpoint.split("://", 1)[1]
+
+
+@dataclass(frozen=True)
+class ServerCert:
+    """A key and a certificate for 127.0.0.1 that signs itself, so a client trusts it as its CA."""
+
+    key_pem: bytes
+    cert_pem: bytes
+
+    @classmethod
+    def create(cls) -> ServerCert:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+        return cls(key_pem, cert.public_bytes(serialization.Encoding.PEM))
+
 
 @pytest.fixture
-def start_receiver(request: pytest.FixtureRequest) -> Callable[[str], Receiver]:
-    """Start an OTLP receiver for ``protocol`` on 127.0.0.1:<free port>; it stops after the test."""
+def start_receiver(request: pytest.FixtureRequest) -> Callable[..., Receiver]:
+    """Start an OTLP receiver for ``protocol`` on 127.0.0.1:<free port>; it stops after the test.
+    With ``tls`` (gRPC only) it serves TLS with that certificate."""
 
-    def start(protocol: str) -> Receiver:
+    def start(protocol: str, tls: ServerCert | None = None) -> Receiver:
         received = Received()
         if protocol == "grpc":
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=RECEIVER_THREAD))
             metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(received), server)
-            port = server.add_insecure_port("127.0.0.1:0")
+            if tls is None:
+                port = server.add_insecure_port("127.0.0.1:0")
+            else:
+                credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
+                port = server.add_secure_port("127.0.0.1:0", credentials)
             server.start()
             request.addfinalizer(lambda: server.stop(grace=None).wait(5))
         else:
@@ -129,7 +170,7 @@ def start_receiver(request: pytest.FixtureRequest) -> Callable[[str], Receiver]:
                 thread.join(5)
 
             request.addfinalizer(stop)
-        return Receiver(protocol, f"http://127.0.0.1:{port}", received)
+        return Receiver(protocol, f"{'https' if tls else 'http'}://127.0.0.1:{port}", received)
 
     return start
 
@@ -298,3 +339,90 @@ def test_otlp_resource_from_env(protocol: str, start_receiver: Callable[[str], R
     assert resource[NODE_ID_ATTRIBUTE] == "node_3"
     assert resource["service.name"] == "otel-forge"
     assert resource["host.name"] == socket.gethostname()
+
+
+# --- endpoint forms -------------------------------------------------------------------------------
+
+# How a user names the HTTP endpoint: (monitor flags, variables), ``{base}`` being the receiver's
+# http://127.0.0.1:<port>. Each must post to <base>/v1/metrics (the receiver answers 404 elsewhere).
+HTTP_ENDPOINT_FORMS = {
+    "flag-full-url": (["--otlp-endpoint", "{base}/v1/metrics"], {}),  # as users paste it
+    "flag-base-url": (["--otlp-endpoint", "{base}/"], {}),
+    "metrics-variable": ([], {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "{base}/v1/metrics"}),
+    "generic-variable": ([], {"OTEL_EXPORTER_OTLP_ENDPOINT": "{base}"}),
+}
+
+
+def _spawn_monitor(args: list[str], env: dict[str, str], request: pytest.FixtureRequest) -> AgentProcess:
+    """``otel-forge monitor`` (CLI, own process) sampling the CPU every 0.2 s, OTLP only."""
+    agent = spawn_agent(["--no-prometheus", "--collectors", "cpu", "--interval", "0.2", *args], env)
+    request.addfinalizer(agent.kill)
+    return agent
+
+
+def _wait_serving_otlp(agent: AgentProcess, line: str) -> None:
+    wait_for(lambda: line in agent.stdout.splitlines(), DELIVERY_TIMEOUT_S, 0.05,
+             message=lambda: f"{line!r} from {agent.describe()}")
+
+
+@pytest.mark.parametrize("form", HTTP_ENDPOINT_FORMS)
+def test_each_http_endpoint_form_posts_to_v1_metrics(form: str, start_receiver: Callable[..., Receiver],
+                                                     request: pytest.FixtureRequest) -> None:
+    receiver = start_receiver("http/protobuf")
+    args, env = HTTP_ENDPOINT_FORMS[form]
+    agent = _spawn_monitor([arg.format(base=receiver.endpoint) for arg in args],
+                           {name: value.format(base=receiver.endpoint) for name, value in env.items()}, request)
+
+    _wait_serving_otlp(agent, f"otel-forge: serving otlp http/protobuf {receiver.endpoint}/v1/metrics")
+    _wait_for_all(receiver, {"system.cpu.utilization"})
+    assert agent.stop() == 0, agent.describe()
+    assert set(receiver.received.paths) == {"/v1/metrics"}  # never a 404 (a doubled /v1/metrics)
+    assert "Traceback" not in agent.stderr
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_METRICS_INSECURE"])
+def test_a_scheme_less_grpc_endpoint_delivers_in_plaintext_when_insecure_is_set(
+        variable: str, start_receiver: Callable[..., Receiver], request: pytest.FixtureRequest) -> None:
+    """``host:port`` is the OTel gRPC exporter's form; plaintext is asked for as the exporter reads it."""
+    receiver = start_receiver("grpc")
+    agent = _spawn_monitor(["--otlp-protocol", "grpc", "--otlp-endpoint", receiver.host_port],
+                           {variable: "true"}, request)
+
+    _wait_serving_otlp(agent, f"otel-forge: serving otlp grpc {receiver.host_port}")
+    _wait_for_all(receiver, {"system.cpu.utilization"})
+    assert agent.stop() == 0, agent.describe()
+    assert "Traceback" not in agent.stderr
+
+
+def test_a_scheme_less_grpc_endpoint_uses_tls_by_default(start_receiver: Callable[..., Receiver],
+                                                         clean_env: pytest.MonkeyPatch, tmp_path: Path,
+                                                         request: pytest.FixtureRequest) -> None:
+    """Without a scheme nor an INSECURE variable the OTel exporter speaks TLS: only a TLS receiver
+    (trusted through ``OTEL_EXPORTER_OTLP_CERTIFICATE``) can get the metrics."""
+    cert = ServerCert.create()
+    receiver = start_receiver("grpc", tls=cert)
+    (tmp_path / "ca.pem").write_bytes(cert.cert_pem)
+    clean_env.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(tmp_path / "ca.pem"))
+    config = ForgeConfig.resolve(prometheus=False, otlp_endpoint=receiver.host_port, otlp_protocol="grpc",
+                                 sampling_interval_s=0.2, collectors="cpu")
+    agent = _run_agent(config, request)
+
+    assert agent.endpoints == [f"otlp grpc {receiver.host_port}"]
+    _wait_for_all(receiver, {"system.cpu.utilization"})
+
+
+def test_a_path_on_a_grpc_endpoint_is_dropped_with_a_warning(start_receiver: Callable[..., Receiver],
+                                                             clean_env: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture,
+                                                             request: pytest.FixtureRequest) -> None:
+    receiver = start_receiver("grpc")
+    config = ForgeConfig.resolve(prometheus=False, otlp_endpoint=receiver.endpoint + "/v1/metrics",
+                                 otlp_protocol="grpc", sampling_interval_s=0.2, collectors="cpu")
+    with caplog.at_level(logging.WARNING, logger="otel_forge.pipeline"):
+        agent = _run_agent(config, request)
+
+    assert agent.endpoints == [f"otlp grpc {receiver.endpoint}"]
+    warning = (f"otlp_endpoint '{receiver.endpoint}/v1/metrics' (from argument): a gRPC endpoint has no path; "
+               f"dialing {receiver.endpoint}")
+    assert [record.getMessage() for record in caplog.records if record.name == "otel_forge.pipeline"] == [warning]
+    _wait_for_all(receiver, {"system.cpu.utilization"})
