@@ -2,7 +2,10 @@
 
     otel-forge run -- python examples/train_plain_mlflow.py --steps 30
 
-puts its metrics, the node's system metrics, git state and the launch command in one run.
+makes one job in the experiment: the run otel-forge opens holds the node's system metrics, git
+state and the launch command; the run MLflow starts for this script's first mlflow.log_metric is
+its child (mlflow.parentRunId), holding the script's loss and params. A script that starts a run
+per fit (mlflow.start_run, autologging) gets one child per fit, all in the same job.
 """
 
 from __future__ import annotations

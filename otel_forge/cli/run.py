@@ -1,11 +1,19 @@
 """``otel-forge run [options] -- CMD ...``: CMD inside an MLflow run, its node sampled meanwhile.
 
-The run is opened first so CMD inherits ``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI`` and
-``MLFLOW_EXPERIMENT_ID`` (``mlflow.log_*`` in CMD lands in the same run, and launchers pass them
-on to other nodes). Under a launcher every task's ``otel-forge run`` finds the job's one run by
-the job key (``TrainingRun``'s rendezvous). SIGINT/SIGTERM are forwarded; processes CMD leaves
-behind are stopped; the run ends FINISHED, FAILED or KILLED from CMD's exit, and ``otel-forge``
-exits with CMD's code.
+The run is opened first. CMD inherits ``OTEL_FORGE_LAUNCHED_RUN_ID`` (the run), ``MLFLOW_TRACKING_URI``
+and ``MLFLOW_EXPERIMENT_ID``, and launchers pass them on to other nodes. ``TrainingRun`` in CMD logs
+into that run itself. The runs MLflow starts in CMD (``mlflow.start_run()``, autologging, or the run
+a plain ``mlflow.log_metric`` starts) nest under it, as children (``mlflow.parentRunId``, set by
+``otel_forge.mlflow.run_context``): the launched run holds the system metrics, the launch config, git
+state and command; the script's own runs are inside it. CMD never inherits ``MLFLOW_RUN_ID``, not even
+the user's: MLflow would resume our run at CMD's first ``start_run()``, end it when that run ends,
+and start every later run unrelated to it. Under a launcher every task's ``otel-forge run`` finds the
+job's one run by the job key (``TrainingRun``'s rendezvous). SIGINT/SIGTERM are forwarded; processes
+CMD leaves behind are stopped; the run ends FINISHED, FAILED or KILLED from CMD's exit, and
+``otel-forge`` exits with CMD's code.
+
+The run's ``mlflow.source.name`` is the first Python file on CMD's command line, as typed (the name
+MLflow gives the runs that script starts), else CMD's program; ``otel_forge.command`` has all of it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub
 
 _logger = logging.getLogger(__name__)
+
+SOURCE_NAME_TAG = "mlflow.source.name"
 
 
 def add_parser(commands: Any) -> None:
@@ -119,10 +129,12 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
     from otel_forge.mlflow.training_run import TrainingRun
 
     launch_file = launch_config_path(["otel-forge", *command])
+    tags = {SOURCE_NAME_TAG: scrub(_source_name(command)), **_tags(args.tag),
+            "otel_forge.command": scrub(" ".join(command))}
     training_run = TrainingRun(
         config=load_launch_config(launch_file) if launch_file else None, tracking_uri=config.tracking_uri,
         experiment=args.experiment, run_name=args.run_name, run_id=config.run_id, description=args.description,
-        tags={**_tags(args.tag), "otel_forge.command": scrub(" ".join(command))}, system_metrics=False,
+        tags=tags, system_metrics=False,
         launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False,
         create_if_missing=args.create_if_missing)
     if problem := local_store_problem(training_run.tracking_uri):
@@ -130,10 +142,23 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
     return training_run
 
 
+def _source_name(command: list[str]) -> str:
+    """What the job runs, for ``mlflow.source.name``: the first Python file on CMD's command line, as
+    typed (``python train.py``, ``torchrun ... train.py``), else CMD's program (``./train.sh``)."""
+    for word in command:
+        if word.endswith(".py") and os.path.isfile(word):
+            return word
+    return command[0]
+
+
 def _cmd_environ(environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool) -> dict[str, str]:
     """CMD's environment: the run (or how to find it once open) and who samples its node."""
     # Never another store behind the user's back: CMD talks to ours, whether the run is open or not.
     env = {**environ, "MLFLOW_TRACKING_URI": training_run.tracking_uri}
+    if live or training_run.open_error is None:
+        # MLflow resumes MLFLOW_RUN_ID at CMD's first start_run() and ends it with that run: CMD's runs
+        # nest under ours through OTEL_FORGE_LAUNCHED_RUN_ID instead (otel_forge.mlflow.run_context).
+        env.pop("MLFLOW_RUN_ID", None)
     if live:
         env.update(_run_environ(training_run, node))
         _announce(training_run)
@@ -157,11 +182,12 @@ def _end(training_run: Any, status: str, watchdog: Watchdog | None,
 
 
 def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
-    """What CMD inherits: the run (so ``mlflow.log_*`` lands in it) and who samples this node."""
+    """What CMD inherits: the run (its TrainingRun logs into it, MLflow's runs nest under it) and who
+    samples this node."""
     from otel_forge.mlflow.training_run import DESCRIBE_RUN_ENV, LAUNCHED_RUN_ENV, SAMPLED_NODE_ENV
 
     run_id = training_run.run_id
-    env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": training_run.tracking_uri, LAUNCHED_RUN_ENV: run_id,
+    env = {"MLFLOW_TRACKING_URI": training_run.tracking_uri, LAUNCHED_RUN_ENV: run_id,
            # This node's local rank 0 samples it: this process, or its sibling task's otel-forge.
            SAMPLED_NODE_ENV: node.sampling_key}
     if training_run.experiment_id is not None:
@@ -200,14 +226,19 @@ def _announce(training_run: Any) -> None:
 
 def _pending_run_environ(training_run: Any, run_id: str | None) -> dict[str, str]:
     """The server did not answer in time: CMD starts, and finds the run once it opens, by its id
-    when one was given, else by a job key under which we publish the run we open."""
+    when one was given, else by a job key under which we publish the run we open.
+
+    Without an id, the runs MLflow starts in CMD are not nested under ours (CMD starts before its id
+    exists; they land in its experiment); with one, they nest under it as under an open run.
+    """
+    from otel_forge.mlflow.training_run import LAUNCHED_RUN_ENV, LAUNCHER_OPENS, SAMPLED_NODE_ENV
+
     if run_id is not None:
-        return {"MLFLOW_RUN_ID": run_id}
+        return {LAUNCHED_RUN_ENV: run_id}
     key = training_run.node.job_key or f"otel-forge-{uuid.uuid4().hex}"
     training_run.adopt_job_key(key, "otel-forge run (the server did not answer in time)")
     _logger.warning("MLflow: the run is not open yet; CMD starts now and finds it by job key %s once the tracking "
                     "server answers", key)
-    from otel_forge.mlflow.training_run import LAUNCHED_RUN_ENV, LAUNCHER_OPENS, SAMPLED_NODE_ENV
 
     experiment = training_run.experiment
     return {"OTEL_FORGE_JOB_ID": key, LAUNCHED_RUN_ENV: LAUNCHER_OPENS,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,20 @@ def import_mlflow() -> Any:
 
 def make_client(tracking_uri: str | None) -> MlflowClient:
     return import_mlflow().MlflowClient(tracking_uri)
+
+
+def context_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    """The tags ``mlflow.start_run`` gives a run it creates here (``mlflow.user``, ``mlflow.source.name``,
+    ``mlflow.source.type``, any provider plugin's), with ``tags`` applied over them.
+
+    Git state is left to ``run_metadata.git_tags``: MLflow reads the repository of ``sys.argv[0]``,
+    which under ``otel-forge run`` is otel-forge's own entry point, not the job's working directory.
+    """
+    import_mlflow()
+    from mlflow.tracking.context.git_context import GitRunContext
+    from mlflow.tracking.context.registry import resolve_tags
+
+    return resolve_tags(dict(tags), ignore=[GitRunContext])
 
 
 def live_run(client: MlflowClient, run_id: str) -> Any:

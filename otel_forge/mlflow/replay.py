@@ -74,8 +74,10 @@ def _open_run(client: Any, spool: TrainingSpool, header: dict[str, Any]) -> dict
         key = spec.get("job_key")
         run_id = published_run_id(experiment, key) if key else None
         if run_id is None:
-            run_id = client.create_run(experiment_id, run_name=spec.get("run_name"),
-                                       tags={JOB_KEY_TAG: key} if key else None).info.run_id
+            # The tags the job resolved for its run (MLflow's context ones, ours over them); a spool
+            # written before they were recorded has the job key alone.
+            tags = spec.get("tags") or ({JOB_KEY_TAG: key} if key else None)
+            run_id = client.create_run(experiment_id, run_name=spec.get("run_name"), tags=tags).info.run_id
             if key:
                 publish(client, experiment_id, key, run_id)
     header = {**header, "run_id": run_id, "experiment_id": experiment_id}

@@ -25,6 +25,8 @@ _logger = logging.getLogger(__name__)
 
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
 GIT_DIRTY_TAG = "mlflow.source.git.dirty"
+GIT_BRANCH_TAG = "mlflow.source.git.branch"
+GIT_REPO_URL_TAG = "mlflow.source.git.repoURL"
 NOTE_TAG = "mlflow.note.content"
 # Set once a run holds a job's params, tags and config: a resume never records them again.
 DESCRIBED_TAG = "otel_forge.described"
@@ -142,7 +144,9 @@ def _git(*args: str, cwd: str | None = None) -> str | None:
 
 
 def git_tags(cwd: str | None = None) -> dict[str, str]:
-    """``mlflow.source.git.commit`` and ``.dirty`` of the repository at ``cwd``; {} outside one."""
+    """``mlflow.source.git.commit``, ``.dirty``, ``.branch`` and ``.repoURL`` (origin's, as git has it:
+    the caller scrubs it) of the repository at ``cwd``; {} outside one, a tag left out where git cannot
+    say (a detached HEAD has no branch, a repository without origin no URL)."""
     commit = _git("rev-parse", "HEAD", cwd=cwd)
     if commit is None or not _GIT_SHA.fullmatch(commit):
         return {}
@@ -150,6 +154,10 @@ def git_tags(cwd: str | None = None) -> dict[str, str]:
     changes = _git("status", "--porcelain", "--untracked-files=no", cwd=cwd)
     if changes is not None:
         tags[GIT_DIRTY_TAG] = str(bool(changes)).lower()
+    if branch := _git("symbolic-ref", "--short", "-q", "HEAD", cwd=cwd):
+        tags[GIT_BRANCH_TAG] = branch
+    if url := _git("remote", "get-url", "origin", cwd=cwd):
+        tags[GIT_REPO_URL_TAG] = url
     return tags
 
 

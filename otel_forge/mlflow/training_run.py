@@ -29,6 +29,7 @@ from otel_forge.mlflow.client import (
     RunGone,
     RunInfo,
     classify,
+    context_tags,
     import_mlflow,
     live_run,
     make_client,
@@ -68,8 +69,9 @@ from otel_forge.worker import DeliveryWorker, Outcome
 _logger = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "otel-forge"
-# Set by `otel-forge run` for its command: the run it opened in this attempt of the job (or
-# LAUNCHER_OPENS, with a job key, when the server did not answer in time); that run
+# Set by `otel-forge run` for its command: the run it opened in this attempt of the job, or the one
+# it was asked to resume (or LAUNCHER_OPENS, with a job key, when the server did not answer in time):
+# the command's TrainingRun logs into it, MLflow's own runs nest under it (run_context.py); that run
 # again if it described it just now (the command's TrainingRun adds its own config); the node it
 # samples already (NodeIdentity.sampling_key).
 LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
@@ -90,6 +92,12 @@ _DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DA
 def embedded_tracking_uri() -> str:
     """A local store in the working directory, the one ``mlflow ui`` opens there."""
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def launched_run_id() -> str | None:
+    """The run ``otel-forge run`` opened for this process; None outside one or while it is still opening."""
+    run_id = os.environ.get(LAUNCHED_RUN_ENV, "").strip()
+    return run_id if run_id and run_id != LAUNCHER_OPENS else None
 
 
 def _is_remote(uri: str) -> bool:
@@ -119,10 +127,11 @@ class TrainingRun:
 
     Run the same code in every rank. Global rank 0 creates the run (or resumes the one its job key
     names) and logs training metrics; every other process finds the run by the job key (or takes
-    ``run_id`` / ``MLFLOW_RUN_ID``), and with ``system_metrics`` local rank 0 of every node samples
-    its node into it from the moment the run is entered. Any process that fails ends the run
-    FAILED. Failures are warned (rate-limited), never raised into training: a run that cannot be
-    opened leaves logging disabled.
+    ``run_id`` / ``MLFLOW_RUN_ID`` / the run ``otel-forge run`` opened), and with ``system_metrics``
+    local rank 0 of every node samples its node into it from the moment the run is entered. Any
+    process that fails ends the run FAILED. Failures are warned (rate-limited), never raised into
+    training: a run that cannot be opened leaves logging disabled. A run it creates carries MLflow's
+    context tags (``mlflow.user``, ``mlflow.source.*``), as one ``mlflow.start_run`` creates would.
     """
 
     def __init__(self, config: Any = None, tracking_uri: str | None = None, experiment: str | None = None,
@@ -137,7 +146,7 @@ class TrainingRun:
         self.tracking_uri = tracking_uri or self.forge_config.tracking_uri or embedded_tracking_uri()
         self.experiment = self._experiment(experiment)
         self.run_name = run_name
-        self.requested_run_id = run_id or self.forge_config.run_id
+        self.requested_run_id = run_id or self.forge_config.run_id or launched_run_id()
         self.description = description
         self.tags = dict(tags or {})
         self.system_metrics = system_metrics
@@ -358,8 +367,7 @@ class TrainingRun:
                        max(training_steps, default=None), client, described=DESCRIBED_TAG in run.data.tags)
 
     def _create(self, client: Any, experiment_id: str) -> OpenRun:
-        tags = {JOB_KEY_TAG: self.node.job_key} if self.node.job_key else None
-        created = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+        created = client.create_run(experiment_id, run_name=self.run_name, tags=self._creation_tags())
         return OpenRun(created.info.run_id, created.info.run_name, experiment_id, self.experiment, False, None, client)
 
     def _start_sampling(self) -> None:
@@ -429,11 +437,23 @@ class TrainingRun:
         return kept
 
     def _run_tags(self) -> dict[str, str]:
-        tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags(), DESCRIBED_TAG: "true"}
-        if self.description:
-            tags[NOTE_TAG] = self.description
-        tags.update({key: REDACTED if self._secret(key) else value for key, value in self.tags.items()})
+        tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags(), DESCRIBED_TAG: "true",
+                **self._own_tags()}
         return {key: scrub(str(value)) for key, value in tags.items()}
+
+    def _own_tags(self) -> dict[str, str]:
+        """The description and the caller's tags (secrets masked): they win over every other source."""
+        tags = {NOTE_TAG: self.description} if self.description else {}
+        tags.update({key: REDACTED if self._secret(key) else value for key, value in self.tags.items()})
+        return tags
+
+    def _creation_tags(self) -> dict[str, str]:
+        """A new run's tags: MLflow's context tags, as ``mlflow.start_run`` resolves them, under ours
+        (the job key, the caller's). Ours are set again by the describe record, which also adds git state."""
+        ours = self._own_tags()
+        if self.node.job_key:
+            ours[JOB_KEY_TAG] = self.node.job_key
+        return {key: scrub(str(value)) for key, value in context_tags(ours).items()}
 
     def _submit(self, call: Callable[[], None], follow_up: bool = False) -> bool:
         return self._worker is not None and self._worker.submit(call, follow_up=follow_up)
@@ -624,7 +644,8 @@ class TrainingRun:
                 self._outage_at_open or (self._opening is not None and not self._opening.done())):
             # The server never answered while the job ran: replay opens the run as we would have.
             header.update(run_id=None, open={"experiment": self.experiment, "run_name": self.run_name,
-                                             "run_id": self.requested_run_id, "job_key": self.node.job_key})
+                                             "run_id": self.requested_run_id, "job_key": self.node.job_key,
+                                             "tags": self._creation_tags()})
             records = [*self._describe(), *self._unrecorded_rejected()]
         else:
             if rows:

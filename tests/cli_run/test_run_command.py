@@ -1,16 +1,18 @@
 """``otel-forge run [options] -- CMD ...`` as a process, against the session's real ``mlflow server``.
 
 Every test launches ``python -m otel_forge.cli run`` (with ``--no-prometheus --interval 0.3``), then
-reads what landed in MLflow with a plain ``MlflowClient``: one run holds CMD's own ``mlflow.log_*``
-metrics, the node's ``system/`` metrics, the git state of the working directory, the launch config
-(artifact and params); the run ends FINISHED/FAILED/KILLED from CMD's exit and otel-forge exits with
-CMD's code; signals reach CMD; bad input is one line and exit 2; a missing server costs logging, not
-the job. CMD scripts live in ``tests/cli_run/scripts``.
+reads what landed in MLflow with a plain ``MlflowClient``: the launched run holds the node's
+``system/`` metrics, the git state of the working directory, the launch config (artifact and params)
+and MLflow's context tags; the runs CMD starts with MLflow's own API (``mlflow.log_*``, autologging,
+``start_run`` per fit) are its children; the run ends FINISHED/FAILED/KILLED from CMD's exit and
+otel-forge exits with CMD's code; signals reach CMD; bad input is one line and exit 2; a missing
+server costs logging, not the job. CMD scripts live in ``tests/cli_run/scripts``.
 """
 
 from __future__ import annotations
 
 import collections
+import getpass
 import json
 import os
 import re
@@ -95,6 +97,12 @@ def steps_of(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-unt
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
 
+def children_of(client, run_id: str) -> list:  # type: ignore[no-untyped-def]
+    """The runs of ``run_id``'s experiment whose ``mlflow.parentRunId`` is ``run_id``."""
+    experiment_id = client.get_run(run_id).info.experiment_id
+    return client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+
+
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-c", "user.name=otel-forge tests", "-c", "user.email=tests@example.invalid",
                            "-c", "commit.gpgsign=false", *args], cwd=repo, check=True, capture_output=True,
@@ -142,7 +150,8 @@ def plain_run(mlflow_server, git_repo, tmp_path_factory) -> Launched:  # type: i
     tmp = tmp_path_factory.mktemp("plain")
     experiment = unique("plain")
     result = run_forge([*server_options(mlflow_server.uri, experiment), "--tag", "team=forge", "--",
-                        "python", "train.py", "--steps", "20", "cfg.toml"], cwd=git_repo, env=forge_environ(tmp))
+                        sys.executable, "train.py", "--steps", "20", "cfg.toml"], cwd=git_repo,
+                       env=forge_environ(tmp))
     return Launched(result, run_id_of(result.stdout), git_repo, experiment)
 
 
@@ -152,16 +161,23 @@ def test_plain_mlflow_script_exits_0_and_the_run_is_finished(plain_run, client) 
     assert "Traceback" not in result.stderr
     run = client.get_run(plain_run.run_id)
     assert run.info.status == "FINISHED"
+    assert "mlflow.parentRunId" not in run.data.tags
     assert client.get_experiment(run.info.experiment_id).name == plain_run.experiment
-    # ONE run: the experiment holds only the run otel-forge opened, CMD's mlflow calls landed in it.
+    # The launched run and, inside it, the one run MLflow started for CMD's mlflow.log_* calls.
+    children = children_of(client, plain_run.run_id)
     runs = client.search_runs([run.info.experiment_id])
-    assert [r.info.run_id for r in runs] == [plain_run.run_id]
+    assert sorted(r.info.run_id for r in runs) == sorted([plain_run.run_id, *(c.info.run_id for c in children)])
+    assert len(children) == 1, [r.data.tags for r in runs]
 
 
-def test_plain_mlflow_script_metrics_and_system_metrics_share_the_run(plain_run, client) -> None:
+def test_plain_mlflow_script_metrics_land_in_its_child_run_system_metrics_in_the_launched_run(plain_run,
+                                                                                             client) -> None:
+    [child] = children_of(client, plain_run.run_id)
+    assert steps_of(client, child.info.run_id, "loss") == list(range(20))
+    assert child.data.params["steps"] == "20"  # CMD's own mlflow.log_param
+    assert not [key for key in child.data.metrics if key.startswith("system/")]
     run = client.get_run(plain_run.run_id)
-    assert steps_of(client, plain_run.run_id, "loss") == list(range(20))
-    assert run.data.params["steps"] == "20"  # CMD's own mlflow.log_param
+    assert "loss" not in run.data.metrics
     system = [key for key in run.data.metrics if key.startswith("system/")]
     assert "system/cpu_utilization_percentage" in system, sorted(run.data.metrics)
     assert "system/system_memory_usage_megabytes" in system
@@ -174,9 +190,24 @@ def test_plain_mlflow_script_run_has_git_state_command_and_tags(plain_run, clien
     tags = client.get_run(plain_run.run_id).data.tags
     assert tags["mlflow.source.git.commit"] == git(plain_run.cwd, "rev-parse", "HEAD")
     assert tags["mlflow.source.git.dirty"] == "false"
-    assert tags["otel_forge.command"] == "python train.py --steps 20 cfg.toml"
+    assert tags["mlflow.source.git.branch"] == git(plain_run.cwd, "symbolic-ref", "--short", "HEAD")
+    # The working directory's repository alone says it (it has no origin): never otel-forge's own.
+    assert "mlflow.source.git.repoURL" not in tags
+    assert tags["otel_forge.command"] == f"{sys.executable} train.py --steps 20 cfg.toml"
     assert tags["team"] == "forge"
     assert tags["host"] == socket.gethostname()
+
+
+def test_plain_mlflow_script_run_has_mlflows_context_tags_and_its_child_the_same(plain_run, client) -> None:
+    tags = client.get_run(plain_run.run_id).data.tags
+    assert tags["mlflow.user"] == getpass.getuser()
+    assert tags["mlflow.source.type"] == "LOCAL"
+    # The script CMD runs, as typed, not otel-forge's own entry point.
+    assert tags["mlflow.source.name"] == "train.py"
+    [child] = children_of(client, plain_run.run_id)
+    # train.py runs the example through runpy, which sets sys.argv[0], the name MLflow gives the child.
+    assert child.data.tags["mlflow.source.name"] == str(plain_run.cwd / "train_plain_mlflow.py")
+    assert child.data.tags["mlflow.user"] == tags["mlflow.user"]
 
 
 def test_plain_mlflow_script_run_has_the_launch_config_as_artifact_and_params(plain_run, client, tmp_path) -> None:
@@ -193,14 +224,15 @@ def test_plain_mlflow_script_run_has_the_launch_config_as_artifact_and_params(pl
 
 
 def test_exit_code_3_fails_the_run_and_otel_forge_exits_3(mlflow_server, git_repo, client, tmp_path) -> None:
-    result = run_forge([*server_options(mlflow_server.uri, unique("exit3")), "--", "python", "train.py",
+    result = run_forge([*server_options(mlflow_server.uri, unique("exit3")), "--", sys.executable, "train.py",
                         "--steps", "2", "--exit-code", "3"], cwd=git_repo, env=forge_environ(tmp_path))
 
     assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
     run_id = run_id_of(result.stdout)
     assert client.get_run(run_id).info.status == "FAILED"
-    assert steps_of(client, run_id, "loss") == [0, 1]
+    [child] = children_of(client, run_id)
+    assert steps_of(client, child.info.run_id, "loss") == [0, 1]
 
 
 def test_a_healthy_run_writes_nothing_to_stderr(mlflow_server, tmp_path) -> None:
@@ -358,7 +390,7 @@ def test_sigterm_right_after_the_run_opened_still_ends_run_and_cmd(mlflow_server
 # --- what CMD is told ----------------------------------------------------------------------------
 
 
-def test_cmd_sees_the_run_id_tracking_uri_and_experiment_id(mlflow_server, client, tmp_path) -> None:
+def test_cmd_sees_the_launched_run_tracking_uri_and_experiment_id(mlflow_server, client, tmp_path) -> None:
     seen = tmp_path / "env.json"
     experiment = unique("env")
     result = run_forge([*server_options(mlflow_server.uri, experiment), "--", sys.executable,
@@ -368,13 +400,103 @@ def test_cmd_sees_the_run_id_tracking_uri_and_experiment_id(mlflow_server, clien
     env = json.loads(seen.read_text())
     run_id = run_id_of(result.stdout)
     run = client.get_run(run_id)
-    assert env["MLFLOW_RUN_ID"] == run_id
+    assert env["OTEL_FORGE_LAUNCHED_RUN_ID"] == run_id
+    # Not MLFLOW_RUN_ID: MLflow would resume the launched run at CMD's first start_run() and end it there.
+    assert env["MLFLOW_RUN_ID"] is None
     assert env["MLFLOW_TRACKING_URI"] == mlflow_server.uri
     assert env["MLFLOW_EXPERIMENT_ID"] == run.info.experiment_id
     assert client.get_experiment(run.info.experiment_id).name == experiment
     # otel-forge's own HTTP settings (one attempt per call) are not imposed on CMD.
     assert env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] is None
     assert env["MLFLOW_HTTP_REQUEST_TIMEOUT"] is None
+
+
+def test_cmd_does_not_inherit_the_users_mlflow_run_id_but_the_run_it_names(mlflow_server, client, tmp_path) -> None:
+    seen = tmp_path / "env.json"
+    experiment_id = client.create_experiment(unique("user-run-id"))
+    given = client.create_run(experiment_id).info.run_id
+    result = run_forge(["--tracking-uri", mlflow_server.uri, "--no-prometheus", "--interval", INTERVAL, "--",
+                        sys.executable, str(SCRIPTS / "write_env.py"), str(seen)], cwd=tmp_path,
+                       env=forge_environ(tmp_path, MLFLOW_RUN_ID=given))
+
+    assert result.returncode == 0, result.stderr
+    assert run_id_of(result.stdout) == given  # otel-forge resumed it
+    env = json.loads(seen.read_text())
+    assert env["MLFLOW_RUN_ID"] is None
+    assert env["OTEL_FORGE_LAUNCHED_RUN_ID"] == given
+    assert env["MLFLOW_EXPERIMENT_ID"] == experiment_id
+
+
+# --- the runs CMD starts itself: children of the launched run ------------------------------------
+
+ALPHAS = {"0.1", "1.0", "10.0"}
+
+
+def _sklearn_job(mlflow_server, tmp_path_factory, mode: str, *options: str) -> Launched:  # type: ignore[no-untyped-def]
+    pytest.importorskip("sklearn")
+    tmp = tmp_path_factory.mktemp(f"sklearn-{mode}")
+    experiment = unique(f"sklearn-{mode}")
+    result = run_forge([*server_options(mlflow_server.uri, experiment), *options, "--", sys.executable,
+                        str(SCRIPTS / "sklearn_fits.py"), mode], cwd=tmp, env=forge_environ(tmp))
+    return Launched(result, run_id_of(result.stdout), tmp, experiment)
+
+
+@pytest.fixture(scope="module")
+def autolog_job(mlflow_server, tmp_path_factory) -> Launched:  # type: ignore[no-untyped-def]
+    return _sklearn_job(mlflow_server, tmp_path_factory, "autolog")
+
+
+@pytest.fixture(scope="module")
+def start_run_job(mlflow_server, tmp_path_factory) -> Launched:  # type: ignore[no-untyped-def]
+    return _sklearn_job(mlflow_server, tmp_path_factory, "start_run", "--tag", "mlflow.source.name=ridge-sweep")
+
+
+def _assert_one_job_with_its_fits(client, job: Launched) -> list:  # type: ignore[no-untyped-def]
+    """One run without a parent (the launched one, FINISHED, sampled) and three fits inside it."""
+    assert job.result.returncode == 0, job.result.stderr
+    assert "Traceback" not in job.result.stderr
+    experiment_id = client.get_experiment_by_name(job.experiment).experiment_id
+    runs = client.search_runs([experiment_id])
+    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert [r.info.run_id for r in top] == [job.run_id], [r.data.tags for r in runs]
+    [launched] = top
+    assert launched.info.status == "FINISHED"
+    assert "system/cpu_utilization_percentage" in launched.data.metrics
+    fits = children_of(client, job.run_id)
+    assert len(fits) == 3, [r.data.tags for r in runs]
+    assert {fit.data.params["alpha"] for fit in fits} == ALPHAS
+    assert {fit.info.status for fit in fits} == {"FINISHED"}
+    return runs
+
+
+def test_sklearn_autolog_three_fits_are_three_children_of_the_launched_run(autolog_job, client) -> None:
+    runs = _assert_one_job_with_its_fits(client, autolog_job)
+    assert len(runs) == 4
+    for fit in children_of(client, autolog_job.run_id):
+        assert fit.data.params["fit_intercept"] == "True"  # autolog's, from the estimator
+        assert fit.data.tags["estimator_name"] == "Ridge"
+
+
+def test_start_run_per_fit_makes_three_children_and_a_nested_run_keeps_its_own_parent(start_run_job,
+                                                                                       client) -> None:
+    runs = _assert_one_job_with_its_fits(client, start_run_job)
+    [nested] = [r for r in runs if r.info.run_name == "nested-in-first-fit"]
+    first_fit = {fit.data.params["alpha"]: fit for fit in children_of(client, start_run_job.run_id)}["0.1"]
+    assert nested.data.tags["mlflow.parentRunId"] == first_fit.info.run_id
+    assert len(runs) == 5
+
+
+def test_a_tag_given_to_otel_forge_wins_over_mlflows_context_tag(start_run_job, client) -> None:
+    tags = client.get_run(start_run_job.run_id).data.tags
+    assert tags["mlflow.source.name"] == "ridge-sweep"  # --tag, over ours and MLflow's
+    assert tags["mlflow.user"] == getpass.getuser()  # MLflow's, where nothing of ours says otherwise
+    assert tags["mlflow.source.type"] == "LOCAL"
+
+
+def test_autolog_fits_name_the_script_as_their_launched_run_does(autolog_job, client) -> None:
+    script = str(SCRIPTS / "sklearn_fits.py")
+    assert client.get_run(autolog_job.run_id).data.tags["mlflow.source.name"] == script
+    assert {fit.data.tags["mlflow.source.name"] for fit in children_of(client, autolog_job.run_id)} == {script}
 
 
 # --- examples/train_with_trainingrun.py ------------------------------------------------------------
@@ -432,8 +554,9 @@ def trainingrun_under_forge(mlflow_server, tmp_path_factory) -> Launched:  # typ
     experiment = unique("forge-trainingrun")
     # The interval also in the environment, which CMD inherits: its TrainingRun samples as often.
     env = forge_environ(tmp, MLFLOW_TRACKING_URI=mlflow_server.uri, OTEL_FORGE_SAMPLING_INTERVAL=INTERVAL)
-    result = run_forge(["--no-prometheus", "--interval", INTERVAL, "--experiment", experiment, "--", "python",
-                        str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "50"], cwd=tmp, env=env)
+    result = run_forge(["--no-prometheus", "--interval", INTERVAL, "--experiment", experiment, "--",
+                        sys.executable, str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "50"], cwd=tmp,
+                       env=env)
     return Launched(result, run_id_of(result.stdout), tmp, experiment)
 
 
@@ -492,7 +615,7 @@ def test_without_a_tracking_uri_the_run_lands_in_mlflow_db_of_the_working_direct
     work = tmp_path / "work"
     work.mkdir()
     # README: `otel-forge run -- python examples/train_with_trainingrun.py --steps 200`, no server.
-    result = run_forge(["--no-prometheus", "--interval", INTERVAL, "--", "python",
+    result = run_forge(["--no-prometheus", "--interval", INTERVAL, "--", sys.executable,
                         str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "200"],
                        cwd=work, env=forge_environ(tmp_path))
 
@@ -539,4 +662,5 @@ def test_server_down_at_start_cmd_still_runs_and_its_exit_code_is_returned(tmp_p
     assert "s3cr3t-token" not in result.stderr + result.stdout
     cmd_env = json.loads(seen.read_text())
     assert cmd_env["MLFLOW_RUN_ID"] is None  # nothing to attach to yet: CMD finds it by the job key
+    assert cmd_env["OTEL_FORGE_LAUNCHED_RUN_ID"] == "pending"  # MLflow's runs in CMD start unparented
     assert elapsed < 30, elapsed

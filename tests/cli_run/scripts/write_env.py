@@ -10,7 +10,7 @@ import os
 import sys
 
 NAMES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
-         "MLFLOW_HTTP_REQUEST_TIMEOUT")
+         "MLFLOW_HTTP_REQUEST_TIMEOUT", "OTEL_FORGE_LAUNCHED_RUN_ID")
 
 with open(sys.argv[1], "w") as out:
     json.dump({name: os.environ.get(name) for name in NAMES}, out)
