@@ -65,6 +65,20 @@ def _int_within(low: int, high: int) -> Callable[[str], int]:
 # past ~292 years Python's own timers overflow).
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.01, 86_400.0
 _interval = _float_within(MIN_INTERVAL_S, MAX_INTERVAL_S, " s")
+_export_timeout = _float_within(0.001, MAX_INTERVAL_S, " s")
+
+
+def _from_milliseconds(parse: Callable[[str], float]) -> Callable[[str], float]:
+    """The OTel SDK's variables give milliseconds; our settings are seconds."""
+
+    def parse_ms(text: str) -> float:
+        try:
+            return parse(repr(float(text) / 1000))
+        except ValueError as error:
+            raise ValueError(f"{error} (from {text!r} milliseconds)") from None
+
+    return parse_ms
+
 _deadline = _float_within(0.1, 3_600.0, " s")
 
 
@@ -287,18 +301,34 @@ def _resource_attributes(text: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Setting:
-    """One knob: the ``ForgeConfig`` field, its environment variables (first set wins)."""
+    """One knob: the ``ForgeConfig`` field, its environment variables (first set wins), and the
+    parser of those variables whose unit differs from the setting's (the OTel SDK's milliseconds)."""
 
     name: str
     env: tuple[str, ...]
     parse: Callable[[str], Any]
     default: Any
     doc: str
+    env_parse: Mapping[str, Callable[[str], Any]] = field(default_factory=dict)
+
+    def parser(self, env_name: str | None) -> Callable[[str], Any]:
+        return self.env_parse.get(env_name or "", self.parse)
+
+    def env_set(self, environ: Mapping[str, str]) -> list[str]:
+        """Its variables that give a value in ``environ`` (the first wins)."""
+        return [name for name in self.env if _is_set(name, environ)]
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("sampling_interval_s", ("OTEL_FORGE_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"),
-            _interval, 10.0, "Seconds between two samples of the hardware (periodic readers' interval), 0.01 to 86400."),
+    Setting("sampling_interval_s", ("OTEL_FORGE_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
+                                    "OTEL_METRIC_EXPORT_INTERVAL"),
+            _interval, 10.0, "Seconds between two samples of the hardware (periodic readers' interval), 0.01 to 86400; "
+            "`OTEL_METRIC_EXPORT_INTERVAL` in milliseconds, as the OTel SDK reads it.",
+            env_parse={"OTEL_METRIC_EXPORT_INTERVAL": _from_milliseconds(_interval)}),
+    Setting("export_timeout_s", ("OTEL_FORGE_EXPORT_TIMEOUT", "OTEL_METRIC_EXPORT_TIMEOUT"), _export_timeout, 30.0,
+            "Seconds one collect and its exports may take (the periodic reader's export timeout; it also bounds "
+            "the OTLP exporter's requests); `OTEL_METRIC_EXPORT_TIMEOUT` in milliseconds.",
+            env_parse={"OTEL_METRIC_EXPORT_TIMEOUT": _from_milliseconds(_export_timeout)}),
     Setting("samples_per_window", ("OTEL_FORGE_SAMPLES_PER_WINDOW", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING"),
             _int_within(1, 10_000), None,
             "Samples folded into one MLflow step (default: by the job's node count, 1 alone or up to 32 nodes, 3 up "
@@ -395,6 +425,7 @@ class ForgeConfig:
     ``SETTINGS``, which holds its default (``ForgeConfig.defaults()``)."""
 
     sampling_interval_s: float
+    export_timeout_s: float
     samples_per_window: int | None
     max_age_s: float | None
     node_id: str | None
@@ -498,17 +529,18 @@ def _is_set(env_name: str, environ: Mapping[str, str]) -> bool:
 
 def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str],
                  argument_source: str = ARGUMENT) -> tuple[Any, str]:
+    env_name = None
     if explicit is not None:
         source = argument_source
         raw = explicit
     else:
-        env_name = next((name for name in setting.env if _is_set(name, environ)), None)
+        env_name = next(iter(setting.env_set(environ)), None)
         if env_name is None:
             return setting.default, DEFAULT
         source = EnvSource(env_name)
         raw = environ[env_name]
     try:
-        return _parse(setting, raw), source
+        return (setting.parser(env_name)(raw) if env_name else _parse(setting, raw)), source
     except (ValueError, TypeError) as error:
         raise ConfigError(f"invalid {setting.name} (from {source}): {error}") from None
 

@@ -79,11 +79,11 @@ def _serve_prometheus(config: ForgeConfig, rendering: PrometheusRendering) -> Pr
 
 def _otlp_timeout_s(config: ForgeConfig) -> float | None:
     """The exporter retries within its timeout (10 s by default): an export that outlasts the
-    interval only delays the next one and keeps shutdown waiting. ``OTEL_EXPORTER_OTLP_*TIMEOUT``
-    still wins (None lets the exporter read it)."""
+    interval only delays the next one and keeps shutdown waiting, and none may outlast the reader's
+    export timeout. ``OTEL_EXPORTER_OTLP_*TIMEOUT`` still wins (None lets the exporter read it)."""
     if any(os.environ.get(name) for name in ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")):
         return None
-    return min(10.0, config.sampling_interval_s)
+    return min(10.0, config.sampling_interval_s, config.export_timeout_s)
 
 
 def _otlp_exporter(config: ForgeConfig) -> MetricExporter:
@@ -157,7 +157,8 @@ class Agent:
 
         from otel_forge.fanout import FanOutExporter, cumulative_only
 
-        interval_ms = self.config.sampling_interval_s * 1000
+        # Ours, not the SDK's reading of OTEL_METRIC_EXPORT_*: the settings table resolved those.
+        interval_ms, timeout_ms = self.config.sampling_interval_s * 1000, self.config.export_timeout_s * 1000
         sinks: list[MetricExporter] = []
         readers: list[MetricReader] = []
         self.endpoints = []
@@ -174,12 +175,14 @@ class Agent:
             if cumulative_only(otlp):
                 sinks.append(otlp)
             else:
-                readers.append(PeriodicExportingMetricReader(otlp, export_interval_millis=interval_ms))
+                readers.append(PeriodicExportingMetricReader(otlp, export_interval_millis=interval_ms,
+                                                             export_timeout_millis=timeout_ms))
             self.endpoints.append(f"otlp {self.config.otlp_protocol} {self.config.otlp_metrics_url}")
         sinks.extend(factory() for factory in self._extra_exporters)
         if sinks:
             self.fan_out = FanOutExporter(sinks)
-            reader = PeriodicExportingMetricReader(self.fan_out, export_interval_millis=interval_ms)
+            reader = PeriodicExportingMetricReader(self.fan_out, export_interval_millis=interval_ms,
+                                                   export_timeout_millis=timeout_ms)
             if rendering is not None:
                 rendering.collect_now = reader.collect
             readers.append(reader)
@@ -241,7 +244,9 @@ def instrument(meter_provider: ApiMeterProvider | None = None, config: ForgeConf
     """Register the collectors on ``meter_provider`` (default: the global one).
 
     ``settings`` are ``ForgeConfig`` fields (e.g. ``collectors=["cpu", "nvidia"]``). The
-    provider's readers and resource are the application's; only the instruments are ours.
+    provider's readers and resource are the application's; only the instruments are ours. After
+    ``unregister()`` the same provider can be instrumented again; while a registration is active, a
+    second one raises ``RuntimeError`` (the provider would hand back the first one's instruments).
     """
     from opentelemetry import metrics
 
@@ -250,6 +255,10 @@ def instrument(meter_provider: ApiMeterProvider | None = None, config: ForgeConf
         config = config.replace(**settings)
     provider = meter_provider or metrics.get_meter_provider()
     collectors = open_collectors(config)
-    instruments = InstrumentSet(provider.get_meter(INSTRUMENTATION_SCOPE), collectors.present,
-                                config.snapshot_max_age_s)
+    try:
+        instruments = InstrumentSet(provider.get_meter(INSTRUMENTATION_SCOPE), collectors.present,
+                                    config.snapshot_max_age_s)
+    except BaseException:
+        collectors.close()
+        raise
     return Instrumentation(collectors, instruments)

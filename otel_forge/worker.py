@@ -84,7 +84,7 @@ class DeliveryWorker(Generic[T]):
         self.name = name
         # due(item): the wall-clock time before which the item is not sent (until close hurries it).
         self._due = due
-        self._hurry = threading.Event()  # set at close: nothing waits for its due time any more
+        self._hurry = threading.Event()  # set at close and during a flush: nothing waits for its due time
         self._wake = threading.Event()  # set at close (and by abandon): a backoff pause ends at once
         self.stats = DeliveryStats()
         self._deliver = deliver
@@ -151,6 +151,17 @@ class DeliveryWorker(Generic[T]):
                                self.name, self.stats.dropped)
         return False
 
+    def flush(self, timeout_s: float) -> bool:
+        """Deliver what is pending now, not at its due time; True once all of it is delivered,
+        False if ``timeout_s`` passes first (or delivery has stopped). Delivery goes on either way."""
+        self._hurry.set()
+        try:
+            with self._cond:
+                return self._cond.wait_for(lambda: self._stopped or not self.pending(), timeout_s) and not self._stopped
+        finally:
+            if not self._closing:
+                self._hurry.clear()
+
     def close(self, drain_deadline_s: float = 10.0) -> int:
         """Deliver what is pending for up to ``drain_deadline_s``; what is left goes to the overflow.
 
@@ -203,6 +214,7 @@ class DeliveryWorker(Generic[T]):
                 self._queue.popleft()
             elif self._overflow is not None:
                 self._overflow.pop()
+            self._cond.notify_all()  # flush() waits for the queue to empty
 
     def _deliver_until_done(self, item: T) -> None:
         if self._due is not None and (wait_s := self._due(item) - time.time()) > 0:
@@ -244,6 +256,7 @@ class DeliveryWorker(Generic[T]):
             self._stopped = True
             self.stats.dropped += len(self._queue)
             self._queue.clear()
+            self._cond.notify_all()
 
     def _call(self, item: T) -> BaseException | None:
         """Run ``deliver(item)`` on a call thread; wait at most the call deadline.

@@ -217,3 +217,12 @@ def test_a_scraper_keeps_its_connection_and_shutdown_closes_it():
         served = False
     assert not served
     connection.close()
+
+
+def test_the_agents_reader_follows_otel_metric_export_interval():
+    config = ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": "200"}, prometheus=False,
+                                 collectors="memory")
+    exporter = CountingExporter()
+    with Agent(config, extra_exporters=[lambda: exporter]):
+        time.sleep(1.5)
+    assert exporter.exports >= 4  # every 0.2 s, not the 10 s default (the last is the shutdown's collect)

@@ -34,6 +34,36 @@ def test_instrument_registers_on_the_apps_provider_and_unregisters():
     provider.shutdown()
 
 
+def test_instrument_again_after_unregister_on_the_same_provider_exports_again():
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    first = otel_forge.instrument(provider, collectors=["memory"])
+    assert "system.memory.usage" in names_and_resource(reader)[0]
+    first.unregister()
+    assert names_and_resource(reader)[0] == set()
+    second = otel_forge.instrument(provider, collectors=["memory"])  # the SDK hands back the same instruments
+    assert {"system.memory.usage", "otel_forge.collector.reads"} <= names_and_resource(reader)[0]
+    first.unregister()  # the old handle no longer silences the new registration
+    assert "system.memory.usage" in names_and_resource(reader)[0]
+    second.unregister()
+    assert names_and_resource(reader)[0] == set()
+    provider.shutdown()
+
+
+def test_instrument_twice_on_one_provider_is_a_clear_error():
+    provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    handle = otel_forge.instrument(provider, collectors=["memory"])
+    try:
+        otel_forge.instrument(provider, collectors=["memory"])
+        raised = None
+    except RuntimeError as error:
+        raised = str(error)
+    assert raised is not None and "already registered on this MeterProvider" in raised and "unregister()" in raised
+    handle.unregister()
+    otel_forge.instrument(provider, collectors=["memory"]).unregister()  # and once unregistered, it works
+    provider.shutdown()
+
+
 def test_import_is_cheap():
     """`import otel_forge` pulls neither mlflow, the exporters, nor NVML."""
     import subprocess

@@ -15,7 +15,7 @@ def test_doctor_json_reports_collectors_config_sources_and_endpoints(capsys, mon
     assert report["collectors"]["cpu"]["present"] is True
     assert report["collectors"]["nvidia"] == {"present": False, "reason": "not in the collectors setting"}
     assert report["config"]["sampling_interval_s"] == {
-        "value": 3.0, "source": "env MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"}
+        "value": 3.0, "source": "env MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "not_used": []}
     assert report["config"]["collectors"]["source"] == "--collectors"
     assert report["endpoints"]["otlp"].startswith("disabled")
     assert report["endpoints"]["prometheus"].startswith("free")
@@ -118,3 +118,25 @@ def test_repeated_sdk_errors_are_let_through_once_a_minute():
     assert not repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
     assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", "another message"))
     assert repeat.filter(record("otel_forge.worker", failed)) and repeat.filter(record("otel_forge.worker", failed))
+
+
+def test_doctor_says_which_variable_won_and_which_was_not_used(capsys, monkeypatch):
+    monkeypatch.setenv("OTEL_FORGE_SAMPLING_INTERVAL", "2")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "5000")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_TIMEOUT", "4000")
+    assert main(["doctor", "--collectors", "cpu", "--no-prometheus"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert "(env OTEL_FORGE_SAMPLING_INTERVAL; set but not used: OTEL_METRIC_EXPORT_INTERVAL)" in \
+        lines["sampling_interval_s"]
+    assert "4.0" in lines["export_timeout_s"] and "(env OTEL_METRIC_EXPORT_TIMEOUT)" in lines["export_timeout_s"]
+
+
+def test_doctor_checks_a_scheme_less_grpc_endpoint_by_its_host_and_port(capsys):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        assert main(["doctor", "--collectors", "cpu", "--no-prometheus", "--otlp-protocol", "grpc",
+                     "--otlp-endpoint", f"127.0.0.1:{port}"]) == 0
+    otlp = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("otlp "))
+    assert f"grpc 127.0.0.1:{port}: answers" in otlp, otlp

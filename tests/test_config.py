@@ -203,3 +203,20 @@ def test_replace_validates_and_records_the_source():
 def test_unknown_setting_is_a_type_error():
     with pytest.raises(TypeError, match="bogus"):
         ForgeConfig.resolve(environ={}, bogus=1)
+
+
+def test_the_otel_sdks_export_variables_are_honoured_in_milliseconds_below_ours():
+    config = ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": "5000", "OTEL_METRIC_EXPORT_TIMEOUT": "2500"})
+    assert (config.sampling_interval_s, config.export_timeout_s) == (5.0, 2.5)
+    assert config.sources["sampling_interval_s"] == "env OTEL_METRIC_EXPORT_INTERVAL"
+    ours = ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": "5000", "OTEL_FORGE_SAMPLING_INTERVAL": "2",
+                                        "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "3"})
+    assert ours.sampling_interval_s == 2.0 and ours.sources["sampling_interval_s"] == "env OTEL_FORGE_SAMPLING_INTERVAL"
+    assert ForgeConfig.defaults().export_timeout_s == 30.0  # the SDK's default, 30000 ms
+
+
+@pytest.mark.parametrize(("raw", "words"), [("abc", "'abc' milliseconds"), ("1", "from '1' milliseconds")])
+def test_a_bad_otel_export_interval_says_it_was_read_as_milliseconds(raw, words):
+    with pytest.raises(ConfigError) as raised:
+        ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": raw})
+    assert "sampling_interval_s (from env OTEL_METRIC_EXPORT_INTERVAL)" in str(raised.value) and words in str(raised.value)

@@ -15,7 +15,7 @@ from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.collectors import open_collectors
-from otel_forge.config import SETTINGS, ForgeConfig
+from otel_forge.config import SETTINGS, ForgeConfig, Setting
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials
 
@@ -56,7 +56,8 @@ def _prometheus_check(config: ForgeConfig) -> str:
 def _otlp_check(config: ForgeConfig) -> str:
     if not config.otlp_endpoint:
         return "disabled (no OTLP endpoint set)"
-    parsed = urllib.parse.urlsplit(config.otlp_endpoint)
+    url = config.otlp_metrics_url or ""
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"//{url}")  # gRPC's scheme-less host:port
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     return f"{config.otlp_protocol} {config.otlp_metrics_url}: {_tcp_check(parsed.hostname or '', port)}"
 
@@ -107,7 +108,8 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
     for name in ("cpu", "memory", "disk", "network", "process", "nvidia", "amd"):
         collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
     node = NodeIdentity.from_config(config)
-    settings = {s.name: {"value": _plain(getattr(config, s.name)), "source": config.sources.get(s.name, "default")}
+    settings = {s.name: {"value": _plain(getattr(config, s.name)), "source": config.sources.get(s.name, "default"),
+                         "not_used": _not_used(s, config.sources.get(s.name))}
                 for s in SETTINGS}
     if config.samples_per_window is None:
         settings["samples_per_window"] = {"value": config.mlflow_samples_per_window(node.node_count),
@@ -120,6 +122,12 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
                       "mlflow": _tracking_check(config)},
         "spools": _spools(config),
     }
+
+
+def _not_used(setting: Setting, source: str | None) -> list[str]:
+    """The setting's variables that are set but lost to the source that won (e.g.
+    ``OTEL_METRIC_EXPORT_INTERVAL`` under ``OTEL_FORGE_SAMPLING_INTERVAL``)."""
+    return [name for name in setting.env_set(os.environ) if source != f"env {name}"]
 
 
 def _plain(value: Any) -> Any:
@@ -145,7 +153,8 @@ def _print_text(report: dict[str, Any]) -> None:
     print(f"job: key={node['job_key']} ({node['job_key_source']})")
     print("config:")
     for name, entry in report["config"].items():
-        print(f"  {name:<22} {entry['value']!s:<30} ({entry['source']})")
+        lost = f"; set but not used: {', '.join(entry['not_used'])}" if entry.get("not_used") else ""
+        print(f"  {name:<22} {entry['value']!s:<30} ({entry['source']}{lost})")
     print("endpoints:")
     for name, status in report["endpoints"].items():
         print(f"  {name:<10} {status}")

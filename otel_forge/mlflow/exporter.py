@@ -114,7 +114,14 @@ class MLflowMetricExporter(NonBlockingExporter):
             self.worker.submit(self._changed.keep(window))
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return True
+        """Close the open window (however few samples it has) and wait, at most ``timeout_millis``,
+        until every window is delivered: True then, False on timeout or with no run to deliver to."""
+        if self._shut_down or self.standing_down:
+            return not self._shut_down
+        self._submit(self._folder.flush())
+        if self.run_id is None:
+            return False  # windows wait in the spool for the run to open
+        return self.worker.flush(timeout_millis / 1000)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
         """Close the open window, deliver what is pending under the drain deadline, spool the rest."""

@@ -33,7 +33,7 @@ from otel_forge.node import NODE_ID_ATTRIBUTE
 COLLECTORS = ("cpu", "memory", "disk", "network", "process")
 # Rows of the table that a machine may legitimately not report: per-CPU utilization is off by
 # default; a machine without swap has no paging utilization (a fraction of nothing).
-CONDITIONAL = {"otel_forge.cpu.logical.utilization", "system.paging.utilization"}
+CONDITIONAL = {"system.paging.utilization"}
 DELIVERY_TIMEOUT_S = 10.0
 RECEIVER_THREAD = "otlp-receiver"
 
