@@ -592,10 +592,11 @@ class TrainingRun:
         def left(reserve_s: float = 0.0) -> float:
             return max(0.0, deadline - time.monotonic() - reserve_s)
 
-        stopping = _in_background(self._system_monitor.stop) if self._system_monitor is not None else None
         if self._opening is not None:
-            # A run still opening queues its metadata when it opens: let it, within the budget.
+            # A run still opening queues its metadata and takes the system-metric windows sampled
+            # so far when it opens: let it, within the budget, before the monitor stops.
             concurrent.futures.wait([self._opening], timeout=left(_END_RESERVE_S))
+        stopping = _in_background(self._system_monitor.stop) if self._system_monitor is not None else None
         self._stopping.set()
         self._record_rejected()
         if self._worker is not None:

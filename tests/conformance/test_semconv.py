@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+import time
 from enum import Enum
 from types import ModuleType
 
@@ -98,6 +99,7 @@ def collected_points() -> list[tuple[str, dict[str, object]]]:
         handle = instrument(provider, ForgeConfig.resolve(environ={}), per_cpu=True,
                             collectors=["cpu", "memory", "disk", "network", "process", "nvidia", "amd"])
         try:
+            time.sleep(0.1)  # the CPU collector reports time deltas: let a few clock ticks (10 ms) elapse
             reader.collect()
             data = reader.get_metrics_data()
         finally:

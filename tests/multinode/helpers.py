@@ -17,6 +17,8 @@ from run_reading import anchor_history
 from otel_forge.node import host_node_id
 
 LAUNCH_TOML = "[optim]\nlr = 0.1\n"
+PARENT_TAG = "mlflow.parentRunId"
+JOB_KEY_TAG = "otel_forge.job.key"
 
 
 def git(repo: Path, *args: str) -> str:
@@ -66,12 +68,27 @@ def run_job(launcher: str, argv: Callable[[Task], Sequence[str]], tmp: Path, tra
     job.start(argv, lambda task: task_environ(tracking_uri, experiment, tmp), cwd)
     return JobResult(job, job.wait(), experiment, cwd)
 
+
 def the_run(client: Any, experiment: str) -> Any:
+    """The job's one run: the experiment's one top-level run (the runs CMD starts with MLflow's API
+    are its children)."""
     found = client.get_experiment_by_name(experiment)
     assert found is not None, f"no experiment {experiment}"
     runs = client.search_runs([found.experiment_id])
-    assert len(runs) == 1, f"{len(runs)} runs: {[(r.info.run_id, r.data.tags.get('otel_forge.job.key')) for r in runs]}"
-    return runs[0]
+    top = [r for r in runs if PARENT_TAG not in r.data.tags]
+    assert len(top) == 1, f"{len(top)} top-level runs: {[(r.info.run_id, r.data.tags.get(JOB_KEY_TAG)) for r in top]}"
+    strays = [r.info.run_id for r in runs if r.data.tags.get(PARENT_TAG, top[0].info.run_id) != top[0].info.run_id]
+    assert strays == [], f"runs nested elsewhere: {strays}"
+    return top[0]
+
+
+def loss_steps(client: Any, run: Any) -> list[int]:
+    """Rank 0's training-loss steps: in the run (TrainingRun) or in its one child (MLflow's API under
+    ``otel-forge run``)."""
+    children = client.search_runs([run.info.experiment_id], f"tags.`{PARENT_TAG}` = '{run.info.run_id}'")
+    holders = [r for r in (run, *children) if "loss" in r.data.metrics]
+    assert len(holders) == 1, [r.info.run_id for r in holders]
+    return sorted(m.step for m in client.get_metric_history(holders[0].info.run_id, "loss"))
 
 
 def node_history(client: Any, run_id: str, node: str) -> list[Any]:

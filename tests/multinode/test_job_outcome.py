@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
-from helpers import contiguous, node_history, node_steps, run_job, task_environ, the_run, unique
+from helpers import contiguous, loss_steps, node_history, node_steps, run_job, task_environ, the_run, unique
 from hermetic import hermetic_environ
 from jobsim import FORGE, TASK, Job, Task, slurm_environ
 from servers import wait_for
@@ -77,7 +77,7 @@ def test_a_requeued_job_continues_its_run(mlflow_server, client, job_repo, tmp_p
     for node, steps in before.items():
         after = node_steps(client, run.info.run_id, node)
         assert contiguous(after) and len(after) > len(steps) >= 2, (node, steps, after)
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(20))
+    assert loss_steps(client, run) == list(range(20))
 
 
 def test_cmd_leftovers_cannot_rewrite_the_final_status(mlflow_server, client, tmp_path) -> None:

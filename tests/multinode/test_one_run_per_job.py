@@ -9,7 +9,7 @@ and git state in it. The job is real processes against the session's real ``mlfl
 from __future__ import annotations
 
 import pytest
-from helpers import JobResult, contiguous, git, node_steps, run_job, the_run
+from helpers import JobResult, contiguous, git, loss_steps, node_steps, run_job, the_run
 from jobsim import FORGE, TASK
 
 PATTERNS = {
@@ -55,4 +55,4 @@ def test_the_run_has_the_jobs_params_git_state_and_key(job_result: JobResult, cl
     # The launch file (otel-forge run) or TrainingRun's config, recorded once by rank 0.
     assert params.get("optim.lr") == "0.1" or params.get("lr") == "0.1", params
     # Training metrics from rank 0 only (MLflow's API or TrainingRun.log).
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(10))
+    assert loss_steps(client, run) == list(range(10))

@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import signal
 import textwrap
+import time
 
 import pytest
-from proxy import MlflowProxy
+from proxy import MlflowProxy, Mode
+from run_reading import anchor_steps
 from servers import wait_for
 from trun_helpers import popen_script, run_script
 
-from otel_forge.config import ConfigError
+from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.training_run import TrainingRun
 
 LAZY_SCRIPT = """
@@ -85,6 +87,22 @@ def test_entering_opens_the_run_without_a_log(mlflow_server, client, experiment)
         wait_for(lambda: run.run_id is not None, 30, 0.05)
     found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert [(r.info.run_id, r.info.status, r.data.params) for r in found] == [(run.run_id, "FINISHED", {"lr": "0.1"})]
+
+
+def test_a_loop_that_ends_before_its_run_opens_keeps_the_nodes_windows(mlflow_server, client, experiment):
+    # A slow server (every call 0.5 s): the run opens after the loop ended. The windows sampled
+    # meanwhile wait for it, and close() lets it open before stopping the sampling.
+    config = ForgeConfig.resolve(environ={}, sampling_interval_s=0.1, samples_per_window=1, collectors=["cpu"],
+                                 prometheus=False, spool_dir=None)
+    with MlflowProxy(mlflow_server.uri) as proxy:
+        proxy.set_mode(Mode.DELAY, delay_s=0.5)
+        with TrainingRun({"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, launch_argv=["train.py"],
+                         forge_config=config) as run:
+            time.sleep(0.5)  # the loop: shorter than the first call to the server
+            assert run.run_id is None
+    steps = anchor_steps(client, run.run_id)
+    assert len(steps) >= 5 and steps == list(range(len(steps))), steps
+    assert client.get_run(run.run_id).info.status == "FINISHED"
 
 
 def test_databricks_relative_experiment_is_a_config_error(monkeypatch):
