@@ -86,7 +86,7 @@ from _common import REPO_ROOT, wait_until
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
 from otel_forge.config import ForgeConfig
-from otel_forge.fanout import NonBlockingExporter
+from otel_forge.pipeline.fanout import NonBlockingExporter
 from otel_forge.pipeline import Agent
 
 COLLECTORS = "cpu,memory,disk,network,process"

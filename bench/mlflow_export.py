@@ -69,6 +69,7 @@ from typing import Any
 import psutil
 from _common import percentile, test_helper, wait_until
 
+from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.client import MLFLOW_DEFAULTS
 
 OURS_COLLECTORS = ("cpu", "memory", "disk", "network")
@@ -107,19 +108,18 @@ class Timings:
 
 class Ours:
     def __init__(self, run_id: str, uri: str, spool_dir: Path, interval_s: float) -> None:
-        import otel_forge
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-        from otel_forge.mlflow.exporter import MLflowMetricExporter
+        import otel_forge
+        from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
 
         self.reader = InMemoryMetricReader()
         self.provider = MeterProvider(metric_readers=[self.reader])
         # The snapshot cache follows the sampling interval, as in the agent (max_age = 0.9 x interval).
         self.instrumentation = otel_forge.instrument(self.provider, collectors=list(OURS_COLLECTORS),
                                                      sampling_interval_s=interval_s)
-        self.exporter = MLflowMetricExporter(run_id, tracking_uri=uri, node_id="ours", samples_per_window=1,
-                                             spool_dir=spool_dir)
+        self.exporter = MLflowMetricExporter(run_id, tracking_uri=uri, node_id="ours", samples_per_window=1, config=ForgeConfig.resolve(environ={}, spool_dir=str(spool_dir)))
         self.prefix = "system/ours/"
         self.windows = 0
 

@@ -159,7 +159,7 @@ def make_ours(readers: int, clock: FakeClock, closers: list[Callable[[], None]])
     caches = instrumentation.instruments.caches
     for cache in caches.values():
         if not hasattr(cache, "_clock"):
-            raise SystemExit("otel_forge.sampling.CachedCollector has no _clock any more: update the bench")
+            raise SystemExit("otel_forge.pipeline.sampling.CachedCollector has no _clock any more: update the bench")
         cache._clock = clock  # noqa: SLF001 - the constructor's clock seam, set after instrument() built it
     collects = [reader.get_metrics_data for reader in reader_list]
 

@@ -17,10 +17,15 @@ def __getattr__(name: str) -> object:
         import otel_forge.mlflow
 
         return getattr(otel_forge.mlflow, name)
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("otel-forge")
     raise AttributeError(f"module 'otel_forge' has no attribute {name!r}")
 
 
 __all__ = [
+    "__version__",
     "MLflowMetricExporter",
     "SystemMetricsMonitor",
     "TrainingRun",

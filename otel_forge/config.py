@@ -10,6 +10,7 @@ where each value came from, so an error (and ``otel-forge doctor``) can say so.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import ipaddress
 import math
 import os
@@ -18,7 +19,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, final
+from typing import Any
 
 COLLECTOR_NAMES = ("cpu", "memory", "disk", "network", "process", "nvidia", "amd")
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
@@ -370,6 +371,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("experiment_id", ("MLFLOW_EXPERIMENT_ID",), _optional_text, None,
             "The run's experiment: with `run_id`, an agent never reads the run (nodes of a large run start "
             "cheap); without it, a standalone agent reads the run once."),
+    Setting("experiment_name", ("MLFLOW_EXPERIMENT_NAME",), _optional_text, None,
+            "Experiment of the run `TrainingRun` and `otel-forge run` open or find (default: `experiment_id`, "
+            "else `otel-forge`)."),
     Setting("tracking_uri", ("MLFLOW_TRACKING_URI",), _tracking_uri, None,
             "MLflow tracking URI (default: MLflow's own default, a local store in the working directory)."),
     Setting("mlflow_stats", ("OTEL_FORGE_MLFLOW_STATS",), _stats, ("mean",),
@@ -397,26 +401,60 @@ SAMPLES_PER_WINDOW_BY_NODE_COUNT: tuple[tuple[float, int], ...] = ((32, 1), (256
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 
-# The source recorded for a value that was not read from the environment.
-ARGUMENT = "argument"
-DEFAULT = "default"
 
 
-@final
-class EnvSource(str):
-    """The source of a value read from the environment: reads ``env NAME`` in messages and
-    ``doctor``, and keeps ``name``, so code that depends on the variable (the OTLP endpoint's
-    meaning) need not parse the text."""
+def env_name(setting: str) -> str:
+    """The variable that sets ``setting`` first: what a parent process hands its child."""
+    return SETTINGS_BY_NAME[setting].env[0]
 
-    name: str
 
-    def __new__(cls, name: str) -> EnvSource:
-        source = super().__new__(cls, f"env {name}")
-        source.name = name
-        return source
+# What `otel-forge run` hands its command besides settings: the run it opened in this attempt of
+# the job, or the one it was asked to resume (LAUNCHER_OPENS, with a job key, while the server has
+# not answered yet): the command's TrainingRun logs into it, the runs MLflow's own API starts nest
+# under it (mlflow/training/run_context.py).
+LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
+LAUNCHER_OPENS = "pending"
+# That run again if the launcher described it just now (the command's TrainingRun adds its config).
+DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
+# The node the launcher samples already (NodeIdentity.sampling_key): the command's TrainingRun does not.
+SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
 
-    def __getnewargs__(self) -> tuple[str]:  # type: ignore[override] - pickles from the name, not the text
-        return (self.name,)
+
+def launched_run_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The run ``otel-forge run`` opened for this process; None outside one or while it is still opening."""
+    run_id = (os.environ if environ is None else environ).get(LAUNCHED_RUN_ENV, "").strip()
+    return run_id if run_id and run_id != LAUNCHER_OPENS else None
+
+
+class Origin(enum.Enum):
+    """Where a setting's value came from."""
+
+    DEFAULT = "default"
+    ENV = "env"
+    ARGUMENT = "argument"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A value's provenance: its ``origin`` and, for the environment, the variable's ``name``; for
+    an argument, what the user typed for it (a CLI flag) if known. ``str()`` is how messages and
+    ``doctor`` say it: ``default``, ``env NAME``, ``--flag`` or ``argument``."""
+
+    origin: Origin
+    name: str = ""
+
+    @property
+    def is_default(self) -> bool:
+        return self.origin is Origin.DEFAULT
+
+    def __str__(self) -> str:
+        if self.origin is Origin.ENV:
+            return f"env {self.name}"
+        return self.name or self.origin.value
+
+
+DEFAULT_SOURCE = Source(Origin.DEFAULT)
+ARGUMENT_SOURCE = Source(Origin.ARGUMENT)
 
 
 @dataclass(frozen=True)
@@ -443,6 +481,7 @@ class ForgeConfig:
     otlp_protocol: str
     run_id: str | None
     experiment_id: str | None
+    experiment_name: str | None
     tracking_uri: str | None
     mlflow_stats: tuple[str, ...]
     secret_keys: tuple[str, ...]
@@ -452,7 +491,7 @@ class ForgeConfig:
     call_deadline_s: float
     start_wait_s: float
     drain_deadline_s: float
-    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, argument_names: Mapping[str, str] | None = None,
@@ -468,11 +507,16 @@ class ForgeConfig:
         if unknown:
             raise TypeError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
+        sources: dict[str, Source] = {}
         for setting in SETTINGS:
-            values[setting.name], sources[setting.name] = _resolve_one(
-                setting, explicit.get(setting.name), environ, argument_names.get(setting.name, ARGUMENT))
+            argument = Source(Origin.ARGUMENT, argument_names.get(setting.name, ""))
+            values[setting.name], sources[setting.name] = _resolve_one(setting, explicit.get(setting.name), environ,
+                                                                       argument)
         return cls(**values, sources=sources)
+
+    def source(self, name: str) -> Source:
+        """Where setting ``name``'s value came from."""
+        return self.sources.get(name, DEFAULT_SOURCE)
 
     def mlflow_samples_per_window(self, node_count: int | None) -> int:
         """Samples per MLflow window: the setting, else a window that grows with the job, so that one
@@ -499,13 +543,13 @@ class ForgeConfig:
             return None
         if self.otlp_protocol == "grpc":
             return _grpc_target(self.otlp_endpoint)
-        source = self.sources.get("otlp_endpoint")
-        return _http_metrics_url(self.otlp_endpoint, source.name if isinstance(source, EnvSource) else None)
+        source = self.source("otlp_endpoint")
+        return _http_metrics_url(self.otlp_endpoint, source.name if source.origin is Origin.ENV else None)
 
     def __post_init__(self) -> None:
         # Only here are endpoint and protocol known together: host:port alone is gRPC's form.
         if self.otlp_endpoint and self.otlp_protocol != "grpc" and _HOST_PORT.fullmatch(self.otlp_endpoint):
-            raise ConfigError(f"invalid otlp_endpoint (from {self.sources.get('otlp_endpoint', ARGUMENT)}): must be "
+            raise ConfigError(f"invalid otlp_endpoint (from {self.source('otlp_endpoint')}): must be "
                               f"an http:// or https:// URL with otlp_protocol {self.otlp_protocol} (host:port alone "
                               f"is for grpc), got {self.otlp_endpoint!r}")
 
@@ -528,7 +572,7 @@ def _is_set(env_name: str, environ: Mapping[str, str]) -> bool:
 
 
 def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str],
-                 argument_source: str = ARGUMENT) -> tuple[Any, str]:
+                 argument_source: Source = ARGUMENT_SOURCE) -> tuple[Any, Source]:
     env_name = None
     if explicit is not None:
         source = argument_source
@@ -536,8 +580,8 @@ def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str],
     else:
         env_name = next(iter(setting.env_set(environ)), None)
         if env_name is None:
-            return setting.default, DEFAULT
-        source = EnvSource(env_name)
+            return setting.default, DEFAULT_SOURCE
+        source = Source(Origin.ENV, env_name)
         raw = environ[env_name]
     try:
         return (setting.parser(env_name)(raw) if env_name else _parse(setting, raw)), source

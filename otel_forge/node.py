@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from otel_forge.config import ARGUMENT_SOURCE, Source
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
 
@@ -104,7 +106,7 @@ class NodeIdentity:
 
     @classmethod
     def detect(cls, explicit_node_id: str | None = None, environ: Mapping[str, str] | None = None, *,
-               explicit_job_id: str | None = None, sources: Mapping[str, str] | None = None,
+               explicit_job_id: str | None = None, sources: Mapping[str, Source] | None = None,
                host_named: bool = False) -> NodeIdentity:
         """Read the launcher's variables; explicit ids (already resolved from config) win.
 
@@ -120,12 +122,12 @@ class NodeIdentity:
         node_id: str | None
         key: str | None
         if explicit_node_id is not None:
-            node_id, node_id_source = explicit_node_id, sources.get("node_id", "argument")
+            node_id, node_id_source = explicit_node_id, str(sources.get("node_id", ARGUMENT_SOURCE))
         else:
             node_id, node_id_source = _derived_node_id(environ, node_rank, node_count, world_size, hostname,
                                                        host_named)
         if explicit_job_id is not None:
-            key, key_source = explicit_job_id, sources.get("job_id", "argument")
+            key, key_source = explicit_job_id, str(sources.get("job_id", ARGUMENT_SOURCE))
         else:
             key, key_source = job_key(environ)
         return cls(node_id=node_id, rank=_first_int(environ, _RANK_VARS),
@@ -179,7 +181,7 @@ def build_resource(config: ForgeConfig, node: NodeIdentity) -> Resource:
     if node.node_id is not None:
         attributes[NODE_ID_ATTRIBUTE] = node.node_id
     attributes.update(config.resource_attributes)
-    if config.sources.get("service_name", "default") != "default":
+    if not config.source("service_name").is_default:
         # The spec: OTEL_SERVICE_NAME wins over a service.name in OTEL_RESOURCE_ATTRIBUTES.
         attributes["service.name"] = config.service_name
     # Resource.create adds the SDK's telemetry.sdk.* attributes.

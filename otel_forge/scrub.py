@@ -41,6 +41,12 @@ def scrub(text: str) -> str:
     return "".join(_scrub_slice(piece) for piece in _slices(text))
 
 
+
+def error_line(error: BaseException) -> str:
+    """An error as one line for a log or the terminal: its first line, credentials scrubbed."""
+    return scrub((str(error) or type(error).__name__).splitlines()[0])
+
+
 def _scrub_slice(text: str) -> str:
     text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
     return _SECRETS.sub(lambda m: f"{m.group('name')}{m.group('sep')}{REDACTED}", text)

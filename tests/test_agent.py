@@ -163,7 +163,7 @@ def _rendering_of(attributes: dict[str, str]):
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from otel_forge.prometheus_endpoint import PrometheusRendering
+    from otel_forge.pipeline.prometheus_endpoint import PrometheusRendering
 
     reader = InMemoryMetricReader()
     meter = MeterProvider(metric_readers=[reader]).get_meter("otel_forge")

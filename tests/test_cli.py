@@ -76,8 +76,8 @@ def test_unknown_command_is_a_usage_error(capsys):
 
 def test_doctor_shows_pending_spools_with_their_delivery_counts(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path))
-    from otel_forge.mlflow.spool import WindowSpool
-    from otel_forge.mlflow.windows import Window
+    from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+    from otel_forge.mlflow.system_metrics.windows import Window
 
     spool = WindowSpool(tmp_path / "run1-node_0-1", max_bytes=1 << 20, header={"run_id": "run1", "node_id": "node_0"})
     assert spool.append(Window(0, 1000, (("system/node_0/cpu_utilization_percentage", 12.5),)))
@@ -90,8 +90,8 @@ def test_doctor_shows_pending_spools_with_their_delivery_counts(tmp_path, capsys
 
 
 def test_doctor_json_lists_the_spool(tmp_path, capsys, monkeypatch):
-    from otel_forge.mlflow.spool import WindowSpool
-    from otel_forge.mlflow.windows import Window
+    from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+    from otel_forge.mlflow.system_metrics.windows import Window
 
     monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path))
     spool = WindowSpool(tmp_path / "r-n-1", max_bytes=1 << 20, header={"run_id": "r", "node_id": None})
@@ -117,7 +117,7 @@ def test_repeated_sdk_errors_are_let_through_once_a_minute():
     assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
     assert not repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
     assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", "another message"))
-    assert repeat.filter(record("otel_forge.worker", failed)) and repeat.filter(record("otel_forge.worker", failed))
+    assert repeat.filter(record("otel_forge.mlflow.worker", failed)) and repeat.filter(record("otel_forge.mlflow.worker", failed))
 
 
 def test_doctor_says_which_variable_won_and_which_was_not_used(capsys, monkeypatch):

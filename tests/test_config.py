@@ -2,7 +2,7 @@ import pickle
 
 import pytest
 
-from otel_forge.config import SETTINGS, ConfigError, EnvSource, ForgeConfig
+from otel_forge.config import SETTINGS, ConfigError, ForgeConfig, Origin, Source
 
 
 def test_defaults_when_nothing_is_set():
@@ -12,7 +12,7 @@ def test_defaults_when_nothing_is_set():
     assert config.prometheus_host == "localhost" and config.prometheus_port == 9464
     assert config.otlp_endpoint is None and config.otlp_protocol == "http/protobuf"
     assert config.service_name == "otel-forge"
-    assert set(config.sources.values()) == {"default"}
+    assert {str(source) for source in config.sources.values()} == {"default"}
 
 
 @pytest.mark.parametrize("nodes, samples", [(None, 1), (1, 1), (32, 1), (33, 3), (256, 3), (257, 6), (2048, 6)])
@@ -25,9 +25,9 @@ def test_the_mlflow_window_grows_with_the_job_unless_set(nodes, samples):
 def test_explicit_beats_env_beats_default():
     environ = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "5", "OTEL_EXPORTER_PROMETHEUS_PORT": "9100"}
     config = ForgeConfig.resolve(environ=environ, sampling_interval_s=2)
-    assert config.sampling_interval_s == 2.0 and config.sources["sampling_interval_s"] == "argument"
+    assert config.sampling_interval_s == 2.0 and str(config.sources["sampling_interval_s"]) == "argument"
     assert config.prometheus_port == 9100
-    assert config.sources["prometheus_port"] == "env OTEL_EXPORTER_PROMETHEUS_PORT"
+    assert str(config.sources["prometheus_port"]) == "env OTEL_EXPORTER_PROMETHEUS_PORT"
 
 
 def test_our_env_var_beats_mlflow_one():
@@ -93,8 +93,8 @@ def test_an_empty_spec_variable_means_unset():
                                          "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
                                          "OTEL_EXPORTER_PROMETHEUS_HOST": " ", "MLFLOW_TRACKING_URI": ""})
     assert config.otlp_endpoint == "http://127.0.0.1:4318"
-    assert config.sources["otlp_endpoint"] == "env OTEL_EXPORTER_OTLP_ENDPOINT"
-    assert (config.prometheus_host, config.sources["prometheus_host"]) == ("localhost", "default")
+    assert str(config.sources["otlp_endpoint"]) == "env OTEL_EXPORTER_OTLP_ENDPOINT"
+    assert (config.prometheus_host, str(config.sources["prometheus_host"])) == ("localhost", "default")
     assert config.tracking_uri is None
 
 
@@ -142,7 +142,7 @@ def test_the_otlp_endpoint_variables_keep_the_spec_meaning_whatever_the_path():
 def test_the_source_of_an_env_value_keeps_the_variable_through_pickling():
     config = ForgeConfig.resolve(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
     source = pickle.loads(pickle.dumps(config)).sources["otlp_endpoint"]
-    assert source == "env OTEL_EXPORTER_OTLP_ENDPOINT" and isinstance(source, EnvSource)
+    assert source == Source(Origin.ENV, "OTEL_EXPORTER_OTLP_ENDPOINT") and str(source) == "env OTEL_EXPORTER_OTLP_ENDPOINT"
     assert source.name == "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 
@@ -194,7 +194,7 @@ def test_typed_arguments_are_validated_like_text():
 
 def test_replace_validates_and_records_the_source():
     config = ForgeConfig.resolve(environ={}).replace(sampling_interval_s=0.5)
-    assert config.sampling_interval_s == 0.5 and config.sources["sampling_interval_s"] == "argument"
+    assert config.sampling_interval_s == 0.5 and str(config.sources["sampling_interval_s"]) == "argument"
     assert config.snapshot_max_age_s == pytest.approx(0.45)
     with pytest.raises(ConfigError):
         config.replace(sampling_interval_s=0)
@@ -208,10 +208,10 @@ def test_unknown_setting_is_a_type_error():
 def test_the_otel_sdks_export_variables_are_honoured_in_milliseconds_below_ours():
     config = ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": "5000", "OTEL_METRIC_EXPORT_TIMEOUT": "2500"})
     assert (config.sampling_interval_s, config.export_timeout_s) == (5.0, 2.5)
-    assert config.sources["sampling_interval_s"] == "env OTEL_METRIC_EXPORT_INTERVAL"
+    assert str(config.sources["sampling_interval_s"]) == "env OTEL_METRIC_EXPORT_INTERVAL"
     ours = ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": "5000", "OTEL_FORGE_SAMPLING_INTERVAL": "2",
                                         "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "3"})
-    assert ours.sampling_interval_s == 2.0 and ours.sources["sampling_interval_s"] == "env OTEL_FORGE_SAMPLING_INTERVAL"
+    assert ours.sampling_interval_s == 2.0 and str(ours.sources["sampling_interval_s"]) == "env OTEL_FORGE_SAMPLING_INTERVAL"
     assert ForgeConfig.defaults().export_timeout_s == 30.0  # the SDK's default, 30000 ms
 
 

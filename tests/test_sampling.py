@@ -6,8 +6,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_forge.collectors.base import Collector, Readings
-from otel_forge.instruments import InstrumentSet
-from otel_forge.sampling import CachedCollector
+from otel_forge.pipeline.instruments import InstrumentSet
+from otel_forge.pipeline.sampling import CachedCollector
 
 
 class CountingCollector(Collector):
@@ -89,7 +89,7 @@ def test_a_failing_collector_costs_only_its_own_values_and_warns_once(caplog, mo
     from otel_forge import names
     monkeypatch.setattr(names, "METRICS", names.METRICS + (
         names.MetricSpec("x.broken", names.Kind.GAUGE, "1", "broken", (), "broken"),))
-    monkeypatch.setattr("otel_forge.instruments.METRICS", names.METRICS)
+    monkeypatch.setattr("otel_forge.pipeline.instruments.METRICS", names.METRICS)
     instruments = InstrumentSet(provider.get_meter("t"), [broken, Good()], max_age_s=0.9, clock=clock)
     with caplog.at_level(logging.WARNING):
         for interval in range(3):

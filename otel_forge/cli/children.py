@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection
 
 import psutil
 
+from otel_forge.config import env_name
 from otel_forge.node import NodeIdentity
 
 _logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Watchdog:
                    json.dumps(dataclasses.asdict(node))]
         # The tracking URI may hold credentials: in the environment, never on a command line.
         self.process = subprocess.Popen(command, pass_fds=(read_end,), start_new_session=True,
-                                        env={**environ, "MLFLOW_TRACKING_URI": tracking_uri},
+                                        env={**environ, env_name("tracking_uri"): tracking_uri},
                                         stdin=subprocess.DEVNULL)
         os.close(read_end)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.collectors import open_collectors
-from otel_forge.config import SETTINGS, ForgeConfig, Setting
+from otel_forge.config import SETTINGS, ForgeConfig, Origin, Setting, Source
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials
 
@@ -63,7 +63,7 @@ def _otlp_check(config: ForgeConfig) -> str:
 
 
 def _tracking_check(config: ForgeConfig) -> str:
-    uri = config.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default (./mlflow.db)"
+    uri = config.tracking_uri or "MLflow's default (./mlflow.db)"
     parsed = urllib.parse.urlsplit(uri)
     if parsed.scheme not in ("http", "https"):
         return f"{scrub(uri)}: local store"
@@ -78,8 +78,8 @@ def _tracking_check(config: ForgeConfig) -> str:
 def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
     """Spool directories left by a close: what is pending and how delivery went. A training run's
     spool counts its files of metric rows and says whether the run still has to be ended."""
-    from otel_forge.mlflow.spool import HEADER, STATS, default_spool_root
-    from otel_forge.mlflow.training_spool import KIND as TRAINING_SPOOL
+    from otel_forge.mlflow.spool_files import HEADER, STATS, default_spool_root
+    from otel_forge.mlflow.training.training_spool import KIND as TRAINING_SPOOL
 
     root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
     found = []
@@ -108,8 +108,8 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
     for name in ("cpu", "memory", "disk", "network", "process", "nvidia", "amd"):
         collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
     node = NodeIdentity.from_config(config)
-    settings = {s.name: {"value": _plain(getattr(config, s.name)), "source": config.sources.get(s.name, "default"),
-                         "not_used": _not_used(s, config.sources.get(s.name))}
+    settings = {s.name: {"value": _plain(getattr(config, s.name)), "source": str(config.source(s.name)),
+                         "not_used": _not_used(s, config.source(s.name))}
                 for s in SETTINGS}
     if config.samples_per_window is None:
         settings["samples_per_window"] = {"value": config.mlflow_samples_per_window(node.node_count),
@@ -124,10 +124,10 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
     }
 
 
-def _not_used(setting: Setting, source: str | None) -> list[str]:
+def _not_used(setting: Setting, source: Source) -> list[str]:
     """The setting's variables that are set but lost to the source that won (e.g.
     ``OTEL_METRIC_EXPORT_INTERVAL`` under ``OTEL_FORGE_SAMPLING_INTERVAL``)."""
-    return [name for name in setting.env_set(os.environ) if source != f"env {name}"]
+    return [name for name in setting.env_set(os.environ) if source != Source(Origin.ENV, name)]
 
 
 def _plain(value: Any) -> Any:

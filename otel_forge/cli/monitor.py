@@ -14,7 +14,7 @@ from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.pipeline import Agent
 
 if TYPE_CHECKING:
-    from otel_forge.mlflow.monitor import SystemMetricsMonitor
+    from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
 
 
 def add_parser(commands: Any) -> None:
@@ -40,7 +40,7 @@ def _agent(config: ForgeConfig) -> Agent | SystemMetricsMonitor:
     """The plain agent, or with ``--run-id`` the agent plus the MLflow exporter into that run."""
     if config.run_id is None:
         return Agent(config)
-    from otel_forge.mlflow.monitor import SystemMetricsMonitor
+    from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
 
     return SystemMetricsMonitor(config)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
-from otel_forge.scrub import scrub
+from otel_forge.scrub import error_line
 
 
 def add_parser(commands: Any) -> None:
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as error:
         raise ConfigError(f"invalid path (from PATH): {error}") from None
     except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
-        print(f"otel-forge: replay stopped, the spool is kept: {scrub(str(error)).splitlines()[0]}", file=sys.stderr)
+        print(f"otel-forge: replay stopped, the spool is kept: {error_line(error)}", file=sys.stderr)
         return 1
     print(f"otel-forge: delivered {result.delivered} {result.unit} to run {result.run_id}"
           f"{f' and ended it {result.ended}' if result.ended else ''}")

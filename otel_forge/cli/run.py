@@ -4,7 +4,7 @@ The run is opened first. CMD inherits ``OTEL_FORGE_LAUNCHED_RUN_ID`` (the run), 
 and ``MLFLOW_EXPERIMENT_ID``, and launchers pass them on to other nodes. ``TrainingRun`` in CMD logs
 into that run itself. The runs MLflow starts in CMD (``mlflow.start_run()``, autologging, or the run
 a plain ``mlflow.log_metric`` starts) nest under it, as children (``mlflow.parentRunId``, set by
-``otel_forge.mlflow.run_context``): the launched run holds the system metrics, the launch config, git
+``otel_forge.mlflow.training.run_context``): the launched run holds the system metrics, the launch config, git
 state and command; the script's own runs are inside it. CMD never inherits ``MLFLOW_RUN_ID``, not even
 the user's: MLflow would resume our run at CMD's first ``start_run()``, end it when that run ends,
 and start every later run unrelated to it. Under a launcher every task's ``otel-forge run`` finds the
@@ -33,7 +33,16 @@ from typing import Any
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
 from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
-from otel_forge.config import ConfigError, ForgeConfig, local_store_problem
+from otel_forge.config import (
+    DESCRIBE_RUN_ENV,
+    LAUNCHED_RUN_ENV,
+    LAUNCHER_OPENS,
+    SAMPLED_NODE_ENV,
+    ConfigError,
+    ForgeConfig,
+    env_name,
+    local_store_problem,
+)
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub
 
@@ -73,7 +82,7 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from otel_forge.mlflow.training_run import MissingRun
+    from otel_forge.mlflow.training.training_run import MissingRun
 
     command = _command(args)
     config = config_from_args(args)
@@ -91,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     live = training_run.start(config.start_wait_s)
     if isinstance(training_run.open_error, MissingRun):
         training_run.close("FAILED")
-        source = config.sources.get("run_id", "argument")
+        source = config.source("run_id")
         raise ConfigError(f"invalid run_id (from {source}): {training_run.open_error}; "
                           f"--create-if-missing starts a new run instead")
     env = _cmd_environ(args.child_environ, training_run, node, live)
@@ -125,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _training_run(args: argparse.Namespace, command: list[str], config: ForgeConfig, node: NodeIdentity) -> Any:
-    from otel_forge.mlflow.run_metadata import launch_config_path, load_launch_config
-    from otel_forge.mlflow.training_run import TrainingRun
+    from otel_forge.mlflow.training.run_metadata import launch_config_path, load_launch_config
+    from otel_forge.mlflow.training.training_run import TrainingRun
 
     launch_file = launch_config_path(["otel-forge", *command])
     tags = {SOURCE_NAME_TAG: scrub(_source_name(command)), **_tags(args.tag),
@@ -138,7 +147,7 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
         launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False,
         create_if_missing=args.create_if_missing)
     if problem := local_store_problem(training_run.tracking_uri):
-        raise ConfigError(f"invalid tracking_uri (from {config.sources.get('tracking_uri', 'default')}): {problem}")
+        raise ConfigError(f"invalid tracking_uri (from {config.source('tracking_uri')}): {problem}")
     return training_run
 
 
@@ -154,11 +163,11 @@ def _source_name(command: list[str]) -> str:
 def _cmd_environ(environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool) -> dict[str, str]:
     """CMD's environment: the run (or how to find it once open) and who samples its node."""
     # Never another store behind the user's back: CMD talks to ours, whether the run is open or not.
-    env = {**environ, "MLFLOW_TRACKING_URI": training_run.tracking_uri}
+    env = {**environ, env_name("tracking_uri"): training_run.tracking_uri}
     if live or training_run.open_error is None:
         # MLflow resumes MLFLOW_RUN_ID at CMD's first start_run() and ends it with that run: CMD's runs
-        # nest under ours through OTEL_FORGE_LAUNCHED_RUN_ID instead (otel_forge.mlflow.run_context).
-        env.pop("MLFLOW_RUN_ID", None)
+        # nest under ours through OTEL_FORGE_LAUNCHED_RUN_ID instead (otel_forge.mlflow.training.run_context).
+        env.pop(env_name("run_id"), None)
     if live:
         env.update(_run_environ(training_run, node))
         _announce(training_run)
@@ -184,14 +193,13 @@ def _end(training_run: Any, status: str, watchdog: Watchdog | None,
 def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
     """What CMD inherits: the run (its TrainingRun logs into it, MLflow's runs nest under it) and who
     samples this node."""
-    from otel_forge.mlflow.training_run import DESCRIBE_RUN_ENV, LAUNCHED_RUN_ENV, SAMPLED_NODE_ENV
 
     run_id = training_run.run_id
-    env = {"MLFLOW_TRACKING_URI": training_run.tracking_uri, LAUNCHED_RUN_ENV: run_id,
+    env = {env_name("tracking_uri"): training_run.tracking_uri, LAUNCHED_RUN_ENV: run_id,
            # This node's local rank 0 samples it: this process, or its sibling task's otel-forge.
            SAMPLED_NODE_ENV: node.sampling_key}
     if training_run.experiment_id is not None:
-        env["MLFLOW_EXPERIMENT_ID"] = training_run.experiment_id
+        env[env_name("experiment_id")] = training_run.experiment_id
     if training_run.described:
         env[DESCRIBE_RUN_ENV] = run_id
     return env
@@ -231,7 +239,6 @@ def _pending_run_environ(training_run: Any, run_id: str | None) -> dict[str, str
     Without an id, the runs MLflow starts in CMD are not nested under ours (CMD starts before its id
     exists; they land in its experiment); with one, they nest under it as under an open run.
     """
-    from otel_forge.mlflow.training_run import LAUNCHED_RUN_ENV, LAUNCHER_OPENS, SAMPLED_NODE_ENV
 
     if run_id is not None:
         return {LAUNCHED_RUN_ENV: run_id}
@@ -241,13 +248,13 @@ def _pending_run_environ(training_run: Any, run_id: str | None) -> dict[str, str
                     "server answers", key)
 
     experiment = training_run.experiment
-    return {"OTEL_FORGE_JOB_ID": key, LAUNCHED_RUN_ENV: LAUNCHER_OPENS,
+    return {env_name("job_id"): key, LAUNCHED_RUN_ENV: LAUNCHER_OPENS,
             SAMPLED_NODE_ENV: training_run.node.sampling_key,  # we sample the node once the run opens
-            "MLFLOW_EXPERIMENT_ID" if experiment.isdigit() else "MLFLOW_EXPERIMENT_NAME": experiment}
+            env_name("experiment_id" if experiment.isdigit() else "experiment_name"): experiment}
 
 
 def _start_system_metrics(config: Any, tracking_uri: str, pid: int, run_id: str | None, node: NodeIdentity) -> Any:
-    from otel_forge.mlflow.monitor import SystemMetricsMonitor
+    from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
 
     if not node.runs_agent:
         _logger.info("local rank %s: local rank 0 samples node %s", node.local_rank, node.node_id or "-")
@@ -257,7 +264,7 @@ def _start_system_metrics(config: Any, tracking_uri: str, pid: int, run_id: str 
     monitor.start()
     for endpoint in monitor.endpoints:
         print(f"otel-forge: serving {endpoint}", flush=True)
-    if config.sources.get("collectors", "default") != "default":
+    if not config.source("collectors").is_default:
         for name, reason in monitor.absent_collectors.items():
             if name in config.collectors:
                 print(f"otel-forge: collector {name} absent: {reason}", file=sys.stderr, flush=True)

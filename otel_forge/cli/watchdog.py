@@ -21,20 +21,22 @@ def main(argv: list[str]) -> int:
     if said[:1] == ["ended"]:
         return 0
     status, detail = (said[1], None) if said[:1] == ["end"] else ("KILLED", "otel-forge run died")
+    from otel_forge.config import env_name
     from otel_forge.mlflow.client import make_client
-    from otel_forge.mlflow.outcome import end_run
+    from otel_forge.mlflow.training.outcome import end_run
     from otel_forge.node import NodeIdentity
+    from otel_forge.scrub import error_line
 
     node = NodeIdentity(**json.loads(node_json))
     give_up_at, pause_s = time.monotonic() + GIVE_UP_S, 1.0
     while True:
         try:
-            end_run(make_client(os.environ["MLFLOW_TRACKING_URI"]), run_id, experiment_id or None, status, node,
+            end_run(make_client(os.environ[env_name("tracking_uri")]), run_id, experiment_id or None, status, node,
                     detail=detail)
             return 0
         except Exception as error:  # noqa: BLE001 - nobody is left to tell but stderr
             if time.monotonic() + pause_s > give_up_at:
-                print(f"otel-forge watchdog: could not end run {run_id} {status}: {str(error).splitlines()[0]}",
+                print(f"otel-forge watchdog: could not end run {run_id} {status}: {error_line(error)}",
                       file=sys.stderr)
                 return 1
         time.sleep(pause_s)

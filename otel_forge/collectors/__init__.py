@@ -6,7 +6,7 @@ import importlib
 import logging
 from dataclasses import dataclass
 
-from otel_forge.collectors.base import Collector, CollectorUnavailable, Readings, Snapshot
+from otel_forge.collectors.base import Collector, CollectorUnavailable, HardwareCollector, Readings, Snapshot
 from otel_forge.config import ForgeConfig
 
 _logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class OpenedCollectors:
                 _logger.warning("closing collector %s failed: %s", collector.name, error)
 
 
-def collector_class(name: str) -> type[Collector]:
+def collector_class(name: str) -> type[HardwareCollector]:
     module_name, _, class_name = COLLECTOR_CLASSES[name].partition(":")
     return getattr(importlib.import_module(module_name), class_name)
 
@@ -59,4 +59,4 @@ def open_collectors(config: ForgeConfig) -> OpenedCollectors:
     return OpenedCollectors(tuple(present), absent)
 
 
-__all__ = ["Collector", "CollectorUnavailable", "OpenedCollectors", "Readings", "Snapshot", "open_collectors"]
+__all__ = ["Collector", "CollectorUnavailable", "HardwareCollector", "OpenedCollectors", "Readings", "Snapshot", "open_collectors"]

@@ -49,23 +49,13 @@ class Snapshot:
 
 
 class Collector(abc.ABC):
-    """One hardware source. Subclasses set ``name`` and implement ``read``.
+    """One source of readings. Subclasses set ``name`` and implement ``read``.
 
-    ``create`` opens the source, raising ``CollectorUnavailable`` with the reason when it is absent;
     ``read`` reads the whole source (all devices, all fields) once and may raise: the cache
     counts and rate-limits the failure, and the other collectors go on.
     """
 
     name: ClassVar[str]
-
-    @classmethod
-    def create(cls, config: ForgeConfig) -> Collector:
-        """Open the source for ``config`` or raise ``CollectorUnavailable``.
-
-        Hardware collectors implement it; the agent's own (self-telemetry, MLflow delivery) are
-        built by their owner around what they report on.
-        """
-        raise NotImplementedError(f"{cls.__name__} is built by its owner, not from a config")
 
     @abc.abstractmethod
     def read(self, readings: Readings) -> None:
@@ -77,3 +67,12 @@ class Collector(abc.ABC):
 
     def close(self) -> None:
         """Release the source (threads, library handles). Called once."""
+
+
+class HardwareCollector(Collector):
+    """A collector of the machine, opened by name from the settings (``open_collectors``)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, config: ForgeConfig) -> HardwareCollector:
+        """Open the source for ``config`` or raise ``CollectorUnavailable`` with the reason it is absent."""

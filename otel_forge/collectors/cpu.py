@@ -10,7 +10,7 @@ from typing import Any
 
 import psutil
 
-from otel_forge.collectors.base import Collector, Readings
+from otel_forge.collectors.base import HardwareCollector, Readings
 from otel_forge.config import ForgeConfig
 
 # Linux counts guest time inside user/nice already.
@@ -37,7 +37,7 @@ def busy_fraction(fractions: dict[str, float]) -> float:
     return 1.0 - sum(fractions.get(mode, 0.0) for mode in _NOT_BUSY)
 
 
-class CpuCollector(Collector):
+class CpuCollector(HardwareCollector):
     """One ``psutil.cpu_times`` per read (per CPU only when asked); utilization is the delta."""
 
     name = "cpu"

@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from otel_forge.collectors.base import Collector, Readings
+from otel_forge.collectors.base import HardwareCollector, Readings
 from otel_forge.config import ForgeConfig
 
 # Filesystems that hold no disk space of their own. psutil's all=False already drops most.
@@ -42,7 +42,7 @@ def is_real_filesystem(fstype: str, mountpoint: str) -> bool:
 _MOUNTS_MAX_AGE_S = 60.0
 
 
-class DiskCollector(Collector):
+class DiskCollector(HardwareCollector):
     name = "disk"
 
     def __init__(self) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from otel_forge.collectors.base import Collector, CollectorUnavailable, Readings
+from otel_forge.collectors.base import CollectorUnavailable, HardwareCollector, Readings
 from otel_forge.collectors.gpu_selection import select_gpus
 from otel_forge.collectors.process import ProcessTree
 from otel_forge.config import ForgeConfig
@@ -82,7 +82,7 @@ class Gpu:
         return line
 
 
-class GpuCollector(Collector):
+class GpuCollector(HardwareCollector):
     """All selected GPUs of one vendor; the failure rules are in the module docstring.
 
     A subclass sets ``name``, ``logger`` (its module's: every message of the collector goes

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import psutil
 
-from otel_forge.collectors.base import Collector, Readings
+from otel_forge.collectors.base import HardwareCollector, Readings
 from otel_forge.config import ForgeConfig
 
 
-class MemoryCollector(Collector):
+class MemoryCollector(HardwareCollector):
     name = "memory"
 
     @classmethod

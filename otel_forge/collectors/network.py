@@ -6,7 +6,7 @@ import os
 
 import psutil
 
-from otel_forge.collectors.base import Collector, Readings
+from otel_forge.collectors.base import HardwareCollector, Readings
 from otel_forge.config import ForgeConfig
 
 _VIRTUAL_PREFIXES = ("lo", "docker", "veth", "br-", "virbr", "cni", "flannel", "cali", "ifb", "tun", "tap")
@@ -20,7 +20,7 @@ def is_physical_interface(name: str) -> bool:
     return not os.path.exists(os.path.join(_SYSFS_VIRTUAL, name))
 
 
-class NetworkCollector(Collector):
+class NetworkCollector(HardwareCollector):
     name = "network"
 
     def __init__(self, include_virtual: bool = False) -> None:

@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from otel_forge.collectors.base import Collector, CollectorUnavailable, Readings
+from otel_forge.collectors.base import CollectorUnavailable, HardwareCollector, Readings
 from otel_forge.config import ForgeConfig
 
 
@@ -67,7 +67,7 @@ def _children_of(pid: int) -> list[int]:
     return children
 
 
-class ProcessCollector(Collector):
+class ProcessCollector(HardwareCollector):
     """Sums over the tree; CPU utilization is the CPU-time delta over real elapsed time."""
 
     name = "process"

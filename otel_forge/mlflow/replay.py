@@ -8,11 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otel_forge.mlflow.client import RunGone, WindowLogger, import_mlflow, live_run, make_client, next_system_step
-from otel_forge.mlflow.outcome import end_run
-from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, create_experiment, find_experiment, publish, published_run_id
-from otel_forge.mlflow.spool import WindowSpool
-from otel_forge.mlflow.training_spool import TrainingSpool, is_training_spool
+from otel_forge.mlflow.client import RunGone, import_mlflow, live_run, make_client
+from otel_forge.mlflow.system_metrics.window_logger import WindowLogger, next_system_step
+from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+from otel_forge.mlflow.training.outcome import end_run
+from otel_forge.mlflow.training.rendezvous import (
+    JOB_KEY_TAG,
+    create_experiment,
+    find_experiment,
+    publish,
+    published_run_id,
+)
+from otel_forge.mlflow.training.training_spool import TrainingSpool, is_training_spool
 from otel_forge.node import NodeIdentity
 
 _logger = logging.getLogger(__name__)

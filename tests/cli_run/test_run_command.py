@@ -43,7 +43,7 @@ RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) in experiment (\S+) at (
 
 # Bugs found by these tests (see the report that came with them).
 BUG_CMD_TRAININGRUN_DROPS_CONFIG = (
-    "otel_forge/mlflow/training_run.py TrainingRun._open: a TrainingRun inside `otel-forge run` resumes the run "
+    "otel_forge/mlflow/training/training_run.py TrainingRun._open: a TrainingRun inside `otel-forge run` resumes the run "
     "from MLFLOW_RUN_ID and _record_new_run is only called for a created run, so CMD's config params, "
     "config.json, description and tags never reach the run")
 BUG_TWO_AGENTS_PER_NODE = (

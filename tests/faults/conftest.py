@@ -73,7 +73,7 @@ def exports(monkeypatch: pytest.MonkeyPatch) -> ExportRecorder:
     """Wrap ``MLflowMetricExporter.export`` on the class, before any exporter exists: no call is missed."""
     from opentelemetry.sdk.metrics.export import MetricExportResult
 
-    from otel_forge.mlflow.exporter import MLflowMetricExporter
+    from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
 
     recorder = ExportRecorder()
     original = MLflowMetricExporter.export

@@ -14,7 +14,7 @@ from pathlib import Path
 from hermetic import hermetic_environ
 
 from otel_forge.config import ForgeConfig
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 
 def _kept(caplog) -> tuple[str, str]:  # type: ignore[no-untyped-def]

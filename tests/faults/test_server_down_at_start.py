@@ -16,7 +16,7 @@ from hermetic import hermetic_environ
 from run_reading import anchor_history
 
 from otel_forge.config import ForgeConfig
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 HANG_S = 8.0  # otel-forge run's case: past its 2 s start wait
 JOB_START_HANG_S = 60.0  # the figure, for TrainingRun

@@ -424,5 +424,5 @@ def test_a_path_on_a_grpc_endpoint_is_dropped_with_a_warning(start_receiver: Cal
     assert agent.endpoints == [f"otlp grpc {receiver.endpoint}"]
     warning = (f"otlp_endpoint '{receiver.endpoint}/v1/metrics' (from argument): a gRPC endpoint has no path; "
                f"dialing {receiver.endpoint}")
-    assert [record.getMessage() for record in caplog.records if record.name == "otel_forge.pipeline"] == [warning]
+    assert [record.getMessage() for record in caplog.records if record.name == "otel_forge.pipeline.otlp"] == [warning]
     _wait_for_all(receiver, {"system.cpu.utilization"})

@@ -31,8 +31,9 @@ from run_reading import anchor_steps
 from servers import free_port, wait_for
 
 import otel_forge
+from otel_forge.config import ForgeConfig
 from otel_forge.mlflow import MLflowMetricExporter
-from otel_forge.mlflow.windows import delivery_phase_s
+from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,7 +192,7 @@ def test_one_log_batch_per_window_and_one_get_run_in_all(monitored_run: Monitore
 def test_a_window_of_more_than_1000_metrics_takes_ceil_n_over_1000_log_batches(
         client, experiment_id, proxy, tmp_path) -> None:
     run_id = new_run(client, experiment_id)
-    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", spool_dir=tmp_path)
+    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)))
     n = 1200
     data = metrics_data(gauge("hw.gpu.utilization", [({"hw.id": str(i)}, (i % 100) / 100) for i in range(n)]))
 
@@ -257,9 +258,9 @@ def test_a_node_whose_opener_knows_the_run_resumes_from_its_anchor_without_readi
     from otel_forge.mlflow.client import RunInfo
 
     run_id = new_run(client, experiment_id)
-    _export_memory(MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", spool_dir=tmp_path), 3)
+    _export_memory(MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path))), 3)
     get_runs = proxy.count(GET_RUN)
-    exporter = MLflowMetricExporter(None, tracking_uri=proxy.uri, node_id="node_0", spool_dir=tmp_path)
+    exporter = MLflowMetricExporter(None, tracking_uri=proxy.uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)))
     exporter.attach(run_id, RunInfo(experiment_id, "run"))
     _export_memory(exporter, 3)
 
@@ -333,8 +334,7 @@ def test_a_slow_server_never_blocks_export_and_no_window_is_sent_twice(
         client, experiment_id, proxy, tmp_path, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="otel_forge")
     run_id = new_run(client, experiment_id)
-    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", call_deadline_s=0.4,
-                                    spool_dir=tmp_path)
+    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, call_deadline_s=0.4, spool_dir=str(tmp_path)))
     key = "system/node_0/cpu_utilization_percentage"
 
     def export(value: float) -> float:
@@ -368,8 +368,7 @@ def test_a_slow_server_never_blocks_export_and_no_window_is_sent_twice(
 
 def _export_to_a_dead_server(run_id: str, tmp_path: Path) -> tuple[MLflowMetricExporter, str]:
     dead = f"http://alice:s3cret-token@127.0.0.1:{free_port()}"  # nothing listens there
-    exporter = MLflowMetricExporter(run_id, tracking_uri=dead, node_id="node_0", spool_dir=tmp_path / "spool",
-                                    drain_deadline_s=0.5)
+    exporter = MLflowMetricExporter(run_id, tracking_uri=dead, node_id="node_0", config=ForgeConfig.resolve(environ={}, drain_deadline_s=0.5, spool_dir=str(tmp_path / "spool")))
     exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, 0.25)])))
     wait_for(lambda: exporter.worker.stats.retried >= 1, 10, 0.05)
     exporter.shutdown()

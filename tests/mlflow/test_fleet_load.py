@@ -13,8 +13,9 @@ from proxy import GET_RUN, LOG_BATCH, Mode
 from servers import wait_for
 
 import otel_forge
+from otel_forge.config import ForgeConfig
 from otel_forge.mlflow import MLflowMetricExporter
-from otel_forge.mlflow.windows import delivery_phase_s
+from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
 
 
 def _steps(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-untyped-def]
@@ -23,7 +24,7 @@ def _steps(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-untyp
 
 def test_an_overloaded_server_answering_400_queue_pool_loses_no_window(client, experiment_id, proxy, tmp_path):
     run_id = client.create_run(experiment_id).info.run_id
-    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", spool_dir=tmp_path)
+    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)))
     exporter.worker._backoff = (0.05, 0.2)
     proxy.set_mode(Mode.OVERLOAD_400)
     for value in range(20):
@@ -69,7 +70,7 @@ def test_nodes_started_together_deliver_spread_over_the_window(client, experimen
 
 def test_an_unchanged_value_is_sent_every_tenth_window(client, experiment_id, tmp_path):
     run_id = client.create_run(experiment_id).info.run_id
-    exporter = MLflowMetricExporter(run_id, tracking_uri=client.tracking_uri, node_id="node_0", spool_dir=tmp_path)
+    exporter = MLflowMetricExporter(run_id, tracking_uri=client.tracking_uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)))
     for window in range(25):
         exporter.export(metrics_data(
             gauge("otel_forge.cpu.utilization", [({}, window / 100)]),  # changes every window

@@ -22,10 +22,11 @@ from otel_points import as_named_points, counter, gauge, metrics_data
 from servers import wait_for
 
 from otel_forge.mlflow.keys import KeyMapper, key_segment, sanitize_key, system_prefix
-from otel_forge.mlflow.spool import HEADER, WindowSpool
-from otel_forge.mlflow.windows import ChangedValues, Window, WindowFolder, delivery_phase_s
+from otel_forge.mlflow.spool_files import HEADER
+from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window, WindowFolder, delivery_phase_s
+from otel_forge.mlflow.worker import DeliveryWorker, Outcome
 from otel_forge.names import Fold
-from otel_forge.worker import DeliveryWorker, Outcome
 
 PREFIX = "system/node_0/"
 GPU = {"hw.name": "NVIDIA H100 80GB HBM3", "hw.vendor": "NVIDIA", "hw.type": "gpu"}
@@ -393,7 +394,7 @@ def test_worker_spills_to_the_spool_when_the_queue_is_full_and_keeps_order(tmp_p
 
 
 def test_a_hung_deliver_costs_one_thread_and_a_warning_never_the_caller(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="otel_forge.worker")
+    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.worker")
     release = threading.Event()
     calls: list[int] = []
 
@@ -516,7 +517,7 @@ def test_drop_skips_only_that_item() -> None:
 
 
 def test_stop_ends_delivery_for_good_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="otel_forge.worker")
+    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.worker")
     delivered: list[int] = []
     worker = DeliveryWorker(_failing({1: [Gone("run deleted")]}, delivered), name="stop", classify=_classify)
     for i in range(4):
@@ -575,7 +576,7 @@ def test_close_keeps_order_when_the_queue_and_the_spool_both_hold_windows(tmp_pa
 
 
 def test_retry_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="otel_forge.worker")
+    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.worker")
 
     def always_down(item: int) -> None:
         raise ConnectionError("connection refused")

@@ -22,7 +22,7 @@ def _context_tags() -> dict[str, str]:
 def test_the_provider_is_registered_through_mlflows_entry_point() -> None:
     from mlflow.tracking.context.registry import _run_context_provider_registry
 
-    from otel_forge.mlflow.run_context import LaunchedRunContext
+    from otel_forge.mlflow.training.run_context import LaunchedRunContext
 
     assert any(isinstance(provider, LaunchedRunContext) for provider in _run_context_provider_registry)
 
@@ -44,7 +44,7 @@ def test_while_the_launched_run_is_still_opening_no_parent_said_once_at_debug(mo
     caplog.set_level(logging.DEBUG, logger="otel_forge")
     monkeypatch.setenv(LAUNCHED_RUN_ENV, "pending")
 
-    from otel_forge.mlflow.run_context import LaunchedRunContext
+    from otel_forge.mlflow.training.run_context import LaunchedRunContext
 
     assert "mlflow.parentRunId" not in _context_tags()
     caplog.clear()
@@ -52,7 +52,7 @@ def test_while_the_launched_run_is_still_opening_no_parent_said_once_at_debug(mo
     asked = [provider.in_context(), provider.in_context()]
 
     assert asked == [False, False]
-    said = [r for r in caplog.records if r.name == "otel_forge.mlflow.run_context"]
+    said = [r for r in caplog.records if r.name == "otel_forge.mlflow.training.run_context"]
     assert [r.levelno for r in said] == [logging.DEBUG], said
 
 

@@ -16,8 +16,8 @@ from hermetic import hermetic_environ
 from servers import free_port, wait_for
 
 import otel_forge
-from otel_forge.mlflow.spool import WindowSpool
-from otel_forge.mlflow.windows import Window
+from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+from otel_forge.mlflow.system_metrics.windows import Window
 
 NOWHERE = "http://127.0.0.1:{port}"  # a refused port: every delivery fails, windows spill
 

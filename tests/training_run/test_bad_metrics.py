@@ -9,7 +9,7 @@ import logging
 from proxy import MlflowProxy
 from servers import wait_for
 
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 
 def _run(uri: str, experiment: str) -> TrainingRun:

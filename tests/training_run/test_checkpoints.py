@@ -6,7 +6,7 @@ from __future__ import annotations
 from proxy import MlflowProxy
 from servers import wait_for
 
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 
 def _models(client, experiment_id: str, name: str):

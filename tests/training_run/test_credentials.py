@@ -10,7 +10,7 @@ from proxy import LOG_BATCH, MlflowProxy
 from servers import wait_for
 
 from otel_forge.config import ForgeConfig
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 SECRET = "s3cret"
 

@@ -17,7 +17,7 @@ from servers import wait_for
 from trun_helpers import unique
 
 from otel_forge.config import ForgeConfig
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 LOG_CALL_BUDGET_S = 0.05  # log() only enqueues
 

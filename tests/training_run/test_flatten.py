@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from otel_forge.mlflow.run_metadata import (
+from otel_forge.mlflow.training.run_metadata import (
     PARAM_VALUE_MAX_CHARS,
     PARAMS_PER_BATCH,
     batches,

@@ -12,8 +12,8 @@ from proxy import MlflowProxy
 from servers import wait_for
 from trun_helpers import unique
 
-from otel_forge.mlflow.rendezvous import JOB_KEY_TAG, job_tag
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG, job_tag
+from otel_forge.mlflow.training.training_run import TrainingRun
 from otel_forge.node import NodeIdentity
 
 SLURM_NODE_1 = {"SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",

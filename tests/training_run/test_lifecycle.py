@@ -16,12 +16,12 @@ from servers import wait_for
 from trun_helpers import popen_script, run_script
 
 from otel_forge.config import ConfigError, ForgeConfig
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 LAZY_SCRIPT = """
 import json, sys, threading, time
 from otel_forge.config import ConfigError
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 threads_before = threading.active_count()
 run = TrainingRun({{"lr": 0.1}}, tracking_uri={uri!r}, experiment={experiment!r}, run_name="lazy",
@@ -144,7 +144,7 @@ def test_close_statuses_and_idempotence(mlflow_server, client, experiment):
 
 EXIT_SCRIPT = """
 import signal, sys, time
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 run = TrainingRun({{"lr": 0.1}}, tracking_uri={uri!r}, experiment={experiment!r}, run_name={name!r},
                   system_metrics=False, launch_argv=["train.py"])

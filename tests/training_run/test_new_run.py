@@ -16,7 +16,7 @@ from proxy import LOG_BATCH, MlflowProxy
 from trun_helpers import unique
 
 from otel_forge.config import ForgeConfig
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 pydantic = pytest.importorskip("pydantic")  # mlflow depends on pydantic: it is installed with it
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from trun_helpers import unique
 
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 
 
 def _training_run(server, experiment, **kwargs) -> TrainingRun:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from servers import wait_for
 
-from otel_forge.mlflow.training_run import TrainingRun
+from otel_forge.mlflow.training.training_run import TrainingRun
 from otel_forge.scrub import SecretKeys, scrub
 
 SECRETS = ("hunter2", "sk-live-123", "tok-abc", "pw-in-url", "vault-9")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from otel_forge.mlflow.client import import_mlflow
 
 if TYPE_CHECKING:
-    from otel_forge.mlflow.training_run import OpenRun
+    from otel_forge.mlflow.training.run_owner import OpenRun
 
 
 def find_or_create_external_model(run: OpenRun, name: str, step: int, directory: Path) -> str:

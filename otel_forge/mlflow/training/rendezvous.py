@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otel_forge.mlflow.keys import key_segment
-from otel_forge.scrub import scrub
+from otel_forge.scrub import error_line
 
 _logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def wait_for_run(client: Any, experiment: str, key: str, stop: threading.Event, 
         try:
             experiment_entity = find_experiment(client, experiment)
         except Exception as error:  # noqa: BLE001 - the server not answering yet is "not yet"
-            _logger.debug("looking for job %s's run: %s", key, scrub(str(error).splitlines()[0] if str(error) else ""))
+            _logger.debug("looking for job %s's run: %s", key, error_line(error))
             experiment_entity = None
         if (run_id := published_run_id(experiment_entity, key)) is not None:
             return FoundRun(run_id, experiment_entity.experiment_id, polls)

@@ -8,35 +8,18 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from otel_forge.collectors.base import Collector, Readings
+from otel_forge.collectors.base import Collector
+from otel_forge.collectors.self_telemetry import SelfTelemetryCollector
 from otel_forge.names import METRICS, Kind, MetricSpec
-from otel_forge.sampling import CachedCollector
+from otel_forge.pipeline.sampling import CachedCollector
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 INSTRUMENTATION_SCOPE = "otel_forge"
-
-
-class SelfTelemetryCollector(Collector):
-    """Reads the agent's own read statistics (time, reads, errors per collector) and when it was
-    read, i.e. collected: what a scrape serves is that old (``time() - otel_forge_collect_time_seconds``)."""
-
-    name = "self"
-
-    def __init__(self, caches: Sequence[CachedCollector]) -> None:
-        self._caches = caches
-
-    def read(self, readings: Readings) -> None:
-        readings.add("otel_forge.collect.time", time.time())
-        for cache in self._caches:
-            attributes = {"otel_forge.collector": cache.name}
-            readings.add("otel_forge.collector.reads", cache.stats.reads, attributes)
-            readings.add("otel_forge.collector.errors", cache.stats.errors, attributes)
-            readings.add("otel_forge.collector.read.time", cache.stats.read_time_s, attributes)
 
 
 def _specs_by_name(sources: set[str]) -> dict[str, list[MetricSpec]]:

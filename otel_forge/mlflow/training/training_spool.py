@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, import_mlflow
-from otel_forge.mlflow.metric_buffer import MetricRow
-from otel_forge.mlflow.spool import HEADER, write_atomically
+from otel_forge.mlflow.spool_files import HEADER, write_atomically
+from otel_forge.mlflow.training.metric_buffer import MetricRow
 
 _logger = logging.getLogger(__name__)
 

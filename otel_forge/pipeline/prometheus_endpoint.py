@@ -26,7 +26,7 @@ from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from otel_forge.fanout import NonBlockingExporter
+from otel_forge.pipeline.fanout import NonBlockingExporter
 
 
 @dataclass

@@ -20,7 +20,7 @@ import os
 
 from mlflow.tracking.context.abstract_context import RunContextProvider
 
-from otel_forge.mlflow.training_run import LAUNCHED_RUN_ENV, LAUNCHER_OPENS, launched_run_id
+from otel_forge.config import LAUNCHED_RUN_ENV, LAUNCHER_OPENS, launched_run_id
 
 _logger = logging.getLogger(__name__)
 

@@ -1,31 +1,28 @@
-"""The agent: collectors on a MeterProvider whose one reader feeds every sink, or on your provider.
+"""``Agent``: the collectors on a MeterProvider of its own whose one reader feeds every sink.
 
-``Agent`` builds its own ``MeterProvider`` with one periodic reader: each collect goes to the
-Prometheus endpoint's rendering, the OTLP exporter and any extra exporters (the MLflow exporter)
-through ``FanOutExporter``; ``instrument`` registers the same collectors on a provider the
-application already has.
+Each collect goes to the Prometheus endpoint's rendering, the OTLP exporter and any extra exporters
+(the MLflow exporter) through ``FanOutExporter``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from otel_forge.collectors import Collector, OpenedCollectors, open_collectors
 from otel_forge.config import ForgeConfig
-from otel_forge.instruments import INSTRUMENTATION_SCOPE, InstrumentSet
 from otel_forge.node import NodeIdentity, build_resource
+from otel_forge.pipeline.instruments import INSTRUMENTATION_SCOPE, InstrumentSet
+from otel_forge.pipeline.provider import build_meter_provider
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import MeterProvider as ApiMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
 
-    from otel_forge.fanout import FanOutExporter
-    from otel_forge.prometheus_endpoint import PrometheusEndpoint, PrometheusRendering
+    from otel_forge.pipeline.fanout import FanOutExporter
+    from otel_forge.pipeline.prometheus_endpoint import PrometheusEndpoint, PrometheusRendering
 
 _logger = logging.getLogger(__name__)
 
@@ -33,76 +30,21 @@ _logger = logging.getLogger(__name__)
 ExporterFactory = Callable[[], "MetricExporter"]
 
 
-def _no_exemplar_views() -> list:
-    """Views giving every instrument a reservoir that keeps nothing.
-
-    Exemplars tie synchronous measurements to traces; observable readings have none, yet the SDK
-    still offers and collects a reservoir per data point (a tenth of a reader's collect).
-    """
-    from opentelemetry.sdk.metrics import ExemplarReservoir
-    from opentelemetry.sdk.metrics.view import View
-
-    class _NoExemplars(ExemplarReservoir):
-        def offer(self, value: Any, time_unix_nano: int, attributes: Any, context: Any) -> None:
-            pass
-
-        def collect(self, point_attributes: Any) -> list:
-            return []
-
-    return [View(instrument_name="*", exemplar_reservoir_factory=lambda aggregation: lambda **_: _NoExemplars())]
-
-
-def build_meter_provider(readers: Sequence[MetricReader], resource: Any = None) -> MeterProvider:
-    """A MeterProvider as the agent builds it: ``readers``, ``resource``, and no exemplars."""
-    from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
-
-    options: dict[str, Any] = {"resource": resource} if resource is not None else {}
-    return MeterProvider(metric_readers=readers, views=_no_exemplar_views(),
-                         exemplar_filter=AlwaysOffExemplarFilter(), **options)
-
-
 class EndpointError(OSError):
     """An endpoint could not be served (e.g. the Prometheus port is in use)."""
 
 
-def _serve_prometheus(config: ForgeConfig, rendering: PrometheusRendering) -> PrometheusEndpoint:
-    from otel_forge.prometheus_endpoint import PrometheusEndpoint
+def serve_prometheus(config: ForgeConfig, rendering: PrometheusRendering) -> PrometheusEndpoint:
+    """The endpoint on the configured host and port, or ``EndpointError`` saying which setting named them."""
+    from otel_forge.pipeline.prometheus_endpoint import PrometheusEndpoint
 
     try:
         return PrometheusEndpoint.serve(rendering, config.prometheus_host, config.prometheus_port)
     except OSError as error:
         where = f"{config.prometheus_host}:{config.prometheus_port}"
         raise EndpointError(f"cannot serve Prometheus on {where} "
-                            f"(prometheus_port from {config.sources.get('prometheus_port', 'default')}): "
+                            f"(prometheus_port from {config.source('prometheus_port')}): "
                             f"{error.strerror or error}") from None
-
-
-def _otlp_timeout_s(config: ForgeConfig) -> float | None:
-    """The exporter retries within its timeout (10 s by default): an export that outlasts the
-    interval only delays the next one and keeps shutdown waiting, and none may outlast the reader's
-    export timeout. ``OTEL_EXPORTER_OTLP_*TIMEOUT`` still wins (None lets the exporter read it)."""
-    if any(os.environ.get(name) for name in ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")):
-        return None
-    return min(10.0, config.sampling_interval_s, config.export_timeout_s)
-
-
-def _otlp_exporter(config: ForgeConfig) -> MetricExporter:
-    url = config.otlp_metrics_url or ""  # set: the caller checked otlp_endpoint
-    timeout_s = _otlp_timeout_s(config)
-    if config.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
-
-        endpoint = config.otlp_endpoint or ""
-        if endpoint.rstrip("/").lower() != url.lower():
-            _logger.warning("otlp_endpoint %r (from %s): a gRPC endpoint has no path; dialing %s", endpoint,
-                            config.sources.get("otlp_endpoint", "argument"), url)
-        # A scheme decides TLS; without one (host:port) None lets the exporter read
-        # OTEL_EXPORTER_OTLP_[METRICS_]INSECURE as the OTel spec says (unset: TLS).
-        insecure = True if url.startswith("http://") else False if url.startswith("https://") else None
-        return GrpcExporter(endpoint=url, insecure=insecure, timeout=timeout_s)
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
-
-    return HttpExporter(endpoint=url, timeout=timeout_s)
 
 
 class Agent:
@@ -155,7 +97,7 @@ class Agent:
         rendering, OTLP, MLflow, extra exporters); an OTLP exporter set to delta gets its own."""
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-        from otel_forge.fanout import FanOutExporter, cumulative_only
+        from otel_forge.pipeline.fanout import FanOutExporter, cumulative_only
 
         # Ours, not the SDK's reading of OTEL_METRIC_EXPORT_*: the settings table resolved those.
         interval_ms, timeout_ms = self.config.sampling_interval_s * 1000, self.config.export_timeout_s * 1000
@@ -164,14 +106,16 @@ class Agent:
         self.endpoints = []
         rendering = None
         if self.config.prometheus:
-            from otel_forge.prometheus_endpoint import PrometheusRendering
+            from otel_forge.pipeline.prometheus_endpoint import PrometheusRendering
 
             rendering = PrometheusRendering()
-            self._prometheus = _serve_prometheus(self.config, rendering)
+            self._prometheus = serve_prometheus(self.config, rendering)
             sinks.append(rendering)
             self.endpoints.append(f"prometheus {self._prometheus.url}")
         if self.config.otlp_endpoint:
-            otlp = _otlp_exporter(self.config)
+            from otel_forge.pipeline.otlp import otlp_exporter
+
+            otlp = otlp_exporter(self.config)
             if cumulative_only(otlp):
                 sinks.append(otlp)
             else:
@@ -224,41 +168,3 @@ class Agent:
         self.shutdown()
 
 
-class Instrumentation:
-    """What ``instrument`` registered on an application's provider; ``unregister()`` removes it."""
-
-    def __init__(self, collectors: OpenedCollectors, instruments: InstrumentSet) -> None:
-        self.collectors = collectors
-        self.instruments = instruments
-        self._lock = threading.Lock()
-
-    def unregister(self) -> None:
-        with self._lock:
-            if self.instruments.active:
-                self.instruments.unregister()
-                self.collectors.close()
-
-
-def instrument(meter_provider: ApiMeterProvider | None = None, config: ForgeConfig | None = None,
-               **settings: Any) -> Instrumentation:
-    """Register the collectors on ``meter_provider`` (default: the global one).
-
-    ``settings`` are ``ForgeConfig`` fields (e.g. ``collectors=["cpu", "nvidia"]``). The
-    provider's readers and resource are the application's; only the instruments are ours. After
-    ``unregister()`` the same provider can be instrumented again; while a registration is active, a
-    second one raises ``RuntimeError`` (the provider would hand back the first one's instruments).
-    """
-    from opentelemetry import metrics
-
-    config = config or ForgeConfig.resolve()
-    if settings:
-        config = config.replace(**settings)
-    provider = meter_provider or metrics.get_meter_provider()
-    collectors = open_collectors(config)
-    try:
-        instruments = InstrumentSet(provider.get_meter(INSTRUMENTATION_SCOPE), collectors.present,
-                                    config.snapshot_max_age_s)
-    except BaseException:
-        collectors.close()
-        raise
-    return Instrumentation(collectors, instruments)

@@ -14,17 +14,18 @@ from pathlib import Path
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
 from otel_forge.config import ForgeConfig
-from otel_forge.fanout import NonBlockingExporter
-from otel_forge.mlflow.client import RunInfo, WindowLogger, classify
+from otel_forge.mlflow.client import RunInfo, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, system_prefix
-from otel_forge.mlflow.spool import WindowSpool, default_spool_root
-from otel_forge.mlflow.windows import ChangedValues, Window, WindowFolder
-from otel_forge.mlflow.writer_lock import NodeWriterLock
+from otel_forge.mlflow.spool_files import default_spool_root
+from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
+from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window, WindowFolder
+from otel_forge.mlflow.system_metrics.writer_lock import NodeWriterLock
+from otel_forge.mlflow.worker import DeliveryWorker
+from otel_forge.pipeline.fanout import NonBlockingExporter
 from otel_forge.scrub import scrub, uri_without_credentials
-from otel_forge.worker import DeliveryWorker
 
 _logger = logging.getLogger(__name__)
-_DEFAULTS = ForgeConfig.defaults()  # the settings table's defaults, for apps that build their own pipeline
 # An unchanged value is sent again after this many windows: a chart's line never stops for long.
 REFRESH_WINDOWS = 10
 
@@ -34,7 +35,7 @@ class MLflowMetricExporter(NonBlockingExporter):
 
     ``samples_per_window`` exports make a window; its step is the window index after the node's
     last step in the run; its timestamp the window's end. Gauges are averaged (and ``<key>_max`` /
-    ``<key>_min`` added for ``stats=("mean", "max", "min")``). A value that did not change since it
+    ``<key>_min`` added as the ``mlflow_stats`` setting asks). A value that did not change since it
     was last sent waits up to ``refresh_windows`` windows.
     Delivery is asynchronous and ordered, ``delivery_phase_s`` into the next window (nodes spread
     their calls over the window); windows wait in a spool directory that ``otel-forge replay`` can
@@ -42,31 +43,34 @@ class MLflowMetricExporter(NonBlockingExporter):
     """
 
     def __init__(self, run_id: str | None, *, tracking_uri: str | None = None, node_id: str | None = None,
-                 samples_per_window: int = _DEFAULTS.mlflow_samples_per_window(node_count=None),
-                 stats: tuple[str, ...] = _DEFAULTS.mlflow_stats, spool_dir: str | os.PathLike[str] | None = None,
-                 spool_max_bytes: int = _DEFAULTS.spool_max_bytes, max_queue: int = _DEFAULTS.queue_size,
-                 call_deadline_s: float = _DEFAULTS.call_deadline_s,
-                 drain_deadline_s: float = _DEFAULTS.drain_deadline_s, delivery_phase_s: float = 0.0,
-                 refresh_windows: int = REFRESH_WINDOWS, known: RunInfo | None = None) -> None:
+                 config: ForgeConfig | None = None, samples_per_window: int | None = None,
+                 delivery_phase_s: float = 0.0, refresh_windows: int = REFRESH_WINDOWS,
+                 known: RunInfo | None = None) -> None:
+        """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
+        from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
+        config = config or ForgeConfig.resolve()
+        tracking_uri = tracking_uri or config.tracking_uri
+        samples_per_window = samples_per_window or config.mlflow_samples_per_window(node_count=None)
         self.run_id = run_id
         self.node_id = node_id
-        self._drain_deadline_s = drain_deadline_s
+        self._drain_deadline_s = config.drain_deadline_s
         prefix = system_prefix(node_id)
         self._mapper = KeyMapper(prefix)
-        self._folder = WindowFolder(samples_per_window, stats)
+        self._folder = WindowFolder(samples_per_window, config.mlflow_stats)
         self._changed = ChangedValues(refresh_windows)
         self.delivery_phase_s = delivery_phase_s
-        spool_root = Path(spool_dir) if spool_dir else default_spool_root()
+        spool_root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
         self.spool = WindowSpool(
-            spool_root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}", spool_max_bytes,
+            spool_root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}", config.spool_max_bytes,
             header={"run_id": run_id, "node_id": node_id, "prefix": prefix,
                     "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None})
         self.window_logger = WindowLogger(run_id, tracking_uri, prefix)
         self.window_logger.on_first_step.append(lambda step: self.spool.update_header(first_step=step))
         self.worker: DeliveryWorker[Window] = DeliveryWorker(
-            self.window_logger, name="mlflow-system-metrics", max_queue=max_queue, call_deadline_s=call_deadline_s,
+            self.window_logger, name="mlflow-system-metrics", max_queue=config.queue_size,
+            call_deadline_s=config.call_deadline_s,
             classify=classify, overflow=self.spool, write_ahead=True,
             due=lambda window: window.timestamp_ms / 1000 + self.delivery_phase_s)
         self._shut_down = False

@@ -5,49 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from otel_forge.collectors.base import Collector, Readings
+from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, RunInfoCollector
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.client import RunInfo
-from otel_forge.mlflow.exporter import MLflowMetricExporter
-from otel_forge.mlflow.windows import delivery_phase_s
+from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
+from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError
 
 _logger = logging.getLogger(__name__)
-
-
-class DeliveryStatsCollector(Collector):
-    """Self-telemetry of the MLflow delivery: windows delivered, retried, spooled, dropped."""
-
-    name = "delivery"
-
-    def __init__(self, exporter: MLflowMetricExporter) -> None:
-        self._exporter = exporter
-
-
-    def read(self, readings: Readings) -> None:
-        for outcome, count in self._exporter.delivery_counts().items():
-            if outcome != "pending":
-                readings.add("otel_forge.delivery.windows", count, {"otel_forge.delivery.outcome": outcome})
-
-
-class RunInfoCollector(Collector):
-    """The run this agent serves, as an info metric (value 1) that Grafana can join on."""
-
-    name = "run"
-
-    def __init__(self, exporter: MLflowMetricExporter, node_id: str | None) -> None:
-        self._window_logger = exporter.window_logger
-        self._node_id = node_id
-
-
-    def read(self, readings: Readings) -> None:
-        logger = self._window_logger
-        if logger.experiment_id is None or logger.run_id is None:
-            return  # not read from the server yet: one series per run, never a relabelled one
-        readings.add("otel_forge.run.info", 1, {
-            "mlflow.run.id": logger.run_id, "mlflow.experiment.id": logger.experiment_id,
-            "mlflow.run.name": logger.run_name or "", "otel_forge.node.id": self._node_id or ""})
 
 
 def _active_run() -> tuple[str, str]:
@@ -100,14 +66,13 @@ class SystemMetricsMonitor:
         c = self.config
         samples_per_window = c.mlflow_samples_per_window(self.node.node_count)
         phase_s = delivery_phase_s(self.node.node_id or self.node.hostname, samples_per_window * c.sampling_interval_s)
-        return MLflowMetricExporter(
-            c.run_id, tracking_uri=c.tracking_uri, node_id=self.node.node_id, samples_per_window=samples_per_window,
-            stats=c.mlflow_stats, spool_dir=c.spool_dir, spool_max_bytes=c.spool_max_bytes, max_queue=c.queue_size,
-            call_deadline_s=c.call_deadline_s, drain_deadline_s=c.drain_deadline_s, delivery_phase_s=phase_s,
-            known=RunInfo(c.experiment_id, "") if c.experiment_id else None)
+        return MLflowMetricExporter(c.run_id, tracking_uri=c.tracking_uri, node_id=self.node.node_id, config=c,
+                                    samples_per_window=samples_per_window, delivery_phase_s=phase_s,
+                                    known=RunInfo(c.experiment_id, "") if c.experiment_id else None)
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
-        collectors = [DeliveryStatsCollector(exporter), RunInfoCollector(exporter, self.node.node_id)]
+        collectors = [DeliveryStatsCollector(exporter.delivery_counts),
+                      RunInfoCollector(exporter.window_logger, self.node.node_id)]
         return Agent(self.config, node=self.node, extra_collectors=collectors, extra_exporters=[lambda: exporter])
 
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:

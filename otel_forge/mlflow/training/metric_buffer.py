@@ -38,12 +38,17 @@ MetricRow = tuple[str, float, int, int]
 
 
 class MetricBuffer:
-    """A bounded, ordered buffer of metric values; ``take`` hands out the oldest first."""
+    """A bounded, ordered buffer of metric values; ``take`` hands out the oldest first.
+
+    What was taken stays "in flight" until ``delivered()``: ``take_undelivered`` (at close) returns
+    it with everything still waiting.
+    """
 
     def __init__(self, max_values: int) -> None:
         self.max_values = max_values
         self.dropped = 0
         self._rows: collections.deque[MetricRow] = collections.deque()
+        self._in_flight: list[MetricRow] = []
         self._lock = threading.Lock()
 
     def add(self, values: Mapping[str, float], step: int, timestamp_ms: int) -> bool:
@@ -55,9 +60,24 @@ class MetricBuffer:
             self._rows.extend((key, value, timestamp_ms, step) for key, value in values.items())
             return True
 
-    def take(self, count: int) -> list[MetricRow]:
+    def take(self, count: int, after_step: int = -1) -> list[MetricRow]:
+        """The oldest ``count`` rows, less those at ``after_step`` or before (dropped: a resumed
+        run holds those steps already)."""
         with self._lock:
-            return [self._rows.popleft() for _ in range(min(count, len(self._rows)))]
+            taken = [self._rows.popleft() for _ in range(min(count, len(self._rows)))]
+            self._in_flight = [row for row in taken if row[3] > after_step]
+            return self._in_flight
+
+    def delivered(self) -> None:
+        with self._lock:
+            self._in_flight = []
+
+    def take_undelivered(self) -> list[MetricRow]:
+        """The rows in flight and every row still waiting, oldest first; the buffer is left empty."""
+        with self._lock:
+            rows, self._in_flight = [*self._in_flight, *self._rows], []
+            self._rows.clear()
+            return rows
 
     def __len__(self) -> int:
         return len(self._rows)

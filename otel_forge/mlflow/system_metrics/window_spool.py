@@ -11,41 +11,25 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otel_forge.mlflow.windows import Window
+from otel_forge.mlflow.spool_files import HEADER, STATS, write_atomically
+from otel_forge.mlflow.system_metrics.windows import Window
 
 _logger = logging.getLogger(__name__)
 
-HEADER = "spool.json"
-STATS = "stats.json"
 _SUFFIX = ".window.json"
 CORRUPT_SUFFIX = ".corrupt"
 # Sequence numbers start high so windows older than all held ones can be put in front.
 _FIRST_SEQUENCE = 10**11
 
 
-def default_spool_root() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "otel-forge" / "spool"
-
-
 def _sequence(path: Path) -> int:
     return int(path.name.split(".")[0])
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write whole or not at all, readable by its owner only (windows may name hosts and runs)."""
-    temporary = path.with_name(path.name + ".tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
 
 
 class WindowSpool:

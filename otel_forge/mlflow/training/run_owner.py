@@ -1,5 +1,6 @@
-"""One thread that starts and ends a run: MLflow's active run is thread-local, and each of these
-calls is waited on under a deadline, so a hung server cannot hold the caller."""
+"""One thread that starts and ends a run (``RunOwner``), and the run it opened (``OpenRun``):
+MLflow's active run is thread-local, and each of these calls is waited on under a deadline, so a
+hung server cannot hold the caller."""
 
 from __future__ import annotations
 
@@ -7,7 +8,22 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class OpenRun:
+    """The live run, as the owner thread opened it."""
+
+    run_id: str
+    run_name: str | None  # None where the run is not read (ranks other than 0)
+    experiment_id: str | None  # None where nothing says it (a rank other than 0 given only the run id)
+    experiment: str
+    resumed: bool
+    last_step: int | None
+    client: Any = field(repr=False)
+    described: bool = False  # the run already holds a job's params, tags and config
 
 
 class RunOwner:

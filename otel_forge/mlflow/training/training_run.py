@@ -8,37 +8,43 @@ so ``log()`` only enqueues. Constructing a ``TrainingRun`` does no I/O: the firs
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otel_forge.config import ConfigError, ForgeConfig
-from otel_forge.mlflow.checkpoints import find_or_create_external_model
+from otel_forge.config import (
+    DESCRIBE_RUN_ENV,
+    LAUNCHED_RUN_ENV,
+    LAUNCHER_OPENS,
+    SAMPLED_NODE_ENV,
+    ConfigError,
+    ForgeConfig,
+    launched_run_id,
+)
 from otel_forge.mlflow.client import (
-    MAX_METRICS_PER_BATCH,
     RunGone,
     RunInfo,
     classify,
     context_tags,
-    import_mlflow,
     live_run,
     make_client,
     run_gone,
 )
 from otel_forge.mlflow.keys import key_segment, sanitize_key
-from otel_forge.mlflow.metric_buffer import MAX_KEY_CHARS, MetricBuffer, checked_step, checked_value
-from otel_forge.mlflow.outcome import begin_attempt, end_run
-from otel_forge.mlflow.rendezvous import (
+from otel_forge.mlflow.spool_files import default_spool_root
+from otel_forge.mlflow.training.checkpoints import find_or_create_external_model
+from otel_forge.mlflow.training.exit_handlers import ExitHandlers
+from otel_forge.mlflow.training.metric_buffer import MAX_KEY_CHARS, MetricBuffer, MetricRow, checked_step, checked_value
+from otel_forge.mlflow.training.metric_flush import MetricFlush
+from otel_forge.mlflow.training.outcome import begin_attempt, end_run
+from otel_forge.mlflow.training.rendezvous import (
     JOB_KEY_TAG,
     create_experiment,
     find_experiment,
@@ -46,10 +52,10 @@ from otel_forge.mlflow.rendezvous import (
     published_run_id,
     wait_for_run,
 )
-from otel_forge.mlflow.run_metadata import (
+from otel_forge.mlflow.training.run_metadata import (
     DESCRIBED_TAG,
-    REJECTED_TAG,
     NOTE_TAG,
+    REJECTED_TAG,
     batches,
     config_as_dict,
     flatten_params,
@@ -58,26 +64,16 @@ from otel_forge.mlflow.run_metadata import (
     launch_config_path,
     redact,
 )
-from otel_forge.mlflow.run_owner import RunOwner
-from otel_forge.mlflow.spool import default_spool_root
-from otel_forge.mlflow.training_spool import Record, TrainingSpool, training_spool_path
+from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
+from otel_forge.mlflow.training.training_spool import Record, TrainingSpool, training_spool_path
+from otel_forge.mlflow.worker import DeliveryWorker, Outcome
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
-from otel_forge.scrub import REDACTED, SecretKeys, scrub, uri_without_credentials
-from otel_forge.worker import DeliveryWorker, Outcome
+from otel_forge.scrub import REDACTED, SecretKeys, error_line, scrub, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "otel-forge"
-# Set by `otel-forge run` for its command: the run it opened in this attempt of the job, or the one
-# it was asked to resume (or LAUNCHER_OPENS, with a job key, when the server did not answer in time):
-# the command's TrainingRun logs into it, MLflow's own runs nest under it (run_context.py); that run
-# again if it described it just now (the command's TrainingRun adds its own config); the node it
-# samples already (NodeIdentity.sampling_key).
-LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
-LAUNCHER_OPENS = "pending"  # LAUNCHED_RUN_ENV's value while the launcher is still opening the run
-DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
-SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
 MAX_PENDING_METRIC_VALUES = 200_000
 _MAX_REMEMBERED_KEYS = 10_000
 _END_RESERVE_S = 3.0  # of the close budget, kept for the call that ends the run
@@ -94,32 +90,12 @@ def embedded_tracking_uri() -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
-def launched_run_id() -> str | None:
-    """The run ``otel-forge run`` opened for this process; None outside one or while it is still opening."""
-    run_id = os.environ.get(LAUNCHED_RUN_ENV, "").strip()
-    return run_id if run_id and run_id != LAUNCHER_OPENS else None
-
-
 def _is_remote(uri: str) -> bool:
     return uri.startswith(("http://", "https://", "databricks"))
 
 
 def _is_databricks(uri: str) -> bool:
     return uri.startswith("databricks")
-
-
-@dataclass
-class OpenRun:
-    """The live run, as the owner thread opened it."""
-
-    run_id: str
-    run_name: str | None  # None where the run is not read (ranks other than 0)
-    experiment_id: str | None  # None where nothing says it (a rank other than 0 given only the run id)
-    experiment: str
-    resumed: bool
-    last_step: int | None
-    client: Any = field(repr=False)
-    described: bool = False  # the run already holds a job's params, tags and config
 
 
 class TrainingRun:
@@ -168,7 +144,6 @@ class TrainingRun:
         self._flush_pending = False
         self._rejected_recorded = False
         self._rejected_warned = 0  # the count the last warning said
-        self._rows_in_flight: list = []  # taken from the buffer by the flush being delivered
         self._pending_records: list[Record] = []  # describing the run, not delivered yet
         self._outage_at_open = False  # closed while the server never answered the open
         # A run `otel-forge run` opened for this process is this attempt's, not a requeued one.
@@ -180,8 +155,7 @@ class TrainingRun:
         self.described = False
         self.ended = False  # the run's end was recorded by close()
         self._warnings = RateLimitedLogger(_logger)
-        self._handle_sigterm = handle_sigterm
-        self._previous_sigterm: Any = None
+        self._exit_handlers = ExitHandlers(self.close, handle_sigterm)
         self._create_if_missing = create_if_missing
         self._secret = SecretKeys(self.forge_config.secret_keys)
         self.open_error: BaseException | None = None  # why the run did not open, once it did not
@@ -192,7 +166,7 @@ class TrainingRun:
     # --- configuration (no I/O) -------------------------------------------------------------
 
     def _experiment(self, explicit: str | None) -> str:
-        experiment = explicit or os.environ.get("MLFLOW_EXPERIMENT_NAME") or os.environ.get("MLFLOW_EXPERIMENT_ID")
+        experiment = explicit or self.forge_config.experiment_name or self.forge_config.experiment_id
         if _is_databricks(self.tracking_uri) and experiment and not experiment.startswith("/") \
                 and not experiment.isdigit():
             raise ConfigError(f"invalid experiment: on Databricks an experiment is an absolute workspace path "
@@ -233,7 +207,7 @@ class TrainingRun:
                                           max_queue=self.forge_config.queue_size * 16,
                                           call_deadline_s=self.forge_config.call_deadline_s,
                                           classify=self._classify)
-            self._install_exit_handlers()
+            self._exit_handlers.install()
 
     def _wait_open(self, timeout_s: float | None) -> OpenRun | None:
         assert self._opening is not None
@@ -290,19 +264,19 @@ class TrainingRun:
             return False
         self._warnings.warning("open-retry", "MLflow: the tracking server at %s does not answer (%s); the run "
                                "opens when it does, and what is logged waits in memory meanwhile",
-                               uri_without_credentials(self.tracking_uri), scrub(_first_line(error)))
+                               uri_without_credentials(self.tracking_uri), error_line(error))
         return True
 
     def _disable(self, error: BaseException) -> None:
         self.open_error = error
         hint = f". {_DATABRICKS_AUTH_HINT}" if _is_databricks(self.tracking_uri) and _auth_error(error) else ""
-        _logger.warning("MLflow logging disabled: %s%s", scrub(_first_line(error)), hint)
+        _logger.warning("MLflow logging disabled: %s%s", error_line(error), hint)
 
     def _find_or_create(self, client: Any) -> OpenRun | None:
         if not self._owns_run or self._launcher_opens:
             if self.requested_run_id:
                 # Another rank never reads the run: its size must not cost every node.
-                return OpenRun(self.requested_run_id, None, os.environ.get("MLFLOW_EXPERIMENT_ID"), self.experiment,
+                return OpenRun(self.requested_run_id, None, self.forge_config.experiment_id, self.experiment,
                                True, None, client)
             return self._find_job_run(client)
         run = self._resume(client, self.requested_run_id) if self.requested_run_id else None
@@ -356,7 +330,7 @@ class TrainingRun:
                 # Never existed: a mistyped id, not a run to replace.
                 raise MissingRun(f"run {run_id} does not exist at {uri_without_credentials(self.tracking_uri)}; "
                                  f"pass an existing run id, or ask to create one if missing") from None
-            _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, scrub(_first_line(error)))
+            _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, error_line(error))
             return None
         if not self._launched:
             begin_attempt(client, run)
@@ -376,13 +350,13 @@ class TrainingRun:
             return  # under `otel-forge run` the launcher's agent samples this node already
         if not (self._owns_run or self.requested_run_id or self.node.job_key):
             return  # no run can be found: _find_job_run says so
-        from otel_forge.mlflow.monitor import SystemMetricsMonitor
+        from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
 
         config = self.forge_config.replace(run_id=None, tracking_uri=self.tracking_uri)
         try:
             self._system_monitor = SystemMetricsMonitor(config, node=self.node, run_pending=True).start()
         except Exception as error:  # noqa: BLE001 - the node's sampling must never cost the run
-            _logger.warning("system metrics not sampled: %s", scrub(_first_line(error)))
+            _logger.warning("system metrics not sampled: %s", error_line(error))
 
     # --- what a new run records, all on the worker -----------------------------------------
 
@@ -478,7 +452,7 @@ class TrainingRun:
             if self._flush_pending:
                 return
             self._flush_pending = True
-        if not self._submit(_MetricFlush(self)):
+        if not self._submit(self._metric_flush()):
             with self._lock:
                 self._flush_pending = False
 
@@ -512,11 +486,17 @@ class TrainingRun:
                                   self.rejected):
             self._rejected_warned = self.rejected
 
+    def _metric_flush(self) -> MetricFlush:
+        return MetricFlush(self._live_run, self._metrics, self._refused, self._flush_done)
+
+    def _refused(self, row: MetricRow, reason: str) -> None:
+        self._reject(1, "metric %r at step %d refused by the server: %s", row[0], row[3], reason)
+
     def _flush_done(self) -> None:
         """After a flush: another one if metrics are waiting, else none pending."""
         with self._lock:
             self._flush_pending = bool(len(self._metrics)) and self._worker is not None \
-                and self._worker.submit(_MetricFlush(self), follow_up=True)
+                and self._worker.submit(self._metric_flush(), follow_up=True)
         self._record_rejected(follow_up=True)
 
     def _live_run(self) -> OpenRun:
@@ -586,7 +566,7 @@ class TrainingRun:
             if self._closed:
                 return
             self._closed = True
-        self._remove_exit_handlers()
+        self._exit_handlers.remove()
         deadline = time.monotonic() + self.forge_config.drain_deadline_s + _END_RESERVE_S
 
         def left(reserve_s: float = 0.0) -> float:
@@ -632,7 +612,7 @@ class TrainingRun:
     def _keep_undelivered(self, status: str) -> None:
         """What close could not deliver (what describes the run, metric rows, the run's end) goes
         to a spool that ``otel-forge replay`` delivers."""
-        rows = [*self._rows_in_flight, *self._metrics.take(len(self._metrics))]
+        rows = self._metrics.take_undelivered()
         with self._lock:
             records = [*self._pending_records, *self._unrecorded_rejected()]
         run = self._run
@@ -674,7 +654,7 @@ class TrainingRun:
                 self.ended = True
             except Exception as error:  # noqa: BLE001 - the run end is best effort too
                 _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status,
-                                scrub(_first_line(error)) if str(error) else type(error).__name__)
+                                error_line(error))
         self._owner.close()
 
     def __enter__(self) -> TrainingRun:
@@ -688,30 +668,6 @@ class TrainingRun:
         else:
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
 
-    def _install_exit_handlers(self) -> None:
-        atexit.register(self._close_at_exit)
-        if self._handle_sigterm and threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _remove_exit_handlers(self) -> None:
-        atexit.unregister(self._close_at_exit)
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
-
-    def _close_at_exit(self) -> None:
-        self.close("FAILED" if getattr(sys, "last_value", None) is not None else "FINISHED")
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        previous = self._previous_sigterm
-        self.close("KILLED")
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            # Die as SIGTERM would have killed us, now that the run is ended.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
 
 class MissingRun(LookupError):
     """The run id names no run at all (deleted runs are replaced; a mistyped id is not)."""
@@ -721,59 +677,11 @@ class _RunUnavailable(Exception):
     """The run could not be opened: nothing queued for it can be delivered."""
 
 
-class _MetricFlush:
-    """A worker call sending the oldest buffered metrics (up to one ``log_batch``).
-
-    The worker retries the same object after a transient failure, so it keeps the batch it took;
-    a batch the server refuses is split to drop only the values it refuses.
-    """
-
-    def __init__(self, training_run: TrainingRun) -> None:
-        self._training_run = training_run
-        self._batch: list | None = None
-
-    def __call__(self) -> None:
-        training_run = self._training_run
-        run = training_run._live_run()  # noqa: SLF001 - a piece of TrainingRun
-        if self._batch is None:
-            skip_to = -1 if run.last_step is None else run.last_step
-            # A resumed run already holds its steps up to last_step.
-            self._batch = [row for row in training_run._metrics.take(MAX_METRICS_PER_BATCH) if row[3] > skip_to]
-            training_run._rows_in_flight = self._batch  # noqa: SLF001 - kept at close if never sent
-        self._send(run, self._batch)
-        training_run._rows_in_flight = []  # noqa: SLF001
-        training_run._flush_done()  # noqa: SLF001
-
-    def _send(self, run: OpenRun, rows: list) -> None:
-        """One ``log_batch``; a batch the server refuses is split until the refused values are
-        found, and only they are dropped (warned). Resending what was delivered costs nothing:
-        MLflow drops exact duplicates."""
-        if not rows:
-            return
-        try:
-            Metric = import_mlflow().entities.Metric
-            run.client.log_batch(run.run_id, metrics=[Metric(*row) for row in rows], synchronous=True)
-        except Exception as error:
-            if classify(error) is not Outcome.DROP:
-                raise  # retried by the worker with this same batch, or the end of delivery
-            if len(rows) > 1:
-                middle = len(rows) // 2
-                self._send(run, rows[:middle])
-                self._send(run, rows[middle:])
-                return
-            self._training_run._reject(1, "metric %r at step %d refused by the server: %s",  # noqa: SLF001
-                                       rows[0][0], rows[0][3], scrub(_first_line(error)))
-
-
 def _in_background(call: Callable[[], None]) -> threading.Thread:
     thread = threading.Thread(target=call, name="otel-forge-close", daemon=True)
     thread.start()
     return thread
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error) or type(error).__name__
-    return text.splitlines()[0]
 
 
 def _auth_error(error: BaseException) -> bool:

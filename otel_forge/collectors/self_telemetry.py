@@ -1,0 +1,84 @@
+"""The agent's own readings: its reads of each source, and what it serves (MLflow delivery, the run).
+
+Built by their owners around what they report on, never from the settings; each takes only the
+narrow view it reads (a ``Protocol``), so this module imports neither the pipeline nor MLflow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from otel_forge.collectors.base import Collector, Readings
+
+
+class _ReadStats(Protocol):
+    reads: int
+    errors: int
+    read_time_s: float
+
+
+class ReadCounted(Protocol):
+    """A source whose reads are counted (the snapshot cache of a collector)."""
+
+    name: str
+    stats: _ReadStats
+
+
+class RunIdentity(Protocol):
+    """What is known of the run the windows go to (None until the server said)."""
+
+    run_id: str | None
+    experiment_id: str | None
+    run_name: str | None
+
+
+class SelfTelemetryCollector(Collector):
+    """The agent's read statistics (time, reads, errors per collector) and when it was read, i.e.
+    collected: what a scrape serves is that old (``time() - otel_forge_collect_time_seconds``)."""
+
+    name = "self"
+
+    def __init__(self, sources: Sequence[ReadCounted]) -> None:
+        self._sources = sources
+
+    def read(self, readings: Readings) -> None:
+        readings.add("otel_forge.collect.time", time.time())
+        for source in self._sources:
+            attributes = {"otel_forge.collector": source.name}
+            readings.add("otel_forge.collector.reads", source.stats.reads, attributes)
+            readings.add("otel_forge.collector.errors", source.stats.errors, attributes)
+            readings.add("otel_forge.collector.read.time", source.stats.read_time_s, attributes)
+
+
+class DeliveryStatsCollector(Collector):
+    """Self-telemetry of the MLflow delivery: windows delivered, retried, spooled, dropped."""
+
+    name = "delivery"
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def read(self, readings: Readings) -> None:
+        for outcome, count in self._counts().items():
+            if outcome != "pending":
+                readings.add("otel_forge.delivery.windows", count, {"otel_forge.delivery.outcome": outcome})
+
+
+class RunInfoCollector(Collector):
+    """The run this agent serves, as an info metric (value 1) that Grafana can join on."""
+
+    name = "run"
+
+    def __init__(self, run: RunIdentity, node_id: str | None) -> None:
+        self._run = run
+        self._node_id = node_id
+
+    def read(self, readings: Readings) -> None:
+        run = self._run
+        if run.experiment_id is None or run.run_id is None:
+            return  # not read from the server yet: one series per run, never a relabelled one
+        readings.add("otel_forge.run.info", 1, {
+            "mlflow.run.id": run.run_id, "mlflow.experiment.id": run.experiment_id,
+            "mlflow.run.name": run.run_name or "", "otel_forge.node.id": self._node_id or ""})
