@@ -80,6 +80,7 @@ def _from_milliseconds(parse: Callable[[str], float]) -> Callable[[str], float]:
 
     return parse_ms
 
+
 _deadline = _float_within(0.1, 3_600.0, " s")
 
 
@@ -110,8 +111,7 @@ def _node_id(text: str) -> str | None:
     """A node id is one segment of an MLflow key and a label value: letters, digits, ``_.-``."""
     value = text.strip()
     if value and not _NODE_ID.fullmatch(value):
-        raise ValueError(f"must be 1-128 letters, digits, '_', '.' or '-' (not starting with '.' or '-'), "
-                         f"got {text!r}")
+        raise ValueError(f"must be 1-128 letters, digits, '_', '.' or '-' (not starting with '.' or '-'), got {text!r}")
     return value or None
 
 
@@ -173,8 +173,10 @@ def _gpus(text: str) -> str:
     entries = [entry.strip() for entry in value.split(",")]
     bad = [entry for entry in entries if not _GPU_ENTRY.fullmatch(entry)]
     if not value or bad:
-        raise ValueError(f"must be 'all', 'visible' or a list of GPU indices (0, 1, ...) and UUIDs "
-                         f"(GPU-..., MIG-...){'; not ' + ', '.join(map(repr, bad)) if value else ''}")
+        raise ValueError(
+            f"must be 'all', 'visible' or a list of GPU indices (0, 1, ...) and UUIDs "
+            f"(GPU-..., MIG-...){'; not ' + ', '.join(map(repr, bad)) if value else ''}"
+        )
     return value
 
 
@@ -321,86 +323,209 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("sampling_interval_s", ("OTEL_FORGE_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
-                                    "OTEL_METRIC_EXPORT_INTERVAL"),
-            _interval, 10.0, "Seconds between two samples of the hardware (periodic readers' interval), 0.01 to 86400; "
-            "`OTEL_METRIC_EXPORT_INTERVAL` in milliseconds, as the OTel SDK reads it.",
-            env_parse={"OTEL_METRIC_EXPORT_INTERVAL": _from_milliseconds(_interval)}),
-    Setting("export_timeout_s", ("OTEL_FORGE_EXPORT_TIMEOUT", "OTEL_METRIC_EXPORT_TIMEOUT"), _export_timeout, 30.0,
-            "Seconds one collect and its exports may take (the periodic reader's export timeout; it also bounds "
-            "the OTLP exporter's requests); `OTEL_METRIC_EXPORT_TIMEOUT` in milliseconds.",
-            env_parse={"OTEL_METRIC_EXPORT_TIMEOUT": _from_milliseconds(_export_timeout)}),
-    Setting("samples_per_window", ("OTEL_FORGE_SAMPLES_PER_WINDOW", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING"),
-            _int_within(1, 10_000), None,
-            "Samples folded into one MLflow step (default: by the job's node count, 1 alone or up to 32 nodes, 3 up "
-            "to 256, 6 beyond: 10, 30, 60 s windows at the default interval; Prometheus and OTLP keep every "
-            "sample)."),
-    Setting("max_age_s", ("OTEL_FORGE_MAX_AGE",), _float_within(0.001, MAX_INTERVAL_S, " s"), None,
-            "A snapshot younger than this is served from cache (default: 0.9 x sampling interval)."),
-    Setting("node_id", ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID"), _node_id, None,
-            "Node id in metric keys and the resource (default: derived from SLURM/torchrun when the job spans nodes, "
-            "the host name under MPI)."),
-    Setting("job_id", ("OTEL_FORGE_JOB_ID",), _optional_text, None,
-            "Job key every process of one job shares, to find the job's one MLflow run (default: derived from "
-            "SLURM job id and step, torchrun's rendezvous id or the MPI job)."),
+    Setting(
+        "sampling_interval_s",
+        ("OTEL_FORGE_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "OTEL_METRIC_EXPORT_INTERVAL"),
+        _interval,
+        10.0,
+        "Seconds between two samples of the hardware (periodic readers' interval), 0.01 to 86400; "
+        "`OTEL_METRIC_EXPORT_INTERVAL` in milliseconds, as the OTel SDK reads it.",
+        env_parse={"OTEL_METRIC_EXPORT_INTERVAL": _from_milliseconds(_interval)},
+    ),
+    Setting(
+        "export_timeout_s",
+        ("OTEL_FORGE_EXPORT_TIMEOUT", "OTEL_METRIC_EXPORT_TIMEOUT"),
+        _export_timeout,
+        30.0,
+        "Seconds one collect and its exports may take (the periodic reader's export timeout; it also bounds "
+        "the OTLP exporter's requests); `OTEL_METRIC_EXPORT_TIMEOUT` in milliseconds.",
+        env_parse={"OTEL_METRIC_EXPORT_TIMEOUT": _from_milliseconds(_export_timeout)},
+    ),
+    Setting(
+        "samples_per_window",
+        ("OTEL_FORGE_SAMPLES_PER_WINDOW", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING"),
+        _int_within(1, 10_000),
+        None,
+        "Samples folded into one MLflow step (default: by the job's node count, 1 alone or up to 32 nodes, 3 up "
+        "to 256, 6 beyond: 10, 30, 60 s windows at the default interval; Prometheus and OTLP keep every "
+        "sample).",
+    ),
+    Setting(
+        "max_age_s",
+        ("OTEL_FORGE_MAX_AGE",),
+        _float_within(0.001, MAX_INTERVAL_S, " s"),
+        None,
+        "A snapshot younger than this is served from cache (default: 0.9 x sampling interval).",
+    ),
+    Setting(
+        "node_id",
+        ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID"),
+        _node_id,
+        None,
+        "Node id in metric keys and the resource (default: derived from SLURM/torchrun when the job spans nodes, "
+        "the host name under MPI).",
+    ),
+    Setting(
+        "job_id",
+        ("OTEL_FORGE_JOB_ID",),
+        _optional_text,
+        None,
+        "Job key every process of one job shares, to find the job's one MLflow run (default: derived from "
+        "SLURM job id and step, torchrun's rendezvous id or the MPI job).",
+    ),
     Setting("service_name", ("OTEL_SERVICE_NAME",), _optional_text, "otel-forge", "OTel `service.name`."),
-    Setting("resource_attributes", ("OTEL_RESOURCE_ATTRIBUTES",), _resource_attributes, {},
-            "Extra resource attributes, `key=value,...`."),
-    Setting("collectors", ("OTEL_FORGE_COLLECTORS",), _subset_of(COLLECTOR_NAMES), COLLECTOR_NAMES,
-            "Collectors to run, comma-separated."),
-    Setting("gpus", ("OTEL_FORGE_GPUS",), _gpus, "all",
-            "GPUs to read: `all`, `visible` (CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES) or a list of indices/UUIDs."),
+    Setting(
+        "resource_attributes",
+        ("OTEL_RESOURCE_ATTRIBUTES",),
+        _resource_attributes,
+        {},
+        "Extra resource attributes, `key=value,...`.",
+    ),
+    Setting(
+        "collectors",
+        ("OTEL_FORGE_COLLECTORS",),
+        _subset_of(COLLECTOR_NAMES),
+        COLLECTOR_NAMES,
+        "Collectors to run, comma-separated.",
+    ),
+    Setting(
+        "gpus",
+        ("OTEL_FORGE_GPUS",),
+        _gpus,
+        "all",
+        "GPUs to read: `all`, `visible` (CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES) "
+        "or a list of indices/UUIDs.",
+    ),
     Setting("per_cpu", ("OTEL_FORGE_PER_CPU",), _bool, False, "Also report utilization per logical CPU."),
     Setting("pid", ("OTEL_FORGE_PID",), _pid, None, "Root of the monitored process tree (default: this process)."),
     Setting("prometheus", ("OTEL_FORGE_PROMETHEUS",), _bool, True, "Serve a Prometheus `/metrics` endpoint."),
-    Setting("prometheus_host", ("OTEL_EXPORTER_PROMETHEUS_HOST",), _host, "localhost",
-            "Address the Prometheus endpoint binds (`0.0.0.0`: every interface)."),
-    Setting("prometheus_port", ("OTEL_EXPORTER_PROMETHEUS_PORT",), _port, 9464,
-            "Port of the Prometheus endpoint (0 picks a free one)."),
-    Setting("otlp_endpoint", (OTLP_METRICS_ENDPOINT_ENV, OTLP_ENDPOINT_ENV), _otlp_endpoint, None,
-            "OTLP endpoint; unset means no OTLP export. HTTP: `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` is the URL "
-            "posted to, `OTEL_EXPORTER_OTLP_ENDPOINT` a base URL that gains `/v1/metrics`, an argument "
-            "(`--otlp-endpoint`) either: a URL ending in `/v1/metrics` is kept, any other gains it. gRPC: also "
-            "`host:port`, which uses TLS unless `OTEL_EXPORTER_OTLP_[METRICS_]INSECURE=true`, as the OTel exporter "
-            "does (`http://` is plaintext, `https://` TLS); a path means nothing to gRPC and is dropped, with a "
-            "warning. `otel-forge doctor` shows the URL used."),
-    Setting("otlp_protocol", ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
-            _one_of(OTLP_PROTOCOLS), "http/protobuf", "OTLP transport: `grpc` or `http/protobuf`."),
-    Setting("run_id", ("MLFLOW_RUN_ID",), _optional_text, None,
-            "MLflow run that receives the system metrics (`otel-forge monitor --run-id`)."),
-    Setting("experiment_id", ("MLFLOW_EXPERIMENT_ID",), _optional_text, None,
-            "The run's experiment: with `run_id`, an agent never reads the run (nodes of a large run start "
-            "cheap); without it, a standalone agent reads the run once."),
-    Setting("experiment_name", ("MLFLOW_EXPERIMENT_NAME",), _optional_text, None,
-            "Experiment of the run `TrainingRun` and `otel-forge run` open or find (default: `experiment_id`, "
-            "else `otel-forge`)."),
-    Setting("tracking_uri", ("MLFLOW_TRACKING_URI",), _tracking_uri, None,
-            "MLflow tracking URI (default: MLflow's own default, a local store in the working directory)."),
-    Setting("mlflow_stats", ("OTEL_FORGE_MLFLOW_STATS",), _stats, ("mean",),
-            "Window statistics logged to MLflow: `mean`, plus `max`/`min` as `<key>_max`/`<key>_min`."),
-    Setting("secret_keys", ("OTEL_FORGE_SECRET_KEYS",), _phrases, (),
-            "More key words that name a secret, comma-separated (`vault path,pin`): values under such keys are "
-            "masked in params, tags, config.json and the uploaded launch file. Built in: see Credentials."),
-    Setting("spool_dir", ("OTEL_FORGE_SPOOL_DIR",), _optional_text, None,
-            "Where undeliverable windows wait (default: `$XDG_CACHE_HOME/otel-forge/spool`)."),
-    Setting("spool_max_bytes", ("OTEL_FORGE_SPOOL_MAX_BYTES",), _byte_size, 64 << 20,
-            "Cap of the on-disk spool per exporter; past it windows are dropped and counted."),
-    Setting("queue_size", ("OTEL_FORGE_QUEUE_SIZE",), _int_within(1, 100_000), 64,
-            "Windows held in memory before spilling to the spool."),
-    Setting("call_deadline_s", ("OTEL_FORGE_CALL_DEADLINE",), _deadline, 30.0,
-            "Deadline of one tracking-server call; a hung call costs a thread, never the caller."),
-    Setting("start_wait_s", ("OTEL_FORGE_START_WAIT",), _float_within(0.0, 3_600.0, " s"), 15.0,
-            "How long `otel-forge run` waits for the tracking server before starting CMD; the run goes on "
-            "opening in the background, and CMD finds it by a job key."),
-    Setting("drain_deadline_s", ("OTEL_FORGE_DRAIN_DEADLINE",), _deadline, 10.0,
-            "How long closing waits for pending windows before leaving them in the spool."),
+    Setting(
+        "prometheus_host",
+        ("OTEL_EXPORTER_PROMETHEUS_HOST",),
+        _host,
+        "localhost",
+        "Address the Prometheus endpoint binds (`0.0.0.0`: every interface).",
+    ),
+    Setting(
+        "prometheus_port",
+        ("OTEL_EXPORTER_PROMETHEUS_PORT",),
+        _port,
+        9464,
+        "Port of the Prometheus endpoint (0 picks a free one).",
+    ),
+    Setting(
+        "otlp_endpoint",
+        (OTLP_METRICS_ENDPOINT_ENV, OTLP_ENDPOINT_ENV),
+        _otlp_endpoint,
+        None,
+        "OTLP endpoint; unset means no OTLP export. HTTP: `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` is the URL "
+        "posted to, `OTEL_EXPORTER_OTLP_ENDPOINT` a base URL that gains `/v1/metrics`, an argument "
+        "(`--otlp-endpoint`) either: a URL ending in `/v1/metrics` is kept, any other gains it. gRPC: also "
+        "`host:port`, which uses TLS unless `OTEL_EXPORTER_OTLP_[METRICS_]INSECURE=true`, as the OTel exporter "
+        "does (`http://` is plaintext, `https://` TLS); a path means nothing to gRPC and is dropped, with a "
+        "warning. `otel-forge doctor` shows the URL used.",
+    ),
+    Setting(
+        "otlp_protocol",
+        ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+        _one_of(OTLP_PROTOCOLS),
+        "http/protobuf",
+        "OTLP transport: `grpc` or `http/protobuf`.",
+    ),
+    Setting(
+        "run_id",
+        ("MLFLOW_RUN_ID",),
+        _optional_text,
+        None,
+        "MLflow run that receives the system metrics (`otel-forge monitor --run-id`).",
+    ),
+    Setting(
+        "experiment_id",
+        ("MLFLOW_EXPERIMENT_ID",),
+        _optional_text,
+        None,
+        "The run's experiment: with `run_id`, an agent never reads the run (nodes of a large run start "
+        "cheap); without it, a standalone agent reads the run once.",
+    ),
+    Setting(
+        "experiment_name",
+        ("MLFLOW_EXPERIMENT_NAME",),
+        _optional_text,
+        None,
+        "Experiment of the run `TrainingRun` and `otel-forge run` open or find (default: `experiment_id`, "
+        "else `otel-forge`).",
+    ),
+    Setting(
+        "tracking_uri",
+        ("MLFLOW_TRACKING_URI",),
+        _tracking_uri,
+        None,
+        "MLflow tracking URI (default: MLflow's own default, a local store in the working directory).",
+    ),
+    Setting(
+        "mlflow_stats",
+        ("OTEL_FORGE_MLFLOW_STATS",),
+        _stats,
+        ("mean",),
+        "Window statistics logged to MLflow: `mean`, plus `max`/`min` as `<key>_max`/`<key>_min`.",
+    ),
+    Setting(
+        "secret_keys",
+        ("OTEL_FORGE_SECRET_KEYS",),
+        _phrases,
+        (),
+        "More key words that name a secret, comma-separated (`vault path,pin`): values under such keys are "
+        "masked in params, tags, config.json and the uploaded launch file. Built in: see Credentials.",
+    ),
+    Setting(
+        "spool_dir",
+        ("OTEL_FORGE_SPOOL_DIR",),
+        _optional_text,
+        None,
+        "Where undeliverable windows wait (default: `$XDG_CACHE_HOME/otel-forge/spool`).",
+    ),
+    Setting(
+        "spool_max_bytes",
+        ("OTEL_FORGE_SPOOL_MAX_BYTES",),
+        _byte_size,
+        64 << 20,
+        "Cap of the on-disk spool per exporter; past it windows are dropped and counted.",
+    ),
+    Setting(
+        "queue_size",
+        ("OTEL_FORGE_QUEUE_SIZE",),
+        _int_within(1, 100_000),
+        64,
+        "Windows held in memory before spilling to the spool.",
+    ),
+    Setting(
+        "call_deadline_s",
+        ("OTEL_FORGE_CALL_DEADLINE",),
+        _deadline,
+        30.0,
+        "Deadline of one tracking-server call; a hung call costs a thread, never the caller.",
+    ),
+    Setting(
+        "start_wait_s",
+        ("OTEL_FORGE_START_WAIT",),
+        _float_within(0.0, 3_600.0, " s"),
+        15.0,
+        "How long `otel-forge run` waits for the tracking server before starting CMD; the run goes on "
+        "opening in the background, and CMD finds it by a job key.",
+    ),
+    Setting(
+        "drain_deadline_s",
+        ("OTEL_FORGE_DRAIN_DEADLINE",),
+        _deadline,
+        10.0,
+        "How long closing waits for pending windows before leaving them in the spool.",
+    ),
 )
 
 # The default samples per MLflow window by the job's node count: (at most this many nodes, samples).
 SAMPLES_PER_WINDOW_BY_NODE_COUNT: tuple[tuple[float, int], ...] = ((32, 1), (256, 3), (math.inf, 6))
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
-
 
 
 def env_name(setting: str) -> str:
@@ -494,8 +619,9 @@ class ForgeConfig:
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def resolve(cls, environ: Mapping[str, str] | None = None, argument_names: Mapping[str, str] | None = None,
-                **explicit: Any) -> ForgeConfig:
+    def resolve(
+        cls, environ: Mapping[str, str] | None = None, argument_names: Mapping[str, str] | None = None, **explicit: Any
+    ) -> ForgeConfig:
         """Resolve every setting: ``explicit`` (None means unset) > environment > default.
 
         ``argument_names`` maps a field to what the user typed for it (a CLI flag), so an
@@ -510,8 +636,9 @@ class ForgeConfig:
         sources: dict[str, Source] = {}
         for setting in SETTINGS:
             argument = Source(Origin.ARGUMENT, argument_names.get(setting.name, ""))
-            values[setting.name], sources[setting.name] = _resolve_one(setting, explicit.get(setting.name), environ,
-                                                                       argument)
+            values[setting.name], sources[setting.name] = _resolve_one(
+                setting, explicit.get(setting.name), environ, argument
+            )
         return cls(**values, sources=sources)
 
     def source(self, name: str) -> Source:
@@ -549,9 +676,11 @@ class ForgeConfig:
     def __post_init__(self) -> None:
         # Only here are endpoint and protocol known together: host:port alone is gRPC's form.
         if self.otlp_endpoint and self.otlp_protocol != "grpc" and _HOST_PORT.fullmatch(self.otlp_endpoint):
-            raise ConfigError(f"invalid otlp_endpoint (from {self.source('otlp_endpoint')}): must be "
-                              f"an http:// or https:// URL with otlp_protocol {self.otlp_protocol} (host:port alone "
-                              f"is for grpc), got {self.otlp_endpoint!r}")
+            raise ConfigError(
+                f"invalid otlp_endpoint (from {self.source('otlp_endpoint')}): must be "
+                f"an http:// or https:// URL with otlp_protocol {self.otlp_protocol} (host:port alone "
+                f"is for grpc), got {self.otlp_endpoint!r}"
+            )
 
     def replace(self, **changes: Any) -> ForgeConfig:
         """A copy with ``changes`` applied as explicit arguments (validated the same way)."""
@@ -571,8 +700,9 @@ def _is_set(env_name: str, environ: Mapping[str, str]) -> bool:
     return env_name.startswith(OWN_PREFIX) or bool(value.strip())
 
 
-def _resolve_one(setting: Setting, explicit: Any, environ: Mapping[str, str],
-                 argument_source: Source = ARGUMENT_SOURCE) -> tuple[Any, Source]:
+def _resolve_one(
+    setting: Setting, explicit: Any, environ: Mapping[str, str], argument_source: Source = ARGUMENT_SOURCE
+) -> tuple[Any, Source]:
     env_name = None
     if explicit is not None:
         source = argument_source

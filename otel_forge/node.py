@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 # Launcher variables, most specific first. torchrun sets RANK/LOCAL_RANK/GROUP_RANK; SLURM its
 # own; Open MPI, MPICH/PMI and Intel MPI theirs.
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                    "PALS_LOCAL_RANKID")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
 _WORLD_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _NODE_RANK_VARS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
 _NODE_COUNT_VARS = ("GROUP_WORLD_SIZE", "NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
@@ -59,8 +58,14 @@ def host_node_id(hostname: str) -> str:
     return re.sub(r"[^\w\-]+", "_", short).strip("_") or "host"
 
 
-def _derived_node_id(environ: Mapping[str, str], node_rank: int | None, node_count: int | None,
-                     world_size: int | None, hostname: str, host_named: bool) -> tuple[str | None, str]:
+def _derived_node_id(
+    environ: Mapping[str, str],
+    node_rank: int | None,
+    node_count: int | None,
+    world_size: int | None,
+    hostname: str,
+    host_named: bool,
+) -> tuple[str | None, str]:
     """The launcher's node id and the variables it came from; None on a single node."""
     if node_rank is not None and (node_count or 0) > 1:
         source = next(name for name in _NODE_RANK_VARS if _first_int(environ, (name,)) is not None)
@@ -105,9 +110,15 @@ class NodeIdentity:
     job_key_source: str = UNKNOWN
 
     @classmethod
-    def detect(cls, explicit_node_id: str | None = None, environ: Mapping[str, str] | None = None, *,
-               explicit_job_id: str | None = None, sources: Mapping[str, Source] | None = None,
-               host_named: bool = False) -> NodeIdentity:
+    def detect(
+        cls,
+        explicit_node_id: str | None = None,
+        environ: Mapping[str, str] | None = None,
+        *,
+        explicit_job_id: str | None = None,
+        sources: Mapping[str, Source] | None = None,
+        host_named: bool = False,
+    ) -> NodeIdentity:
         """Read the launcher's variables; explicit ids (already resolved from config) win.
 
         ``sources`` says where the explicit values came from (``ForgeConfig.sources``);
@@ -124,22 +135,31 @@ class NodeIdentity:
         if explicit_node_id is not None:
             node_id, node_id_source = explicit_node_id, str(sources.get("node_id", ARGUMENT_SOURCE))
         else:
-            node_id, node_id_source = _derived_node_id(environ, node_rank, node_count, world_size, hostname,
-                                                       host_named)
+            node_id, node_id_source = _derived_node_id(environ, node_rank, node_count, world_size, hostname, host_named)
         if explicit_job_id is not None:
             key, key_source = explicit_job_id, str(sources.get("job_id", ARGUMENT_SOURCE))
         else:
             key, key_source = job_key(environ)
-        return cls(node_id=node_id, rank=_first_int(environ, _RANK_VARS),
-                   local_rank=_first_int(environ, _LOCAL_RANK_VARS), world_size=world_size,
-                   node_rank=node_rank, node_count=node_count, hostname=hostname, job_key=key,
-                   node_id_source=node_id_source, job_key_source=key_source)
+        return cls(
+            node_id=node_id,
+            rank=_first_int(environ, _RANK_VARS),
+            local_rank=_first_int(environ, _LOCAL_RANK_VARS),
+            world_size=world_size,
+            node_rank=node_rank,
+            node_count=node_count,
+            hostname=hostname,
+            job_key=key,
+            node_id_source=node_id_source,
+            job_key_source=key_source,
+        )
 
     @classmethod
-    def from_config(cls, config: ForgeConfig, environ: Mapping[str, str] | None = None,
-                    host_named: bool = False) -> NodeIdentity:
-        return cls.detect(config.node_id, environ, explicit_job_id=config.job_id, sources=config.sources,
-                          host_named=host_named)
+    def from_config(
+        cls, config: ForgeConfig, environ: Mapping[str, str] | None = None, host_named: bool = False
+    ) -> NodeIdentity:
+        return cls.detect(
+            config.node_id, environ, explicit_job_id=config.job_id, sources=config.sources, host_named=host_named
+        )
 
     @property
     def runs_agent(self) -> bool:
@@ -174,8 +194,11 @@ def build_resource(config: ForgeConfig, node: NodeIdentity) -> Resource:
 
     # One agent per node: the host names the instance, so a restarted agent continues its series
     # (the SDK's default is a new UUID per process).
-    attributes: dict[str, str] = {"service.name": config.service_name, "service.instance.id": node.hostname,
-                                  "host.name": node.hostname}
+    attributes: dict[str, str] = {
+        "service.name": config.service_name,
+        "service.instance.id": node.hostname,
+        "host.name": node.hostname,
+    }
     if (machine_id := host_id()) is not None:
         attributes["host.id"] = machine_id
     if node.node_id is not None:

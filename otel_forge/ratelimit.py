@@ -11,8 +11,9 @@ from collections.abc import Callable
 class RateLimitedLogger:
     """Logs a warning for ``key`` at most once every ``interval_s``; the rest are counted."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._logger = logger
         self._interval_s = interval_s
         self._clock = clock

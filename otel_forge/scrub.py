@@ -15,20 +15,39 @@ REDACTED = "***"
 # A key names a secret when its words (split on `_ . - /` and camelCase) contain one of these
 # phrases: `db.password`, `hf_token`, `openai_api_key`, `awsSecretAccessKey`, but not
 # `tokenizer` or `max_tokens`. OTEL_FORGE_SECRET_KEYS adds phrases.
-SECRET_KEY_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential", "credentials",
-                    "api key", "apikey", "access key", "private key", "authorization", "auth", "cookie",
-                    "session key", "signature")
+SECRET_KEY_WORDS = (
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "token",
+    "credential",
+    "credentials",
+    "api key",
+    "apikey",
+    "access key",
+    "private key",
+    "authorization",
+    "auth",
+    "cookie",
+    "session key",
+    "signature",
+)
 
 _USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]{0,31}://)[^/@\s]{1,512}@")
-_SECRETS = re.compile(r"(?i)(?P<name>token|password|passwd|secret|api[_-]?key|authorization)"
-                      r"(?P<sep>\s{0,16}[=:]\s{0,16}|\s{1,16})"
-                      r"""(?P<value>(bearer\s{1,16})?(?![=:]|["']?\*\*\*)[^\s&,;]{1,4096})""")
+_SECRETS = re.compile(
+    r"(?i)(?P<name>token|password|passwd|secret|api[_-]?key|authorization)"
+    r"(?P<sep>\s{0,16}[=:]\s{0,16}|\s{1,16})"
+    r"""(?P<value>(bearer\s{1,16})?(?![=:]|["']?\*\*\*)[^\s&,;]{1,4096})"""
+)
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _WORD_SPLIT = re.compile(r"[^a-z0-9]+")
 # key = value, key: value, "key": "value" -- a key of at most 128 characters, so each position is
 # tried in bounded time.
-_ASSIGNMENT = re.compile(r"""(?P<key>["']?[A-Za-z_][\w.\-]{0,127}["']?)(?P<sep>\s{0,16}[=:]\s{0,16})"""
-                         r"""(?P<value>"(?:[^"\\\n]|\\.){0,65536}"|'[^'\n]{0,65536}'|[^\s,#}\]\n]{1,65536})""")
+_ASSIGNMENT = re.compile(
+    r"""(?P<key>["']?[A-Za-z_][\w.\-]{0,127}["']?)(?P<sep>\s{0,16}[=:]\s{0,16})"""
+    r"""(?P<value>"(?:[^"\\\n]|\\.){0,65536}"|'[^'\n]{0,65536}'|[^\s,#}\]\n]{1,65536})"""
+)
 
 
 # One regex call holds the GIL throughout: long texts are scrubbed in slices of this size, cut at
@@ -39,7 +58,6 @@ SLICE_CHARS = 64 * 1024
 def scrub(text: str) -> str:
     """``text`` with URI userinfo and ``token=...``-like values replaced by ``***``."""
     return "".join(_scrub_slice(piece) for piece in _slices(text))
-
 
 
 def error_line(error: BaseException) -> str:
@@ -76,8 +94,11 @@ class SecretKeys:
 
     def __call__(self, key: str) -> bool:
         words = key_words(key)
-        return any(words[i:i + len(phrase)] == list(phrase) for phrase in self._phrases
-                   for i in range(len(words) - len(phrase) + 1))
+        return any(
+            words[i : i + len(phrase)] == list(phrase)
+            for phrase in self._phrases
+            for i in range(len(words) - len(phrase) + 1)
+        )
 
     def redact_text(self, text: str) -> str:
         """A config file's text (TOML, YAML, JSON, env) with secret-keyed values and userinfo masked."""

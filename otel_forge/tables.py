@@ -19,8 +19,10 @@ def _code(text: str) -> str:
 
 
 def metrics_markdown() -> str:
-    rows = ["| metric | kind | unit | attributes | collector | MLflow keys (`system/[<node>/]...`) | description |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| metric | kind | unit | attributes | collector | MLflow keys (`system/[<node>/]...`) | description |",
+        "|---|---|---|---|---|---|---|",
+    ]
     seen: dict[str, list[str]] = {}
     for spec in METRICS:
         seen.setdefault(spec.name, []).append(spec.source)
@@ -30,8 +32,10 @@ def metrics_markdown() -> str:
             continue  # the same metric from another collector: one row, both sources
         attributes = ", ".join(_code(a) for a in spec.attributes)
         keys = "<br>".join(_mlflow_key(k) for k in spec.mlflow)
-        rows.append(f"| {_code(spec.name)} | {spec.kind.value} | {_code(spec.unit)} | {attributes} "
-                    f"| {', '.join(sources)} | {keys} | {spec.description} |")
+        rows.append(
+            f"| {_code(spec.name)} | {spec.kind.value} | {_code(spec.unit)} | {attributes} "
+            f"| {', '.join(sources)} | {keys} | {spec.description} |"
+        )
     return "\n".join(rows)
 
 
@@ -60,7 +64,8 @@ def render(readme: str) -> str:
     """``readme`` with every ``<!-- NAME:begin -->...<!-- NAME:end -->`` section regenerated."""
     for name, build in SECTIONS.items():
         pattern = re.compile(rf"(<!-- {name}:begin -->).*?(<!-- {name}:end -->)", re.DOTALL)
-        readme = pattern.sub(lambda m, b=build: f"{m.group(1)}\n{b()}\n{m.group(2)}", readme)
+        body = build()
+        readme = pattern.sub(lambda m: f"{m.group(1)}\n{body}\n{m.group(2)}", readme)  # noqa: B023 - used at once
     return readme
 
 

@@ -45,8 +45,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="otel-forge", description="Hardware metrics of a training machine, "
-                                                       "to MLflow, Prometheus and OpenTelemetry.")
+    parser = _Parser(
+        prog="otel-forge",
+        description="Hardware metrics of a training machine, to MLflow, Prometheus and OpenTelemetry.",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in (run, monitor, doctor, replay):
@@ -78,4 +80,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     except KeyboardInterrupt:
         return 130
-

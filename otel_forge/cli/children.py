@@ -8,6 +8,7 @@ ending it ourselves.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -31,7 +32,7 @@ LEFTOVER_GRACE_S = 3.0  # then SIGKILL: part of the 20 s a SIGTERM leaves us
 
 def _prctl() -> Callable[..., int] | None:
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux
         return None
 
@@ -62,8 +63,11 @@ def stop_leftovers(keep: Collection[int] = ()) -> None:
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep and _name(p) != "git"]
     if not left:
         return
-    _logger.warning("CMD left %d process(es) running (pids %s): stopping them before the run ends", len(left),
-                    ", ".join(str(p.pid) for p in left))
+    _logger.warning(
+        "CMD left %d process(es) running (pids %s): stopping them before the run ends",
+        len(left),
+        ", ".join(str(p.pid) for p in left),
+    )
     for process in left:
         _signal(process, signal.SIGTERM)
     _, alive = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_S)
@@ -80,10 +84,8 @@ def _name(process: psutil.Process) -> str:
 
 
 def _signal(process: psutil.Process, sig: int) -> None:
-    try:
+    with contextlib.suppress(psutil.Error):
         process.send_signal(sig)
-    except psutil.Error:
-        pass
 
 
 class Watchdog:
@@ -95,15 +97,27 @@ class Watchdog:
     the run KILLED. In a session of its own, so a signal to our process group does not reach it.
     """
 
-    def __init__(self, run_id: str, tracking_uri: str, experiment_id: str | None, node: NodeIdentity,
-                 environ: dict[str, str]) -> None:
+    def __init__(
+        self, run_id: str, tracking_uri: str, experiment_id: str | None, node: NodeIdentity, environ: dict[str, str]
+    ) -> None:
         read_end, self._write_end = os.pipe()
-        command = [sys.executable, "-m", "otel_forge.cli.watchdog", str(read_end), run_id, experiment_id or "",
-                   json.dumps(dataclasses.asdict(node))]
+        command = [
+            sys.executable,
+            "-m",
+            "otel_forge.cli.watchdog",
+            str(read_end),
+            run_id,
+            experiment_id or "",
+            json.dumps(dataclasses.asdict(node)),
+        ]
         # The tracking URI may hold credentials: in the environment, never on a command line.
-        self.process = subprocess.Popen(command, pass_fds=(read_end,), start_new_session=True,
-                                        env={**environ, env_name("tracking_uri"): tracking_uri},
-                                        stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            command,
+            pass_fds=(read_end,),
+            start_new_session=True,
+            env={**environ, env_name("tracking_uri"): tracking_uri},
+            stdin=subprocess.DEVNULL,
+        )
         os.close(read_end)
 
     @property
@@ -121,8 +135,11 @@ class Watchdog:
     def hand_over(self, status: str) -> None:
         """We could not end the run: the watchdog ends it with ``status`` when the server answers."""
         self._say(f"end {status}\n".encode())
-        _logger.info("the run could not be ended now; a watchdog (pid %d) ends it %s once the tracking server "
-                     "answers", self.pid, status)
+        _logger.info(
+            "the run could not be ended now; a watchdog (pid %d) ends it %s once the tracking server answers",
+            self.pid,
+            status,
+        )
 
     def _say(self, message: bytes) -> None:
         try:

@@ -68,8 +68,9 @@ def _tracking_check(config: ForgeConfig) -> str:
     if parsed.scheme not in ("http", "https"):
         return f"{scrub(uri)}: local store"
     try:
-        with urllib.request.urlopen(f"{uri_without_credentials(uri).rstrip('/')}/health",
-                                    timeout=_PROBE_TIMEOUT_S) as response:
+        with urllib.request.urlopen(
+            f"{uri_without_credentials(uri).rstrip('/')}/health", timeout=_PROBE_TIMEOUT_S
+        ) as response:
             return f"{scrub(uri)}: answers ({response.status})"
     except OSError as error:
         return f"{scrub(uri)}: does not answer ({scrub(str(getattr(error, 'reason', error)))})"
@@ -88,12 +89,22 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
         info = json.loads(header.read_text())
         stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}
         if info.get("kind") == TRAINING_SPOOL:
-            stats = {**stats, **({"values refused by log()": info["rejected"]} if info.get("rejected") else {}),
-                     **({} if info.get("ended") else {"run end pending": info.get("status")})}
-        found.append({"path": str(directory), "run_id": info.get("run_id"), "node_id": info.get("node_id"),
-                      "pending_windows": len(list(directory.glob("*.window.json"))) +
-                      len(list(directory.glob("*.metrics.json"))), "stats": stats,
-                      "replay": f"otel-forge replay {directory}"})
+            stats = {
+                **stats,
+                **({"values refused by log()": info["rejected"]} if info.get("rejected") else {}),
+                **({} if info.get("ended") else {"run end pending": info.get("status")}),
+            }
+        found.append(
+            {
+                "path": str(directory),
+                "run_id": info.get("run_id"),
+                "node_id": info.get("node_id"),
+                "pending_windows": len(list(directory.glob("*.window.json")))
+                + len(list(directory.glob("*.metrics.json"))),
+                "stats": stats,
+                "replay": f"otel-forge replay {directory}",
+            }
+        )
     return found
 
 
@@ -108,18 +119,28 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
     for name in ("cpu", "memory", "disk", "network", "process", "nvidia", "amd"):
         collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
     node = NodeIdentity.from_config(config)
-    settings = {s.name: {"value": _plain(getattr(config, s.name)), "source": str(config.source(s.name)),
-                         "not_used": _not_used(s, config.source(s.name))}
-                for s in SETTINGS}
+    settings = {
+        s.name: {
+            "value": _plain(getattr(config, s.name)),
+            "source": str(config.source(s.name)),
+            "not_used": _not_used(s, config.source(s.name)),
+        }
+        for s in SETTINGS
+    }
     if config.samples_per_window is None:
-        settings["samples_per_window"] = {"value": config.mlflow_samples_per_window(node.node_count),
-                                          "source": f"default for a job of {node.node_count or 1} node(s)"}
+        settings["samples_per_window"] = {
+            "value": config.mlflow_samples_per_window(node.node_count),
+            "source": f"default for a job of {node.node_count or 1} node(s)",
+        }
     return {
         "collectors": collectors,
         "node": asdict(node),
         "config": settings,
-        "endpoints": {"prometheus": _prometheus_check(config), "otlp": _otlp_check(config),
-                      "mlflow": _tracking_check(config)},
+        "endpoints": {
+            "prometheus": _prometheus_check(config),
+            "otlp": _otlp_check(config),
+            "mlflow": _tracking_check(config),
+        },
         "spools": _spools(config),
     }
 
@@ -148,8 +169,10 @@ def _print_text(report: dict[str, Any]) -> None:
         else:
             print(f"  {name:<8} absent: {entry['reason']}")
     node = report["node"]
-    print(f"node: id={node['node_id']} ({node['node_id_source']}) host={node['hostname']} rank={node['rank']} "
-          f"local_rank={node['local_rank']} world_size={node['world_size']}")
+    print(
+        f"node: id={node['node_id']} ({node['node_id_source']}) host={node['hostname']} rank={node['rank']} "
+        f"local_rank={node['local_rank']} world_size={node['world_size']}"
+    )
     print(f"job: key={node['job_key']} ({node['job_key_source']})")
     print("config:")
     for name, entry in report["config"].items():
@@ -161,8 +184,10 @@ def _print_text(report: dict[str, Any]) -> None:
     print("mlflow spools:" if report["spools"] else "mlflow spools: none pending")
     for spool in report["spools"]:
         counts = ", ".join(f"{k} {v}" for k, v in spool["stats"].items())
-        print(f"  run {spool['run_id']} node {spool['node_id']}: {spool['pending_windows']} window(s) pending"
-              f"{' (' + counts + ')' if counts else ''}; {spool['replay']}")
+        print(
+            f"  run {spool['run_id']} node {spool['node_id']}: {spool['pending_windows']} window(s) pending"
+            f"{' (' + counts + ')' if counts else ''}; {spool['replay']}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

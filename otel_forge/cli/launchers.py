@@ -60,8 +60,11 @@ def _max_nodes(text: str) -> int:
 
 def _is_this_host(endpoint: str | None) -> bool:
     host = (endpoint or "").rsplit(":", 1)[0].strip("[]")
-    return host in _LOCAL_HOSTS or host in (socket.gethostname(), socket.getfqdn()) or \
-        host == socket.gethostname().split(".")[0]
+    return (
+        host in _LOCAL_HOSTS
+        or host in (socket.gethostname(), socket.getfqdn())
+        or host == socket.gethostname().split(".")[0]
+    )
 
 
 def _torchrun_launch(args: list[str]) -> Launch:

@@ -45,8 +45,13 @@ def add_agent_options(parser: argparse.ArgumentParser) -> None:
     for flag, field in AGENT_FLAGS.items():
         # Plain strings: ForgeConfig parses and validates them, naming the flag on error.
         group.add_argument(flag, dest=field, metavar=field.split("_")[-1].upper(), help=_HELP[flag])
-    group.add_argument("--no-prometheus", dest="prometheus", action="store_const", const=False,
-                       help="do not serve a Prometheus endpoint")
+    group.add_argument(
+        "--no-prometheus",
+        dest="prometheus",
+        action="store_const",
+        const=False,
+        help="do not serve a Prometheus endpoint",
+    )
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ForgeConfig:

@@ -23,8 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from otel_forge.mlflow.replay import replay
 
     path = Path(args.path)
-    tracking_uri = ForgeConfig.resolve(argument_names={"tracking_uri": "--tracking-uri"},
-                                       tracking_uri=args.tracking_uri).tracking_uri
+    tracking_uri = ForgeConfig.resolve(
+        argument_names={"tracking_uri": "--tracking-uri"}, tracking_uri=args.tracking_uri
+    ).tracking_uri
     if not path.is_dir():
         raise ConfigError(f"invalid path (from PATH): {path} is not a directory")
     try:
@@ -34,11 +35,15 @@ def run(args: argparse.Namespace) -> int:
     except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
         print(f"otel-forge: replay stopped, the spool is kept: {error_line(error)}", file=sys.stderr)
         return 1
-    print(f"otel-forge: delivered {result.delivered} {result.unit} to run {result.run_id}"
-          f"{f' and ended it {result.ended}' if result.ended else ''}")
+    print(
+        f"otel-forge: delivered {result.delivered} {result.unit} to run {result.run_id}"
+        f"{f' and ended it {result.ended}' if result.ended else ''}"
+    )
     if result.set_aside:
         # Each file was named on stderr as it was set aside.
-        print(f"otel-forge: {result.set_aside} file(s) in {path} were not windows and are left there as *.corrupt",
-              file=sys.stderr)
+        print(
+            f"otel-forge: {result.set_aside} file(s) in {path} were not windows and are left there as *.corrupt",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -57,8 +57,11 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--run-name", help="name of a new run")
     parser.add_argument("--description", help="run description (mlflow.note.content)")
     parser.add_argument("--tag", action="append", default=[], metavar="K=V", help="a run tag (repeatable)")
-    parser.add_argument("--create-if-missing", action="store_true",
-                        help="with --run-id / MLFLOW_RUN_ID: start a new run if that run does not exist")
+    parser.add_argument(
+        "--create-if-missing",
+        action="store_true",
+        help="with --run-id / MLFLOW_RUN_ID: start a new run if that run does not exist",
+    )
     add_agent_options(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     parser.set_defaults(run=run)
@@ -94,22 +97,27 @@ def run(args: argparse.Namespace) -> int:
     node = NodeIdentity.from_config(config, {**os.environ, **launch.environ}, host_named=launch.host_named)
     training_run = _training_run(args, command, config, node)
     # The node is sampled once the run is open and CMD runs, whichever comes last.
-    sampling = _NodeSampling(lambda pid, run_id: _start_system_metrics(config, training_run.tracking_uri, pid,
-                                                                       run_id, node))
+    sampling = _NodeSampling(
+        lambda pid, run_id: _start_system_metrics(config, training_run.tracking_uri, pid, run_id, node)
+    )
     training_run.on_open.append(lambda: sampling.run_opened(training_run.run_id))
     live = training_run.start(config.start_wait_s)
     if isinstance(training_run.open_error, MissingRun):
         training_run.close("FAILED")
         source = config.source("run_id")
-        raise ConfigError(f"invalid run_id (from {source}): {training_run.open_error}; "
-                          f"--create-if-missing starts a new run instead")
+        raise ConfigError(
+            f"invalid run_id (from {source}): {training_run.open_error}; --create-if-missing starts a new run instead"
+        )
     env = _cmd_environ(args.child_environ, training_run, node, live)
     if signals.received:
         training_run.close("KILLED")
         return 128 + signals.received[0]
     become_subreaper()
-    watchdog = Watchdog(training_run.run_id, training_run.tracking_uri, training_run.experiment_id, node,
-                        args.child_environ) if live and training_run.run_id else None
+    watchdog = (
+        Watchdog(training_run.run_id, training_run.tracking_uri, training_run.experiment_id, node, args.child_environ)
+        if live and training_run.run_id
+        else None
+    )
     try:
         # preexec_fn with threads running: it only calls prctl, through a function resolved before the fork.
         child = subprocess.Popen(command, env=env, preexec_fn=dies_with_us())  # noqa: PLW1509
@@ -138,14 +146,26 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
     from otel_forge.mlflow.training.training_run import TrainingRun
 
     launch_file = launch_config_path(["otel-forge", *command])
-    tags = {SOURCE_NAME_TAG: scrub(_source_name(command)), **_tags(args.tag),
-            "otel_forge.command": scrub(" ".join(command))}
+    tags = {
+        SOURCE_NAME_TAG: scrub(_source_name(command)),
+        **_tags(args.tag),
+        "otel_forge.command": scrub(" ".join(command)),
+    }
     training_run = TrainingRun(
-        config=load_launch_config(launch_file) if launch_file else None, tracking_uri=config.tracking_uri,
-        experiment=args.experiment, run_name=args.run_name, run_id=config.run_id, description=args.description,
-        tags=tags, system_metrics=False,
-        launch_argv=["otel-forge", *command], forge_config=config, node=node, handle_sigterm=False,
-        create_if_missing=args.create_if_missing)
+        config=load_launch_config(launch_file) if launch_file else None,
+        tracking_uri=config.tracking_uri,
+        experiment=args.experiment,
+        run_name=args.run_name,
+        run_id=config.run_id,
+        description=args.description,
+        tags=tags,
+        system_metrics=False,
+        launch_argv=["otel-forge", *command],
+        forge_config=config,
+        node=node,
+        handle_sigterm=False,
+        create_if_missing=args.create_if_missing,
+    )
     if problem := local_store_problem(training_run.tracking_uri):
         raise ConfigError(f"invalid tracking_uri (from {config.source('tracking_uri')}): {problem}")
     return training_run
@@ -177,8 +197,7 @@ def _cmd_environ(environ: dict[str, str], training_run: Any, node: NodeIdentity,
     return env
 
 
-def _end(training_run: Any, status: str, watchdog: Watchdog | None,
-         stopping: threading.Thread | None = None) -> None:
+def _end(training_run: Any, status: str, watchdog: Watchdog | None, stopping: threading.Thread | None = None) -> None:
     training_run.close(status)
     if stopping is not None:
         stopping.join(training_run.forge_config.drain_deadline_s)
@@ -195,9 +214,12 @@ def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
     samples this node."""
 
     run_id = training_run.run_id
-    env = {env_name("tracking_uri"): training_run.tracking_uri, LAUNCHED_RUN_ENV: run_id,
-           # This node's local rank 0 samples it: this process, or its sibling task's otel-forge.
-           SAMPLED_NODE_ENV: node.sampling_key}
+    env = {
+        env_name("tracking_uri"): training_run.tracking_uri,
+        LAUNCHED_RUN_ENV: run_id,
+        # This node's local rank 0 samples it: this process, or its sibling task's otel-forge.
+        SAMPLED_NODE_ENV: node.sampling_key,
+    }
     if training_run.experiment_id is not None:
         env[env_name("experiment_id")] = training_run.experiment_id
     if training_run.described:
@@ -228,8 +250,10 @@ class _NodeSampling:
 
 def _announce(training_run: Any) -> None:
     entry = training_run.tracking_entry() or {}
-    print(f"otel-forge: run {entry.get('run_id')} in experiment {entry.get('experiment')} at "
-          f"{entry.get('tracking_uri')}", flush=True)
+    print(
+        f"otel-forge: run {entry.get('run_id')} in experiment {entry.get('experiment')} at {entry.get('tracking_uri')}",
+        flush=True,
+    )
 
 
 def _pending_run_environ(training_run: Any, run_id: str | None) -> dict[str, str]:
@@ -244,13 +268,18 @@ def _pending_run_environ(training_run: Any, run_id: str | None) -> dict[str, str
         return {LAUNCHED_RUN_ENV: run_id}
     key = training_run.node.job_key or f"otel-forge-{uuid.uuid4().hex}"
     training_run.adopt_job_key(key, "otel-forge run (the server did not answer in time)")
-    _logger.warning("MLflow: the run is not open yet; CMD starts now and finds it by job key %s once the tracking "
-                    "server answers", key)
+    _logger.warning(
+        "MLflow: the run is not open yet; CMD starts now and finds it by job key %s once the tracking server answers",
+        key,
+    )
 
     experiment = training_run.experiment
-    return {env_name("job_id"): key, LAUNCHED_RUN_ENV: LAUNCHER_OPENS,
-            SAMPLED_NODE_ENV: training_run.node.sampling_key,  # we sample the node once the run opens
-            env_name("experiment_id" if experiment.isdigit() else "experiment_name"): experiment}
+    return {
+        env_name("job_id"): key,
+        LAUNCHED_RUN_ENV: LAUNCHER_OPENS,
+        SAMPLED_NODE_ENV: training_run.node.sampling_key,  # we sample the node once the run opens
+        env_name("experiment_id" if experiment.isdigit() else "experiment_name"): experiment,
+    }
 
 
 def _start_system_metrics(config: Any, tracking_uri: str, pid: int, run_id: str | None, node: NodeIdentity) -> Any:
@@ -259,8 +288,9 @@ def _start_system_metrics(config: Any, tracking_uri: str, pid: int, run_id: str 
     if not node.runs_agent:
         _logger.info("local rank %s: local rank 0 samples node %s", node.local_rank, node.node_id or "-")
         return None
-    monitor = SystemMetricsMonitor(config.replace(run_id=run_id, tracking_uri=tracking_uri, pid=pid), node=node,
-                                   run_pending=run_id is None)
+    monitor = SystemMetricsMonitor(
+        config.replace(run_id=run_id, tracking_uri=tracking_uri, pid=pid), node=node, run_pending=run_id is None
+    )
     monitor.start()
     for endpoint in monitor.endpoints:
         print(f"otel-forge: serving {endpoint}", flush=True)

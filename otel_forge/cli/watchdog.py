@@ -31,13 +31,18 @@ def main(argv: list[str]) -> int:
     give_up_at, pause_s = time.monotonic() + GIVE_UP_S, 1.0
     while True:
         try:
-            end_run(make_client(os.environ[env_name("tracking_uri")]), run_id, experiment_id or None, status, node,
-                    detail=detail)
+            end_run(
+                make_client(os.environ[env_name("tracking_uri")]),
+                run_id,
+                experiment_id or None,
+                status,
+                node,
+                detail=detail,
+            )
             return 0
         except Exception as error:  # noqa: BLE001 - nobody is left to tell but stderr
             if time.monotonic() + pause_s > give_up_at:
-                print(f"otel-forge watchdog: could not end run {run_id} {status}: {error_line(error)}",
-                      file=sys.stderr)
+                print(f"otel-forge watchdog: could not end run {run_id} {status}: {error_line(error)}", file=sys.stderr)
                 return 1
         time.sleep(pause_s)
         pause_s = min(pause_s * 2, 30.0)

@@ -59,4 +59,12 @@ def open_collectors(config: ForgeConfig) -> OpenedCollectors:
     return OpenedCollectors(tuple(present), absent)
 
 
-__all__ = ["Collector", "CollectorUnavailable", "HardwareCollector", "OpenedCollectors", "Readings", "Snapshot", "open_collectors"]
+__all__ = [
+    "Collector",
+    "CollectorUnavailable",
+    "HardwareCollector",
+    "OpenedCollectors",
+    "Readings",
+    "Snapshot",
+    "open_collectors",
+]

@@ -42,8 +42,18 @@ class AmdCollector(GpuCollector):
     name = "amd"
     logger = _logger
     visible_env = AMD_VISIBLE_ENV
-    FIELDS = ("activity", "memory", "power", "energy", "temperature_edge", "temperature_hotspot",
-              "clock_sm", "clock_memory", "ecc", "process_memory")
+    FIELDS = (
+        "activity",
+        "memory",
+        "power",
+        "energy",
+        "temperature_edge",
+        "temperature_hotspot",
+        "clock_sm",
+        "clock_memory",
+        "ecc",
+        "process_memory",
+    )
 
     @property
     def _amdsmi(self) -> Any:
@@ -54,14 +64,17 @@ class AmdCollector(GpuCollector):
     @staticmethod
     def _start_library() -> Any:
         """Import amdsmi (silencing what it prints) and initialise it for GPUs, or say why not."""
+        reason: str | None
         with _stdout_silenced() as printed:
             try:
                 import amdsmi
             except ModuleNotFoundError as error:
                 amdsmi, reason = None, f"amdsmi is not installed ({error})"
             except Exception as error:  # noqa: BLE001 - KeyError, OSError, ImportError...: all mean "absent"
-                amdsmi, reason = None, (f"amdsmi cannot be loaded ({type(error).__name__}: {error}); "
-                                        "is ROCm's libamd_smi.so installed?")
+                amdsmi, reason = (
+                    None,
+                    (f"amdsmi cannot be loaded ({type(error).__name__}: {error}); is ROCm's libamd_smi.so installed?"),
+                )
             if amdsmi is not None:
                 reason = _init(amdsmi)
         if printed.getvalue().strip():
@@ -76,8 +89,9 @@ class AmdCollector(GpuCollector):
             handles = amdsmi.amdsmi_get_processor_handles()
         except Exception as error:  # noqa: BLE001 - an unusable library is an absent source
             raise CollectorUnavailable(f"amdsmi cannot list GPUs: {_one_line(error)}") from None
-        present = [gpu for gpu in (_open_gpu(amdsmi, index, handle) for index, handle in enumerate(handles))
-                   if gpu is not None]
+        present = [
+            gpu for gpu in (_open_gpu(amdsmi, index, handle) for index, handle in enumerate(handles)) if gpu is not None
+        ]
         if not present:
             raise CollectorUnavailable("amdsmi found no GPUs" if not handles else "no GPU could be opened")
         return present
@@ -102,8 +116,10 @@ class AmdCollector(GpuCollector):
 
     def _read_activity(self, handle: Any) -> list[Row]:
         activity = self._amdsmi.amdsmi_get_gpu_activity(handle)
-        return [("hw.gpu.utilization", _ratio(activity.get("gfx_activity")), {"hw.gpu.task": "general"}),
-                ("otel_forge.gpu.memory.activity", _ratio(activity.get("umc_activity")), {})]
+        return [
+            ("hw.gpu.utilization", _ratio(activity.get("gfx_activity")), {"hw.gpu.task": "general"}),
+            ("otel_forge.gpu.memory.activity", _ratio(activity.get("umc_activity")), {}),
+        ]
 
     def _read_memory(self, handle: Any) -> list[Row]:
         amdsmi = self._amdsmi
@@ -111,15 +127,25 @@ class AmdCollector(GpuCollector):
         used = _number(amdsmi.amdsmi_get_gpu_memory_usage(handle, vram))
         total = _number(amdsmi.amdsmi_get_gpu_memory_total(handle, vram))
         utilization = used / total if used is not None and total else None
-        return [("hw.gpu.memory.usage", used, {}), ("hw.gpu.memory.limit", total, {}),
-                ("hw.gpu.memory.utilization", utilization, {})]
+        return [
+            ("hw.gpu.memory.usage", used, {}),
+            ("hw.gpu.memory.limit", total, {}),
+            ("hw.gpu.memory.utilization", utilization, {}),
+        ]
 
     def _read_power(self, handle: Any) -> list[Row]:
         info = self._amdsmi.amdsmi_get_power_info(handle)
         # socket_power (ROCm 6.4+), else current (MI300+) or average (MI200 and older, Navi).
-        watts = next((value for value in (_number(info.get(key)) for key in
-                                          ("socket_power", "current_socket_power", "average_socket_power"))
-                      if value is not None), None)
+        watts = next(
+            (
+                value
+                for value in (
+                    _number(info.get(key)) for key in ("socket_power", "current_socket_power", "average_socket_power")
+                )
+                if value is not None
+            ),
+            None,
+        )
         limit = _number(info.get("power_limit"))
         if limit is not None and limit > _POWER_LIMIT_MICROWATTS_ABOVE:
             limit /= 1_000_000
@@ -140,8 +166,11 @@ class AmdCollector(GpuCollector):
 
     def _temperature(self, handle: Any, sensor: str, location: str) -> list[Row]:
         amdsmi = self._amdsmi
-        celsius = _number(amdsmi.amdsmi_get_temp_metric(handle, getattr(amdsmi.AmdSmiTemperatureType, sensor),
-                                                        amdsmi.AmdSmiTemperatureMetric.CURRENT))
+        celsius = _number(
+            amdsmi.amdsmi_get_temp_metric(
+                handle, getattr(amdsmi.AmdSmiTemperatureType, sensor), amdsmi.AmdSmiTemperatureMetric.CURRENT
+            )
+        )
         return [("hw.temperature", celsius, {"hw.sensor_location": location})]
 
     def _read_clock_sm(self, handle: Any) -> list[Row]:
@@ -153,16 +182,23 @@ class AmdCollector(GpuCollector):
     def _clock(self, handle: Any, clock_type: str, label: str) -> list[Row]:
         amdsmi = self._amdsmi
         mhz = _number(amdsmi.amdsmi_get_clock_info(handle, getattr(amdsmi.AmdSmiClkType, clock_type)).get("clk"))
-        return [("otel_forge.gpu.clock.frequency", mhz * 1_000_000 if mhz is not None else None,
-                 {"otel_forge.gpu.clock": label})]
+        return [
+            (
+                "otel_forge.gpu.clock.frequency",
+                mhz * 1_000_000 if mhz is not None else None,
+                {"otel_forge.gpu.clock": label},
+            )
+        ]
 
     def _read_ecc(self, handle: Any) -> list[Row]:
         counts = self._amdsmi.amdsmi_get_gpu_total_ecc_count(handle)
-        return [("hw.errors", _number(counts.get("correctable_count")), {"error.type": "corrected"}),
-                ("hw.errors", _number(counts.get("uncorrectable_count")), {"error.type": "uncorrected"})]
+        return [
+            ("hw.errors", _number(counts.get("correctable_count")), {"error.type": "corrected"}),
+            ("hw.errors", _number(counts.get("uncorrectable_count")), {"error.type": "uncorrected"}),
+        ]
 
     def _read_process_memory(self, handle: Any) -> list[Row]:
-        used = 0
+        used: float = 0
         pids = self._monitored_pids()
         for process in self._amdsmi.amdsmi_get_gpu_process_list(handle):
             if isinstance(process, dict) and process.get("pid") in pids:
@@ -200,10 +236,12 @@ def _open_gpu(amdsmi: Any, index: int, handle: Any) -> Gpu | None:
             return Gpu("AMD", index, None, "unknown", "", "", lost=True)
         _logger.warning("GPU %d cannot be opened (%s); it is not monitored", index, _one_line(error))
         return None
-    identity = {"hw.model": name if name != "N/A" else "",
-                "hw.serial_number": _info(amdsmi.amdsmi_get_gpu_board_info, handle, "product_serial"),
-                "hw.driver_version": _info(amdsmi.amdsmi_get_gpu_driver_info, handle, "driver_version"),
-                "hw.firmware_version": _info(amdsmi.amdsmi_get_gpu_vbios_info, handle, "version")}
+    identity = {
+        "hw.model": name if name != "N/A" else "",
+        "hw.serial_number": _info(amdsmi.amdsmi_get_gpu_board_info, handle, "product_serial"),
+        "hw.driver_version": _info(amdsmi.amdsmi_get_gpu_driver_info, handle, "driver_version"),
+        "hw.firmware_version": _info(amdsmi.amdsmi_get_gpu_vbios_info, handle, "version"),
+    }
     return Gpu("AMD", index, handle, name if name and name != "N/A" else "AMD GPU", uuid, bus_id, identity=identity)
 
 
@@ -240,7 +278,7 @@ def _redirect_fd1() -> tuple[int, Any] | None:
         saved = os.dup(1)
     except (OSError, ValueError, AttributeError):
         return None  # no usable fd 1 (closed, or a stdout without one): Python-level only
-    capture = tempfile.TemporaryFile()
+    capture = tempfile.TemporaryFile()  # noqa: SIM115 - open until _restore_fd1 reads and closes it
     os.dup2(capture.fileno(), 1)
     return saved, capture
 
@@ -256,10 +294,8 @@ def _restore_fd1(saved: int, capture: Any) -> str:
 
 def _flush_c_stdio() -> None:
     """Flush C's stdout buffer into the capture before the descriptor is restored."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
 
 
 # --- small helpers ---------------------------------------------------------------------------

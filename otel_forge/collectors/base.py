@@ -10,11 +10,11 @@ import abc
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import ClassVar
 
 from otel_forge.config import ForgeConfig
 
-AttributeValue = Union[str, int, float, bool]
+AttributeValue = str | int | float | bool
 Attributes = Mapping[str, AttributeValue]
 
 
@@ -65,7 +65,7 @@ class Collector(abc.ABC):
         """Lines for ``otel-forge doctor`` (e.g. one per GPU)."""
         return []
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release the source (threads, library handles). Called once."""
 
 

@@ -59,7 +59,8 @@ class CpuCollector(HardwareCollector):
         current = self._times()
         previous, self._previous = self._previous, current
         if self._per_cpu:
-            for number, (before, after) in enumerate(zip(previous, current)):
+            # strict=False: a CPU hot-plugged between two reads is skipped once.
+            for number, (before, after) in enumerate(zip(previous, current, strict=False)):
                 for mode, fraction in (mode_fractions(before, after) or {}).items():
                     readings.add("system.cpu.utilization", fraction, {"cpu.mode": mode, "cpu.logical_number": number})
             previous, current = _summed(previous), _summed(current)
@@ -68,7 +69,7 @@ class CpuCollector(HardwareCollector):
                 readings.add("system.cpu.utilization", fraction, {"cpu.mode": mode})
             readings.add("otel_forge.cpu.utilization", busy_fraction(fractions))
         readings.add("system.cpu.logical.count", self._logical_cpus)
-        for window, load in zip(("1m", "5m", "15m"), os.getloadavg()):
+        for window, load in zip(("1m", "5m", "15m"), os.getloadavg(), strict=True):
             readings.add(f"system.cpu.load_average.{window}", load)
 
 

@@ -11,11 +11,36 @@ from otel_forge.collectors.base import HardwareCollector, Readings
 from otel_forge.config import ForgeConfig
 
 # Filesystems that hold no disk space of their own. psutil's all=False already drops most.
-PSEUDO_FILESYSTEMS = frozenset({
-    "autofs", "binfmt_misc", "bpf", "cgroup", "cgroup2", "configfs", "debugfs", "devpts", "devtmpfs",
-    "efivarfs", "fusectl", "hugetlbfs", "mqueue", "nsfs", "overlay", "proc", "pstore", "ramfs",
-    "rpc_pipefs", "securityfs", "squashfs", "sysfs", "tmpfs", "tracefs", "fuse.lxcfs", "fuse.gvfsd-fuse",
-})
+PSEUDO_FILESYSTEMS = frozenset(
+    {
+        "autofs",
+        "binfmt_misc",
+        "bpf",
+        "cgroup",
+        "cgroup2",
+        "configfs",
+        "debugfs",
+        "devpts",
+        "devtmpfs",
+        "efivarfs",
+        "fusectl",
+        "hugetlbfs",
+        "mqueue",
+        "nsfs",
+        "overlay",
+        "proc",
+        "pstore",
+        "ramfs",
+        "rpc_pipefs",
+        "securityfs",
+        "squashfs",
+        "sysfs",
+        "tmpfs",
+        "tracefs",
+        "fuse.lxcfs",
+        "fuse.gvfsd-fuse",
+    }
+)
 _PSEUDO_DISK_PREFIXES = ("loop", "ram", "zram")
 _SYS_BLOCK = "/sys/block"
 
@@ -71,8 +96,11 @@ class DiskCollector(HardwareCollector):
             except OSError:
                 continue  # unmounted or unreadable between listing and stat
             seen_devices.add(partition.device)
-            attributes = {"system.device": partition.device, "system.filesystem.mountpoint": partition.mountpoint,
-                          "system.filesystem.type": partition.fstype}
+            attributes = {
+                "system.device": partition.device,
+                "system.filesystem.mountpoint": partition.mountpoint,
+                "system.filesystem.type": partition.fstype,
+            }
             reserved = max(0, usage.total - usage.used - usage.free)
             for state, value in (("used", usage.used), ("free", usage.free), ("reserved", reserved)):
                 readings.add("system.filesystem.usage", value, {**attributes, "system.filesystem.state": state})
@@ -84,8 +112,10 @@ class DiskCollector(HardwareCollector):
         for device, io in counters.items():
             if not is_physical_disk(device):
                 continue
-            for direction, nbytes, count in (("read", io.read_bytes, io.read_count),
-                                              ("write", io.write_bytes, io.write_count)):
+            for direction, nbytes, count in (
+                ("read", io.read_bytes, io.read_count),
+                ("write", io.write_bytes, io.write_count),
+            ):
                 attributes = {"system.device": device, "disk.io.direction": direction}
                 readings.add("system.disk.io", nbytes, attributes)
                 readings.add("system.disk.operations", count, attributes)

@@ -67,9 +67,13 @@ class Gpu:
 
     def __post_init__(self) -> None:
         self.attributes = {
-            "hw.id": str(self.index), "hw.name": self.name, "hw.vendor": self.vendor, "hw.type": "gpu",
+            "hw.id": str(self.index),
+            "hw.name": self.name,
+            "hw.vendor": self.vendor,
+            "hw.type": "gpu",
             **{key: value for key, value in self.identity.items() if value},
-            "otel_forge.gpu.uuid": self.uuid, "otel_forge.gpu.pci_bus_id": self.pci_bus_id,
+            "otel_forge.gpu.uuid": self.uuid,
+            "otel_forge.gpu.pci_bus_id": self.pci_bus_id,
         }
 
     def describe(self) -> str:
@@ -200,15 +204,19 @@ class GpuCollector(HardwareCollector):
             failure = self._failure(error)
             if failure is Failure.UNSUPPORTED:
                 gpu.unsupported.add(name)
-                self.logger.debug("GPU %d: %s not supported (%s); no longer read",
-                                  gpu.index, name, self._error_text(error))
+                self.logger.debug(
+                    "GPU %d: %s not supported (%s); no longer read", gpu.index, name, self._error_text(error)
+                )
             elif failure is Failure.LOST:
                 gpu.lost = True
-                self.logger.warning("GPU %d (%s) is lost: %s; it reports hw.status failed from now on",
-                                    gpu.index, gpu.uuid, self._error_text(error))
+                self.logger.warning(
+                    "GPU %d (%s) is lost: %s; it reports hw.status failed from now on",
+                    gpu.index,
+                    gpu.uuid,
+                    self._error_text(error),
+                )
             else:
-                self._warnings.warning(name, "GPU %d: reading %s failed: %s", gpu.index, name,
-                                       self._error_text(error))
+                self._warnings.warning(name, "GPU %d: reading %s failed: %s", gpu.index, name, self._error_text(error))
         return []
 
     def _monitored_pids(self) -> set[int]:

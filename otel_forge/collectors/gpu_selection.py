@@ -21,8 +21,9 @@ AMD_VISIBLE_ENV = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 Device = tuple[int, str]  # (index, uuid)
 
 
-def select_gpus(spec: str, devices: Sequence[Device], visible_env_vars: Sequence[str],
-                environ: Mapping[str, str] | None = None) -> list[int]:
+def select_gpus(
+    spec: str, devices: Sequence[Device], visible_env_vars: Sequence[str], environ: Mapping[str, str] | None = None
+) -> list[int]:
     """The indices of ``devices`` that ``spec`` selects, in the order it names them.
 
     Raises ``ValueError`` naming the entry when an index or UUID matches no device (or a UUID

@@ -43,9 +43,13 @@ _THROTTLE_REASONS = (
     ("display_clock_setting", "DisplayClockSetting"),
 )
 
-_UNSUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound", "NVMLError_NoPermission",
-                       # nvmlDeviceGetComputeRunningProcesses turns FunctionNotFound into this one.
-                       "NVMLLibraryMismatchError")
+_UNSUPPORTED_ERRORS = (
+    "NVMLError_NotSupported",
+    "NVMLError_FunctionNotFound",
+    "NVMLError_NoPermission",
+    # nvmlDeviceGetComputeRunningProcesses turns FunctionNotFound into this one.
+    "NVMLLibraryMismatchError",
+)
 _LOST_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_ResetRequired")
 
 XID_WAIT_MS = 500  # the event thread notices close() within this
@@ -76,16 +80,30 @@ class NvidiaCollector(GpuCollector):
     name = "nvidia"
     logger = _logger
     visible_env = NVIDIA_VISIBLE_ENV
-    FIELDS = ("utilization", "memory", "power", "power_limit", "energy", "temperature", "clock_sm",
-              "clock_memory", "pcie", "ecc", "throttle", "process_memory")
+    FIELDS = (
+        "utilization",
+        "memory",
+        "power",
+        "power_limit",
+        "energy",
+        "temperature",
+        "clock_sm",
+        "clock_memory",
+        "pcie",
+        "ecc",
+        "throttle",
+        "process_memory",
+    )
 
     def __init__(self, nvml: Any, gpus: list[Gpu], tree: ProcessTree | None) -> None:
         super().__init__(nvml, gpus, tree)
         self._unsupported_errors = _error_classes(nvml, _UNSUPPORTED_ERRORS)
         self._lost_errors = _error_classes(nvml, _LOST_ERRORS)
         self._throttle_bits = _throttle_bits(nvml)
-        self._throttle_mask = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                               or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        self._throttle_mask = (
+            getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         self._xid = XidWatcher(nvml, [gpu for gpu in gpus if not gpu.lost], self._warnings)
         self._pcie = {direction: ByteCounter() for _, direction in _PCIE_COUNTERS}
 
@@ -102,8 +120,9 @@ class NvidiaCollector(GpuCollector):
         super().read(readings)
         by_index = {gpu.index: gpu for gpu in self._gpus}
         for (index, code), count in sorted(self._xid.counts().items()):
-            readings.add("otel_forge.gpu.xid.errors", count,
-                         {**by_index[index].attributes, "otel_forge.gpu.xid": str(code)})
+            readings.add(
+                "otel_forge.gpu.xid.errors", count, {**by_index[index].attributes, "otel_forge.gpu.xid": str(code)}
+            )
 
     def close(self) -> None:
         if not self._closed:
@@ -123,7 +142,8 @@ class NvidiaCollector(GpuCollector):
             pynvml.nvmlInit()
         except pynvml.NVMLError_LibraryNotFound:
             raise CollectorUnavailable(
-                "NVML library (libnvidia-ml.so.1) not found: no NVIDIA driver installed") from None
+                "NVML library (libnvidia-ml.so.1) not found: no NVIDIA driver installed"
+            ) from None
         except pynvml.NVMLError_DriverNotLoaded:
             raise CollectorUnavailable("the NVIDIA driver is not loaded") from None
         except pynvml.NVMLError as error:
@@ -157,14 +177,19 @@ class NvidiaCollector(GpuCollector):
 
     def _read_utilization(self, handle: Any) -> list[Row]:
         rates = self._nvml.nvmlDeviceGetUtilizationRates(handle)
-        return [("hw.gpu.utilization", rates.gpu / 100, {"hw.gpu.task": "general"}),
-                ("otel_forge.gpu.memory.activity", rates.memory / 100, {})]
+        return [
+            ("hw.gpu.utilization", rates.gpu / 100, {"hw.gpu.task": "general"}),
+            ("otel_forge.gpu.memory.activity", rates.memory / 100, {}),
+        ]
 
     def _read_memory(self, handle: Any) -> list[Row]:
         memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
         utilization = memory.used / memory.total if memory.total else None
-        return [("hw.gpu.memory.usage", memory.used, {}), ("hw.gpu.memory.limit", memory.total, {}),
-                ("hw.gpu.memory.utilization", utilization, {})]
+        return [
+            ("hw.gpu.memory.usage", memory.used, {}),
+            ("hw.gpu.memory.limit", memory.total, {}),
+            ("hw.gpu.memory.utilization", utilization, {}),
+        ]
 
     def _read_power(self, handle: Any) -> list[Row]:
         return [("hw.power", self._nvml.nvmlDeviceGetPowerUsage(handle) / 1000, {})]  # mW
@@ -200,10 +225,17 @@ class NvidiaCollector(GpuCollector):
 
     def _read_ecc(self, handle: Any) -> list[Row]:
         nvml = self._nvml
-        return [("hw.errors", nvml.nvmlDeviceGetTotalEccErrors(handle, error_type, nvml.NVML_VOLATILE_ECC),
-                 {"error.type": label})
-                for error_type, label in ((nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, "corrected"),
-                                          (nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, "uncorrected"))]
+        return [
+            (
+                "hw.errors",
+                nvml.nvmlDeviceGetTotalEccErrors(handle, error_type, nvml.NVML_VOLATILE_ECC),
+                {"error.type": label},
+            )
+            for error_type, label in (
+                (nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, "corrected"),
+                (nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, "uncorrected"),
+            )
+        ]
 
     def _read_throttle(self, handle: Any) -> list[Row]:
         try:
@@ -214,8 +246,10 @@ class NvidiaCollector(GpuCollector):
                 raise
             self._throttle_mask = legacy  # a driver older than the Event name
             mask = legacy(handle)
-        return [("otel_forge.gpu.throttle", 1 if mask & bit else 0, {"otel_forge.gpu.throttle.reason": reason})
-                for reason, bit in self._throttle_bits]
+        return [
+            ("otel_forge.gpu.throttle", 1 if mask & bit else 0, {"otel_forge.gpu.throttle.reason": reason})
+            for reason, bit in self._throttle_bits
+        ]
 
     def _read_process_memory(self, handle: Any) -> list[Row]:
         processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
@@ -332,10 +366,13 @@ def _open_gpu(nvml: Any, index: int, driver: str) -> Gpu | None:
     except nvml.NVMLError as error:
         _logger.warning("GPU %d cannot be opened (%s); it is not monitored", index, error)
         return None
-    identity = {"hw.model": name, "hw.driver_version": driver,
-                # Serial numbers exist on data-center boards only (NotSupported elsewhere).
-                "hw.serial_number": _optional(nvml, nvml.nvmlDeviceGetSerial, handle),
-                "hw.firmware_version": _optional(nvml, nvml.nvmlDeviceGetVbiosVersion, handle)}
+    identity = {
+        "hw.model": name,
+        "hw.driver_version": driver,
+        # Serial numbers exist on data-center boards only (NotSupported elsewhere).
+        "hw.serial_number": _optional(nvml, nvml.nvmlDeviceGetSerial, handle),
+        "hw.firmware_version": _optional(nvml, nvml.nvmlDeviceGetVbiosVersion, handle),
+    }
     bus_id = _optional(nvml, lambda: nvml.nvmlDeviceGetPciInfo(handle).busId)
     return Gpu("NVIDIA", index, handle, name, uuid, bus_id, identity=identity)
 

@@ -107,8 +107,9 @@ class ProcessCollector(HardwareCollector):
         cpu_s = totals["user"] + totals["system"]
         elapsed = now - self._previous_at_s
         if elapsed > 0 and cpu_s >= self._previous_cpu_s:
-            readings.add("process.cpu.utilization",
-                         (cpu_s - self._previous_cpu_s) / elapsed / self._logical_cpus, attributes)
+            readings.add(
+                "process.cpu.utilization", (cpu_s - self._previous_cpu_s) / elapsed / self._logical_cpus, attributes
+            )
         self._previous_cpu_s, self._previous_at_s = cpu_s, now
         readings.add("process.cpu.time", totals["user"], {**attributes, "cpu.mode": "user"})
         readings.add("process.cpu.time", totals["system"], {**attributes, "cpu.mode": "system"})

@@ -14,24 +14,32 @@ from otel_forge.collectors.base import Collector, Readings
 
 
 class _ReadStats(Protocol):
-    reads: int
-    errors: int
-    read_time_s: float
+    @property
+    def reads(self) -> int: ...
+    @property
+    def errors(self) -> int: ...
+    @property
+    def read_time_s(self) -> float: ...
 
 
 class ReadCounted(Protocol):
     """A source whose reads are counted (the snapshot cache of a collector)."""
 
-    name: str
-    stats: _ReadStats
+    @property
+    def name(self) -> str: ...
+    @property
+    def stats(self) -> _ReadStats: ...
 
 
 class RunIdentity(Protocol):
     """What is known of the run the windows go to (None until the server said)."""
 
-    run_id: str | None
-    experiment_id: str | None
-    run_name: str | None
+    @property
+    def run_id(self) -> str | None: ...
+    @property
+    def experiment_id(self) -> str | None: ...
+    @property
+    def run_name(self) -> str | None: ...
 
 
 class SelfTelemetryCollector(Collector):
@@ -79,6 +87,13 @@ class RunInfoCollector(Collector):
         run = self._run
         if run.experiment_id is None or run.run_id is None:
             return  # not read from the server yet: one series per run, never a relabelled one
-        readings.add("otel_forge.run.info", 1, {
-            "mlflow.run.id": run.run_id, "mlflow.experiment.id": run.experiment_id,
-            "mlflow.run.name": run.run_name or "", "otel_forge.node.id": self._node_id or ""})
+        readings.add(
+            "otel_forge.run.info",
+            1,
+            {
+                "mlflow.run.id": run.run_id,
+                "mlflow.experiment.id": run.experiment_id,
+                "mlflow.run.name": run.run_name or "",
+                "otel_forge.node.id": self._node_id or "",
+            },
+        )

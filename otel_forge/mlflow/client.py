@@ -34,8 +34,14 @@ def run_gone(error: BaseException) -> bool:
 # A tracking server under load answers some requests 400 with its store's error: a full connection
 # pool, a locked database. The request was fine; sent again later it succeeds. Only these: a store
 # error that would fail again every time (a schema mismatch) must not hold the queue forever.
-_OVERLOAD_MARKERS = ("QueuePool limit", "database is locked", "too many connections", "could not obtain lock",
-                     "deadlock detected", "server closed the connection unexpectedly")
+_OVERLOAD_MARKERS = (
+    "QueuePool limit",
+    "database is locked",
+    "too many connections",
+    "could not obtain lock",
+    "deadlock detected",
+    "server closed the connection unexpectedly",
+)
 
 
 def classify(error: BaseException) -> Outcome:
@@ -70,8 +76,11 @@ def _http_status(error: BaseException) -> int | None:
 # MLflow's HTTP defaults (2 min timeout, 7 retries with growing backoff) would hide a down server
 # inside one call for minutes: bounded. Ending a run prints its URL, credentials included: not.
 # The user's own settings win.
-MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
-                   "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+MLFLOW_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
 
 
 _import_lock = threading.Lock()
@@ -83,7 +92,7 @@ def import_mlflow() -> Any:
         for name, value in MLFLOW_DEFAULTS.items():
             os.environ.setdefault(name, value)
         import mlflow
-        import mlflow.entities  # noqa: F401 - the entities every caller needs, imported here once
+        import mlflow.entities
 
         return mlflow
 
@@ -103,7 +112,7 @@ def context_tags(tags: Mapping[str, str]) -> dict[str, str]:
     from mlflow.tracking.context.git_context import GitRunContext
     from mlflow.tracking.context.registry import resolve_tags
 
-    return resolve_tags(dict(tags), ignore=[GitRunContext])
+    return resolve_tags(dict(tags), ignore=[GitRunContext])  # type: ignore[list-item]  # MLflow takes classes
 
 
 def live_run(client: MlflowClient, run_id: str) -> Any:

@@ -54,8 +54,9 @@ def _render(template: str, attributes: Mapping[str, Any]) -> str | None:
 
 
 def _matches(key: MlflowKey, attributes: Mapping[str, Any]) -> bool:
-    return (all(str(attributes.get(name)) in allowed for name, allowed in key.where)
-            and not any(name in attributes for name in key.without))
+    return all(str(attributes.get(name)) in allowed for name, allowed in key.where) and not any(
+        name in attributes for name in key.without
+    )
 
 
 class KeyMapper:

@@ -51,16 +51,15 @@ def replay_training(path: Path, tracking_uri: str | None = None) -> ReplayResult
     for record in spool.records():
         record.deliver(client, header["run_id"])
     spool.records_delivered()
-    Metric = import_mlflow().entities.Metric
+    metric = import_mlflow().entities.Metric
     delivered = 0
     for file, rows in spool.batches():
-        client.log_batch(header["run_id"], metrics=[Metric(*row) for row in rows], synchronous=True)
+        client.log_batch(header["run_id"], metrics=[metric(*row) for row in rows], synchronous=True)
         file.unlink()
         delivered += len(rows)
     ended = None
     if not header.get("ended"):
-        end_run(client, header["run_id"], header.get("experiment_id"), header["status"],
-                NodeIdentity(**header["node"]))
+        end_run(client, header["run_id"], header.get("experiment_id"), header["status"], NodeIdentity(**header["node"]))
         ended = header["status"]
     set_aside = len(list(path.glob("*.corrupt")))
     if not set_aside:
@@ -76,8 +75,9 @@ def _open_run(client: Any, spool: TrainingSpool, header: dict[str, Any]) -> dict
         experiment_id = client.get_run(run_id).info.experiment_id
     else:
         experiment = find_experiment(client, spec["experiment"])
-        experiment_id = experiment.experiment_id if experiment is not None else create_experiment(
-            client, spec["experiment"])
+        experiment_id = (
+            experiment.experiment_id if experiment is not None else create_experiment(client, spec["experiment"])
+        )
         key = spec.get("job_key")
         run_id = published_run_id(experiment, key) if key else None
         if run_id is None:

@@ -75,12 +75,20 @@ def _retry_everything(error: BaseException) -> Outcome:
 class DeliveryWorker(Generic[T]):
     """A bounded, deadline-guarded, in-order delivery of ``T`` items through ``deliver(item)``."""
 
-    def __init__(self, deliver: Callable[[T], None], *, name: str, max_queue: int = 64,
-                 call_deadline_s: float = 30.0,
-                 classify: Callable[[BaseException], Outcome] = _retry_everything,
-                 overflow: Overflow[T] | None = None, backoff_initial_s: float = 0.5,
-                 backoff_max_s: float = 10.0, write_ahead: bool = False,
-                 due: Callable[[T], float] | None = None) -> None:
+    def __init__(
+        self,
+        deliver: Callable[[T], None],
+        *,
+        name: str,
+        max_queue: int = 64,
+        call_deadline_s: float = 30.0,
+        classify: Callable[[BaseException], Outcome] = _retry_everything,
+        overflow: Overflow[T] | None = None,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        write_ahead: bool = False,
+        due: Callable[[T], float] | None = None,
+    ) -> None:
         self.name = name
         # due(item): the wall-clock time before which the item is not sent (until close hurries it).
         self._due = due
@@ -147,8 +155,12 @@ class DeliveryWorker(Generic[T]):
             self._cond.notify()
             return True
         self.stats.dropped += 1
-        self._warnings.warning(f"{self.name}-dropped", "%s: queue and spool full, dropped an item (%d so far)",
-                               self.name, self.stats.dropped)
+        self._warnings.warning(
+            f"{self.name}-dropped",
+            "%s: queue and spool full, dropped an item (%d so far)",
+            self.name,
+            self.stats.dropped,
+        )
         return False
 
     def flush(self, timeout_s: float) -> bool:
@@ -241,8 +253,9 @@ class DeliveryWorker(Generic[T]):
                 self._pop(item)
                 return
             self.stats.retried += 1
-            self._warnings.warning(f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name,
-                                   scrub(str(error)))
+            self._warnings.warning(
+                f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name, scrub(str(error))
+            )
             # Half fixed, half random: nodes failed by one overload come back spread, not together.
             if self._wake.wait(backoff_s * (0.5 + random.random() / 2)):
                 self._wake.clear()  # closing: try again now, and back off afresh within the drain deadline
@@ -275,8 +288,12 @@ class DeliveryWorker(Generic[T]):
             if time.monotonic() >= deadline:
                 self._in_flight = in_flight
                 self.stats.hung_calls += 1
-                self._warnings.warning(f"{self.name}-hung", "%s: a call exceeded its %.1f s deadline; "
-                                       "waiting for it, not sending again", self.name, self._call_deadline_s)
+                self._warnings.warning(
+                    f"{self.name}-hung",
+                    "%s: a call exceeded its %.1f s deadline; waiting for it, not sending again",
+                    self.name,
+                    self._call_deadline_s,
+                )
                 return DeadlineExceeded(f"no answer within {self._call_deadline_s:g} s")
         self._in_flight = None
         return in_flight.error

@@ -42,9 +42,11 @@ def serve_prometheus(config: ForgeConfig, rendering: PrometheusRendering) -> Pro
         return PrometheusEndpoint.serve(rendering, config.prometheus_host, config.prometheus_port)
     except OSError as error:
         where = f"{config.prometheus_host}:{config.prometheus_port}"
-        raise EndpointError(f"cannot serve Prometheus on {where} "
-                            f"(prometheus_port from {config.source('prometheus_port')}): "
-                            f"{error.strerror or error}") from None
+        raise EndpointError(
+            f"cannot serve Prometheus on {where} "
+            f"(prometheus_port from {config.source('prometheus_port')}): "
+            f"{error.strerror or error}"
+        ) from None
 
 
 class Agent:
@@ -54,8 +56,13 @@ class Agent:
     code can run in every rank of a job. A stopped agent can be started again.
     """
 
-    def __init__(self, config: ForgeConfig | None = None, extra_exporters: Sequence[ExporterFactory] = (),
-                 node: NodeIdentity | None = None, extra_collectors: Sequence[Collector] = ()) -> None:
+    def __init__(
+        self,
+        config: ForgeConfig | None = None,
+        extra_exporters: Sequence[ExporterFactory] = (),
+        node: NodeIdentity | None = None,
+        extra_collectors: Sequence[Collector] = (),
+    ) -> None:
         self.config = config or ForgeConfig.resolve()
         self.node = node or NodeIdentity.from_config(self.config)
         self._extra_exporters = extra_exporters
@@ -87,9 +94,11 @@ class Agent:
             raise
         self.collectors = collectors
         self.meter_provider = build_meter_provider(readers, resource)
-        self.instruments = InstrumentSet(self.meter_provider.get_meter(INSTRUMENTATION_SCOPE),
-                                         (*self.collectors.present, *self._extra_collectors),
-                                         self.config.snapshot_max_age_s)
+        self.instruments = InstrumentSet(
+            self.meter_provider.get_meter(INSTRUMENTATION_SCOPE),
+            (*self.collectors.present, *self._extra_collectors),
+            self.config.snapshot_max_age_s,
+        )
         return self
 
     def _build_readers(self) -> list[MetricReader]:
@@ -119,14 +128,18 @@ class Agent:
             if cumulative_only(otlp):
                 sinks.append(otlp)
             else:
-                readers.append(PeriodicExportingMetricReader(otlp, export_interval_millis=interval_ms,
-                                                             export_timeout_millis=timeout_ms))
+                readers.append(
+                    PeriodicExportingMetricReader(
+                        otlp, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms
+                    )
+                )
             self.endpoints.append(f"otlp {self.config.otlp_protocol} {self.config.otlp_metrics_url}")
         sinks.extend(factory() for factory in self._extra_exporters)
         if sinks:
             self.fan_out = FanOutExporter(sinks)
-            reader = PeriodicExportingMetricReader(self.fan_out, export_interval_millis=interval_ms,
-                                                   export_timeout_millis=timeout_ms)
+            reader = PeriodicExportingMetricReader(
+                self.fan_out, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms
+            )
             if rendering is not None:
                 rendering.collect_now = reader.collect
             readers.append(reader)
@@ -166,5 +179,3 @@ class Agent:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-

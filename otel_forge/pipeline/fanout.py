@@ -34,8 +34,9 @@ class _SinkThread:
         self._pending: MetricsData | None = None
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"otel-forge-sink-{type(exporter).__name__}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"otel-forge-sink-{type(exporter).__name__}", daemon=True
+        )
         self._thread.start()
 
     def offer(self, data: MetricsData) -> None:

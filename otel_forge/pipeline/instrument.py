@@ -28,8 +28,9 @@ class Instrumentation:
                 self.collectors.close()
 
 
-def instrument(meter_provider: ApiMeterProvider | None = None, config: ForgeConfig | None = None,
-               **settings: Any) -> Instrumentation:
+def instrument(
+    meter_provider: ApiMeterProvider | None = None, config: ForgeConfig | None = None, **settings: Any
+) -> Instrumentation:
     """Register the collectors on ``meter_provider`` (default: the global one).
 
     ``settings`` are ``ForgeConfig`` fields (e.g. ``collectors=["cpu", "nvidia"]``). The
@@ -45,8 +46,9 @@ def instrument(meter_provider: ApiMeterProvider | None = None, config: ForgeConf
     provider = meter_provider or metrics.get_meter_provider()
     collectors = open_collectors(config)
     try:
-        instruments = InstrumentSet(provider.get_meter(INSTRUMENTATION_SCOPE), collectors.present,
-                                    config.snapshot_max_age_s)
+        instruments = InstrumentSet(
+            provider.get_meter(INSTRUMENTATION_SCOPE), collectors.present, config.snapshot_max_age_s
+        )
     except BaseException:
         collectors.close()
         raise

@@ -39,8 +39,13 @@ class InstrumentSet:
     is an ``_Observer`` that a later set on the same meter takes over once this one is unregistered.
     """
 
-    def __init__(self, meter: Meter, collectors: Iterable[Collector], max_age_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        meter: Meter,
+        collectors: Iterable[Collector],
+        max_age_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         caches = [CachedCollector(c, max_age_s, clock) for c in collectors]
         self.caches: dict[str, CachedCollector] = {c.name: c for c in caches}
         self.caches["self"] = CachedCollector(SelfTelemetryCollector(caches), max_age_s, clock)
@@ -48,8 +53,10 @@ class InstrumentSet:
         specs = _specs_by_name(set(self.caches))
         observers = _OBSERVERS.setdefault(meter, {})
         if busy := sorted(name for name in specs if name in observers and observers[name].observing):
-            raise RuntimeError(f"otel_forge's instruments ({', '.join(busy[:3])}, ...) are already registered on this "
-                               "MeterProvider: call unregister() on the first registration before registering again")
+            raise RuntimeError(
+                f"otel_forge's instruments ({', '.join(busy[:3])}, ...) are already registered on this "
+                "MeterProvider: call unregister() on the first registration before registering again"
+            )
         for name, name_specs in specs.items():
             if name not in observers:
                 observers[name] = _Observer(name)
@@ -84,8 +91,11 @@ class _Observer:
 
         if not self.observing:
             return []
-        return [Observation(value, dict(attributes))
-                for cache in self._caches for attributes, value in cache.snapshot().readings.get(self._name)]
+        return [
+            Observation(value, dict(attributes))
+            for cache in self._caches
+            for attributes, value in cache.snapshot().readings.get(self._name)
+        ]
 
 
 # Our instruments' callbacks per meter (a provider hands out one meter per scope).

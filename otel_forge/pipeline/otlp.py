@@ -31,8 +31,12 @@ def otlp_exporter(config: ForgeConfig) -> MetricExporter:
 
         endpoint = config.otlp_endpoint or ""
         if endpoint.rstrip("/").lower() != url.lower():
-            _logger.warning("otlp_endpoint %r (from %s): a gRPC endpoint has no path; dialing %s", endpoint,
-                            config.source("otlp_endpoint"), url)
+            _logger.warning(
+                "otlp_endpoint %r (from %s): a gRPC endpoint has no path; dialing %s",
+                endpoint,
+                config.source("otlp_endpoint"),
+                url,
+            )
         # A scheme decides TLS; without one (host:port) None lets the exporter read
         # OTEL_EXPORTER_OTLP_[METRICS_]INSECURE as the OTel spec says (unset: TLS).
         insecure = True if url.startswith("http://") else False if url.startswith("https://") else None

@@ -126,7 +126,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = _IDLE_TIMEOUT_S
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         body, headers = self.server.rendering.body(self.headers.get("Accept"), self.headers.get("Accept-Encoding"))
         self.send_response(200)
         for name, value in (*headers, ("Content-Length", str(len(body)))):

@@ -34,5 +34,6 @@ def build_meter_provider(readers: Sequence[MetricReader], resource: Any = None) 
     from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 
     options: dict[str, Any] = {"resource": resource} if resource is not None else {}
-    return MeterProvider(metric_readers=readers, views=_no_exemplar_views(),
-                         exemplar_filter=AlwaysOffExemplarFilter(), **options)
+    return MeterProvider(
+        metric_readers=readers, views=_no_exemplar_views(), exemplar_filter=AlwaysOffExemplarFilter(), **options
+    )

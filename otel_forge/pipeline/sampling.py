@@ -33,8 +33,7 @@ class CachedCollector:
     once a minute.
     """
 
-    def __init__(self, collector: Collector, max_age_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, collector: Collector, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.collector = collector
         self.max_age_s = max_age_s
         self.stats = ReadStats()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
@@ -42,10 +44,18 @@ class MLflowMetricExporter(NonBlockingExporter):
     deliver later.
     """
 
-    def __init__(self, run_id: str | None, *, tracking_uri: str | None = None, node_id: str | None = None,
-                 config: ForgeConfig | None = None, samples_per_window: int | None = None,
-                 delivery_phase_s: float = 0.0, refresh_windows: int = REFRESH_WINDOWS,
-                 known: RunInfo | None = None) -> None:
+    def __init__(
+        self,
+        run_id: str | None,
+        *,
+        tracking_uri: str | None = None,
+        node_id: str | None = None,
+        config: ForgeConfig | None = None,
+        samples_per_window: int | None = None,
+        delivery_phase_s: float = 0.0,
+        refresh_windows: int = REFRESH_WINDOWS,
+        known: RunInfo | None = None,
+    ) -> None:
         """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
         from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
@@ -63,16 +73,27 @@ class MLflowMetricExporter(NonBlockingExporter):
         self.delivery_phase_s = delivery_phase_s
         spool_root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
         self.spool = WindowSpool(
-            spool_root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}", config.spool_max_bytes,
-            header={"run_id": run_id, "node_id": node_id, "prefix": prefix,
-                    "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None})
+            spool_root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}",
+            config.spool_max_bytes,
+            header={
+                "run_id": run_id,
+                "node_id": node_id,
+                "prefix": prefix,
+                "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None,
+            },
+        )
         self.window_logger = WindowLogger(run_id, tracking_uri, prefix)
         self.window_logger.on_first_step.append(lambda step: self.spool.update_header(first_step=step))
         self.worker: DeliveryWorker[Window] = DeliveryWorker(
-            self.window_logger, name="mlflow-system-metrics", max_queue=config.queue_size,
+            self.window_logger,
+            name="mlflow-system-metrics",
+            max_queue=config.queue_size,
             call_deadline_s=config.call_deadline_s,
-            classify=classify, overflow=self.spool, write_ahead=True,
-            due=lambda window: window.timestamp_ms / 1000 + self.delivery_phase_s)
+            classify=classify,
+            overflow=self.spool,
+            write_ahead=True,
+            due=lambda window: window.timestamp_ms / 1000 + self.delivery_phase_s,
+        )
         self._shut_down = False
         self._writer_lock: NodeWriterLock | None = None
         self.standing_down = False
@@ -99,9 +120,13 @@ class MLflowMetricExporter(NonBlockingExporter):
         except OSError as error:
             _logger.debug("writer lock %s not usable (%s): writing unchecked", self._writer_lock.path, error)
             return True
-        _logger.warning("another agent (pid %s) already writes %s of MLflow run %s on this host: this one stands "
-                        "down from MLflow (its other sinks go on). Run one agent per node.",
-                        self._writer_lock.holder(), self.window_logger.prefix, self.run_id)
+        _logger.warning(
+            "another agent (pid %s) already writes %s of MLflow run %s on this host: this one stands "
+            "down from MLflow (its other sinks go on). Run one agent per node.",
+            self._writer_lock.holder(),
+            self.window_logger.prefix,
+            self.run_id,
+        )
         return False
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object) -> MetricExportResult:
@@ -148,27 +173,36 @@ class MLflowMetricExporter(NonBlockingExporter):
         if self.worker.stopped:
             # The run is gone: what waits in the spool can never be delivered.
             if discarded := self.spool.discard():
-                _logger.warning("run %s is gone: %d spooled system-metrics window(s) discarded", self.run_id,
-                                discarded)
+                _logger.warning("run %s is gone: %d spooled system-metrics window(s) discarded", self.run_id, discarded)
             return
         self.spool.write_stats(self.delivery_counts())
         if left:
-            _logger.warning("%d system-metrics window(s) for run %s were not delivered; they are kept in %s. "
-                            "Deliver them with: otel-forge replay %s", left, self.run_id, self.spool.path,
-                            self.spool.path)
+            _logger.warning(
+                "%d system-metrics window(s) for run %s were not delivered; they are kept in %s. "
+                "Deliver them with: otel-forge replay %s",
+                left,
+                self.run_id,
+                self.spool.path,
+                self.spool.path,
+            )
         else:
             self.spool.remove_if_empty()
 
     def delivery_counts(self) -> dict[str, int]:
         stats = self.worker.stats
-        return {"delivered": stats.delivered, "retried": stats.retried, "spooled": stats.spooled,
-                "dropped": stats.dropped, "pending": self.worker.pending()}
+        return {
+            "delivered": stats.delivered,
+            "retried": stats.retried,
+            "spooled": stats.spooled,
+            "dropped": stats.dropped,
+            "pending": self.worker.pending(),
+        }
 
     def __repr__(self) -> str:
         return scrub(f"MLflowMetricExporter(run_id={self.run_id!r}, node_id={self.node_id!r})")
 
 
-def _points(metrics_data: MetricsData):  # type: ignore[no-untyped-def]
+def _points(metrics_data: MetricsData) -> Iterator[Any]:
     for resource_metrics in metrics_data.resource_metrics:
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics:

@@ -66,13 +66,21 @@ class SystemMetricsMonitor:
         c = self.config
         samples_per_window = c.mlflow_samples_per_window(self.node.node_count)
         phase_s = delivery_phase_s(self.node.node_id or self.node.hostname, samples_per_window * c.sampling_interval_s)
-        return MLflowMetricExporter(c.run_id, tracking_uri=c.tracking_uri, node_id=self.node.node_id, config=c,
-                                    samples_per_window=samples_per_window, delivery_phase_s=phase_s,
-                                    known=RunInfo(c.experiment_id, "") if c.experiment_id else None)
+        return MLflowMetricExporter(
+            c.run_id,
+            tracking_uri=c.tracking_uri,
+            node_id=self.node.node_id,
+            config=c,
+            samples_per_window=samples_per_window,
+            delivery_phase_s=phase_s,
+            known=RunInfo(c.experiment_id, "") if c.experiment_id else None,
+        )
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
-        collectors = [DeliveryStatsCollector(exporter.delivery_counts),
-                      RunInfoCollector(exporter.window_logger, self.node.node_id)]
+        collectors = [
+            DeliveryStatsCollector(exporter.delivery_counts),
+            RunInfoCollector(exporter.window_logger, self.node.node_id),
+        ]
         return Agent(self.config, node=self.node, extra_collectors=collectors, extra_exporters=[lambda: exporter])
 
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
@@ -104,10 +112,17 @@ class SystemMetricsMonitor:
         self.stop()
 
 
-def monitor(run_id: str | None = None, tracking_uri: str | None = None, node_id: str | None = None,
-            sampling_interval: float | None = None, samples_per_window: int | None = None,
-            prometheus: bool | None = None, otlp: str | None = None, config: ForgeConfig | None = None,
-            **settings: Any) -> SystemMetricsMonitor:
+def monitor(
+    run_id: str | None = None,
+    tracking_uri: str | None = None,
+    node_id: str | None = None,
+    sampling_interval: float | None = None,
+    samples_per_window: int | None = None,
+    prometheus: bool | None = None,
+    otlp: str | None = None,
+    config: ForgeConfig | None = None,
+    **settings: Any,
+) -> SystemMetricsMonitor:
     """Sample this node into an MLflow run (default: MLflow's active run) and start at once.
 
     Use as ``with otel_forge.monitor(): ...`` or keep the handle and call ``stop()``. Other
@@ -115,8 +130,16 @@ def monitor(run_id: str | None = None, tracking_uri: str | None = None, node_id:
     """
     if "stats" in settings:
         settings["mlflow_stats"] = settings.pop("stats")
-    explicit = dict(run_id=run_id, tracking_uri=tracking_uri, node_id=node_id, sampling_interval_s=sampling_interval,
-                    samples_per_window=samples_per_window, prometheus=prometheus, otlp_endpoint=otlp, **settings)
+    explicit = dict(
+        run_id=run_id,
+        tracking_uri=tracking_uri,
+        node_id=node_id,
+        sampling_interval_s=sampling_interval,
+        samples_per_window=samples_per_window,
+        prometheus=prometheus,
+        otlp_endpoint=otlp,
+        **settings,
+    )
     explicit = {k: v for k, v in explicit.items() if v is not None}
     base = config or ForgeConfig.resolve()
     return SystemMetricsMonitor(base.replace(**explicit) if explicit else base).start()

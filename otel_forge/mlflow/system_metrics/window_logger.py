@@ -23,12 +23,11 @@ def next_system_step(run: Any, prefix: str) -> int:
     """
     last = -1
     for metric in run.data._metric_objs:  # noqa: SLF001 - the latest Metric objects, with steps
-        rest = metric.key[len(prefix):]
+        rest = metric.key[len(prefix) :]
         # Without a node id, system/node_0/... belongs to another node, not to us.
         if metric.key.startswith(prefix) and "/" not in rest:
             last = max(last, metric.step)
     return last + 1
-
 
 
 class WindowLogger:
@@ -42,8 +41,9 @@ class WindowLogger:
     deliveries wait (``RunPending``) until ``attach``.
     """
 
-    def __init__(self, run_id: str | None, tracking_uri: str | None, prefix: str,
-                 first_step: int | None = None) -> None:
+    def __init__(
+        self, run_id: str | None, tracking_uri: str | None, prefix: str, first_step: int | None = None
+    ) -> None:
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self.prefix = prefix
@@ -86,10 +86,10 @@ class WindowLogger:
 
     def __call__(self, window: Window) -> None:
         client, first_step = self._ensure_ready(window)
-        Metric = import_mlflow().entities.Metric
+        metric = import_mlflow().entities.Metric
         if not window.values:
             return
         step = first_step + window.index
-        metrics = [Metric(key, value, window.timestamp_ms, step) for key, value in window.values]
+        metrics = [metric(key, value, window.timestamp_ms, step) for key, value in window.values]
         for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            client.log_batch(self.run_id, metrics=metrics[start:start + MAX_METRICS_PER_BATCH], synchronous=True)
+            client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH], synchronous=True)

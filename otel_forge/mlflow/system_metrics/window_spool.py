@@ -100,8 +100,13 @@ class WindowSpool:
     def _write(self, window: Window, sequence: int) -> bool:
         text = json.dumps(window.to_json())
         if self._bytes + len(text) > self.max_bytes:
-            self._refuse("full", "the spool %s is full (%d bytes, OTEL_FORGE_SPOOL_MAX_BYTES): windows that "
-                         "cannot wait in memory are dropped and counted", self.path, self.max_bytes)
+            self._refuse(
+                "full",
+                "the spool %s is full (%d bytes, OTEL_FORGE_SPOOL_MAX_BYTES): windows that "
+                "cannot wait in memory are dropped and counted",
+                self.path,
+                self.max_bytes,
+            )
             return False
         if not self._guarded(lambda: self._write_window(sequence, text)):
             return False
@@ -119,9 +124,13 @@ class WindowSpool:
             write()
             return True
         except OSError as error:
-            self._refuse("unwritable", "cannot write the spool %s (%s): set OTEL_FORGE_SPOOL_DIR to a writable "
-                         "directory; windows wait in memory only, and past that are dropped and counted",
-                         self.path, error.strerror or error)
+            self._refuse(
+                "unwritable",
+                "cannot write the spool %s (%s): set OTEL_FORGE_SPOOL_DIR to a writable "
+                "directory; windows wait in memory only, and past that are dropped and counted",
+                self.path,
+                error.strerror or error,
+            )
             return False
 
     def _refuse(self, reason: str, message: str, *args: object) -> None:
@@ -150,8 +159,14 @@ class WindowSpool:
             path.rename(path.with_name(path.name + CORRUPT_SUFFIX))
         except OSError:
             pass
-        _logger.warning("spool file %s is not a window (%s: %s): set aside as %s%s", path, type(error).__name__,
-                        error, path.name, CORRUPT_SUFFIX)
+        _logger.warning(
+            "spool file %s is not a window (%s: %s): set aside as %s%s",
+            path,
+            type(error).__name__,
+            error,
+            path.name,
+            CORRUPT_SUFFIX,
+        )
 
     def pop(self) -> None:
         with self._lock:

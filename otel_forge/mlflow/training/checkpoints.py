@@ -26,10 +26,14 @@ def find_or_create_external_model(run: OpenRun, name: str, step: int, directory:
     for model in found:
         if model.source_run_id == run.run_id:
             return model.model_id
-    tags = {MLFLOW_MODEL_IS_EXTERNAL: "true", "otel_forge.checkpoint.path": str(directory),
-            "otel_forge.checkpoint.step": str(step)}
-    model = client.create_logged_model(run.experiment_id, name=name, source_run_id=run.run_id, tags=tags,
-                                       model_type="checkpoint")
+    tags = {
+        MLFLOW_MODEL_IS_EXTERNAL: "true",
+        "otel_forge.checkpoint.path": str(directory),
+        "otel_forge.checkpoint.step": str(step),
+    }
+    model = client.create_logged_model(
+        run.experiment_id, name=name, source_run_id=run.run_id, tags=tags, model_type="checkpoint"
+    )
     # External: the weights stay where they are; MLflow gets the MLmodel stub a registry needs.
     with tempfile.TemporaryDirectory() as stub:
         get_external_mlflow_model_spec(model).save(os.path.join(stub, MLMODEL_FILE_NAME))

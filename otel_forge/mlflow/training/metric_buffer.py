@@ -33,6 +33,7 @@ def checked_value(value: Any) -> float | None:
         return None
     return None if math.isinf(number) else number
 
+
 # (key, value, timestamp_ms, step)
 MetricRow = tuple[str, float, int, int]
 

@@ -19,8 +19,13 @@ class MetricFlush:
     ``on_done`` follows a delivered batch.
     """
 
-    def __init__(self, live_run: Callable[[], OpenRun], buffer: MetricBuffer,
-                 on_refused: Callable[[MetricRow, str], None], on_done: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        live_run: Callable[[], OpenRun],
+        buffer: MetricBuffer,
+        on_refused: Callable[[MetricRow, str], None],
+        on_done: Callable[[], None],
+    ) -> None:
         self._live_run = live_run
         self._buffer = buffer
         self._on_refused = on_refused
@@ -42,8 +47,8 @@ class MetricFlush:
         if not rows:
             return
         try:
-            Metric = import_mlflow().entities.Metric
-            run.client.log_batch(run.run_id, metrics=[Metric(*row) for row in rows], synchronous=True)
+            metric = import_mlflow().entities.Metric
+            run.client.log_batch(run.run_id, metrics=[metric(*row) for row in rows], synchronous=True)
         except Exception as error:
             if classify(error) is not Outcome.DROP:
                 raise  # retried by the worker with this same batch, or the end of delivery

@@ -18,15 +18,19 @@ OUTCOME_TAG_PREFIX = "otel_forge.outcome."  # + node: how that node's process en
 JOB_OUTCOME_TAG = "otel_forge.job.outcome"  # FAILED or KILLED once any process of the job ended so
 
 
-def end_run(client: Any, run_id: str, experiment_id: str | None, status: str, node: NodeIdentity,
-            detail: str | None = None) -> None:
+def end_run(
+    client: Any, run_id: str, experiment_id: str | None, status: str, node: NodeIdentity, detail: str | None = None
+) -> None:
     """End the run as this process of the job ended: ``status`` FINISHED, FAILED or KILLED."""
     if status != "FINISHED":
-        RunTag = import_mlflow().entities.RunTag
+        run_tag = import_mlflow().entities.RunTag
         name = node.node_id or (f"rank_{node.rank}" if node.rank is not None else "node")
         what = f"{status} (rank {node.rank}{', ' + detail if detail else ''})"
-        client.log_batch(run_id, tags=[RunTag(OUTCOME_TAG_PREFIX + key_segment(name), what),
-                                       RunTag(JOB_OUTCOME_TAG, status)], synchronous=True)
+        client.log_batch(
+            run_id,
+            tags=[run_tag(OUTCOME_TAG_PREFIX + key_segment(name), what), run_tag(JOB_OUTCOME_TAG, status)],
+            synchronous=True,
+        )
         client.set_terminated(run_id, status)
     elif node.is_global_zero and experiment_id is not None:
         client.set_terminated(run_id, job_outcome(client, run_id, experiment_id) or status)

@@ -63,8 +63,15 @@ class FoundRun:
     polls: int
 
 
-def wait_for_run(client: Any, experiment: str, key: str, stop: threading.Event, late_after_s: float,
-                 on_late: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> FoundRun | None:
+def wait_for_run(
+    client: Any,
+    experiment: str,
+    key: str,
+    stop: threading.Event,
+    late_after_s: float,
+    on_late: Callable[[], None],
+    clock: Callable[[], float] = time.monotonic,
+) -> FoundRun | None:
     """Poll the experiment until rank 0 has published the job's run; None once ``stop`` is set.
 
     The experiment may not exist yet (rank 0 creates it) and the server may not answer yet: both

@@ -126,14 +126,21 @@ def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[
 
 def batches(params: Mapping[str, str], size: int = PARAMS_PER_BATCH) -> list[dict[str, str]]:
     items = list(params.items())
-    return [dict(items[start:start + size]) for start in range(0, len(items), size)]
+    return [dict(items[start : start + size]) for start in range(0, len(items), size)]
 
 
 def _git(*args: str, cwd: str | None = None) -> str | None:
     try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, errors="replace", cwd=cwd,
-                              stdin=subprocess.DEVNULL, timeout=_GIT_TIMEOUT_S,
-                              env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+        done = subprocess.run(
+            ["git", *args],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            timeout=_GIT_TIMEOUT_S,
+            env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"},
+        )
     except (OSError, subprocess.SubprocessError) as error:
         _logger.debug("git %s did not run: %s", args[0], error)
         return None
@@ -161,7 +168,9 @@ def git_tags(cwd: str | None = None) -> dict[str, str]:
     return tags
 
 
-def job_tags(world_size: int | None, node_count: int | None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def job_tags(
+    world_size: int | None, node_count: int | None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     tags = {"host": socket.gethostname()}
     if environ.get("SLURM_JOB_ID"):

@@ -80,9 +80,11 @@ _END_RESERVE_S = 3.0  # of the close budget, kept for the call that ends the run
 _FIRST_OPEN_RETRY_S, _MAX_OPEN_RETRY_S = 1.0, 10.0
 CONFIG_ARTIFACT = "config.json"
 MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
-_DATABRICKS_AUTH_HINT = ("Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
-                         "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
-                         "DATABRICKS_CLIENT_SECRET), or run `databricks auth login`")
+_DATABRICKS_AUTH_HINT = (
+    "Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
+    "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
+    "DATABRICKS_CLIENT_SECRET), or run `databricks auth login`"
+)
 
 
 def embedded_tracking_uri() -> str:
@@ -110,13 +112,25 @@ class TrainingRun:
     context tags (``mlflow.user``, ``mlflow.source.*``), as one ``mlflow.start_run`` creates would.
     """
 
-    def __init__(self, config: Any = None, tracking_uri: str | None = None, experiment: str | None = None,
-                 run_name: str | None = None, run_id: str | None = None, description: str | None = None,
-                 tags: Mapping[str, str] | None = None, system_metrics: bool = True,
-                 register_checkpoints: bool = False, launch_argv: Sequence[str] | None = None,
-                 forge_config: ForgeConfig | None = None, node: NodeIdentity | None = None,
-                 init_deadline_s: float = 60.0, end_deadline_s: float = 60.0, handle_sigterm: bool = True,
-                 create_if_missing: bool = False) -> None:
+    def __init__(
+        self,
+        config: Any = None,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        description: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        system_metrics: bool = True,
+        register_checkpoints: bool = False,
+        launch_argv: Sequence[str] | None = None,
+        forge_config: ForgeConfig | None = None,
+        node: NodeIdentity | None = None,
+        init_deadline_s: float = 60.0,
+        end_deadline_s: float = 60.0,
+        handle_sigterm: bool = True,
+        create_if_missing: bool = False,
+    ) -> None:
         self.forge_config = forge_config or ForgeConfig.resolve()
         self.config = config
         self.tracking_uri = tracking_uri or self.forge_config.tracking_uri or embedded_tracking_uri()
@@ -167,10 +181,16 @@ class TrainingRun:
 
     def _experiment(self, explicit: str | None) -> str:
         experiment = explicit or self.forge_config.experiment_name or self.forge_config.experiment_id
-        if _is_databricks(self.tracking_uri) and experiment and not experiment.startswith("/") \
-                and not experiment.isdigit():
-            raise ConfigError(f"invalid experiment: on Databricks an experiment is an absolute workspace path "
-                              f"such as '/Users/you@example.com/project', got {experiment!r}")
+        if (
+            _is_databricks(self.tracking_uri)
+            and experiment
+            and not experiment.startswith("/")
+            and not experiment.isdigit()
+        ):
+            raise ConfigError(
+                f"invalid experiment: on Databricks an experiment is an absolute workspace path "
+                f"such as '/Users/you@example.com/project', got {experiment!r}"
+            )
         return experiment or DEFAULT_EXPERIMENT
 
     @property
@@ -188,8 +208,9 @@ class TrainingRun:
         try:
             return self._wait_open(timeout_s) is not None
         except concurrent.futures.TimeoutError:
-            self._warnings.warning("open", "MLflow: the run did not open within %.0f s; it goes on opening in "
-                                   "the background", timeout_s)
+            self._warnings.warning(
+                "open", "MLflow: the run did not open within %.0f s; it goes on opening in the background", timeout_s
+            )
             return False
 
     def adopt_job_key(self, key: str, source: str) -> None:
@@ -203,10 +224,13 @@ class TrainingRun:
             self._owner = RunOwner("mlflow-run-owner")
             self._owner.submit(self._start_sampling)  # from the moment the run is entered
             self._opening = self._owner.submit(self._open)
-            self._worker = DeliveryWorker(lambda call: call(), name="mlflow-training-run",
-                                          max_queue=self.forge_config.queue_size * 16,
-                                          call_deadline_s=self.forge_config.call_deadline_s,
-                                          classify=self._classify)
+            self._worker = DeliveryWorker(
+                lambda call: call(),
+                name="mlflow-training-run",
+                max_queue=self.forge_config.queue_size * 16,
+                call_deadline_s=self.forge_config.call_deadline_s,
+                classify=self._classify,
+            )
             self._exit_handlers.install()
 
     def _wait_open(self, timeout_s: float | None) -> OpenRun | None:
@@ -234,7 +258,7 @@ class TrainingRun:
             try:
                 run = self._find_or_create(make_client(self.tracking_uri))
                 break
-            except Exception as error:  # noqa: BLE001 - reported once; training goes on without MLflow
+            except Exception as error:
                 if not self._transient(error):
                     self._disable(error)
                     raise
@@ -248,8 +272,13 @@ class TrainingRun:
         self._run = run
         if self._owns_run and (self._describe_launched or not run.described):
             self._record_new_run(run)
-        _logger.info("MLflow run %s (%s) in experiment %s at %s", run.run_id, "resumed" if run.resumed else "new",
-                     run.experiment, scrub(self.tracking_uri))
+        _logger.info(
+            "MLflow run %s (%s) in experiment %s at %s",
+            run.run_id,
+            "resumed" if run.resumed else "new",
+            run.experiment,
+            scrub(self.tracking_uri),
+        )
         if self._system_monitor is not None:
             self._system_monitor.attach(run.run_id, RunInfo(run.experiment_id or "", run.run_name or ""))
         for callback in self.on_open:
@@ -262,9 +291,13 @@ class TrainingRun:
             return False
         if not _is_remote(self.tracking_uri) and "database is locked" not in str(error):
             return False
-        self._warnings.warning("open-retry", "MLflow: the tracking server at %s does not answer (%s); the run "
-                               "opens when it does, and what is logged waits in memory meanwhile",
-                               uri_without_credentials(self.tracking_uri), error_line(error))
+        self._warnings.warning(
+            "open-retry",
+            "MLflow: the tracking server at %s does not answer (%s); the run "
+            "opens when it does, and what is logged waits in memory meanwhile",
+            uri_without_credentials(self.tracking_uri),
+            error_line(error),
+        )
         return True
 
     def _disable(self, error: BaseException) -> None:
@@ -276,8 +309,9 @@ class TrainingRun:
         if not self._owns_run or self._launcher_opens:
             if self.requested_run_id:
                 # Another rank never reads the run: its size must not cost every node.
-                return OpenRun(self.requested_run_id, None, self.forge_config.experiment_id, self.experiment,
-                               True, None, client)
+                return OpenRun(
+                    self.requested_run_id, None, self.forge_config.experiment_id, self.experiment, True, None, client
+                )
             return self._find_job_run(client)
         run = self._resume(client, self.requested_run_id) if self.requested_run_id else None
         if run is not None:
@@ -285,8 +319,9 @@ class TrainingRun:
         # No run id (or its run is gone): the job key's run, else a new one carrying the key.
         key = self.node.job_key
         experiment = find_experiment(client, self.experiment)
-        experiment_id = experiment.experiment_id if experiment is not None else create_experiment(client,
-                                                                                                  self.experiment)
+        experiment_id = (
+            experiment.experiment_id if experiment is not None else create_experiment(client, self.experiment)
+        )
         if key is not None and (published := published_run_id(experiment, key)) is not None:
             run = self._resume(client, published)  # a requeued job continues its run
         if run is None:
@@ -303,17 +338,29 @@ class TrainingRun:
         wants_run = self.system_metrics and self.node.runs_agent and not self._node_sampled_by_launcher
         if key is None:
             if wants_run:
-                _logger.warning("rank %s (node %s): no MLflow run to attach to, so this node is not sampled into "
-                                "MLflow; set MLFLOW_RUN_ID, or OTEL_FORGE_JOB_ID (--job-id) to the same value in "
-                                "every process of the job", self.node.rank, self.node.node_id or "-")
+                _logger.warning(
+                    "rank %s (node %s): no MLflow run to attach to, so this node is not sampled into "
+                    "MLflow; set MLFLOW_RUN_ID, or OTEL_FORGE_JOB_ID (--job-id) to the same value in "
+                    "every process of the job",
+                    self.node.rank,
+                    self.node.node_id or "-",
+                )
             return None
-        def late() -> None:
-            _logger.warning("rank %s (node %s): rank 0 has published no run for job %s in experiment %s after "
-                            "%.0f s; still looking. Check rank 0's log, or set MLFLOW_RUN_ID for every process",
-                            self.node.rank, self.node.node_id or "-", key, self.experiment, self._deadlines[0])
 
-        found = wait_for_run(client, self.experiment, key, self._stopping, late_after_s=self._deadlines[0],
-                             on_late=late)
+        def late() -> None:
+            _logger.warning(
+                "rank %s (node %s): rank 0 has published no run for job %s in experiment %s after "
+                "%.0f s; still looking. Check rank 0's log, or set MLFLOW_RUN_ID for every process",
+                self.node.rank,
+                self.node.node_id or "-",
+                key,
+                self.experiment,
+                self._deadlines[0],
+            )
+
+        found = wait_for_run(
+            client, self.experiment, key, self._stopping, late_after_s=self._deadlines[0], on_late=late
+        )
         if found is None:
             return None
         _logger.info("job %s: found run %s after %d look(s)", key, found.run_id, found.polls)
@@ -328,17 +375,30 @@ class TrainingRun:
                 raise
             if not isinstance(error, RunGone) and not self._create_if_missing:
                 # Never existed: a mistyped id, not a run to replace.
-                raise MissingRun(f"run {run_id} does not exist at {uri_without_credentials(self.tracking_uri)}; "
-                                 f"pass an existing run id, or ask to create one if missing") from None
+                raise MissingRun(
+                    f"run {run_id} does not exist at {uri_without_credentials(self.tracking_uri)}; "
+                    f"pass an existing run id, or ask to create one if missing"
+                ) from None
             _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, error_line(error))
             return None
         if not self._launched:
             begin_attempt(client, run)
-        training_steps = [m.step for m in run.data._metric_objs  # noqa: SLF001 - latest metrics with steps
-                          if not m.key.startswith("system/")]
+        training_steps = [
+            m.step
+            for m in run.data._metric_objs  # noqa: SLF001 - latest metrics with steps
+            if not m.key.startswith("system/")
+        ]
         experiment = client.get_experiment(run.info.experiment_id)
-        return OpenRun(run_id, run.info.run_name, run.info.experiment_id, experiment.name, True,
-                       max(training_steps, default=None), client, described=DESCRIBED_TAG in run.data.tags)
+        return OpenRun(
+            run_id,
+            run.info.run_name,
+            run.info.experiment_id,
+            experiment.name,
+            True,
+            max(training_steps, default=None),
+            client,
+            described=DESCRIBED_TAG in run.data.tags,
+        )
 
     def _create(self, client: Any, experiment_id: str) -> OpenRun:
         created = client.create_run(experiment_id, run_name=self.run_name, tags=self._creation_tags())
@@ -404,15 +464,23 @@ class TrainingRun:
         for key, value in params.items():
             name = sanitize_key(key)
             if len(name) > MAX_PARAM_KEY_CHARS or name in kept:
-                self._warnings.warning("param-key", "MLflow: param %r not recorded: its key is %s", key[:80],
-                                       "too long" if len(name) > MAX_PARAM_KEY_CHARS else f"the same as {name!r}")
+                self._warnings.warning(
+                    "param-key",
+                    "MLflow: param %r not recorded: its key is %s",
+                    key[:80],
+                    "too long" if len(name) > MAX_PARAM_KEY_CHARS else f"the same as {name!r}",
+                )
                 continue
             kept[name] = value
         return kept
 
     def _run_tags(self) -> dict[str, str]:
-        tags = {**job_tags(self.node.world_size, self.node.node_count), **git_tags(), DESCRIBED_TAG: "true",
-                **self._own_tags()}
+        tags = {
+            **job_tags(self.node.world_size, self.node.node_count),
+            **git_tags(),
+            DESCRIBED_TAG: "true",
+            **self._own_tags(),
+        }
         return {key: scrub(str(value)) for key, value in tags.items()}
 
     def _own_tags(self) -> dict[str, str]:
@@ -445,8 +513,12 @@ class TrainingRun:
             return
         values = self._checked_values(metrics)
         if not self._metrics.add(values, checked, timestamp_ms):
-            self._warnings.warning("log-buffer", "MLflow: %d metric values waiting; metrics dropped (%d so far)",
-                                   len(self._metrics), self._metrics.dropped)
+            self._warnings.warning(
+                "log-buffer",
+                "MLflow: %d metric values waiting; metrics dropped (%d so far)",
+                len(self._metrics),
+                self._metrics.dropped,
+            )
             return
         with self._lock:
             if self._flush_pending:
@@ -482,8 +554,9 @@ class TrainingRun:
 
     def _reject(self, count: int, message: str, *args: object) -> None:
         self.rejected += count
-        if self._warnings.warning("log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args,
-                                  self.rejected):
+        if self._warnings.warning(
+            "log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args, self.rejected
+        ):
             self._rejected_warned = self.rejected
 
     def _metric_flush(self) -> MetricFlush:
@@ -495,8 +568,11 @@ class TrainingRun:
     def _flush_done(self) -> None:
         """After a flush: another one if metrics are waiting, else none pending."""
         with self._lock:
-            self._flush_pending = bool(len(self._metrics)) and self._worker is not None \
+            self._flush_pending = (
+                bool(len(self._metrics))
+                and self._worker is not None
                 and self._worker.submit(self._metric_flush(), follow_up=True)
+            )
         self._record_rejected(follow_up=True)
 
     def _live_run(self) -> OpenRun:
@@ -543,8 +619,12 @@ class TrainingRun:
         run = self._run
         if run is None or self._closed:
             return None
-        return {"backend": "mlflow", "run_id": run.run_id, "experiment": run.experiment,
-                "tracking_uri": uri_without_credentials(self.tracking_uri)}
+        return {
+            "backend": "mlflow",
+            "run_id": run.run_id,
+            "experiment": run.experiment,
+            "tracking_uri": uri_without_credentials(self.tracking_uri),
+        }
 
     @property
     def run_id(self) -> str | None:
@@ -587,16 +667,25 @@ class TrainingRun:
             self._end(status, max(left(), 1.0))
         self._keep_undelivered(status)
         if self.rejected > self._rejected_warned:  # the warnings per value are rate-limited: the total
-            _logger.warning("MLflow: %d metric value(s) were refused in all (bad step, key or value); "
-                            "tag %s of the run holds the count", self.rejected, REJECTED_TAG)
+            _logger.warning(
+                "MLflow: %d metric value(s) were refused in all (bad step, key or value); "
+                "tag %s of the run holds the count",
+                self.rejected,
+                REJECTED_TAG,
+            )
 
     def _record_rejected(self, follow_up: bool = False) -> None:
         """Once closing and no flush is left (a flush may still find values the server refuses):
         the count of refused values, as a tag of the run."""
         with self._lock:
             run = self._run
-            if (self._flush_pending or self._rejected_recorded or not self._stopping.is_set() or not self.rejected
-                    or run is None):
+            if (
+                self._flush_pending
+                or self._rejected_recorded
+                or not self._stopping.is_set()
+                or not self.rejected
+                or run is None
+            ):
                 return
             self._rejected_recorded = True
         self._submit_record(run, self._rejected_record(), follow_up)
@@ -616,17 +705,31 @@ class TrainingRun:
         with self._lock:
             records = [*self._pending_records, *self._unrecorded_rejected()]
         run = self._run
-        header: dict[str, Any] = {"status": status, "ended": self.ended, "node": dataclasses.asdict(self.node),
-                                  "tracking_uri": uri_without_credentials(self.tracking_uri),
-                                  "rejected": self.rejected}
+        header: dict[str, Any] = {
+            "status": status,
+            "ended": self.ended,
+            "node": dataclasses.asdict(self.node),
+            "tracking_uri": uri_without_credentials(self.tracking_uri),
+            "rejected": self.rejected,
+        }
         if run is not None:
             header.update(run_id=run.run_id, experiment_id=run.experiment_id)
-        elif self._owns_run and not self._launcher_opens and (
-                self._outage_at_open or (self._opening is not None and not self._opening.done())):
+        elif (
+            self._owns_run
+            and not self._launcher_opens
+            and (self._outage_at_open or (self._opening is not None and not self._opening.done()))
+        ):
             # The server never answered while the job ran: replay opens the run as we would have.
-            header.update(run_id=None, open={"experiment": self.experiment, "run_name": self.run_name,
-                                             "run_id": self.requested_run_id, "job_key": self.node.job_key,
-                                             "tags": self._creation_tags()})
+            header.update(
+                run_id=None,
+                open={
+                    "experiment": self.experiment,
+                    "run_name": self.run_name,
+                    "run_id": self.requested_run_id,
+                    "job_key": self.node.job_key,
+                    "tags": self._creation_tags(),
+                },
+            )
             records = [*self._describe(), *self._unrecorded_rejected()]
         else:
             if rows:
@@ -636,10 +739,16 @@ class TrainingRun:
             return
         spool = TrainingSpool(training_spool_path(self._spool_root(), header["run_id"] or "unopened"))
         if spool.keep(rows, header, records):
-            _logger.warning("MLflow: %d metric value(s) and %d call(s) describing run %s were not delivered%s; "
-                            "they are kept in %s. Deliver them with: otel-forge replay %s", len(rows), len(records),
-                            header["run_id"] or "(not opened yet)",
-                            "" if self.ended else f" and the run was not ended {status}", spool.path, spool.path)
+            _logger.warning(
+                "MLflow: %d metric value(s) and %d call(s) describing run %s were not delivered%s; "
+                "they are kept in %s. Deliver them with: otel-forge replay %s",
+                len(rows),
+                len(records),
+                header["run_id"] or "(not opened yet)",
+                "" if self.ended else f" and the run was not ended {status}",
+                spool.path,
+                spool.path,
+            )
 
     def _spool_root(self) -> Path:
         return Path(self.forge_config.spool_dir) if self.forge_config.spool_dir else default_spool_root()
@@ -649,12 +758,13 @@ class TrainingRun:
         run = self._run
         if run is not None:
             try:
-                self._owner.call(lambda: end_run(run.client, run.run_id, run.experiment_id, status, self.node),
-                                 min(self._deadlines[1], timeout_s))
+                self._owner.call(
+                    lambda: end_run(run.client, run.run_id, run.experiment_id, status, self.node),
+                    min(self._deadlines[1], timeout_s),
+                )
                 self.ended = True
             except Exception as error:  # noqa: BLE001 - the run end is best effort too
-                _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status,
-                                error_line(error))
+                _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status, error_line(error))
         self._owner.close()
 
     def __enter__(self) -> TrainingRun:
@@ -681,7 +791,6 @@ def _in_background(call: Callable[[], None]) -> threading.Thread:
     thread = threading.Thread(target=call, name="otel-forge-close", daemon=True)
     thread.start()
     return thread
-
 
 
 def _auth_error(error: BaseException) -> bool:

@@ -44,8 +44,7 @@ class Record:
         if self.kind == "tags":
             client.log_batch(run_id, tags=[entities.RunTag(k, v) for k, v in self.payload.items()], synchronous=True)
         elif self.kind == "params":
-            client.log_batch(run_id, params=[entities.Param(k, v) for k, v in self.payload.items()],
-                             synchronous=True)
+            client.log_batch(run_id, params=[entities.Param(k, v) for k, v in self.payload.items()], synchronous=True)
         elif self.kind == "dict":
             client.log_dict(run_id, self.payload["data"], self.payload["name"])
         else:
@@ -65,13 +64,17 @@ class TrainingSpool:
             if records:
                 write_atomically(self.path / RECORDS, json.dumps([dataclasses.asdict(r) for r in records]))
             for number, start in enumerate(range(0, len(rows), MAX_METRICS_PER_BATCH)):
-                chunk = [list(row) for row in rows[start:start + MAX_METRICS_PER_BATCH]]
+                chunk = [list(row) for row in rows[start : start + MAX_METRICS_PER_BATCH]]
                 write_atomically(self.path / f"{number:09d}{_SUFFIX}", json.dumps(chunk))
             self.write_header(header)
             return True
         except OSError as error:
-            _logger.warning("cannot keep the run's undelivered metrics in %s (%s): set OTEL_FORGE_SPOOL_DIR to a "
-                            "writable directory; they are lost", self.path, error.strerror or error)
+            _logger.warning(
+                "cannot keep the run's undelivered metrics in %s (%s): set OTEL_FORGE_SPOOL_DIR to a "
+                "writable directory; they are lost",
+                self.path,
+                error.strerror or error,
+            )
             return False
 
     @property
@@ -94,8 +97,9 @@ class TrainingSpool:
             try:
                 rows = [(str(k), float(v), int(t), int(s)) for k, v, t, s in json.loads(file.read_text())]
             except (OSError, ValueError, TypeError) as error:
-                _logger.warning("spool file %s is not metric rows (%s): set aside as %s.corrupt", file, error,
-                                file.name)
+                _logger.warning(
+                    "spool file %s is not metric rows (%s): set aside as %s.corrupt", file, error, file.name
+                )
                 file.rename(file.with_name(file.name + ".corrupt"))
                 continue
             yield file, rows
