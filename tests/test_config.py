@@ -220,3 +220,11 @@ def test_a_bad_otel_export_interval_says_it_was_read_as_milliseconds(raw, words)
     with pytest.raises(ConfigError) as raised:
         ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": raw})
     assert "sampling_interval_s (from env OTEL_METRIC_EXPORT_INTERVAL)" in str(raised.value) and words in str(raised.value)
+
+
+def test_every_collector_the_settings_name_is_its_modules_class():
+    from otel_forge.collectors import HardwareCollector, collector_class
+    from otel_forge.config import COLLECTOR_NAMES
+
+    classes = {name: collector_class(name) for name in COLLECTOR_NAMES}
+    assert all(issubclass(cls, HardwareCollector) and cls.name == name for name, cls in classes.items())

@@ -15,7 +15,7 @@ from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.collectors import open_collectors
-from otel_forge.config import SETTINGS, ForgeConfig, Origin, Setting, Source
+from otel_forge.config import COLLECTOR_NAMES, SETTINGS, ForgeConfig, Origin, Setting, Source
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials
 
@@ -116,7 +116,7 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
         collectors.update({name: {"present": False, "reason": reason} for name, reason in opened.absent.items()})
     finally:
         opened.close()
-    for name in ("cpu", "memory", "disk", "network", "process", "nvidia", "amd"):
+    for name in COLLECTOR_NAMES:
         collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
     node = NodeIdentity.from_config(config)
     settings = {

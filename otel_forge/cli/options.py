@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from otel_forge.config import ForgeConfig
+from otel_forge.config import COLLECTOR_NAMES, ForgeConfig
 
 # flag -> ForgeConfig field; argparse stores each under the field's name.
 AGENT_FLAGS = {
@@ -30,7 +30,7 @@ _HELP = {
     "--prometheus-port": "port of the /metrics endpoint (default 9464)",
     "--otlp-endpoint": "OTLP endpoint URL (enables OTLP export)",
     "--otlp-protocol": "grpc or http/protobuf",
-    "--collectors": "comma-separated: cpu,memory,disk,network,process,nvidia,amd",
+    "--collectors": f"comma-separated: {','.join(COLLECTOR_NAMES)}",
     "--gpus": "all, visible, or a list of GPU indices/UUIDs",
     "--node-id": "node id (default: from the launcher)",
     "--job-id": "job key shared by every process of the job (default: from the launcher)",

@@ -11,17 +11,6 @@ from otel_forge.config import ForgeConfig
 
 _logger = logging.getLogger(__name__)
 
-# name -> "module:class", imported only when asked for (NVML and amdsmi are heavy or noisy).
-COLLECTOR_CLASSES = {
-    "cpu": "otel_forge.collectors.cpu:CpuCollector",
-    "memory": "otel_forge.collectors.memory:MemoryCollector",
-    "disk": "otel_forge.collectors.disk:DiskCollector",
-    "network": "otel_forge.collectors.network:NetworkCollector",
-    "process": "otel_forge.collectors.process:ProcessCollector",
-    "nvidia": "otel_forge.collectors.nvidia:NvidiaCollector",
-    "amd": "otel_forge.collectors.amd:AmdCollector",
-}
-
 
 @dataclass(frozen=True)
 class OpenedCollectors:
@@ -39,8 +28,10 @@ class OpenedCollectors:
 
 
 def collector_class(name: str) -> type[HardwareCollector]:
-    module_name, _, class_name = COLLECTOR_CLASSES[name].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    """The collector of ``name`` (one of ``config.COLLECTOR_NAMES``): ``<name>.py``'s
+    ``<Name>Collector``, imported only when asked for (NVML and amdsmi are heavy or noisy)."""
+    module = importlib.import_module(f"{__name__}.{name}")
+    return getattr(module, f"{name.capitalize()}Collector")
 
 
 def open_collectors(config: ForgeConfig) -> OpenedCollectors:
