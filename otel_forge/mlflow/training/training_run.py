@@ -32,7 +32,6 @@ from otel_forge.mlflow.client import (
     RunGone,
     RunInfo,
     classify,
-    context_tags,
     live_run,
     make_client,
     run_gone,
@@ -45,31 +44,23 @@ from otel_forge.mlflow.training.metric_buffer import MAX_KEY_CHARS, MetricBuffer
 from otel_forge.mlflow.training.metric_flush import MetricFlush
 from otel_forge.mlflow.training.outcome import begin_attempt, end_run
 from otel_forge.mlflow.training.rendezvous import (
-    JOB_KEY_TAG,
     create_experiment,
     find_experiment,
     publish,
     published_run_id,
     wait_for_run,
 )
+from otel_forge.mlflow.training.run_description import RunDescription
 from otel_forge.mlflow.training.run_metadata import (
     DESCRIBED_TAG,
-    NOTE_TAG,
     REJECTED_TAG,
-    batches,
-    config_as_dict,
-    flatten_params,
-    git_tags,
-    job_tags,
-    launch_config_path,
-    redact,
 )
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
 from otel_forge.mlflow.training.training_spool import Record, TrainingSpool, training_spool_path
 from otel_forge.mlflow.worker import DeliveryWorker, Outcome
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
-from otel_forge.scrub import REDACTED, SecretKeys, error_line, scrub, uri_without_credentials
+from otel_forge.scrub import SecretKeys, error_line, scrub, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
 
@@ -78,8 +69,6 @@ MAX_PENDING_METRIC_VALUES = 200_000
 _MAX_REMEMBERED_KEYS = 10_000
 _END_RESERVE_S = 3.0  # of the close budget, kept for the call that ends the run
 _FIRST_OPEN_RETRY_S, _MAX_OPEN_RETRY_S = 1.0, 10.0
-CONFIG_ARTIFACT = "config.json"
-MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
 _DATABRICKS_AUTH_HINT = (
     "Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
     "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
@@ -137,8 +126,6 @@ class TrainingRun:
         self.experiment = self._experiment(experiment)
         self.run_name = run_name
         self.requested_run_id = run_id or self.forge_config.run_id or launched_run_id()
-        self.description = description
-        self.tags = dict(tags or {})
         self.system_metrics = system_metrics
         self.register_checkpoints = register_checkpoints
         self.launch_argv = list(sys.argv if launch_argv is None else launch_argv)
@@ -171,7 +158,14 @@ class TrainingRun:
         self._warnings = RateLimitedLogger(_logger)
         self._exit_handlers = ExitHandlers(self.close, handle_sigterm)
         self._create_if_missing = create_if_missing
-        self._secret = SecretKeys(self.forge_config.secret_keys)
+        self._description = RunDescription(
+            config,
+            description,
+            dict(tags or {}),
+            self.launch_argv,
+            SecretKeys(self.forge_config.secret_keys),
+            self._warnings,
+        )
         self.open_error: BaseException | None = None  # why the run did not open, once it did not
         self._stopping = threading.Event()  # set when close() stops waiting for the run to open
         self._created: OpenRun | None = None
@@ -401,7 +395,9 @@ class TrainingRun:
         )
 
     def _create(self, client: Any, experiment_id: str) -> OpenRun:
-        created = client.create_run(experiment_id, run_name=self.run_name, tags=self._creation_tags())
+        created = client.create_run(
+            experiment_id, run_name=self.run_name, tags=self._description.creation_tags(self.node.job_key)
+        )
         return OpenRun(created.info.run_id, created.info.run_name, experiment_id, self.experiment, False, None, client)
 
     def _start_sampling(self) -> None:
@@ -424,20 +420,8 @@ class TrainingRun:
         """Everything that describes the run, as records made here (off the training thread,
         linear in the config's size, secrets masked) and delivered by the worker."""
         self.described = True
-        for record in self._describe():
+        for record in self._description.records(self.node):
             self._submit_record(run, record)
-
-    def _describe(self) -> list[Record]:
-        # Tags and the files first: a large config's params take many calls (100 per call).
-        records = [Record("tags", self._run_tags())]
-        if (launch_file := launch_config_path(self.launch_argv)) is not None:
-            text = self._secret.redact_text(launch_file.read_text(errors="replace"))
-            records.append(Record("text", {"name": launch_file.name, "data": text}))
-        if self.config is not None:
-            plain = redact(config_as_dict(self.config), self._secret)
-            records.append(Record("dict", {"name": CONFIG_ARTIFACT, "data": plain}))
-            records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
-        return records
 
     def _submit_record(self, run: OpenRun, record: Record, follow_up: bool = False) -> None:
         # Kept until delivered (or refused): close() spools what is left, for `otel-forge replay`.
@@ -457,45 +441,6 @@ class TrainingRun:
     def _record_done(self, record: Record) -> None:
         with self._lock:
             self._pending_records.remove(record)
-
-    def _param_keys(self, params: Mapping[str, str]) -> dict[str, str]:
-        """Params under keys MLflow accepts: sanitised, at most 250 characters, each once."""
-        kept: dict[str, str] = {}
-        for key, value in params.items():
-            name = sanitize_key(key)
-            if len(name) > MAX_PARAM_KEY_CHARS or name in kept:
-                self._warnings.warning(
-                    "param-key",
-                    "MLflow: param %r not recorded: its key is %s",
-                    key[:80],
-                    "too long" if len(name) > MAX_PARAM_KEY_CHARS else f"the same as {name!r}",
-                )
-                continue
-            kept[name] = value
-        return kept
-
-    def _run_tags(self) -> dict[str, str]:
-        tags = {
-            **job_tags(self.node.world_size, self.node.node_count),
-            **git_tags(),
-            DESCRIBED_TAG: "true",
-            **self._own_tags(),
-        }
-        return {key: scrub(str(value)) for key, value in tags.items()}
-
-    def _own_tags(self) -> dict[str, str]:
-        """The description and the caller's tags (secrets masked): they win over every other source."""
-        tags = {NOTE_TAG: self.description} if self.description else {}
-        tags.update({key: REDACTED if self._secret(key) else value for key, value in self.tags.items()})
-        return tags
-
-    def _creation_tags(self) -> dict[str, str]:
-        """A new run's tags: MLflow's context tags, as ``mlflow.start_run`` resolves them, under ours
-        (the job key, the caller's). Ours are set again by the describe record, which also adds git state."""
-        ours = self._own_tags()
-        if self.node.job_key:
-            ours[JOB_KEY_TAG] = self.node.job_key
-        return {key: scrub(str(value)) for key, value in context_tags(ours).items()}
 
     def _submit(self, call: Callable[[], None], follow_up: bool = False) -> bool:
         return self._worker is not None and self._worker.submit(call, follow_up=follow_up)
@@ -727,10 +672,10 @@ class TrainingRun:
                     "run_name": self.run_name,
                     "run_id": self.requested_run_id,
                     "job_key": self.node.job_key,
-                    "tags": self._creation_tags(),
+                    "tags": self._description.creation_tags(self.node.job_key),
                 },
             )
-            records = [*self._describe(), *self._unrecorded_rejected()]
+            records = [*self._description.records(self.node), *self._unrecorded_rejected()]
         else:
             if rows:
                 _logger.warning("MLflow: %d metric value(s) were not delivered: the run never opened", len(rows))

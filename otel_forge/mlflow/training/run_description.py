@@ -1,0 +1,85 @@
+"""What describes a new run, as records the delivery worker sends: its tags (job, git, the
+caller's), the launch file, the config as an artifact and as params. Secrets are masked here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from otel_forge.mlflow.client import context_tags
+from otel_forge.mlflow.keys import sanitize_key
+from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG
+from otel_forge.mlflow.training.run_metadata import (
+    DESCRIBED_TAG,
+    NOTE_TAG,
+    batches,
+    config_as_dict,
+    flatten_params,
+    git_tags,
+    job_tags,
+    launch_config_path,
+    redact,
+)
+from otel_forge.mlflow.training.training_spool import Record
+from otel_forge.node import NodeIdentity
+from otel_forge.ratelimit import RateLimitedLogger
+from otel_forge.scrub import REDACTED, SecretKeys, scrub
+
+CONFIG_ARTIFACT = "config.json"
+MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
+
+
+@dataclass(frozen=True)
+class RunDescription:
+    """The caller's config, description and tags, and the command that launched the job."""
+
+    config: Any
+    description: str | None
+    tags: Mapping[str, str]
+    launch_argv: Sequence[str]
+    secret: SecretKeys
+    warnings: RateLimitedLogger
+
+    def records(self, node: NodeIdentity) -> list[Record]:
+        """Everything that describes the run (linear in the config's size): tags and the files
+        first, since a large config's params take many calls (100 per call)."""
+        records = [Record("tags", self._run_tags(node))]
+        if (launch_file := launch_config_path(self.launch_argv)) is not None:
+            text = self.secret.redact_text(launch_file.read_text(errors="replace"))
+            records.append(Record("text", {"name": launch_file.name, "data": text}))
+        if self.config is not None:
+            plain = redact(config_as_dict(self.config), self.secret)
+            records.append(Record("dict", {"name": CONFIG_ARTIFACT, "data": plain}))
+            records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
+        return records
+
+    def creation_tags(self, job_key: str | None) -> dict[str, str]:
+        """A new run's tags: MLflow's context tags, as ``mlflow.start_run`` resolves them, under ours
+        (the job key, the caller's). Ours are set again by the tags record, which adds git state."""
+        ours = self._own_tags()
+        if job_key:
+            ours[JOB_KEY_TAG] = job_key
+        return {key: scrub(str(value)) for key, value in context_tags(ours).items()}
+
+    def _run_tags(self, node: NodeIdentity) -> dict[str, str]:
+        tags = {**job_tags(node.world_size, node.node_count), **git_tags(), DESCRIBED_TAG: "true", **self._own_tags()}
+        return {key: scrub(str(value)) for key, value in tags.items()}
+
+    def _own_tags(self) -> dict[str, str]:
+        """The description and the caller's tags (secrets masked): they win over every other source."""
+        tags = {NOTE_TAG: self.description} if self.description else {}
+        tags.update({key: REDACTED if self.secret(key) else value for key, value in self.tags.items()})
+        return tags
+
+    def _param_keys(self, params: Mapping[str, str]) -> dict[str, str]:
+        """Params under keys MLflow accepts: sanitised, at most 250 characters, each once."""
+        kept: dict[str, str] = {}
+        for key, value in params.items():
+            name = sanitize_key(key)
+            if len(name) > MAX_PARAM_KEY_CHARS or name in kept:
+                reason = "too long" if len(name) > MAX_PARAM_KEY_CHARS else f"the same as {name!r}"
+                self.warnings.warning("param-key", "MLflow: param %r not recorded: its key is %s", key[:80], reason)
+                continue
+            kept[name] = value
+        return kept
