@@ -1,23 +1,23 @@
-"""What the benches share: the test suite's servers (imported by path), percentiles, waiting."""
+"""What the benches share: percentiles, waiting, and the test suite's helpers.
+
+The benches start the same real servers as the tests (``mlflow_server``, ``proxy``, ``servers``,
+``hermetic``, ``gpu_fakes``): importing this module puts tests/ on ``sys.path`` (as pytest's
+``pythonpath`` does for the tests), so a bench imports them as the tests do.
+"""
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_helper(name: str) -> Any:
-    """A helper module of tests/ (``mlflow_server``, ``proxy``): tests/ is not a package."""
-    tests = str(REPO_ROOT / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    return importlib.import_module(name)
+TESTS = str(REPO_ROOT / "tests")
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 
 def percentile(values: list[float], q: float) -> float:

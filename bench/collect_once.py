@@ -68,7 +68,6 @@ import os
 import platform
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -84,10 +83,11 @@ from typing import Any
 import psutil
 from _common import REPO_ROOT, wait_until
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from servers import free_port
 
 from otel_forge.config import ForgeConfig
-from otel_forge.pipeline.fanout import NonBlockingExporter
 from otel_forge.pipeline import Agent
+from otel_forge.pipeline.fanout import NonBlockingExporter
 
 COLLECTORS = "cpu,memory,disk,network,process"
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
@@ -95,14 +95,20 @@ WARMUP_TICKS = 2
 IDLE_S = 2.0
 WARMUP_SCRAPES = 5
 # Prometheus's own scrape headers (scrape/scrape.go, 2.x).
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 TEXT_ACCEPT = "text/plain;version=0.0.4"
 OPENMETRICS_ACCEPT = "application/openmetrics-text;version=1.0.0"
 
 # Previous design (one reader per sink, one SDK collect per scrape), from issue 11.
-PREVIOUS = {"cpu_ratio_prom_otlp_mlflow_vs_otlp": 3.68, "scrape_us_per_series": 29.7,
-            "node_exporter_us_per_series": 6.7, "scrape_ratio_vs_node_exporter": 4.5}
+PREVIOUS = {
+    "cpu_ratio_prom_otlp_mlflow_vs_otlp": 3.68,
+    "scrape_us_per_series": 29.7,
+    "node_exporter_us_per_series": 6.7,
+    "scrape_ratio_vs_node_exporter": 4.5,
+}
 GOALS = {"cpu_ratio": 1.3, "scrape_ratio": 0.5}
 
 RECEIVER = r"""
@@ -280,8 +286,14 @@ class Processes:
         self.workdir = workdir
         self.spawned: list[Spawned] = []
 
-    def start(self, name: str, args: list[str], stdout: Any = subprocess.PIPE, env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> Spawned:
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        stdout: Any = subprocess.PIPE,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> Spawned:
         stderr_path = self.workdir / f"{name}-{len(self.spawned)}.stderr"
         with open(stderr_path, "w") as stderr:
             process = subprocess.Popen(args, stdout=stdout, stderr=stderr, text=True, env=env, cwd=cwd)
@@ -321,12 +333,6 @@ def count_series(body: bytes) -> int:
     return sum(1 for line in body.decode(errors="replace").splitlines() if line.strip() and not line.startswith("#"))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def clean_env() -> dict[str, str]:
     """This environment without OTEL_* / MLFLOW_* settings, so a subprocess agent adds no sink of its own."""
     return {name: value for name, value in os.environ.items() if not name.startswith(("OTEL_", "MLFLOW_"))}
@@ -355,8 +361,9 @@ def agent_cases(scrape_period_s: float, stress_period_s: float) -> list[AgentCas
         AgentCase("prom-2", "Prometheus + 3 sinks, 2 scrapers", 3, True, 2, scrape_period_s),
     ]
     if stress_period_s > 0:
-        cases.append(AgentCase("prom-2-stress", "Prometheus + 3 sinks, 2 scrapers (stress)", 3, True, 2,
-                               stress_period_s))
+        cases.append(
+            AgentCase("prom-2-stress", "Prometheus + 3 sinks, 2 scrapers (stress)", 3, True, 2, stress_period_s)
+        )
     return cases
 
 
@@ -400,15 +407,23 @@ def sink_factories(push_sinks: int, made: list[CountingExporter]) -> list[Callab
             exporter = cls()
             made.append(exporter)
             return exporter
+
         return make
 
     return [factory(InlineCountingExporter), factory(CountingExporter)][: push_sinks - 1]
 
 
 def agent_config(case: AgentCase, interval_s: float, otlp_url: str) -> ForgeConfig:
-    return ForgeConfig.resolve(environ={}, prometheus=case.prometheus, prometheus_host="127.0.0.1",
-                               prometheus_port=0, sampling_interval_s=interval_s, collectors=COLLECTORS,
-                               otlp_endpoint=otlp_url, otlp_protocol="http/protobuf")
+    return ForgeConfig.resolve(
+        environ={},
+        prometheus=case.prometheus,
+        prometheus_host="127.0.0.1",
+        prometheus_port=0,
+        sampling_interval_s=interval_s,
+        collectors=COLLECTORS,
+        otlp_endpoint=otlp_url,
+        otlp_protocol="http/protobuf",
+    )
 
 
 def prometheus_url(agent: Agent) -> str:
@@ -437,8 +452,9 @@ class OtlpResults:
         exporter.export = counted
 
 
-def measure_window(agent: Agent, ticks: Ticks, intervals: int, interval_s: float, sdk: SdkCollects,
-                   otlp: OtlpResults) -> dict[str, Any]:
+def measure_window(
+    agent: Agent, ticks: Ticks, intervals: int, interval_s: float, sdk: SdkCollects, otlp: OtlpResults
+) -> dict[str, Any]:
     """CPU, SDK collects and OTLP exports over ``intervals`` reader ticks, from one tick to another."""
     timeout_s = intervals * interval_s * 3 + 10
     rendering = agent.fan_out.sinks[0] if agent.config.prometheus else None  # type: ignore[union-attr]
@@ -449,16 +465,22 @@ def measure_window(agent: Agent, ticks: Ticks, intervals: int, interval_s: float
     ticks.wait_for(start + intervals, timeout_s)
     wall1, cpu1, sdk1, otlp1 = time.monotonic(), time.process_time(), sdk.count, otlp.ok
     encodings1 = rendering.encodings if rendering else 0
-    return {"intervals": intervals, "cpu_ms_per_interval": (cpu1 - cpu0) * 1e3 / intervals,
-            "period_ms": (wall1 - wall0) * 1e3 / intervals, "sdk_collects_per_interval": (sdk1 - sdk0) / intervals,
-            "otlp_ok_per_interval": (otlp1 - otlp0) / intervals,
-            "encodings_per_interval": (encodings1 - encodings0) / intervals}
+    return {
+        "intervals": intervals,
+        "cpu_ms_per_interval": (cpu1 - cpu0) * 1e3 / intervals,
+        "period_ms": (wall1 - wall0) * 1e3 / intervals,
+        "sdk_collects_per_interval": (sdk1 - sdk0) / intervals,
+        "otlp_ok_per_interval": (otlp1 - otlp0) / intervals,
+        "encodings_per_interval": (encodings1 - encodings0) / intervals,
+    }
 
 
-def start_agent(case: AgentCase, args: argparse.Namespace, receiver: Receiver,
-                made: list[CountingExporter]) -> tuple[Agent, Ticks, OtlpResults]:
-    agent = Agent(agent_config(case, args.interval, receiver.url),
-                  extra_exporters=sink_factories(case.push_sinks, made))
+def start_agent(
+    case: AgentCase, args: argparse.Namespace, receiver: Receiver, made: list[CountingExporter]
+) -> tuple[Agent, Ticks, OtlpResults]:
+    agent = Agent(
+        agent_config(case, args.interval, receiver.url), extra_exporters=sink_factories(case.push_sinks, made)
+    )
     agent.start()
     if not agent.running or agent.fan_out is None:
         agent.shutdown()
@@ -466,8 +488,14 @@ def start_agent(case: AgentCase, args: argparse.Namespace, receiver: Receiver,
     return agent, Ticks(agent.fan_out), OtlpResults(agent)
 
 
-def run_case(case: AgentCase, args: argparse.Namespace, receiver: Receiver, processes: Processes,
-             sdk: SdkCollects, seconds: float) -> dict[str, Any]:
+def run_case(
+    case: AgentCase,
+    args: argparse.Namespace,
+    receiver: Receiver,
+    processes: Processes,
+    sdk: SdkCollects,
+    seconds: float,
+) -> dict[str, Any]:
     made: list[CountingExporter] = []
     sdk_before, posts_before = sdk.count, receiver.posts()
     agent, ticks, otlp = start_agent(case, args, receiver, made)
@@ -486,10 +514,18 @@ def run_case(case: AgentCase, args: argparse.Namespace, receiver: Receiver, proc
         fan_out, absent = agent.fan_out, agent.absent_collectors
         agent.shutdown()
     row.update(scraped)
-    row.update({"absent_collectors": absent, "fan_out_exports": fan_out.exports, "sdk_collects": sdk.count - sdk_before,
-                "sink_exports": [exporter.exports for exporter in made], "otlp_ok": otlp.ok,
-                "otlp_failed": otlp.failed, "otlp_posts_received": receiver.posts() - posts_before,
-                "skipped_total": dict(fan_out.skipped)})  # a shutdown's final collect may replace a waiting one
+    row.update(
+        {
+            "absent_collectors": absent,
+            "fan_out_exports": fan_out.exports,
+            "sdk_collects": sdk.count - sdk_before,
+            "sink_exports": [exporter.exports for exporter in made],
+            "otlp_ok": otlp.ok,
+            "otlp_failed": otlp.failed,
+            "otlp_posts_received": receiver.posts() - posts_before,
+            "skipped_total": dict(fan_out.skipped),
+        }
+    )  # a shutdown's final collect may replace a waiting one
     return row
 
 
@@ -526,9 +562,15 @@ def server_scrape_cost(cpu: Callable[[], float], url: str, accept: str, scrapes:
         fetch(url, accept)
     elapsed = time.monotonic() - wall0
     spent = cpu() - cpu0 - idle_rate * elapsed
-    return {"scrapes": scrapes, "sample_lines": count_series(body), "bytes": len(body),
-            "us_per_scrape": spent * 1e6 / scrapes, "wall_ms_per_scrape": elapsed * 1e3 / scrapes,
-            "idle_ms_per_s": idle_rate * 1e3, "body": body}
+    return {
+        "scrapes": scrapes,
+        "sample_lines": count_series(body),
+        "bytes": len(body),
+        "us_per_scrape": spent * 1e6 / scrapes,
+        "wall_ms_per_scrape": elapsed * 1e3 / scrapes,
+        "idle_ms_per_s": idle_rate * 1e3,
+        "body": body,
+    }
 
 
 def wait_for_line(path: Path, prefix: str, spawned: Spawned, timeout_s: float) -> str:
@@ -547,8 +589,20 @@ def wait_for_line(path: Path, prefix: str, spawned: Spawned, timeout_s: float) -
 
 def ours_scrapes(args: argparse.Namespace, processes: Processes) -> dict[str, Any]:
     stdout_path = processes.workdir / "agent.stdout"
-    command = [sys.executable, "-m", "otel_forge.cli", "monitor", "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", "0", "--interval", f"{args.agent_interval:g}", "--collectors", COLLECTORS]
+    command = [
+        sys.executable,
+        "-m",
+        "otel_forge.cli",
+        "monitor",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        "0",
+        "--interval",
+        f"{args.agent_interval:g}",
+        "--collectors",
+        COLLECTORS,
+    ]
     with open(stdout_path, "w") as stdout:
         agent = processes.start("agent", command, stdout=stdout, env=clean_env(), cwd=REPO_ROOT)
     line = wait_for_line(stdout_path, "otel-forge: serving prometheus ", agent, 60)
@@ -559,8 +613,14 @@ def ours_scrapes(args: argparse.Namespace, processes: Processes) -> dict[str, An
     openmetrics = server_scrape_cost(cpu, url, OPENMETRICS_ACCEPT, args.scrapes)
     after = fetch(url, TEXT_ACCEPT)
     agent.stop()
-    return {"command": shlex.join(["python", *command[1:]]), "clock": clock, "text": text,
-            "openmetrics": openmetrics, "collect_during_scrapes": before != after, "stderr": agent.stderr()}
+    return {
+        "command": shlex.join(["python", *command[1:]]),
+        "clock": clock,
+        "text": text,
+        "openmetrics": openmetrics,
+        "collect_during_scrapes": before != after,
+        "stderr": agent.stderr(),
+    }
 
 
 def node_exporter_scrapes(args: argparse.Namespace, processes: Processes) -> dict[str, Any] | None:
@@ -568,8 +628,9 @@ def node_exporter_scrapes(args: argparse.Namespace, processes: Processes) -> dic
         return None
     version = subprocess.run([NODE_EXPORTER, "--version"], check=False, capture_output=True, text=True, timeout=30)
     port = free_port()
-    exporter = processes.start("node-exporter", [NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}"],
-                               stdout=subprocess.DEVNULL)
+    exporter = processes.start(
+        "node-exporter", [NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}/metrics"
 
     def up() -> bool:
@@ -584,18 +645,33 @@ def node_exporter_scrapes(args: argparse.Namespace, processes: Processes) -> dic
     cpu, clock = process_cpu_clock(exporter.process.pid)
     text = server_scrape_cost(cpu, url, TEXT_ACCEPT, args.scrapes)
     exporter.stop()
-    errors = [re.sub(r"(ts|duration_seconds)=\S+ ?", "", line) for line in exporter.stderr().splitlines()
-              if ("level=error" in line or "level=warn" in line) and "running as root" not in line]
+    errors = [
+        re.sub(r"(ts|duration_seconds)=\S+ ?", "", line)
+        for line in exporter.stderr().splitlines()
+        if ("level=error" in line or "level=warn" in line) and "running as root" not in line
+    ]
     commonest = max(set(errors), key=errors.count) if errors else ""
-    return {"version": (version.stdout or version.stderr).splitlines()[0], "clock": clock, "text": text,
-            "log_problems": len(errors), "log_example": commonest, "log_example_count": errors.count(commonest)}
+    return {
+        "version": (version.stdout or version.stderr).splitlines()[0],
+        "clock": clock,
+        "text": text,
+        "log_problems": len(errors),
+        "log_example": commonest,
+        "log_example_count": errors.count(commonest),
+    }
 
 
 def fresh_collect_cost(rounds: int) -> dict[str, Any]:
     """In this process: per round, one whole agent collect (+ translation) and one text encoding; then
     the translation alone of one collect's data, as many times."""
-    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
-                                 sampling_interval_s=3600, max_age_s=0.001, collectors=COLLECTORS)
+    config = ForgeConfig.resolve(
+        environ={},
+        prometheus_host="127.0.0.1",
+        prometheus_port=0,
+        sampling_interval_s=3600,
+        max_age_s=0.001,
+        collectors=COLLECTORS,
+    )
     agent = Agent(config).start()
     try:
         rendering = agent.fan_out.sinks[0]  # type: ignore[union-attr]
@@ -627,9 +703,13 @@ def fresh_collect_cost(rounds: int) -> dict[str, Any]:
         translate_s = time.process_time() - started
     finally:
         agent.shutdown()
-    return {"rounds": rounds, "collect_and_translate_us": collect_s * 1e6 / rounds,
-            "encode_text_us": encode_s * 1e6 / rounds, "translate_us": translate_s * 1e6 / rounds,
-            "encodings_per_round": encoded / rounds}
+    return {
+        "rounds": rounds,
+        "collect_and_translate_us": collect_s * 1e6 / rounds,
+        "encode_text_us": encode_s * 1e6 / rounds,
+        "translate_us": translate_s * 1e6 / rounds,
+        "encodings_per_round": encoded / rounds,
+    }
 
 
 def scrape_part(args: argparse.Namespace, processes: Processes) -> dict[str, Any]:
@@ -642,27 +722,49 @@ def scrape_part(args: argparse.Namespace, processes: Processes) -> dict[str, Any
     series = ours["text"]["sample_lines"]
     http_us = ours["text"]["us_per_scrape"]
     rows = [
-        {"key": "ours-text", "label": "otel_forge, text (cached)", "series": series,
-         "us_per_scrape": http_us},
-        {"key": "ours-openmetrics", "label": "otel_forge, OpenMetrics (cached)", "series": series,
-         "us_per_scrape": ours["openmetrics"]["us_per_scrape"]},
-        {"key": "ours-text-new-collect", "label": "otel_forge, text, first scrape after a collect: "
-         "cached + translation + encoding (derived)", "series": series,
-         "us_per_scrape": http_us + fresh["translate_us"] + fresh["encode_text_us"]},
-        {"key": "ours-text-with-collect", "label": "otel_forge, text, + the whole SDK collect (derived)",
-         "series": series, "us_per_scrape": http_us + fresh["collect_and_translate_us"] + fresh["encode_text_us"]},
+        {"key": "ours-text", "label": "otel_forge, text (cached)", "series": series, "us_per_scrape": http_us},
+        {
+            "key": "ours-openmetrics",
+            "label": "otel_forge, OpenMetrics (cached)",
+            "series": series,
+            "us_per_scrape": ours["openmetrics"]["us_per_scrape"],
+        },
+        {
+            "key": "ours-text-new-collect",
+            "label": "otel_forge, text, first scrape after a collect: cached + translation + encoding (derived)",
+            "series": series,
+            "us_per_scrape": http_us + fresh["translate_us"] + fresh["encode_text_us"],
+        },
+        {
+            "key": "ours-text-with-collect",
+            "label": "otel_forge, text, + the whole SDK collect (derived)",
+            "series": series,
+            "us_per_scrape": http_us + fresh["collect_and_translate_us"] + fresh["encode_text_us"],
+        },
     ]
     if node is not None:
-        rows.insert(0, {"key": "node-exporter", "label": f"prometheus-node-exporter {node['version'].split()[2]}, "
-                        "text", "series": node["text"]["sample_lines"], "us_per_scrape": node["text"]["us_per_scrape"]})
+        rows.insert(
+            0,
+            {
+                "key": "node-exporter",
+                "label": f"prometheus-node-exporter {node['version'].split()[2]}, text",
+                "series": node["text"]["sample_lines"],
+                "us_per_scrape": node["text"]["us_per_scrape"],
+            },
+        )
     node_per_series = node["text"]["us_per_scrape"] / node["text"]["sample_lines"] if node else None
     for row in rows:
         row["us_per_series"] = row["us_per_scrape"] / row["series"]
         row["ratio_vs_node_exporter"] = row["us_per_series"] / node_per_series if node_per_series else None
     for part in (ours["text"], ours["openmetrics"], *([node["text"]] if node else [])):
         part.pop("body")
-    return {"rows": rows, "ours": ours, "node_exporter": node, "fresh": fresh,
-            "openmetrics_sample_lines": ours["openmetrics"]["sample_lines"]}
+    return {
+        "rows": rows,
+        "ours": ours,
+        "node_exporter": node,
+        "fresh": fresh,
+        "openmetrics_sample_lines": ours["openmetrics"]["sample_lines"],
+    }
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -675,35 +777,61 @@ def machine() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return "absent"
 
-    return {"logical_cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "opentelemetry_sdk": version("opentelemetry-sdk"), "prometheus_client": version("prometheus_client"),
-            "opentelemetry_exporter_prometheus": version("opentelemetry-exporter-prometheus"),
-            "psutil": psutil.__version__, "loadavg_start": os.getloadavg()}
+    return {
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "opentelemetry_sdk": version("opentelemetry-sdk"),
+        "prometheus_client": version("prometheus_client"),
+        "opentelemetry_exporter_prometheus": version("opentelemetry-exporter-prometheus"),
+        "psutil": psutil.__version__,
+        "loadavg_start": os.getloadavg(),
+    }
 
 
-def summarize(agent_rows: list[dict[str, Any]], scrapes: dict[str, Any], args: argparse.Namespace,
-              command: str, info: dict[str, Any], logs: list[str]) -> dict[str, Any]:
+def summarize(
+    agent_rows: list[dict[str, Any]],
+    scrapes: dict[str, Any],
+    args: argparse.Namespace,
+    command: str,
+    info: dict[str, Any],
+    logs: list[str],
+) -> dict[str, Any]:
     by_key = {row["key"]: row for row in agent_rows}
     goal_row = by_key["prom-1"]
     ours_text = next(r for r in scrapes["rows"] if r["key"] == "ours-text")
     info["loadavg_end"] = os.getloadavg()
     return {
-        "command": command, "machine": info,
-        "settings": {"seconds": args.seconds, "interval_s": args.interval, "scrapes": args.scrapes,
-                     "scrape_period_s": args.scrape_period or 1.5 * args.interval,
-                     "stress_period_s": args.stress_period, "agent_interval_s": args.agent_interval,
-                     "warmup_seconds": args.warmup_seconds, "fresh_rounds": args.fresh_rounds},
-        "agent": agent_rows, "scrape": scrapes, "previous": PREVIOUS, "goals": GOALS,
+        "command": command,
+        "machine": info,
+        "settings": {
+            "seconds": args.seconds,
+            "interval_s": args.interval,
+            "scrapes": args.scrapes,
+            "scrape_period_s": args.scrape_period or 1.5 * args.interval,
+            "stress_period_s": args.stress_period,
+            "agent_interval_s": args.agent_interval,
+            "warmup_seconds": args.warmup_seconds,
+            "fresh_rounds": args.fresh_rounds,
+        },
+        "agent": agent_rows,
+        "scrape": scrapes,
+        "previous": PREVIOUS,
+        "goals": GOALS,
         "verdicts": {
             "cpu_ratio": goal_row["ratio_vs_otlp"],
             "cpu_ratio_met": goal_row["ratio_vs_otlp"] <= GOALS["cpu_ratio"],
             "one_collect_per_interval": all(abs(r["sdk_collects_per_interval"] - 1) < 1e-9 for r in agent_rows),
             "all_collects_through_fan_out": all(r["sdk_collects"] == r["fan_out_exports"] for r in agent_rows),
             "scrape_ratio": ours_text["ratio_vs_node_exporter"],
-            "scrape_ratio_met": (ours_text["ratio_vs_node_exporter"] <= GOALS["scrape_ratio"]
-                                 if ours_text["ratio_vs_node_exporter"] is not None else None),
-            "prometheus_translation_ms_per_interval": (by_key["prom-0"]["cpu_ms_per_interval"]
-                                                       - by_key["otlp+mlflow+user"]["cpu_ms_per_interval"]),
+            "scrape_ratio_met": (
+                ours_text["ratio_vs_node_exporter"] <= GOALS["scrape_ratio"]
+                if ours_text["ratio_vs_node_exporter"] is not None
+                else None
+            ),
+            "prometheus_translation_ms_per_interval": (
+                by_key["prom-0"]["cpu_ms_per_interval"] - by_key["otlp+mlflow+user"]["cpu_ms_per_interval"]
+            ),
         },
         "log_warnings": logs,
     }
@@ -718,29 +846,37 @@ def render_agent(result: dict[str, Any]) -> list[str]:
     lines = [
         f"### Agent CPU per interval ({s['interval_s']:g} s interval, {s['seconds']:g} s per configuration)",
         "",
-        ("| configuration | push sinks | scrapers (period) | CPU ms/interval | x OTLP alone | SDK collects/interval "
-        "| OTLP exports OK/interval | scrapes/interval | encodings/interval | period ms |"),
+        (
+            "| configuration | push sinks | scrapers (period) | CPU ms/interval | x OTLP alone | SDK collects/interval "
+            "| OTLP exports OK/interval | scrapes/interval | encodings/interval | period ms |"
+        ),
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["agent"]:
         scrapers = f"{r['scrapers']} ({r['scrape_period_s']:g} s)" if r["scrapers"] else "0"
         scrapers += "" if r["prometheus"] else ", Prometheus off"
-        lines.append(f"| {r['label']} | {r['push_sinks']} | {scrapers} | {r['cpu_ms_per_interval']:.2f} "
-                     f"| {r['ratio_vs_otlp']:.2f} | {r['sdk_collects_per_interval']:.2f} "
-                     f"| {r['otlp_ok_per_interval']:.2f} | {r['scrapes_per_interval']:.2f} "
-                     f"| {r['encodings_per_interval']:.2f} | {r['period_ms']:.0f} |")
+        lines.append(
+            f"| {r['label']} | {r['push_sinks']} | {scrapers} | {r['cpu_ms_per_interval']:.2f} "
+            f"| {r['ratio_vs_otlp']:.2f} | {r['sdk_collects_per_interval']:.2f} "
+            f"| {r['otlp_ok_per_interval']:.2f} | {r['scrapes_per_interval']:.2f} "
+            f"| {r['encodings_per_interval']:.2f} | {r['period_ms']:.0f} |"
+        )
     lines += [
         "",
         "| ratio | now | previous design, from issue 11 | goal |",
         "|---|---:|---:|---|",
-        (f"| Prometheus (1 scraper) + OTLP + MLflow-like + user's / OTLP alone | {v['cpu_ratio']:.2f} "
-        f"| {PREVIOUS['cpu_ratio_prom_otlp_mlflow_vs_otlp']:.2f} (Prometheus + OTLP + MLflow) "
-        f"| <= {GOALS['cpu_ratio']:g}: {met(v['cpu_ratio_met'])} |"),
+        (
+            f"| Prometheus (1 scraper) + OTLP + MLflow-like + user's / OTLP alone | {v['cpu_ratio']:.2f} "
+            f"| {PREVIOUS['cpu_ratio_prom_otlp_mlflow_vs_otlp']:.2f} (Prometheus + OTLP + MLflow) "
+            f"| <= {GOALS['cpu_ratio']:g}: {met(v['cpu_ratio_met'])} |"
+        ),
         "",
-        (f"One SDK collect per interval in every configuration: {'yes' if v['one_collect_per_interval'] else 'NO'}; "
-        f"every SDK collect went through the fan-out: {'yes' if v['all_collects_through_fan_out'] else 'NO'}. "
-        f"Prometheus translation per collect (Prometheus, 0 scrapers minus the same sinks without it): "
-        f"{v['prometheus_translation_ms_per_interval']:.2f} ms."),
+        (
+            f"One SDK collect per interval in every configuration: {'yes' if v['one_collect_per_interval'] else 'NO'}; "
+            f"every SDK collect went through the fan-out: {'yes' if v['all_collects_through_fan_out'] else 'NO'}. "
+            f"Prometheus translation per collect (Prometheus, 0 scrapers minus the same sinks without it): "
+            f"{v['prometheus_translation_ms_per_interval']:.2f} ms."
+        ),
     ]
     return lines
 
@@ -749,23 +885,34 @@ def render_scrape(result: dict[str, Any]) -> list[str]:
     sc, v = result["scrape"], result["verdicts"]
     lines = [
         "",
-        (f"### Scrape CPU per series ({result['settings']['scrapes']} scrapes back to back, server process CPU "
-        f"less idle; clock: {sc['ours']['clock']})"),
+        (
+            f"### Scrape CPU per series ({result['settings']['scrapes']} scrapes back to back, server process CPU "
+            f"less idle; clock: {sc['ours']['clock']})"
+        ),
         "",
         "| endpoint | series | µs CPU/scrape | µs/series | x node_exporter |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in sc["rows"]:
         ratio = f"{r['ratio_vs_node_exporter']:.2f}" if r["ratio_vs_node_exporter"] is not None else "-"
-        lines.append(f"| {r['label']} | {r['series']} | {r['us_per_scrape']:.0f} | {r['us_per_series']:.2f} "
-                     f"| {ratio} |")
-    lines.append(f"| previous design, from issue 11: otel_forge (a collect per scrape) | | "
-                 f"| {PREVIOUS['scrape_us_per_series']:g} | {PREVIOUS['scrape_ratio_vs_node_exporter']:g} |")
-    lines.append(f"| previous design, from issue 11: node_exporter | | "
-                 f"| {PREVIOUS['node_exporter_us_per_series']:g} | |")
+        lines.append(
+            f"| {r['label']} | {r['series']} | {r['us_per_scrape']:.0f} | {r['us_per_series']:.2f} | {ratio} |"
+        )
+    lines.append(
+        f"| previous design, from issue 11: otel_forge (a collect per scrape) | | "
+        f"| {PREVIOUS['scrape_us_per_series']:g} | {PREVIOUS['scrape_ratio_vs_node_exporter']:g} |"
+    )
+    lines.append(
+        f"| previous design, from issue 11: node_exporter | | | {PREVIOUS['node_exporter_us_per_series']:g} | |"
+    )
     scrape_ratio = f"{v['scrape_ratio']:.2f}" if v["scrape_ratio"] is not None else "n/a"
-    lines += ["", (f"Goal: otel_forge text (cached) <= {GOALS['scrape_ratio']:g}x node_exporter per series: "
-              f"{scrape_ratio}, {met(v['scrape_ratio_met'])}.")]
+    lines += [
+        "",
+        (
+            f"Goal: otel_forge text (cached) <= {GOALS['scrape_ratio']:g}x node_exporter per series: "
+            f"{scrape_ratio}, {met(v['scrape_ratio_met'])}."
+        ),
+    ]
     return lines
 
 
@@ -773,33 +920,48 @@ def render_notes(result: dict[str, Any]) -> list[str]:
     sc, m = result["scrape"], result["machine"]
     fresh = sc["fresh"]
     notes = [
-        ("Scrapers use Prometheus's Accept (OpenMetrics preferred) and gzip; sink 2 and 3 only count "
-        "(the real MLflow exporter's conversion and REST calls are not included)."),
-        (f"Our scrape agent: `{sc['ours']['command']}`; OpenMetrics body has {sc['openmetrics_sample_lines']} sample "
-        f"lines (text: {sc['ours']['text']['sample_lines']}); a collect during the scrapes: "
-        f"{'YES, figures include it' if sc['ours']['collect_during_scrapes'] else 'no'}."),
-        (f"In-process rounds ({fresh['rounds']}): SDK collect + translation {fresh['collect_and_translate_us']:.0f} µs, "
-        f"translation alone {fresh['translate_us']:.0f} µs, text encoding {fresh['encode_text_us']:.0f} µs "
-        f"({fresh['encodings_per_round']:.2f} encodings/round)."),
-        (f"Load average at start {m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f} "
-        f"on {m['logical_cpus']} CPUs: other work on the machine shows up as noise."),
+        (
+            "Scrapers use Prometheus's Accept (OpenMetrics preferred) and gzip; sink 2 and 3 only count "
+            "(the real MLflow exporter's conversion and REST calls are not included)."
+        ),
+        (
+            f"Our scrape agent: `{sc['ours']['command']}`; OpenMetrics body has "
+            f"{sc['openmetrics_sample_lines']} sample "
+            f"lines (text: {sc['ours']['text']['sample_lines']}); a collect during the scrapes: "
+            f"{'YES, figures include it' if sc['ours']['collect_during_scrapes'] else 'no'}."
+        ),
+        (
+            f"In-process rounds ({fresh['rounds']}): SDK collect + translation "
+            f"{fresh['collect_and_translate_us']:.0f} µs, "
+            f"translation alone {fresh['translate_us']:.0f} µs, text encoding {fresh['encode_text_us']:.0f} µs "
+            f"({fresh['encodings_per_round']:.2f} encodings/round)."
+        ),
+        (
+            f"Load average at start {m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f} "
+            f"on {m['logical_cpus']} CPUs: other work on the machine shows up as noise."
+        ),
     ]
     node = sc["node_exporter"]
     if node is None:
         notes.append(f"{NODE_EXPORTER} absent: no node_exporter row, no ratio.")
     else:
-        notes.append(f"Series: ours {sc['ours']['text']['sample_lines']}, node_exporter "
-                     f"{node['text']['sample_lines']}: a per-request cost (connection, HTTP parsing) is divided by "
-                     "fewer series on ours.")
+        notes.append(
+            f"Series: ours {sc['ours']['text']['sample_lines']}, node_exporter "
+            f"{node['text']['sample_lines']}: a per-request cost (connection, HTTP parsing) is divided by "
+            "fewer series on ours."
+        )
         if node["log_problems"]:
-            notes.append(f"node_exporter (its default collectors) logged {node['log_problems']} warning/error lines, "
-                         f"{node['log_example_count']} of them `{node['log_example'][:300]}`.")
+            notes.append(
+                f"node_exporter (its default collectors) logged {node['log_problems']} warning/error lines, "
+                f"{node['log_example_count']} of them `{node['log_example'][:300]}`."
+            )
     notes += agent_row_notes(result["agent"])
     if sc["ours"]["stderr"]:
         notes.append(f"our scrape agent's stderr: `{sc['ours']['stderr'].splitlines()[-1]}`.")
     if result["log_warnings"]:
-        notes.append(f"{len(result['log_warnings'])} warnings logged in the bench process, first: "
-                     f"`{result['log_warnings'][0]}`.")
+        notes.append(
+            f"{len(result['log_warnings'])} warnings logged in the bench process, first: `{result['log_warnings'][0]}`."
+        )
     return ["", "Notes:", *[f"- {note}" for note in notes]]
 
 
@@ -814,22 +976,32 @@ def agent_row_notes(rows: list[dict[str, Any]]) -> list[str]:
         if any(r["skipped"].values()):
             notes.append(f"{r['key']}: collects skipped by threaded sinks {r['skipped']}.")
         if r["otlp_failed"] or r["otlp_posts_received"] != r["otlp_ok"] + r["otlp_failed"]:
-            notes.append(f"{r['key']}: OTLP exports {r['otlp_ok']} OK, {r['otlp_failed']} failed; the receiver got "
-                         f"{r['otlp_posts_received']} POSTs.")
+            notes.append(
+                f"{r['key']}: OTLP exports {r['otlp_ok']} OK, {r['otlp_failed']} failed; the receiver got "
+                f"{r['otlp_posts_received']} POSTs."
+            )
         # sink 2 is inline (gets every collect), sink 3 threaded (gets those not replaced while waiting)
         expected = [r["fan_out_exports"], r["fan_out_exports"] - r["skipped_total"].get("CountingExporter", 0)]
         if r["sink_exports"] != expected[: len(r["sink_exports"])]:
-            notes.append(f"{r['key']}: counting sinks got {r['sink_exports']} of {r['fan_out_exports']} collects "
-                         f"(skipped: {r['skipped_total']}).")
+            notes.append(
+                f"{r['key']}: counting sinks got {r['sink_exports']} of {r['fan_out_exports']} collects "
+                f"(skipped: {r['skipped_total']})."
+            )
     return notes
 
 
 def render_markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
-    head = [f"`{result['command']}`", "",
-            (f"{m['logical_cpus']} logical CPUs, {m['platform']}, Python {m['python']}, opentelemetry-sdk "
+    head = [
+        f"`{result['command']}`",
+        "",
+        (
+            f"{m['logical_cpus']} logical CPUs, {m['platform']}, Python {m['python']}, opentelemetry-sdk "
             f"{m['opentelemetry_sdk']}, opentelemetry-exporter-prometheus {m['opentelemetry_exporter_prometheus']}, "
-            f"prometheus_client {m['prometheus_client']}, psutil {m['psutil']}."), ""]
+            f"prometheus_client {m['prometheus_client']}, psutil {m['psutil']}."
+        ),
+        "",
+    ]
     return "\n".join(head + render_agent(result) + render_scrape(result) + render_notes(result))
 
 
@@ -838,16 +1010,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds measured per configuration (default 20)")
     parser.add_argument("--interval", type=float, default=0.5, help="the agent's sampling interval, s (default 0.5)")
     parser.add_argument("--scrapes", type=int, default=200, help="scrapes per endpoint in part 2 (default 200)")
-    parser.add_argument("--scrape-period", type=float, default=None,
-                        help="scrapers' period in part 1, s (default 1.5 x --interval: 15 s scrapes / 10 s sampling)")
-    parser.add_argument("--stress-period", type=float, default=0.1,
-                        help="period of the 2-scraper stress row, s (default 0.1; 0: no stress row)")
-    parser.add_argument("--agent-interval", type=float, default=60.0,
-                        help="interval of the agent scraped in part 2, s (default 60: no collect while scraped)")
-    parser.add_argument("--fresh-rounds", type=int, default=50,
-                        help="in-process collect + encode rounds for the derived rows (default 50)")
-    parser.add_argument("--warmup-seconds", type=float, default=5.0,
-                        help="an unreported Prometheus + 3 sinks + 1 scraper run first, s (default 5; 0: none)")
+    parser.add_argument(
+        "--scrape-period",
+        type=float,
+        default=None,
+        help="scrapers' period in part 1, s (default 1.5 x --interval: 15 s scrapes / 10 s sampling)",
+    )
+    parser.add_argument(
+        "--stress-period",
+        type=float,
+        default=0.1,
+        help="period of the 2-scraper stress row, s (default 0.1; 0: no stress row)",
+    )
+    parser.add_argument(
+        "--agent-interval",
+        type=float,
+        default=60.0,
+        help="interval of the agent scraped in part 2, s (default 60: no collect while scraped)",
+    )
+    parser.add_argument(
+        "--fresh-rounds",
+        type=int,
+        default=50,
+        help="in-process collect + encode rounds for the derived rows (default 50)",
+    )
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=5.0,
+        help="an unreported Prometheus + 3 sinks + 1 scraper run first, s (default 5; 0: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     return parser.parse_args(argv)
 

@@ -75,6 +75,7 @@ CPU, memory, disk and network values are this machine's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
@@ -97,7 +98,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _common import REPO_ROOT, test_helper, wait_until
+from _common import REPO_ROOT, wait_until
+from gpu_fakes import fake_gpu_env
+from hermetic import hermetic_environ
+from mlflow_server import MlflowServer
+from proxy import MlflowProxy
+from servers import free_port
 
 DEFAULT_INTERVAL_S = 10.0  # otel_forge's and MLflow's default sampling interval
 MLFLOW_SAMPLES_BEFORE_LOGGING = 1  # MLflow's default, and what the anchor uses
@@ -172,7 +178,7 @@ def cpu_delta_ms(after: dict[str, float], before: dict[str, float]) -> dict[str,
 @functools.cache
 def fleet_server_class() -> type:
     """``MlflowServer`` (tests/mlflow_server.py) that also takes a backend store URI and a worker count."""
-    base = test_helper("mlflow_server").MlflowServer
+    base = MlflowServer
 
     class FleetServer(base):  # type: ignore[misc, valid-type]
         def __init__(self, root: Path, backend_uri: str | None = None, workers: int = 1) -> None:
@@ -185,10 +191,27 @@ def fleet_server_class() -> type:
             env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
             log = open(self.root / "server.log", "ab")  # noqa: SIM115 - the server's, closed with it
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                 self.backend_uri or f"sqlite:///{self.db}", "--default-artifact-root", str(self.artifacts),
-                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(self.workers)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "mlflow",
+                    "server",
+                    "--backend-store-uri",
+                    self.backend_uri or f"sqlite:///{self.db}",
+                    "--default-artifact-root",
+                    str(self.artifacts),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--workers",
+                    str(self.workers),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             if not wait_until(lambda: self.process.poll() is not None or self.healthy(), timeout_s, 0.25):
                 self.kill()
                 raise RuntimeError("mlflow server did not answer /health in time")
@@ -205,7 +228,7 @@ class Postgres:
     def __init__(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="fleet-pg-"))
         self.data = self.root / "data"
-        self.port = test_helper("mlflow_server").free_port()
+        self.port = free_port()
         self.pid: int | None = None
         self._as: list[str] = []
         if os.geteuid() == 0:
@@ -220,8 +243,10 @@ class Postgres:
         if missing:
             return f"{' and '.join(missing)} not on PATH"
         if Postgres.driver() is None:
-            return ("neither psycopg2 nor psycopg is importable (`pip install psycopg2-binary`): mlflow server "
-                    "needs one to reach PostgreSQL")
+            return (
+                "neither psycopg2 nor psycopg is importable (`pip install psycopg2-binary`): mlflow server "
+                "needs one to reach PostgreSQL"
+            )
         if os.geteuid() == 0:
             if shutil.which("runuser") is None:
                 return "running as root and no runuser to run PostgreSQL as another user"
@@ -237,17 +262,45 @@ class Postgres:
         return next((name for name in ("psycopg2", "psycopg") if importlib.util.find_spec(name) is not None), None)
 
     def _run(self, *command: str) -> None:
-        done = subprocess.run([*self._as, *command], check=False, capture_output=True, text=True, timeout=120,
-                              start_new_session=True, cwd=self.root)
+        done = subprocess.run(
+            [*self._as, *command],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
+            cwd=self.root,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{command[0]} failed: {(done.stdout + done.stderr)[-2000:]}")
 
     def start(self) -> Postgres:
-        self._run(shutil.which("initdb") or "initdb", "-D", str(self.data), "-U", "mlflow", "-A", "trust",
-                  "-E", "UTF8", "--no-sync")
+        self._run(
+            shutil.which("initdb") or "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            "mlflow",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
         options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c max_connections=200"
-        self._run(shutil.which("pg_ctl") or "pg_ctl", "-D", str(self.data), "-l", str(self.root / "postgres.log"),
-                  "-o", options, "-w", "-t", "60", "start")
+        self._run(
+            shutil.which("pg_ctl") or "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "postgres.log"),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
         self.pid = int((self.data / "postmaster.pid").read_text().split()[0])
         return self
 
@@ -269,10 +322,8 @@ class Postgres:
             try:
                 self._run(shutil.which("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
             except (RuntimeError, subprocess.TimeoutExpired):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             self.pid = None
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -304,7 +355,7 @@ class Deliveries:
 
     def poll(self) -> int:
         """Take in the requests that arrived since the last poll; how many arrived in all."""
-        for _, path, body in self.proxy.requests()[len(self.calls):]:
+        for _, path, body in self.proxy.requests()[len(self.calls) :]:
             self.calls.append(self._take(path, body))
         return len(self.calls)
 
@@ -328,8 +379,11 @@ class Deliveries:
     def between(self, start: int, end: int) -> dict[str, Any]:
         calls = self.calls[start:end]
         windows = set().union(*(call.windows for call in calls))
-        return {"windows": len(windows), "rows": sum(call.rows for call in calls),
-                "calls": dict(Counter(call.path.rsplit("/mlflow/", 1)[-1] for call in calls))}
+        return {
+            "windows": len(windows),
+            "rows": sum(call.rows for call in calls),
+            "calls": dict(Counter(call.path.rsplit("/mlflow/", 1)[-1] for call in calls)),
+        }
 
     def nodes_with(self, windows: int) -> int:
         return sum(1 for log in self.nodes.values() if len(log.steps) >= windows)
@@ -348,18 +402,42 @@ class Deliveries:
 
 def node_env(i: int, args: argparse.Namespace, job_id: str, tmp: Path) -> dict[str, str]:
     """Hermetic, 8 fake GPUs, SLURM's variables of node i of a ``--fleet``-node job, its own spool."""
-    hermetic, gpu_fakes = test_helper("hermetic"), test_helper("gpu_fakes")
-    env = hermetic.hermetic_environ({
-        "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp), "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
-        "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": str(args.fleet),
-        "SLURM_NNODES": str(args.fleet), "SLURM_NTASKS": str(args.fleet), "SLURM_NODEID": str(i),
-        "SLURM_PROCID": str(i), "SLURM_LOCALID": "0"})
-    return gpu_fakes.fake_gpu_env({"count": GPUS}, base=env)
+    env = hermetic_environ(
+        {
+            "PYTHONPATH": str(REPO_ROOT),
+            "TMPDIR": str(tmp),
+            "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
+            "SLURM_JOB_ID": job_id,
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NUM_NODES": str(args.fleet),
+            "SLURM_NNODES": str(args.fleet),
+            "SLURM_NTASKS": str(args.fleet),
+            "SLURM_NODEID": str(i),
+            "SLURM_PROCID": str(i),
+            "SLURM_LOCALID": "0",
+        }
+    )
+    return fake_gpu_env({"count": GPUS}, base=env)
 
 
 def ours_command(run_id: str, uri: str, i: int, interval_s: float) -> list[str]:
-    return [sys.executable, "-m", "otel_forge.cli", "monitor", "--run-id", run_id, "--tracking-uri", uri,
-            "--node-id", f"node_{i}", "--no-prometheus", "--collectors", COLLECTORS, "--interval", f"{interval_s:g}"]
+    return [
+        sys.executable,
+        "-m",
+        "otel_forge.cli",
+        "monitor",
+        "--run-id",
+        run_id,
+        "--tracking-uri",
+        uri,
+        "--node-id",
+        f"node_{i}",
+        "--no-prometheus",
+        "--collectors",
+        COLLECTORS,
+        "--interval",
+        f"{interval_s:g}",
+    ]
 
 
 def anchor_command(run_id: str, uri: str, i: int, interval_s: float, flush_rule: str) -> list[str]:
@@ -369,10 +447,28 @@ def anchor_command(run_id: str, uri: str, i: int, interval_s: float, flush_rule:
 
 def samples_per_window(args: argparse.Namespace, tmp: Path) -> int:
     """otel_forge's effective default for this job, as ``otel-forge doctor --json`` resolves it."""
-    done = subprocess.run([sys.executable, "-m", "otel_forge.cli", "doctor", "--json", "--no-prometheus",
-                           "--collectors", COLLECTORS, "--interval", f"{args.interval:g}", "--node-id", "node_0"],
-                          env=node_env(0, args, "doctor", tmp), capture_output=True, text=True, timeout=120,
-                          cwd=REPO_ROOT, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "otel_forge.cli",
+            "doctor",
+            "--json",
+            "--no-prometheus",
+            "--collectors",
+            COLLECTORS,
+            "--interval",
+            f"{args.interval:g}",
+            "--node-id",
+            "node_0",
+        ],
+        env=node_env(0, args, "doctor", tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"otel-forge doctor failed: {done.stderr[-2000:]}")
     return int(json.loads(done.stdout)["config"]["samples_per_window"]["value"])
@@ -387,10 +483,13 @@ class Fleet:
         self.killed = 0
 
     def start(self, commands: list[list[str]], envs: list[dict[str, str]]) -> None:
-        for i, (command, env) in enumerate(zip(commands, envs)):
+        for i, (command, env) in enumerate(zip(commands, envs, strict=False)):
             with open(self.tmp / f"node_{i}.log", "wb") as log:
-                self.processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                       start_new_session=True, cwd=REPO_ROOT))
+                self.processes.append(
+                    subprocess.Popen(
+                        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT
+                    )
+                )
 
     def exited(self) -> list[int]:
         return [i for i, process in enumerate(self.processes) if process.poll() is not None]
@@ -399,10 +498,8 @@ class Fleet:
         return (self.tmp / f"node_{i}.log").read_text(errors="replace")[-2000:]
 
     def _signal(self, process: subprocess.Popen, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def stop(self, timeout_s: float) -> list[int]:
         """SIGTERM every group, wait for their drain, SIGKILL what is left; the exit codes."""
@@ -461,7 +558,7 @@ def run_phase(ctx: Context, subject: str, backend: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"fleet-{subject}-") as directory:
         tmp = Path(directory)
         server, meter = start_server(ctx, backend, tmp, subject)
-        proxy = test_helper("proxy").MlflowProxy(server.uri)
+        proxy = MlflowProxy(server.uri)
         proxy._server.handle_error = lambda request, client_address: None  # quiet when a client hangs up
         fleet = Fleet(tmp)
         try:
@@ -472,8 +569,9 @@ def run_phase(ctx: Context, subject: str, backend: str) -> dict[str, Any]:
             server.stop()
 
 
-def measure(ctx: Context, subject: str, backend: str, tmp: Path, server: Any, meter: CpuMeter, proxy: Any,
-            fleet: Fleet) -> dict[str, Any]:
+def measure(
+    ctx: Context, subject: str, backend: str, tmp: Path, server: Any, meter: CpuMeter, proxy: Any, fleet: Fleet
+) -> dict[str, Any]:
     from mlflow import MlflowClient
 
     args, k, length_s = ctx.args, ctx.args.nodes, window_s(ctx, subject)
@@ -493,8 +591,7 @@ def measure(ctx: Context, subject: str, backend: str, tmp: Path, server: Any, me
     job_id = uuid.uuid4().hex[:8]
     started, cpu_start = time.monotonic(), meter.read()
     # As README's "plain way" hands them out: the run and its experiment (so no node reads the run).
-    fleet.start(commands, [{**node_env(i, args, job_id, tmp), "MLFLOW_EXPERIMENT_ID": experiment_id}
-                           for i in range(k)])
+    fleet.start(commands, [{**node_env(i, args, job_id, tmp), "MLFLOW_EXPERIMENT_ID": experiment_id} for i in range(k)])
     n_first = wait_windows(deliveries, fleet, proxy, k, 1, 120 + 3 * k)
     start_s, cpu_first = time.monotonic() - started, meter.read()
 
@@ -513,29 +610,51 @@ def measure(ctx: Context, subject: str, backend: str, tmp: Path, server: Any, me
     period = deliveries.between(n0, n1)
     period_cpu = cpu_delta_ms(cpu1, cpu0)
     start_cpu = cpu_delta_ms(cpu_first, cpu_start)
-    return summarize(ctx, subject, backend, {
-        "period": period, "period_s": t1 - t0, "period_cpu_ms": period_cpu, "start_s": start_s,
-        "start_cpu_ms": start_cpu, "start_windows": deliveries.between(0, n_first)["windows"],
-        "start_calls": deliveries.between(0, n_first)["calls"],
-        "idle_ms_per_s": idle_ms_per_s, "lags": lags, "window_s": length_s,
-        "undelivered": undelivered(stored, k, stop_wall, length_s), "spooled": spooled(tmp / "spool"),
-        "errors": dict(Counter(f"{status} {path.rsplit('/mlflow/', 1)[-1]}" for _, _, path, status in proxy.log()
-                               if status >= 400)),
-        "exit_codes": exit_codes, "killed": fleet.killed, "exited_early": exited_early,
-        "keys_per_node": deliveries.keys_per_node(), "gpus_seen": deliveries.gpus_seen()})
+    return summarize(
+        ctx,
+        subject,
+        backend,
+        {
+            "period": period,
+            "period_s": t1 - t0,
+            "period_cpu_ms": period_cpu,
+            "start_s": start_s,
+            "start_cpu_ms": start_cpu,
+            "start_windows": deliveries.between(0, n_first)["windows"],
+            "start_calls": deliveries.between(0, n_first)["calls"],
+            "idle_ms_per_s": idle_ms_per_s,
+            "lags": lags,
+            "window_s": length_s,
+            "undelivered": undelivered(stored, k, stop_wall, length_s),
+            "spooled": spooled(tmp / "spool"),
+            "errors": dict(
+                Counter(
+                    f"{status} {path.rsplit('/mlflow/', 1)[-1]}" for _, _, path, status in proxy.log() if status >= 400
+                )
+            ),
+            "exit_codes": exit_codes,
+            "killed": fleet.killed,
+            "exited_early": exited_early,
+            "keys_per_node": deliveries.keys_per_node(),
+            "gpus_seen": deliveries.gpus_seen(),
+        },
+    )
 
 
 def wait_windows(deliveries: Deliveries, fleet: Fleet, proxy: Any, k: int, windows: int, timeout_s: float) -> int:
     """Until every node's ``windows``-th window has been answered (the requests that had arrived by then);
     raises if the nodes died or it timed out."""
+
     def ready() -> bool:
         if len(fleet.exited()) == k:
             raise RuntimeError(f"every node exited; node_0's output:\n{fleet.log_tail(0)}")
         return deliveries.poll() > 0 and deliveries.nodes_with(windows) >= k - len(fleet.exited())
 
     if not wait_until(ready, timeout_s, 0.05):
-        raise RuntimeError(f"{k - deliveries.nodes_with(windows)} node(s) had not delivered {windows} window(s) "
-                           f"after {timeout_s:.0f} s; node_0's output:\n{fleet.log_tail(0)}")
+        raise RuntimeError(
+            f"{k - deliveries.nodes_with(windows)} node(s) had not delivered {windows} window(s) "
+            f"after {timeout_s:.0f} s; node_0's output:\n{fleet.log_tail(0)}"
+        )
     arrived = deliveries.poll()
     wait_until(lambda: sum(proxy.counts().values()) >= arrived, 10, 0.02)  # answered, not only arrived
     return arrived
@@ -547,8 +666,9 @@ def warm_up(client: Any, uri: str, rounds: int = 16) -> None:
     run_id = client.create_run(client.create_experiment(f"fleet-warm-up-{uuid.uuid4().hex[:8]}")).info.run_id
     now = int(time.time() * 1000)
     for step in range(rounds):
-        metrics = [{"key": f"system/warm/key_{i}", "value": float(i + step), "timestamp": now, "step": step}
-                   for i in range(50)]
+        metrics = [
+            {"key": f"system/warm/key_{i}", "value": float(i + step), "timestamp": now, "step": step} for i in range(50)
+        ]
         _call(f"{uri}{LOG_BATCH}", {"run_id": run_id, "metrics": metrics})
         _call(f"{uri}/api/2.0/mlflow/runs/get?run_id={run_id}")
         _call(f"{uri}/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key=system/warm/key_0")
@@ -596,9 +716,14 @@ def start_cost(m: dict[str, Any], k: int, per_window_ms: float) -> dict[str, Any
     first that early nodes delivered while the last one was starting."""
     later = max(0, m["start_windows"] - k)
     raw = m["start_cpu_ms"]["total"]
-    return {"seconds": m["start_s"], "cpu_ms": m["start_cpu_ms"], "windows": m["start_windows"],
-            "calls": m["start_calls"],
-            "raw_per_node_ms": raw / k, "per_node_ms": max(0.0, raw - later * per_window_ms) / k}
+    return {
+        "seconds": m["start_s"],
+        "cpu_ms": m["start_cpu_ms"],
+        "windows": m["start_windows"],
+        "calls": m["start_calls"],
+        "raw_per_node_ms": raw / k,
+        "per_node_ms": max(0.0, raw - later * per_window_ms) / k,
+    }
 
 
 def summarize(ctx: Context, subject: str, backend: str, m: dict[str, Any]) -> dict[str, Any]:
@@ -611,24 +736,41 @@ def summarize(ctx: Context, subject: str, backend: str, m: dict[str, Any]) -> di
     log_batch = calls.get("runs/log-batch", 0)
     expected = args.nodes * m["period_s"] / m["window_s"]
     return {
-        "subject": subject, "backend": backend, "nodes": args.nodes, "fleet": args.fleet,
-        "interval_s": args.interval, "samples_per_window": spw, "window_s": m["window_s"],
+        "subject": subject,
+        "backend": backend,
+        "nodes": args.nodes,
+        "fleet": args.fleet,
+        "interval_s": args.interval,
+        "samples_per_window": spw,
+        "window_s": m["window_s"],
         "windows_per_node_minute_at_defaults": 60 / (DEFAULT_INTERVAL_S * spw),
-        "measured_s": m["period_s"], "windows": period["windows"],
-        "server_cpu_ms": m["period_cpu_ms"], "cpu_ms_per_window": per_window,
+        "measured_s": m["period_s"],
+        "windows": period["windows"],
+        "server_cpu_ms": m["period_cpu_ms"],
+        "cpu_ms_per_window": per_window,
         "cpu_ms_per_window_server": m["period_cpu_ms"]["server"] / windows,
         "cpu_ms_per_window_database": m["period_cpu_ms"]["database"] / windows,
-        "ms_per_node_minute": per_node_minute, "nodes_per_core": 60_000 / per_node_minute if per_node_minute else None,
+        "ms_per_node_minute": per_node_minute,
+        "nodes_per_core": 60_000 / per_node_minute if per_node_minute else None,
         "log_batch_per_window": log_batch / windows,
         "other_calls_per_window": (sum(calls.values()) - log_batch) / windows,
-        "calls": calls, "rows_per_window": period["rows"] / windows, "keys_per_node": m["keys_per_node"],
-        "gpus_seen": m["gpus_seen"], "delivered_vs_expected": period["windows"] / expected if expected else None,
-        "lag_at_end_s": {"max": max(m["lags"], default=None), "max_windows": max(m["lags"], default=0) / m["window_s"],
-                         "median": statistics.median(m["lags"]) if m["lags"] else None},
-        "undelivered": m["undelivered"], "spooled_at_exit": m["spooled"], "error_answers": m["errors"],
+        "calls": calls,
+        "rows_per_window": period["rows"] / windows,
+        "keys_per_node": m["keys_per_node"],
+        "gpus_seen": m["gpus_seen"],
+        "delivered_vs_expected": period["windows"] / expected if expected else None,
+        "lag_at_end_s": {
+            "max": max(m["lags"], default=None),
+            "max_windows": max(m["lags"], default=0) / m["window_s"],
+            "median": statistics.median(m["lags"]) if m["lags"] else None,
+        },
+        "undelivered": m["undelivered"],
+        "spooled_at_exit": m["spooled"],
+        "error_answers": m["errors"],
         "start": start_cost(m, args.nodes, per_window),
         "idle_cpu_ms_per_s": m["idle_ms_per_s"],
-        "nodes_exited_early": m["exited_early"], "nodes_killed_at_stop": m["killed"],
+        "nodes_exited_early": m["exited_early"],
+        "nodes_killed_at_stop": m["killed"],
         "nonzero_exit_codes": [c for c in m["exit_codes"] if c not in (0, -signal.SIGTERM)],
     }
 
@@ -636,38 +778,53 @@ def summarize(ctx: Context, subject: str, backend: str, m: dict[str, Any]) -> di
 # --- output ------------------------------------------------------------------------------------------
 
 
-HEADER = ("| subject | backend | nodes | samples_per_window | server CPU ms / window | ms / node-minute at defaults "
-          "| nodes per server core | log_batch calls / window | rows / window | windows not delivered "
-          "| start cost per node (ms CPU) | other calls / window | delivered / expected | lag at end, max (s) |")
+HEADER = (
+    "| subject | backend | nodes | samples_per_window | server CPU ms / window | ms / node-minute at defaults "
+    "| nodes per server core | log_batch calls / window | rows / window | windows not delivered "
+    "| start cost per node (ms CPU) | other calls / window | delivered / expected | lag at end, max (s) |"
+)
 SATURATED = 0.9  # delivered / expected below this: timer drift at the compressed interval, or a busy machine
 
 
 def render_markdown(result: dict[str, Any]) -> str:
     m, a = result["machine"], result["settings"]
-    flush = ("on uncompressed time (one log_batch per window, as at 10 s)" if a["anchor_flush"] == "scaled"
-             else "on the compressed clock")
+    flush = (
+        "on uncompressed time (one log_batch per window, as at 10 s)"
+        if a["anchor_flush"] == "scaled"
+        else "on the compressed clock"
+    )
     lines = [
-        f"`{result['command']}`", "",
-        (f"{a['nodes']} simulated nodes of a {a['fleet']}-node SLURM job, {GPUS} fake NVIDIA GPUs each, one run on a "
-         f"fresh local `mlflow server` per subject and backend, behind a counting proxy; {m['cpus']} CPUs, Python "
-         f"{m['python']}, mlflow {m['mlflow']}, {m['platform']}."),
-        (f"Time compression: sampling every {a['interval']:g} s instead of {DEFAULT_INTERVAL_S:g} s "
-         f"({DEFAULT_INTERVAL_S / a['interval']:g}x faster); otel_forge's samples_per_window (its default for this "
-         f"job, from `otel-forge doctor`) = {result['otel_forge_samples_per_window']}, MLflow's "
-         f"samples_before_logging = {MLFLOW_SAMPLES_BEFORE_LOGGING}, its BatchMetricsLogger flush rule {flush}. "
-         f"Server CPU (server process tree, + PostgreSQL's) is measured per window over {a['seconds']:g} s after "
-         f"{a['warmup_windows']} warm-up windows, then scaled: ms per node-minute at defaults = ms per window x 60 "
-         f"/ (10 s x samples_per_window); nodes per core = 60,000 / that."), "",
-        HEADER, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"`{result['command']}`",
+        "",
+        (
+            f"{a['nodes']} simulated nodes of a {a['fleet']}-node SLURM job, {GPUS} fake NVIDIA GPUs each, "
+            f"one run on a "
+            f"fresh local `mlflow server` per subject and backend, behind a counting proxy; {m['cpus']} CPUs, Python "
+            f"{m['python']}, mlflow {m['mlflow']}, {m['platform']}."
+        ),
+        (
+            f"Time compression: sampling every {a['interval']:g} s instead of {DEFAULT_INTERVAL_S:g} s "
+            f"({DEFAULT_INTERVAL_S / a['interval']:g}x faster); otel_forge's samples_per_window (its default for this "
+            f"job, from `otel-forge doctor`) = {result['otel_forge_samples_per_window']}, MLflow's "
+            f"samples_before_logging = {MLFLOW_SAMPLES_BEFORE_LOGGING}, its BatchMetricsLogger flush rule {flush}. "
+            f"Server CPU (server process tree, + PostgreSQL's) is measured per window over {a['seconds']:g} s after "
+            f"{a['warmup_windows']} warm-up windows, then scaled: ms per node-minute at defaults = ms per window x 60 "
+            f"/ (10 s x samples_per_window); nodes per core = 60,000 / that."
+        ),
+        "",
+        HEADER,
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = result["rows"]
     lines += [table_row(row) for row in rows]
     lines += ["", *(note(row) for row in rows if "skipped" not in row)]
     if any(row.get("delivered_vs_expected", 1) < SATURATED for row in rows):
-        lines.append(f"- Delivered / expected under {SATURATED:.0%}: each tool waits one interval after each "
-                     f"sample's work (a 0.1 s loop costs 17 % of windows at a 0.5 s interval, 1 % at 10 s), and the "
-                     f"nodes share this machine's {m['cpus']} CPUs with the server. Lag and delivered / expected "
-                     f"then describe the compressed run on this machine; the CPU per window stands.")
+        lines.append(
+            f"- Delivered / expected under {SATURATED:.0%}: each tool waits one interval after each "
+            f"sample's work (a 0.1 s loop costs 17 % of windows at a 0.5 s interval, 1 % at 10 s), and the "
+            f"nodes share this machine's {m['cpus']} CPUs with the server. Lag and delivered / expected "
+            f"then describe the compressed run on this machine; the CPU per window stands."
+        )
     lines += ["", f"Whole bench: {result['total_s']:.0f} s."]
     return "\n".join(lines)
 
@@ -676,27 +833,33 @@ def table_row(row: dict[str, Any]) -> str:
     if "skipped" in row:
         return f"| {row['subject']} | {row['backend']} | skipped: {row['skipped']} |" + " |" * 11
     lag = row["lag_at_end_s"]
-    return (f"| {row['subject']} | {row['backend']} | {row['nodes']} | {row['samples_per_window']} "
-            f"| {row['cpu_ms_per_window']:.2f} | {row['ms_per_node_minute']:.1f} | {fmt(row['nodes_per_core'], 0)} "
-            f"| {row['log_batch_per_window']:.2f} | {row['rows_per_window']:.1f} | {row['undelivered']['total']} "
-            f"| {row['start']['per_node_ms']:.1f} | {row['other_calls_per_window']:.2f} "
-            f"| {fmt(100 * row['delivered_vs_expected'], 0)} % | {fmt(lag['max'], 2)} "
-            f"({lag['max_windows']:.1f} windows) |")
+    return (
+        f"| {row['subject']} | {row['backend']} | {row['nodes']} | {row['samples_per_window']} "
+        f"| {row['cpu_ms_per_window']:.2f} | {row['ms_per_node_minute']:.1f} | {fmt(row['nodes_per_core'], 0)} "
+        f"| {row['log_batch_per_window']:.2f} | {row['rows_per_window']:.1f} | {row['undelivered']['total']} "
+        f"| {row['start']['per_node_ms']:.1f} | {row['other_calls_per_window']:.2f} "
+        f"| {fmt(100 * row['delivered_vs_expected'], 0)} % | {fmt(lag['max'], 2)} "
+        f"({lag['max_windows']:.1f} windows) |"
+    )
 
 
 def note(row: dict[str, Any]) -> str:
     start, database = row["start"], ""
     if row["backend"] == "postgresql":
-        database = (f"; of the CPU per window, mlflow server {row['cpu_ms_per_window_server']:.2f} ms, PostgreSQL "
-                    f"{row['cpu_ms_per_window_database']:.2f} ms")
-    return (f"- {row['subject']} / {row['backend']}: {row['windows']} windows in {row['measured_s']:.1f} s (window "
-            f"{row['window_s']:g} s); {row['keys_per_node']} keys per node, {row['gpus_seen']} GPUs seen; calls "
-            f"{row['calls']}{database}; start {start['seconds']:.1f} s, {start['raw_per_node_ms']:.1f} ms per node "
-            f"before taking out {start['windows'] - row['nodes']} later windows, calls {start['calls']}; server idle "
-            f"{row['idle_cpu_ms_per_s']:.1f} ms CPU/s; not delivered {row['undelivered']}, "
-            f"{row['spooled_at_exit']} left in spools, error answers {row['error_answers'] or 'none'}; "
-            f"{len(row['nodes_exited_early'])} node(s) exited early, {row['nodes_killed_at_stop']} killed at stop, "
-            f"other exit codes {row['nonzero_exit_codes'] or 'none'}.")
+        database = (
+            f"; of the CPU per window, mlflow server {row['cpu_ms_per_window_server']:.2f} ms, PostgreSQL "
+            f"{row['cpu_ms_per_window_database']:.2f} ms"
+        )
+    return (
+        f"- {row['subject']} / {row['backend']}: {row['windows']} windows in {row['measured_s']:.1f} s (window "
+        f"{row['window_s']:g} s); {row['keys_per_node']} keys per node, {row['gpus_seen']} GPUs seen; calls "
+        f"{row['calls']}{database}; start {start['seconds']:.1f} s, {start['raw_per_node_ms']:.1f} ms per node "
+        f"before taking out {start['windows'] - row['nodes']} later windows, calls {start['calls']}; server idle "
+        f"{row['idle_cpu_ms_per_s']:.1f} ms CPU/s; not delivered {row['undelivered']}, "
+        f"{row['spooled_at_exit']} left in spools, error answers {row['error_answers'] or 'none'}; "
+        f"{len(row['nodes_exited_early'])} node(s) exited early, {row['nodes_killed_at_stop']} killed at stop, "
+        f"other exit codes {row['nonzero_exit_codes'] or 'none'}."
+    )
 
 
 def fmt(value: float | None, digits: int) -> str:
@@ -709,16 +872,25 @@ def fmt(value: float | None, digits: int) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=16, help="simulated nodes, K (default 16)")
-    parser.add_argument("--fleet", type=int, default=2048, help="nodes of the simulated job: SLURM_JOB_NUM_NODES "
-                        "(default 2048)")
+    parser.add_argument(
+        "--fleet", type=int, default=2048, help="nodes of the simulated job: SLURM_JOB_NUM_NODES (default 2048)"
+    )
     parser.add_argument("--interval", type=float, default=0.5, help="compressed sampling interval, s (default 0.5)")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured period per subject, s (default 60)")
     parser.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="sqlite")
-    parser.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure MLflow's SystemMetricsMonitor (default: yes)")
-    parser.add_argument("--anchor-flush", choices=("scaled", "as-is"), default="scaled",
-                        help="MLflow's BatchMetricsLogger flush rule on uncompressed time (scaled, default: one "
-                        "log_batch per window, as at 10 s) or on the compressed clock (as-is)")
+    parser.add_argument(
+        "--anchor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure MLflow's SystemMetricsMonitor (default: yes)",
+    )
+    parser.add_argument(
+        "--anchor-flush",
+        choices=("scaled", "as-is"),
+        default="scaled",
+        help="MLflow's BatchMetricsLogger flush rule on uncompressed time (scaled, default: one "
+        "log_batch per window, as at 10 s) or on the compressed clock (as-is)",
+    )
     parser.add_argument("--warmup-windows", type=int, default=3, help="windows after the first, not measured")
     parser.add_argument("--idle-seconds", type=float, default=2.0, help="server idle CPU measured before the nodes")
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds the nodes get to drain at stop")
@@ -776,11 +948,19 @@ def main(argv: list[str] | None = None) -> int:
     backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
     rows = [row for backend in backends for row in run_backend(ctx, backend, subjects)]
     result = {
-        "command": command, "otel_forge_samples_per_window": spw, "total_s": time.monotonic() - started,
-        "settings": {name: getattr(args, name) for name in ("nodes", "fleet", "interval", "seconds", "backend",
-                                                             "anchor", "anchor_flush", "warmup_windows")},
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                    "mlflow": mlflow.__version__},
+        "command": command,
+        "otel_forge_samples_per_window": spw,
+        "total_s": time.monotonic() - started,
+        "settings": {
+            name: getattr(args, name)
+            for name in ("nodes", "fleet", "interval", "seconds", "backend", "anchor", "anchor_flush", "warmup_windows")
+        },
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "mlflow": mlflow.__version__,
+        },
         "rows": rows,
     }
     print(json.dumps(result, indent=2) if args.json else render_markdown(result), flush=True)

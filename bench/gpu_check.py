@@ -23,9 +23,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
-from otel_forge.collectors.base import CollectorUnavailable, Readings  # noqa: E402
-from otel_forge.collectors.nvidia import NvidiaCollector  # noqa: E402
-from otel_forge.config import ForgeConfig  # noqa: E402
+from otel_forge.collectors.base import CollectorUnavailable, Readings
+from otel_forge.collectors.nvidia import NvidiaCollector
+from otel_forge.config import ForgeConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             problems += _check_fields(collector, gpu, args.reads)
         problems += _check_full_pass(collector)
         problems += _check_energy(collector)
-        problems += [f"gpu {gpu.index}: XID events not registered" for gpu in collector.gpus
-                     if gpu.index not in collector.xid_watched]
+        problems += [
+            f"gpu {gpu.index}: XID events not registered"
+            for gpu in collector.gpus
+            if gpu.index not in collector.xid_watched
+        ]
     finally:
         collector.close()
     print(f"\ntotal {time.monotonic() - started:.1f} s")
@@ -107,8 +110,10 @@ def _check_full_pass(collector: NvidiaCollector) -> list[str]:
         collector.read(readings)
         times_ms.append((time.perf_counter() - started) * 1000)
     values = sum(len(readings.get(metric)) for metric in readings.metrics())
-    print(f"\nfull pass ({len(collector.gpus)} GPUs, {values} values): median {statistics.median(times_ms):.1f} ms,"
-          f" max {max(times_ms):.1f} ms over {len(times_ms)} reads")
+    print(
+        f"\nfull pass ({len(collector.gpus)} GPUs, {values} values): median {statistics.median(times_ms):.1f} ms,"
+        f" max {max(times_ms):.1f} ms over {len(times_ms)} reads"
+    )
     return _sanity(readings)
 
 
@@ -132,8 +137,11 @@ def _sanity(readings: Readings) -> list[str]:
             if not passes(value):
                 problems.append(f"gpu {gpu}: {metric} = {value} (want {wanted})")
     used, size = per_gpu("hw.gpu.memory.usage"), per_gpu("hw.gpu.memory.limit")
-    problems += [f"gpu {gpu}: memory used {used[gpu]} > size {size[gpu]}" for gpu in used
-                 if gpu in size and used[gpu] > size[gpu]]
+    problems += [
+        f"gpu {gpu}: memory used {used[gpu]} > size {size[gpu]}"
+        for gpu in used
+        if gpu in size and used[gpu] > size[gpu]
+    ]
     return problems
 
 
@@ -146,8 +154,10 @@ def _check_energy(collector: NvidiaCollector) -> list[str]:
     except Exception as error:  # noqa: BLE001 - already listed per field
         return [f"energy: {type(error).__name__}: {error}"]
     for index, joules in first.items():
-        print(f"gpu {index}: energy {joules:.3f} J -> {second[index]:.3f} J over 1 s"
-              f" (~{second[index] - joules:.1f} W average)")
+        print(
+            f"gpu {index}: energy {joules:.3f} J -> {second[index]:.3f} J over 1 s"
+            f" (~{second[index] - joules:.1f} W average)"
+        )
         if second[index] < joules:
             problems.append(f"gpu {index}: energy went down ({joules} J -> {second[index]} J)")
     return problems
@@ -159,8 +169,10 @@ def _show(rows: list) -> str:
     for metric, value, extra in rows:
         label = ",".join(extra.values())
         shown.setdefault(metric, []).append(f"{label}={_format(value)}" if label else _format(value))
-    return "  ".join(f"{metric}={parts[0]}" if "=" not in parts[0] else f"{metric}{{{' '.join(parts)}}}"
-                     for metric, parts in shown.items())
+    return "  ".join(
+        f"{metric}={parts[0]}" if "=" not in parts[0] else f"{metric}{{{' '.join(parts)}}}"
+        for metric, parts in shown.items()
+    )
 
 
 def _format(value: float | None) -> str:

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import percentile, test_helper, wait_until
+from _common import percentile, wait_until
+from mlflow_server import MlflowServer
 
 
 @dataclass
@@ -59,9 +60,12 @@ class Row:
         if not self.latencies_ns:
             return {"p50_us": None, "p99_us": None, "max_us": None, "mean_us": None}
         ordered = sorted(self.latencies_ns)
-        return {"p50_us": percentile(ordered, 0.50) / 1e3, "p99_us": percentile(ordered, 0.99) / 1e3,
-                "max_us": ordered[-1] / 1e3, "mean_us": sum(ordered) / len(ordered) / 1e3}
-
+        return {
+            "p50_us": percentile(ordered, 0.50) / 1e3,
+            "p99_us": percentile(ordered, 0.99) / 1e3,
+            "max_us": ordered[-1] / 1e3,
+            "mean_us": sum(ordered) / len(ordered) / 1e3,
+        }
 
 
 def timed_calls(row: Row, calls: int, call: Callable[[int], Any]) -> None:
@@ -80,7 +84,6 @@ def timed_calls(row: Row, calls: int, call: Callable[[int], Any]) -> None:
     row.calls += calls
 
 
-
 def format_us(value: float | None) -> str:
     if value is None:
         return "-"
@@ -93,16 +96,29 @@ def format_us(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=10_000, help="calls per non-blocking subject and phase "
-                        "(default 10000)")
+    parser.add_argument(
+        "--calls", type=int, default=10_000, help="calls per non-blocking subject and phase (default 10000)"
+    )
     parser.add_argument("--sync-calls", type=int, default=300, help="synchronous calls, healthy server (default 300)")
     parser.add_argument("--hung-sync-calls", type=int, default=2, help="synchronous calls, hung server (default 2)")
-    parser.add_argument("--http-timeout", type=float, default=5.0,
-                        help="MLFLOW_HTTP_REQUEST_TIMEOUT in seconds for this bench (default 5)")
-    parser.add_argument("--hung-seconds", type=float, default=10.0,
-                        help="how long the server stays SIGSTOPped for TrainingRun (default 10)")
-    parser.add_argument("--drain-timeout", type=float, default=60.0,
-                        help="seconds to wait for TrainingRun's queue to drain (default 60)")
+    parser.add_argument(
+        "--http-timeout",
+        type=float,
+        default=5.0,
+        help="MLFLOW_HTTP_REQUEST_TIMEOUT in seconds for this bench (default 5)",
+    )
+    parser.add_argument(
+        "--hung-seconds",
+        type=float,
+        default=10.0,
+        help="how long the server stays SIGSTOPped for TrainingRun (default 10)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for TrainingRun's queue to drain (default 60)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/log_latency.py", *sys.argv[1:]])
@@ -117,33 +133,40 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     import mlflow
-    import otel_forge
     from mlflow import MlflowClient
 
+    import otel_forge
+
     logging.basicConfig(level=logging.ERROR)  # MLflow's async errors while hung: one line each, not tracebacks
-    server_module = test_helper("mlflow_server")
     root = Path(tempfile.mkdtemp(prefix="log-latency-"))
     started = time.monotonic()
-    server = server_module.MlflowServer(root).start()
+    server = MlflowServer(root).start()
     rows: list[Row] = []
     try:
         mlflow.set_tracking_uri(server.uri)
-        run = otel_forge.TrainingRun(tracking_uri=server.uri, experiment="bench-log-latency", run_name="log-latency",
-                                     system_metrics=False, handle_sigterm=False)
+        run = otel_forge.TrainingRun(
+            tracking_uri=server.uri,
+            experiment="bench-log-latency",
+            run_name="log-latency",
+            system_metrics=False,
+            handle_sigterm=False,
+        )
         if not run.start():
             raise SystemExit("the run did not open")
-        worker = run._worker  # noqa: SLF001 - the bench waits for its queue to drain between phases
+        worker = run._worker
         mlflow.start_run(run_id=run.run_id)
 
         def ours(prefix: str) -> Callable[[int], None]:
             return lambda i: run.log({f"{prefix}/loss": 1.0 / (i + 1), f"{prefix}/lr": 0.001}, step=i)
 
         def fluent(prefix: str, synchronous: bool) -> Callable[[int], Any]:
-            return lambda i: mlflow.log_metrics({f"{prefix}/loss": 1.0 / (i + 1), f"{prefix}/lr": 0.001}, step=i,
-                                                synchronous=synchronous)
+            return lambda i: mlflow.log_metrics(
+                {f"{prefix}/loss": 1.0 / (i + 1), f"{prefix}/lr": 0.001}, step=i, synchronous=synchronous
+            )
 
-        def measure(subject: str, phase: str, prefix: str, calls: int, call: Callable[[int], Any],
-                    note: str = "") -> Row:
+        def measure(
+            subject: str, phase: str, prefix: str, calls: int, call: Callable[[int], Any], note: str = ""
+        ) -> Row:
             row = Row(subject, phase, prefix, note=note)
             gc.collect()
             timed_calls(row, calls, call)
@@ -163,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_started = time.monotonic()
         wait_until(lambda: worker.pending() == 0, args.drain_timeout)
         ours_drain_s = time.monotonic() - drain_started
-        healthy_drops = run._metrics.dropped  # noqa: SLF001 - values refused by a full buffer
+        healthy_drops = run._metrics.dropped
         server.pause()
         hung_started = time.monotonic()
         measure("`TrainingRun.log`", "hung (SIGSTOP)", "ours_hung", args.calls, ours("ours_hung"))
@@ -180,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         server.pause()
         mlflow_hung_started = time.monotonic()
         measure("`log_metrics` async", "hung (SIGSTOP)", "async_hung", args.calls, fluent("async_hung", False))
-        measure("`log_metrics` sync", "hung (SIGSTOP)", "sync_hung", args.hung_sync_calls, fluent("sync_hung", True),
-                note=f"timeout {args.http_timeout:g} s, no retry")
+        measure(
+            "`log_metrics` sync",
+            "hung (SIGSTOP)",
+            "sync_hung",
+            args.hung_sync_calls,
+            fluent("sync_hung", True),
+            note=f"timeout {args.http_timeout:g} s, no retry",
+        )
         server.resume()
         stats = worker.stats
         run.close()
@@ -201,18 +230,40 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "command": command,
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                    "mlflow": mlflow.__version__},
-        "http_timeout_s": args.http_timeout, "hung_s": hung_s, "total_s": total_s,
-        "ours_drain_healthy_s": ours_drain_s, "async_delivered": async_delivered,
-        "async_calls": sum(row.calls for row in async_rows), "async_window_s": async_window_s,
-        "drain_after_hang_s": drain_after_hang_s, "ours_buffer_capacity": run._metrics.max_values,  # noqa: SLF001
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "mlflow": mlflow.__version__,
+        },
+        "http_timeout_s": args.http_timeout,
+        "hung_s": hung_s,
+        "total_s": total_s,
+        "ours_drain_healthy_s": ours_drain_s,
+        "async_delivered": async_delivered,
+        "async_calls": sum(row.calls for row in async_rows),
+        "async_window_s": async_window_s,
+        "drain_after_hang_s": drain_after_hang_s,
+        "ours_buffer_capacity": run._metrics.max_values,
         "ours_dropped_healthy": healthy_drops,
-        "ours_stats": {"delivered": stats.delivered, "retried": stats.retried,
-                       "dropped": stats.dropped + run._metrics.dropped,  # noqa: SLF001
-                       "hung_calls": stats.hung_calls},
-        "rows": [{"subject": r.subject, "phase": r.phase, "calls": r.calls, "errors": r.errors,
-                  "delivered": r.delivered, "note": r.note, **r.stats()} for r in rows],
+        "ours_stats": {
+            "delivered": stats.delivered,
+            "retried": stats.retried,
+            "dropped": stats.dropped + run._metrics.dropped,
+            "hung_calls": stats.hung_calls,
+        },
+        "rows": [
+            {
+                "subject": r.subject,
+                "phase": r.phase,
+                "calls": r.calls,
+                "errors": r.errors,
+                "delivered": r.delivered,
+                "note": r.note,
+                **r.stats(),
+            }
+            for r in rows
+        ],
     }
     print(json.dumps(result, indent=2) if args.json else render_markdown(result), flush=True)
     return 0
@@ -234,8 +285,10 @@ def render_markdown(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         delivered = "-" if r["delivered"] is None else f"{r['delivered']}/{r['calls']}"
         note = f" ({r['note']})" if r["note"] else ""
-        lines.append(f"| {r['subject']}{note} | {r['phase']} | {r['calls']} | {format_us(r['p50_us'])} | "
-                     f"{format_us(r['p99_us'])} | {format_us(r['max_us'])} | {r['errors']} | {delivered} |")
+        lines.append(
+            f"| {r['subject']}{note} | {r['phase']} | {r['calls']} | {format_us(r['p50_us'])} | "
+            f"{format_us(r['p99_us'])} | {format_us(r['max_us'])} | {r['errors']} | {delivered} |"
+        )
     s = result["ours_stats"]
     lines += [
         "",

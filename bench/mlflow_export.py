@@ -67,7 +67,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _common import percentile, test_helper, wait_until
+from _common import percentile, wait_until
+from mlflow_server import MlflowServer
+from proxy import MlflowProxy
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.client import MLFLOW_DEFAULTS
@@ -78,8 +80,6 @@ LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
 HTTP_DEFAULTS = {name: value for name, value in MLFLOW_DEFAULTS.items() if name.startswith("MLFLOW_HTTP_")}
 GET_RUN = "/api/2.0/mlflow/runs/get"
 COUNTED_KEY = "system_memory_usage_megabytes"  # both subjects log it every window: steps are counted on it
-
-
 
 
 @dataclass
@@ -98,9 +98,14 @@ class Timings:
     def summary(self) -> dict[str, float | None]:
         if not self.wall_s:
             return {"n": 0, "p50_ms": None, "p99_ms": None, "max_ms": None, "cpu_mean_ms": None}
-        return {"n": len(self.wall_s), "p50_ms": percentile(self.wall_s, 0.5) * 1e3,
-                "p99_ms": percentile(self.wall_s, 0.99) * 1e3, "max_ms": max(self.wall_s) * 1e3,
-                "cpu_mean_ms": statistics.fmean(self.cpu_s) * 1e3, "sum_s": sum(self.wall_s)}
+        return {
+            "n": len(self.wall_s),
+            "p50_ms": percentile(self.wall_s, 0.5) * 1e3,
+            "p99_ms": percentile(self.wall_s, 0.99) * 1e3,
+            "max_ms": max(self.wall_s) * 1e3,
+            "cpu_mean_ms": statistics.fmean(self.cpu_s) * 1e3,
+            "sum_s": sum(self.wall_s),
+        }
 
 
 # --- the subjects ------------------------------------------------------------------------------------
@@ -117,9 +122,16 @@ class Ours:
         self.reader = InMemoryMetricReader()
         self.provider = MeterProvider(metric_readers=[self.reader])
         # The snapshot cache follows the sampling interval, as in the agent (max_age = 0.9 x interval).
-        self.instrumentation = otel_forge.instrument(self.provider, collectors=list(OURS_COLLECTORS),
-                                                     sampling_interval_s=interval_s)
-        self.exporter = MLflowMetricExporter(run_id, tracking_uri=uri, node_id="ours", samples_per_window=1, config=ForgeConfig.resolve(environ={}, spool_dir=str(spool_dir)))
+        self.instrumentation = otel_forge.instrument(
+            self.provider, collectors=list(OURS_COLLECTORS), sampling_interval_s=interval_s
+        )
+        self.exporter = MLflowMetricExporter(
+            run_id,
+            tracking_uri=uri,
+            node_id="ours",
+            samples_per_window=1,
+            config=ForgeConfig.resolve(environ={}, spool_dir=str(spool_dir)),
+        )
         self.prefix = "system/ours/"
         self.windows = 0
 
@@ -209,8 +221,9 @@ class MlflowThread:
 # --- the phases ---------------------------------------------------------------------------------------
 
 
-def run_healthy(ours: Ours, mlflow_path: MlflowPath, proxies: dict[str, Any], windows: int,
-                interval_s: float) -> dict[str, Any]:
+def run_healthy(
+    ours: Ours, mlflow_path: MlflowPath, proxies: dict[str, Any], windows: int, interval_s: float
+) -> dict[str, Any]:
     for proxy in proxies.values():
         proxy.reset()
     ours_t, mlflow_t = Timings(), Timings()
@@ -220,15 +233,21 @@ def run_healthy(ours: Ours, mlflow_path: MlflowPath, proxies: dict[str, Any], wi
         if delay > 0:
             time.sleep(delay)
         data = ours.collect()
-        ours_t.timed(lambda: ours.export(data))
+        ours_t.timed(lambda: ours.export(data))  # noqa: B023 - called here, in this iteration
         mlflow_path.collect()
         mlflow_t.timed(mlflow_path.deliver)
     finish = Timings()
     finish.timed(mlflow_path.finish)
     drained = wait_until(lambda: ours.pending() == 0, 60)
     counts = {name: proxy.counts() for name, proxy in proxies.items()}
-    return {"ours": ours_t.summary(), "mlflow": mlflow_t.summary(), "mlflow_final_flush_ms": finish.wall_s[0] * 1e3,
-            "calls": counts, "windows": windows, "ours_drained": drained}
+    return {
+        "ours": ours_t.summary(),
+        "mlflow": mlflow_t.summary(),
+        "mlflow_final_flush_ms": finish.wall_s[0] * 1e3,
+        "calls": counts,
+        "windows": windows,
+        "ours_drained": drained,
+    }
 
 
 def run_burst(ours: Ours, mlflow_path: MlflowPath, client: Any, run_id: str, windows: int) -> dict[str, Any]:
@@ -249,19 +268,35 @@ def run_burst(ours: Ours, mlflow_path: MlflowPath, client: Any, run_id: str, win
         mlflow_t.timed(mlflow_path.deliver)
     mlflow_t.timed(mlflow_path.finish)
     mlflow_keys = count_keys(client, run_id, mlflow_path.prefix)
-    ours_steps = steps_between(client, run_id, ours.prefix + COUNTED_KEY, first_window,
-                               first_window + windows)
-    mlflow_steps = steps_between(client, run_id, mlflow_path.prefix + COUNTED_KEY, first_step,
-                                 first_step + windows)
-    return {"windows": windows,
-            "ours": {"keys": ours_keys, "seconds": ours_s, "steps_delivered": ours_steps,
-                     "metrics_per_s": ours_steps * ours_keys / ours_s},
-            "mlflow": {"keys": mlflow_keys, "seconds": sum(mlflow_t.wall_s), "steps_delivered": mlflow_steps,
-                       "metrics_per_s": mlflow_steps * mlflow_keys / sum(mlflow_t.wall_s)}}
+    ours_steps = steps_between(client, run_id, ours.prefix + COUNTED_KEY, first_window, first_window + windows)
+    mlflow_steps = steps_between(client, run_id, mlflow_path.prefix + COUNTED_KEY, first_step, first_step + windows)
+    return {
+        "windows": windows,
+        "ours": {
+            "keys": ours_keys,
+            "seconds": ours_s,
+            "steps_delivered": ours_steps,
+            "metrics_per_s": ours_steps * ours_keys / ours_s,
+        },
+        "mlflow": {
+            "keys": mlflow_keys,
+            "seconds": sum(mlflow_t.wall_s),
+            "steps_delivered": mlflow_steps,
+            "metrics_per_s": mlflow_steps * mlflow_keys / sum(mlflow_t.wall_s),
+        },
+    }
 
 
-def run_hung(server: Any, ours: Ours, mlflow_path: MlflowPath, client: Any, run_id: str, hung_s: float,
-             interval_s: float, drain_timeout_s: float) -> dict[str, Any]:
+def run_hung(
+    server: Any,
+    ours: Ours,
+    mlflow_path: MlflowPath,
+    client: Any,
+    run_id: str,
+    hung_s: float,
+    interval_s: float,
+    drain_timeout_s: float,
+) -> dict[str, Any]:
     process = psutil.Process()
     first_window = ours.windows
     mlflow_first_step = mlflow_path.step
@@ -284,7 +319,7 @@ def run_hung(server: Any, ours: Ours, mlflow_path: MlflowPath, client: Any, run_
         if delay > 0:
             time.sleep(delay)
         data = ours.collect()
-        (traced_t if traced else ours_t).timed(lambda: ours.export(data))
+        (traced_t if traced else ours_t).timed(lambda: ours.export(data))  # noqa: B023 - called at once
         rss_max = max(rss_max, process.memory_info().rss)
         threads_max = max(threads_max, threading.active_count())
         i += 1
@@ -292,10 +327,16 @@ def run_hung(server: Any, ours: Ours, mlflow_path: MlflowPath, client: Any, run_
     tracemalloc.stop()
     worker = ours.exporter.worker
     stats = worker.stats
-    at_end = {"in_memory": len(worker._queue), "spooled_files": len(ours.exporter.spool),  # noqa: SLF001
-              "spool_bytes": ours.exporter.spool.size_bytes, "spooled_total": stats.spooled,
-              "dropped": stats.dropped, "delivered": stats.delivered, "hung_calls": stats.hung_calls,
-              "retried": stats.retried}
+    at_end = {
+        "in_memory": len(worker._queue),
+        "spooled_files": len(ours.exporter.spool),
+        "spool_bytes": ours.exporter.spool.size_bytes,
+        "spooled_total": stats.spooled,
+        "dropped": stats.dropped,
+        "delivered": stats.delivered,
+        "hung_calls": stats.hung_calls,
+        "retried": stats.retried,
+    }
     server.resume()
     resumed = time.monotonic()
     mlflow_windows_while_hung, mlflow_samples_while_hung = mlflow_thread.windows, mlflow_thread.samples
@@ -305,25 +346,40 @@ def run_hung(server: Any, ours: Ours, mlflow_path: MlflowPath, client: Any, run_
     mlflow_thread.stop_event.set()
     mlflow_thread.thread.join(timeout=120)
     ours_windows = ours.windows - first_window
-    ours_delivered = steps_between(client, run_id, ours.prefix + COUNTED_KEY, first_window,
-                                   first_window + ours_windows)
+    ours_delivered = steps_between(client, run_id, ours.prefix + COUNTED_KEY, first_window, first_window + ours_windows)
     mlflow_path.finish()
-    mlflow_delivered = steps_between(client, run_id, mlflow_path.prefix + COUNTED_KEY,
-                                     mlflow_first_step, mlflow_step_at_resume)
+    mlflow_delivered = steps_between(
+        client, run_id, mlflow_path.prefix + COUNTED_KEY, mlflow_first_step, mlflow_step_at_resume
+    )
     blocked = max(mlflow_thread.timings.wall_s, default=0.0)
-    return {"seconds": hung_s, "interval_s": interval_s, "ours": ours_t.summary(), "ours_traced": traced_t.summary(),
-            "ours_windows": ours_windows,
-            "ours_delivered": ours_delivered, "ours_drained": drained, "drain_s": drain_s, "at_end": at_end,
-            "rss_before_mb": rss_before / 2**20, "rss_growth_mb": (rss_max - rss_before) / 2**20,
-            "tracemalloc_peak_mb": traced_peak / 2**20, "threads_max": threads_max,
-            "queue_cap": worker._max_queue, "spool_cap_bytes": ours.exporter.spool.max_bytes,  # noqa: SLF001
-            "mlflow": {"samples": mlflow_samples_while_hung, "windows": mlflow_windows_while_hung,
-                       "delivered": mlflow_delivered, "longest_call_s": blocked, "error": mlflow_thread.error,
-                       "alive_at_resume": mlflow_thread.error is None}}
+    return {
+        "seconds": hung_s,
+        "interval_s": interval_s,
+        "ours": ours_t.summary(),
+        "ours_traced": traced_t.summary(),
+        "ours_windows": ours_windows,
+        "ours_delivered": ours_delivered,
+        "ours_drained": drained,
+        "drain_s": drain_s,
+        "at_end": at_end,
+        "rss_before_mb": rss_before / 2**20,
+        "rss_growth_mb": (rss_max - rss_before) / 2**20,
+        "tracemalloc_peak_mb": traced_peak / 2**20,
+        "threads_max": threads_max,
+        "queue_cap": worker._max_queue,
+        "spool_cap_bytes": ours.exporter.spool.max_bytes,
+        "mlflow": {
+            "samples": mlflow_samples_while_hung,
+            "windows": mlflow_windows_while_hung,
+            "delivered": mlflow_delivered,
+            "longest_call_s": blocked,
+            "error": mlflow_thread.error,
+            "alive_at_resume": mlflow_thread.error is None,
+        },
+    }
 
 
 # --- helpers ------------------------------------------------------------------------------------------
-
 
 
 def count_keys(client: Any, run_id: str, prefix: str) -> int:
@@ -402,8 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=100, help="healthy-phase windows (default 100)")
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between windows (default 0.1)")
     parser.add_argument("--burst-windows", type=int, default=100, help="windows of the burst phase (default 100)")
-    parser.add_argument("--hung-seconds", type=float, default=60.0, help="seconds the server is SIGSTOPped "
-                        "(default 60)")
+    parser.add_argument(
+        "--hung-seconds", type=float, default=60.0, help="seconds the server is SIGSTOPped (default 60)"
+    )
     parser.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for ours' backlog")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
@@ -420,15 +477,13 @@ def main(argv: list[str] | None = None) -> int:
     import opentelemetry.sdk.version
     from mlflow import MlflowClient
 
-    servers = test_helper("mlflow_server")
-    proxy = test_helper("proxy")
     root = Path(tempfile.mkdtemp(prefix="mlflow-export-"))
     started = time.monotonic()
-    server = servers.MlflowServer(root).start()
-    proxies = {"ours": proxy.MlflowProxy(server.uri), "mlflow": proxy.MlflowProxy(server.uri)}
+    server = MlflowServer(root).start()
+    proxies = {"ours": MlflowProxy(server.uri), "mlflow": MlflowProxy(server.uri)}
     for proxy in proxies.values():
         # A client that gave up on the hung server resets its connection: not worth a traceback.
-        proxy._server.handle_error = lambda request, client_address: None  # noqa: SLF001
+        proxy._server.handle_error = lambda request, client_address: None
     ours = None
     try:
         client = MlflowClient(server.uri)
@@ -446,8 +501,7 @@ def main(argv: list[str] | None = None) -> int:
 
         healthy = run_healthy(ours, mlflow_path, proxies, args.windows, args.interval)
         burst = run_burst(ours, mlflow_path, client, run_id, args.burst_windows)
-        hung = run_hung(server, ours, mlflow_path, client, run_id, args.hung_seconds, args.interval,
-                        args.drain_timeout)
+        hung = run_hung(server, ours, mlflow_path, client, run_id, args.hung_seconds, args.interval, args.drain_timeout)
         ours.close()
         ours = None
         client.set_terminated(run_id)
@@ -460,12 +514,21 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
 
     result = {
-        "command": command, "interval_s": args.interval, "total_s": total_s,
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                    "mlflow": mlflow.__version__, "otel_sdk": opentelemetry.sdk.version.__version__,
-                    "http_timeout": os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"],
-                    "http_retries": os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]},
-        "healthy": healthy, "burst": burst, "hung": hung,
+        "command": command,
+        "interval_s": args.interval,
+        "total_s": total_s,
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "mlflow": mlflow.__version__,
+            "otel_sdk": opentelemetry.sdk.version.__version__,
+            "http_timeout": os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"],
+            "http_retries": os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"],
+        },
+        "healthy": healthy,
+        "burst": burst,
+        "hung": hung,
     }
     print(json.dumps(result, indent=2) if args.json else render_markdown(result))
     return 0

@@ -32,7 +32,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _common import REPO_ROOT, percentile, test_helper
+from _common import REPO_ROOT, percentile
+from mlflow_server import MlflowServer
+from proxy import MlflowProxy
 
 NODE = r"""
 import json, os, sys, time
@@ -58,16 +60,28 @@ if mode == "forge":
 
 def _environ(proxy_uri: str, experiment: str, job_id: str, rank: int, nodes: int, tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MLFLOW_", "OTEL_"))}
-    env.update({"MLFLOW_TRACKING_URI": proxy_uri, "MLFLOW_EXPERIMENT_NAME": experiment, "SLURM_JOB_ID": job_id,
-                "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": "0", "SLURM_NODEID": str(rank),
-                "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NTASKS": str(nodes), "TMPDIR": str(tmp),
-                "PYTHONPATH": str(REPO_ROOT), "OTEL_FORGE_PROMETHEUS": "false"})
+    env.update(
+        {
+            "MLFLOW_TRACKING_URI": proxy_uri,
+            "MLFLOW_EXPERIMENT_NAME": experiment,
+            "SLURM_JOB_ID": job_id,
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": str(rank),
+            "SLURM_JOB_NUM_NODES": str(nodes),
+            "SLURM_NTASKS": str(nodes),
+            "TMPDIR": str(tmp),
+            "PYTHONPATH": str(REPO_ROOT),
+            "OTEL_FORGE_PROMETHEUS": "false",
+        }
+    )
     return env
 
 
 def _job(server_uri: str, nodes: int, mode: str, tmp: Path, extra: dict[str, str]) -> dict[str, Any]:
     """Start ``nodes`` processes together; their attach times and per-node calls by path."""
-    proxy_class = test_helper("proxy").MlflowProxy
+    proxy_class = MlflowProxy
     experiment, job_id = f"bench-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:8]
     gate = tmp / f"gate-{job_id}"
     proxies = [proxy_class(server_uri) for _ in range(nodes)]
@@ -75,8 +89,15 @@ def _job(server_uri: str, nodes: int, mode: str, tmp: Path, extra: dict[str, str
     try:
         for rank, proxy in enumerate(proxies):
             env = {**_environ(proxy.uri, experiment, job_id, rank, nodes, tmp), **extra}
-            processes.append(subprocess.Popen([sys.executable, "-c", NODE, str(gate), mode], env=env,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", NODE, str(gate), mode],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         time.sleep(3.0 + nodes * 0.25)  # every node has imported mlflow and waits at the gate
         gate.touch()
         outputs = [process.communicate(timeout=300) for process in processes]
@@ -85,7 +106,7 @@ def _job(server_uri: str, nodes: int, mode: str, tmp: Path, extra: dict[str, str
         for proxy in proxies:
             proxy.close()
     results = []
-    for process, (out, err) in zip(processes, outputs):
+    for process, (out, err) in zip(processes, outputs, strict=False):
         if process.returncode != 0 or "{" not in out:
             raise RuntimeError(f"node exited {process.returncode}: {err[-2000:]}")
         # MLflow prints its run URL at exit: the node's figures are the JSON line.
@@ -100,7 +121,7 @@ def _grow_run(client: Any, run_id: str, nodes: int, keys_per_node: int) -> None:
     now = int(time.time() * 1000)
     metrics = [Metric(f"system/node_{n}/key_{k}", 1.0, now, 360) for n in range(nodes) for k in range(keys_per_node)]
     for start in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[start:start + 1000])
+        client.log_batch(run_id, metrics=metrics[start : start + 1000])
 
 
 def _summary(job: dict[str, Any]) -> dict[str, Any]:
@@ -110,10 +131,15 @@ def _summary(job: dict[str, Any]) -> dict[str, Any]:
     for calls in job["calls"][1:]:
         for path, count in calls.items():
             paths[path.rsplit("/mlflow/", 1)[-1]] = paths.get(path.rsplit("/mlflow/", 1)[-1], 0) + count
-    return {"runs": job["runs"], "last_attached_s": max(job["attached_s"]),
-            "p50_attached_s": percentile(job["attached_s"], 0.5), "rank0_calls": per_node[0],
-            "other_calls_mean": sum(others) / len(others), "other_calls_max": max(others),
-            "other_paths": dict(sorted(paths.items()))}
+    return {
+        "runs": job["runs"],
+        "last_attached_s": max(job["attached_s"]),
+        "p50_attached_s": percentile(job["attached_s"], 0.5),
+        "rank0_calls": per_node[0],
+        "other_calls_mean": sum(others) / len(others),
+        "other_calls_max": max(others),
+        "other_paths": dict(sorted(paths.items())),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys-per-node", type=int, default=262)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    server_class = test_helper("mlflow_server").MlflowServer
+    server_class = MlflowServer
     from mlflow import MlflowClient
 
     rows = []
@@ -143,17 +169,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [f"`python bench/rendezvous.py --nodes {' '.join(map(str, args.nodes))}` "
-             f"(anchor run grown to {args.keys_per_node} keys per node)", "",
-             "| nodes | runs | last node attached (s) | rank 0 calls | calls per other node (mean / max) | "
-             "other nodes' calls by path | MLflow `start_run(run_id)`: last attached (s) / calls per node |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`python bench/rendezvous.py --nodes {' '.join(map(str, args.nodes))}` "
+        f"(anchor run grown to {args.keys_per_node} keys per node)",
+        "",
+        "| nodes | runs | last node attached (s) | rank 0 calls | calls per other node (mean / max) | "
+        "other nodes' calls by path | MLflow `start_run(run_id)`: last attached (s) / calls per node |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         forge, anchor = row["otel_forge"], row["mlflow_run_id"]
         paths = ", ".join(f"{path} {count}" for path, count in forge["other_paths"].items())
-        lines.append(f"| {row['nodes']} | {forge['runs']} | {forge['last_attached_s']:.2f} | {forge['rank0_calls']} | "
-                     f"{forge['other_calls_mean']:.1f} / {forge['other_calls_max']} | {paths} | "
-                     f"{anchor['last_attached_s']:.2f} / {anchor['other_calls_mean']:.1f} |")
+        lines.append(
+            f"| {row['nodes']} | {forge['runs']} | {forge['last_attached_s']:.2f} | {forge['rank0_calls']} | "
+            f"{forge['other_calls_mean']:.1f} / {forge['other_calls_max']} | {paths} | "
+            f"{anchor['last_attached_s']:.2f} / {anchor['other_calls_mean']:.1f} |"
+        )
     return "\n".join(lines)
 
 

@@ -136,19 +136,22 @@ class FakeClock:
 def count_points(metrics_data: Any, skip_prefix: str | None = None) -> int:
     if metrics_data is None:
         return 0
-    return sum(len(metric.data.data_points)
-               for resource_metrics in metrics_data.resource_metrics
-               for scope_metrics in resource_metrics.scope_metrics
-               for metric in scope_metrics.metrics
-               if skip_prefix is None or not metric.name.startswith(skip_prefix))
+    return sum(
+        len(metric.data.data_points)
+        for resource_metrics in metrics_data.resource_metrics
+        for scope_metrics in resource_metrics.scope_metrics
+        for metric in scope_metrics.metrics
+        if skip_prefix is None or not metric.name.startswith(skip_prefix)
+    )
 
 
 # --- subjects ---------------------------------------------------------------------------------
 
 
 def make_ours(readers: int, clock: FakeClock, closers: list[Callable[[], None]]) -> Subject:
-    import otel_forge
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    import otel_forge
     from otel_forge.pipeline import build_meter_provider
 
     reader_list = [InMemoryMetricReader() for _ in range(readers)]
@@ -160,7 +163,7 @@ def make_ours(readers: int, clock: FakeClock, closers: list[Callable[[], None]])
     for cache in caches.values():
         if not hasattr(cache, "_clock"):
             raise SystemExit("otel_forge.pipeline.sampling.CachedCollector has no _clock any more: update the bench")
-        cache._clock = clock  # noqa: SLF001 - the constructor's clock seam, set after instrument() built it
+        cache._clock = clock
     collects = [reader.get_metrics_data for reader in reader_list]
 
     def sample() -> None:
@@ -216,17 +219,21 @@ def make_mlflow(aggregate: bool) -> Subject:
             monitor.clear_metrics()
 
     if aggregate:
+
         def sample() -> None:
             for monitor in monitors:
                 monitor.collect_metrics()
             for monitor in monitors:
                 monitor.aggregate_metrics()
                 monitor.clear_metrics()
+
         label = "MLflow monitors, collect + aggregate + clear"
     else:
+
         def sample() -> None:
             for collect in collect_fns:
                 collect()
+
         label = "MLflow monitors (cpu, disk, network), collect"
 
     def values() -> int:
@@ -297,10 +304,29 @@ def make_floor() -> Subject:
 
 # --- psutil call counting (a separate, untimed pass) -----------------------------------------
 
-PSUTIL_FUNCTIONS = ("cpu_times", "cpu_percent", "cpu_times_percent", "cpu_count", "virtual_memory", "swap_memory",
-                    "disk_partitions", "disk_usage", "disk_io_counters", "net_io_counters", "pids")
-PROCESS_METHODS = ("memory_info", "cpu_times", "cpu_percent", "num_threads", "num_fds", "children", "io_counters",
-                   "num_ctx_switches")
+PSUTIL_FUNCTIONS = (
+    "cpu_times",
+    "cpu_percent",
+    "cpu_times_percent",
+    "cpu_count",
+    "virtual_memory",
+    "swap_memory",
+    "disk_partitions",
+    "disk_usage",
+    "disk_io_counters",
+    "net_io_counters",
+    "pids",
+)
+PROCESS_METHODS = (
+    "memory_info",
+    "cpu_times",
+    "cpu_percent",
+    "num_threads",
+    "num_fds",
+    "children",
+    "io_counters",
+    "num_ctx_switches",
+)
 
 
 def count_psutil_calls(sample: Callable[[], None], samples: int = 5) -> float:
@@ -317,6 +343,7 @@ def count_psutil_calls(sample: Callable[[], None], samples: int = 5) -> float:
                 return function(*args, **kwargs)
             finally:
                 state["depth"] -= 1
+
         return counted
 
     saved: list[tuple[Any, str, Any]] = []
@@ -350,7 +377,6 @@ def warm_up(subject: Subject, seconds: float) -> float:
     if subject.after_block is not None:
         subject.after_block()
     return cpu / n
-
 
 
 def build_subjects(closers: list[Callable[[], None]]) -> list[Subject]:
@@ -413,14 +439,22 @@ def summarize(subjects: list[Subject], command: str, seconds: float) -> dict[str
     rows = []
     for s in subjects:
         median = statistics.median(s.block_means_us)
-        rows.append({
-            "key": s.key, "label": s.label, "values": s.values, "values_note": s.values_note,
-            "us_per_sample": median, "p25": percentile(s.block_means_us, 0.25),
-            "p75": percentile(s.block_means_us, 0.75),
-            "us_per_value": median / s.values if s.values else None,
-            "psutil_calls_per_sample": s.psutil_calls, "hardware_reads_per_sample": s.hardware_reads,
-            "blocks": len(s.block_means_us), "samples": s.samples,
-        })
+        rows.append(
+            {
+                "key": s.key,
+                "label": s.label,
+                "values": s.values,
+                "values_note": s.values_note,
+                "us_per_sample": median,
+                "p25": percentile(s.block_means_us, 0.25),
+                "p75": percentile(s.block_means_us, 0.75),
+                "us_per_value": median / s.values if s.values else None,
+                "psutil_calls_per_sample": s.psutil_calls,
+                "hardware_reads_per_sample": s.hardware_reads,
+                "blocks": len(s.block_means_us),
+                "samples": s.samples,
+            }
+        )
     r = {row["key"]: row for row in rows}
     ratios = {
         "ours1_vs_mlflow_per_value": r["ours-1"]["us_per_value"] / r["mlflow"]["us_per_value"],
@@ -439,12 +473,20 @@ def summarize(subjects: list[Subject], command: str, seconds: float) -> dict[str
     return {
         "command": command,
         "machine": {
-            "python": platform.python_version(), "platform": platform.platform(),
-            "logical_cpus": psutil.cpu_count(), "processes": len(psutil.pids()),
-            "psutil": psutil.__version__, "opentelemetry_sdk": opentelemetry.sdk.version.__version__,
-            "otel_system_metrics": sm_version, "mlflow": mlflow.version.VERSION,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "logical_cpus": psutil.cpu_count(),
+            "processes": len(psutil.pids()),
+            "psutil": psutil.__version__,
+            "opentelemetry_sdk": opentelemetry.sdk.version.__version__,
+            "otel_system_metrics": sm_version,
+            "mlflow": mlflow.version.VERSION,
         },
-        "clock": "time.thread_time", "seconds": seconds, "rows": rows, "ratios": ratios, "targets": targets,
+        "clock": "time.thread_time",
+        "seconds": seconds,
+        "rows": rows,
+        "ratios": ratios,
+        "targets": targets,
     }
 
 
@@ -468,8 +510,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         calls_text = "-" if calls is None else f"{calls:g}"
         if row["hardware_reads_per_sample"] is not None:
             calls_text += " (1 read/collector)"
-        lines.append(f"| `{row['key']}` {row['label']} | {values} | {row['us_per_sample']:.0f} "
-                     f"({row['p25']:.0f}-{row['p75']:.0f}) | {per_value} | {calls_text} |")
+        lines.append(
+            f"| `{row['key']}` {row['label']} | {values} | {row['us_per_sample']:.0f} "
+            f"({row['p25']:.0f}-{row['p75']:.0f}) | {per_value} | {calls_text} |"
+        )
     ra, ta = result["ratios"], result["targets"]
     verdict = {True: "met", False: "NOT met"}
     lines += [

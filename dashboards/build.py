@@ -86,8 +86,10 @@ def agent_up(*matchers: str, rate_window: str = "$__rate_interval") -> str:
     frozen in the Collector until they expire).
     """
     reads = sel("otel_forge.collector.reads", *matchers)
-    return (f"max by (job, instance) (up{{{', '.join(matchers)}}})"
-            f" or max by (job, instance) (rate({reads}[{rate_window}]) > bool 0)")
+    return (
+        f"max by (job, instance) (up{{{', '.join(matchers)}}})"
+        f" or max by (job, instance) (rate({reads}[{rate_window}]) > bool 0)"
+    )
 
 
 def run_info(*matchers: str, over_range: bool = False) -> str:
@@ -148,10 +150,13 @@ class Panel:
     def json(self, panel_id: int, x: int, y: int) -> dict[str, Any]:
         defaults: dict[str, Any] = {
             "unit": self.unit,
-            "color": {"mode": self.color_mode
-                      or ("thresholds" if self.kind in ("stat", "table") else "palette-classic")},
-            "thresholds": {"mode": "absolute",
-                           "steps": [{"value": value, "color": color} for value, color in self.thresholds]},
+            "color": {
+                "mode": self.color_mode or ("thresholds" if self.kind in ("stat", "table") else "palette-classic")
+            },
+            "thresholds": {
+                "mode": "absolute",
+                "steps": [{"value": value, "color": color} for value, color in self.thresholds],
+            },
             "mappings": self.mappings,
         }
         for key in ("decimals", "min", "max"):
@@ -181,81 +186,179 @@ class Panel:
 
 
 def _target(query: Query, ref_id: str) -> dict[str, Any]:
-    return {"datasource": DS, "refId": ref_id, "expr": query.expr, "legendFormat": query.legend or "__auto",
-            "range": not query.instant, "instant": query.instant, "format": query.fmt, "editorMode": "code"}
+    return {
+        "datasource": DS,
+        "refId": ref_id,
+        "expr": query.expr,
+        "legendFormat": query.legend or "__auto",
+        "range": not query.instant,
+        "instant": query.instant,
+        "format": query.fmt,
+        "editorMode": "code",
+    }
 
 
 def _timeseries(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
     custom = {
-        "drawStyle": "line", "lineInterpolation": "linear", "lineWidth": 1, "fillOpacity": 25 if panel.stack else 8,
-        "gradientMode": "none", "showPoints": "never", "pointSize": 4, "spanNulls": False, "insertNulls": False,
+        "drawStyle": "line",
+        "lineInterpolation": "linear",
+        "lineWidth": 1,
+        "fillOpacity": 25 if panel.stack else 8,
+        "gradientMode": "none",
+        "showPoints": "never",
+        "pointSize": 4,
+        "spanNulls": False,
+        "insertNulls": False,
         "stacking": {"mode": "normal" if panel.stack else "none", "group": "A"},
-        "axisPlacement": "auto", "axisLabel": "", "axisColorMode": "text", "axisBorderShow": False,
-        "axisCenteredZero": False, "barAlignment": 0, "scaleDistribution": {"type": "linear"},
-        "hideFrom": {"tooltip": False, "legend": False, "viz": False}, "thresholdsStyle": {"mode": "off"},
+        "axisPlacement": "auto",
+        "axisLabel": "",
+        "axisColorMode": "text",
+        "axisBorderShow": False,
+        "axisCenteredZero": False,
+        "barAlignment": 0,
+        "scaleDistribution": {"type": "linear"},
+        "hideFrom": {"tooltip": False, "legend": False, "viz": False},
+        "thresholdsStyle": {"mode": "off"},
     }
-    legend = {"showLegend": True, "displayMode": "table" if panel.legend_table else "list",
-              "placement": "right" if panel.legend_table else "bottom",
-              "calcs": ["mean", "max", "lastNotNull"] if panel.legend_table else []}
+    legend = {
+        "showLegend": True,
+        "displayMode": "table" if panel.legend_table else "list",
+        "placement": "right" if panel.legend_table else "bottom",
+        "calcs": ["mean", "max", "lastNotNull"] if panel.legend_table else [],
+    }
     return custom, {"legend": legend, "tooltip": {"mode": "multi", "sort": "desc"}}
 
 
 def _stat(panel: Panel) -> tuple[None, dict[str, Any]]:
-    return None, {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                  "orientation": "auto", "textMode": "auto", "colorMode": "value", "graphMode": "area",
-                  "justifyMode": "auto", "wideLayout": True, "showPercentChange": False}
+    return None, {
+        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "orientation": "auto",
+        "textMode": "auto",
+        "colorMode": "value",
+        "graphMode": "area",
+        "justifyMode": "auto",
+        "wideLayout": True,
+        "showPercentChange": False,
+    }
 
 
 def _table(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
-    return ({"align": "auto", "cellOptions": {"type": "color-text"}, "inspect": False},
-            {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"], "fields": ""}})
+    return (
+        {"align": "auto", "cellOptions": {"type": "color-text"}, "inspect": False},
+        {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"], "fields": ""}},
+    )
 
 
 def _heatmap(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
     # Not calculated: every series (one per node and GPU) is one row of the heatmap.
-    return ({"hideFrom": {"tooltip": False, "legend": False, "viz": False}, "scaleDistribution": {"type": "linear"}},
-            {"calculate": False, "cellGap": 1, "cellValues": {"unit": panel.unit},
-             "color": {"mode": "scheme", "scheme": "RdYlGn", "fill": "dark-orange", "scale": "linear",
-                       "exponent": 0.5, "steps": 64, "reverse": False, "min": 0, "max": 1},
-             "exemplars": {"color": "rgba(255,0,255,0.7)"}, "filterValues": {"le": 1e-9},
-             "legend": {"show": True}, "rowsFrame": {"layout": "auto"}, "showValue": "never",
-             "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": True},
-             "yAxis": {"axisPlacement": "left", "reverse": True}})
+    return (
+        {"hideFrom": {"tooltip": False, "legend": False, "viz": False}, "scaleDistribution": {"type": "linear"}},
+        {
+            "calculate": False,
+            "cellGap": 1,
+            "cellValues": {"unit": panel.unit},
+            "color": {
+                "mode": "scheme",
+                "scheme": "RdYlGn",
+                "fill": "dark-orange",
+                "scale": "linear",
+                "exponent": 0.5,
+                "steps": 64,
+                "reverse": False,
+                "min": 0,
+                "max": 1,
+            },
+            "exemplars": {"color": "rgba(255,0,255,0.7)"},
+            "filterValues": {"le": 1e-9},
+            "legend": {"show": True},
+            "rowsFrame": {"layout": "auto"},
+            "showValue": "never",
+            "tooltip": {"mode": "single", "yHistogram": False, "showColorScale": True},
+            "yAxis": {"axisPlacement": "left", "reverse": True},
+        },
+    )
 
 
 _KIND_OPTIONS = {"timeseries": _timeseries, "stat": _stat, "table": _table, "heatmap": _heatmap}
 
 
-def table_of(queries: int = 1, rename: dict[str, str] | None = None, exclude: Sequence[str] = (),
-             time_fields: Sequence[str] = ()) -> list[dict[str, Any]]:
+def table_of(
+    queries: int = 1, rename: dict[str, str] | None = None, exclude: Sequence[str] = (), time_fields: Sequence[str] = ()
+) -> list[dict[str, Any]]:
     """Transformations of a table of ``queries`` instant queries: merge them on their labels, tidy the columns."""
     steps: list[dict[str, Any]] = []
     if queries > 1:
         steps.append({"id": "merge", "options": {}})
     if time_fields:
-        steps.append({"id": "convertFieldType", "options": {
-            "fields": {}, "conversions": [{"targetField": name, "destinationType": "time"} for name in time_fields]}})
-    steps.append({"id": "organize", "options": {
-        "excludeByName": {"Time": True, "__name__": True, "otel_scope_name": True, "otel_scope_version": True,
-                          "otel_scope_schema_url": True, **{name: True for name in exclude}},
-        "indexByName": {}, "renameByName": rename or {}}})
+        steps.append(
+            {
+                "id": "convertFieldType",
+                "options": {
+                    "fields": {},
+                    "conversions": [{"targetField": name, "destinationType": "time"} for name in time_fields],
+                },
+            }
+        )
+    steps.append(
+        {
+            "id": "organize",
+            "options": {
+                "excludeByName": {
+                    "Time": True,
+                    "__name__": True,
+                    "otel_scope_name": True,
+                    "otel_scope_version": True,
+                    "otel_scope_schema_url": True,
+                    **{name: True for name in exclude},
+                },
+                "indexByName": {},
+                "renameByName": rename or {},
+            },
+        }
+    )
     return steps
 
 
 def up_down_mappings() -> list[dict[str, Any]]:
-    return [{"type": "value", "options": {"0": {"text": "DOWN", "color": "red", "index": 0},
-                                          "1": {"text": "UP", "color": "green", "index": 1}}}]
+    return [
+        {
+            "type": "value",
+            "options": {
+                "0": {"text": "DOWN", "color": "red", "index": 0},
+                "1": {"text": "UP", "color": "green", "index": 1},
+            },
+        }
+    ]
 
 
 def link(title: str, url: str, tooltip: str = "", blank: bool = True) -> dict[str, Any]:
     """A link (dashboard, panel or data link) in the shape the dashboard schema asks for."""
-    return {"title": title, "type": "link", "url": url, "icon": "external link", "tooltip": tooltip, "tags": [],
-            "asDropdown": False, "targetBlank": blank, "includeVars": False, "keepTime": False}
+    return {
+        "title": title,
+        "type": "link",
+        "url": url,
+        "icon": "external link",
+        "tooltip": tooltip,
+        "tags": [],
+        "asDropdown": False,
+        "targetBlank": blank,
+        "includeVars": False,
+        "keepTime": False,
+    }
 
 
 def dashboards_link() -> dict[str, Any]:
-    return {"title": "otel-forge dashboards", "type": "dashboards", "icon": "external link", "tooltip": "",
-            "tags": [TAG], "asDropdown": True, "targetBlank": False, "includeVars": True, "keepTime": True}
+    return {
+        "title": "otel-forge dashboards",
+        "type": "dashboards",
+        "icon": "external link",
+        "tooltip": "",
+        "tags": [TAG],
+        "asDropdown": True,
+        "targetBlank": False,
+        "includeVars": True,
+        "keepTime": True,
+    }
 
 
 @dataclass
@@ -269,8 +372,16 @@ def layout(rows: Sequence[Row]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     next_id, y = 1, 0
     for row in rows:
-        out.append({"type": "row", "id": next_id, "title": row.title, "collapsed": False, "panels": [],
-                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+        out.append(
+            {
+                "type": "row",
+                "id": next_id,
+                "title": row.title,
+                "collapsed": False,
+                "panels": [],
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+            }
+        )
         next_id, y = next_id + 1, y + 1
         x, line_height = 0, 0
         for panel in row.panels:
@@ -288,20 +399,51 @@ def layout(rows: Sequence[Row]) -> list[dict[str, Any]]:
 
 
 def datasource_variable() -> dict[str, Any]:
-    return {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
-            "current": {"text": "default", "value": "default"}, "hide": 0, "includeAll": False, "multi": False,
-            "options": [], "refresh": 1, "regex": "", "skipUrlSync": False}
+    return {
+        "type": "datasource",
+        "name": "datasource",
+        "label": "Data source",
+        "query": "prometheus",
+        "current": {"text": "default", "value": "default"},
+        "hide": 0,
+        "includeAll": False,
+        "multi": False,
+        "options": [],
+        "refresh": 1,
+        "regex": "",
+        "skipUrlSync": False,
+    }
 
 
-def query_variable(name: str, label: str, query: str, multi: bool = False, include_all: bool = False,
-                   hide: int = 0, description: str = "", sort: int = 7) -> dict[str, Any]:
+def query_variable(
+    name: str,
+    label: str,
+    query: str,
+    multi: bool = False,
+    include_all: bool = False,
+    hide: int = 0,
+    description: str = "",
+    sort: int = 7,
+) -> dict[str, Any]:
     variable: dict[str, Any] = {
-        "type": "query", "name": name, "label": label, "description": description, "datasource": DS,
+        "type": "query",
+        "name": name,
+        "label": label,
+        "description": description,
+        "datasource": DS,
         "query": query,
-        "definition": query, "refresh": 2, "sort": sort, "multi": multi, "includeAll": include_all,
+        "definition": query,
+        "refresh": 2,
+        "sort": sort,
+        "multi": multi,
+        "includeAll": include_all,
         "current": ({"text": ["All"], "value": ["$__all"]} if multi else {"text": "All", "value": "$__all"})
-        if include_all else {"text": "", "value": ""},
-        "options": [], "regex": "", "hide": hide, "skipUrlSync": False,
+        if include_all
+        else {"text": "", "value": ""},
+        "options": [],
+        "regex": "",
+        "hide": hide,
+        "skipUrlSync": False,
     }
     if include_all:
         variable["allValue"] = ".*"
@@ -309,57 +451,127 @@ def query_variable(name: str, label: str, query: str, multi: bool = False, inclu
 
 
 def job_variable() -> dict[str, Any]:
-    return query_variable("job", "Job", f"label_values({sel('otel_forge.collector.reads')}, job)", multi=True,
-                          include_all=True, description="Prometheus job: the scrape job of the agents, or "
-                          "service.name when they export through an OpenTelemetry Collector.")
+    return query_variable(
+        "job",
+        "Job",
+        f"label_values({sel('otel_forge.collector.reads')}, job)",
+        multi=True,
+        include_all=True,
+        description="Prometheus job: the scrape job of the agents, or "
+        "service.name when they export through an OpenTelemetry Collector.",
+    )
 
 
 def node_variable(multi: bool, selector: str | None = None) -> dict[str, Any]:
     query = f"label_values({selector or sel('otel_forge.collector.reads', JOB)}, instance)"
-    return query_variable("node", "Node (instance)", query, multi=multi, include_all=multi,
-                          description="An agent: host:port of its /metrics endpoint, or service.instance.id "
-                          "through an OpenTelemetry Collector.")
+    return query_variable(
+        "node",
+        "Node (instance)",
+        query,
+        multi=multi,
+        include_all=multi,
+        description="An agent: host:port of its /metrics endpoint, or service.instance.id "
+        "through an OpenTelemetry Collector.",
+    )
 
 
 def gpu_variable() -> dict[str, Any]:
-    return query_variable("gpu", "GPU", f"label_values({sel('hw.gpu.utilization', JOB, NODE)}, hw_id)",
-                          multi=True, include_all=True, sort=3, description="GPU index (hw.id).")
+    return query_variable(
+        "gpu",
+        "GPU",
+        f"label_values({sel('hw.gpu.utilization', JOB, NODE)}, hw_id)",
+        multi=True,
+        include_all=True,
+        sort=3,
+        description="GPU index (hw.id).",
+    )
 
 
 def custom_variable(name: str, label: str, values: Sequence[str], default: str, description: str) -> dict[str, Any]:
-    return {"type": "custom", "name": name, "label": label, "description": description,
-            "query": ",".join(values), "current": {"text": default, "value": default},
-            "options": [{"text": value, "value": value, "selected": value == default} for value in values],
-            "multi": False, "includeAll": False, "hide": 0, "skipUrlSync": False}
+    return {
+        "type": "custom",
+        "name": name,
+        "label": label,
+        "description": description,
+        "query": ",".join(values),
+        "current": {"text": default, "value": default},
+        "options": [{"text": value, "value": value, "selected": value == default} for value in values],
+        "multi": False,
+        "includeAll": False,
+        "hide": 0,
+        "skipUrlSync": False,
+    }
 
 
 def textbox_variable(name: str, label: str, default: str, description: str) -> dict[str, Any]:
-    return {"type": "textbox", "name": name, "label": label, "description": description, "query": default,
-            "current": {"text": default, "value": default}, "options": [{"text": default, "value": default}],
-            "hide": 0, "skipUrlSync": False}
+    return {
+        "type": "textbox",
+        "name": name,
+        "label": label,
+        "description": description,
+        "query": default,
+        "current": {"text": default, "value": default},
+        "options": [{"text": default, "value": default}],
+        "hide": 0,
+        "skipUrlSync": False,
+    }
 
 
 BUILTIN_ANNOTATION: dict[str, Any] = {
-    "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
-    "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"}
+    "builtIn": 1,
+    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+    "enable": True,
+    "hide": True,
+    "iconColor": "rgba(0, 211, 255, 1)",
+    "name": "Annotations & Alerts",
+    "type": "dashboard",
+}
 
 
 def prometheus_annotation(name: str, expr: str, title: str, text: str, tags: str, color: str) -> dict[str, Any]:
     """A Prometheus annotation: while the series is >= 1, Grafana draws one region (start to end)."""
-    return {"name": name, "datasource": DS, "enable": True, "hide": False, "iconColor": color,
-            "expr": expr, "step": "$__interval", "titleFormat": title, "textFormat": text, "tagKeys": tags,
-            "useValueForTime": False,
-            "target": {"refId": "Anno", "expr": expr, "interval": "", "legendFormat": title}}
-
-
-def dashboard(uid: str, title: str, description: str, variables: list[dict[str, Any]], rows: Sequence[Row],
-              annotations: Iterable[dict[str, Any]] = (), links: Iterable[dict[str, Any]] = (),
-              time_from: str = "now-1h") -> dict[str, Any]:
     return {
-        "uid": uid, "title": title, "description": description, "tags": [TAG],
-        "schemaVersion": SCHEMA_VERSION, "version": 1, "editable": True, "graphTooltip": 1,
-        "fiscalYearStartMonth": 0, "liveNow": False, "refresh": "30s", "timezone": "browser", "weekStart": "",
-        "time": {"from": time_from, "to": "now"}, "timepicker": {},
+        "name": name,
+        "datasource": DS,
+        "enable": True,
+        "hide": False,
+        "iconColor": color,
+        "expr": expr,
+        "step": "$__interval",
+        "titleFormat": title,
+        "textFormat": text,
+        "tagKeys": tags,
+        "useValueForTime": False,
+        "target": {"refId": "Anno", "expr": expr, "interval": "", "legendFormat": title},
+    }
+
+
+def dashboard(
+    uid: str,
+    title: str,
+    description: str,
+    variables: list[dict[str, Any]],
+    rows: Sequence[Row],
+    annotations: Iterable[dict[str, Any]] = (),
+    links: Iterable[dict[str, Any]] = (),
+    time_from: str = "now-1h",
+) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": [TAG],
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "refresh": "30s",
+        "timezone": "browser",
+        "weekStart": "",
+        "time": {"from": time_from, "to": "now"},
+        "timepicker": {},
         "templating": {"list": variables},
         "annotations": {"list": [BUILTIN_ANNOTATION, *annotations]},
         "links": [*links, dashboards_link()],
@@ -368,6 +580,7 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict[str, 
 
 
 # --- shared queries -----------------------------------------------------------------------------------
+
 
 def gpu_util(*m: str) -> str:
     return sel("hw.gpu.utilization", *m)
@@ -378,307 +591,831 @@ def per_gpu(metric: str, *m: str, by: str = "") -> str:
     return f"max by (job, instance, hw_id{extra}) ({sel(metric, *m)})"
 
 
-NVLINK_NOTE = ("PCIe only: otel_forge has no NVLink metric (NVML's NVLink counters are not collected), so "
-               "GPU-to-GPU traffic over NVLink does not appear here.")
+NVLINK_NOTE = (
+    "PCIe only: otel_forge has no NVLink metric (NVML's NVLink counters are not collected), so "
+    "GPU-to-GPU traffic over NVLink does not appear here."
+)
 ZERO_IS_NORMAL = "Empty or zero on a healthy machine."
 
 
 # --- the node dashboard -------------------------------------------------------------------------------
 
+
 def node_dashboard() -> dict[str, Any]:
     # All logical CPUs: per-CPU points (with per_cpu) carry cpu_logical_number.
     cpu = sel("system.cpu.utilization", *HOST, 'cpu_mode!="idle"', 'cpu_logical_number=""')
     rows = [
-        Row("Overview", [
-            Panel("stat", "Agent", [Query(agent_up(*HOST), instant=True)], unit="none", width=3, height=4,
-                  mappings=up_down_mappings(), thresholds=[(None, "red"), (1, "green")],
-                  description="UP while Prometheus scrapes the agent (or, through a Collector, while its "
-                              "hardware reads go on)."),
-            Panel("stat", "CPU busy", [Query(f"max({sel('otel_forge.cpu.utilization', *HOST)})")],
-                  unit="percentunit", width=3, height=4, thresholds=[(None, "green"), (0.9, "orange")]),
-            Panel("stat", "Memory used",
-                  [Query(f"max({sel('system.memory.utilization', *HOST, MEM_USED)})")],
-                  unit="percentunit", width=3, height=4, thresholds=[(None, "green"), (0.9, "red")]),
-            Panel("stat", "GPUs OK", [Query(f"sum({sel('hw.status', *GPUS, GPU_OK)})")],
-                  unit="none", width=3, height=4),
-            Panel("stat", "GPU utilization (mean)", [Query(f"avg({gpu_util(*GPUS)})")], unit="percentunit",
-                  width=3, height=4, thresholds=[(None, "red"), (0.5, "orange"), (0.8, "green")]),
-            Panel("stat", "GPU power", [Query(f"sum({sel('hw.power', *GPUS)})")], unit="watt", width=3, height=4),
-            Panel("stat", "GPU energy over the range",
-                  [Query(f"sum(increase({sel('hw.energy', *GPUS)}[$__range]))", instant=True)],
-                  unit="joule", width=6, height=4,
-                  description="Energy the selected GPUs used over the dashboard's time range "
-                              "(increase of hw.energy)."),
-        ]),
-        Row("CPU and memory", [
-            Panel("timeseries", "CPU by mode", [Query(f"max by (cpu_mode) ({cpu})", "{{cpu_mode}}")],
-                  unit="percentunit", stack=True, min=0, width=8,
-                  description="Fraction of all logical CPUs' time in each mode (idle left out; the stack is "
-                              "the busy fraction)."),
-            Panel("timeseries", "Load average",
-                  [Query(f"max by (__name__) ({{__name__=~\"system_cpu_load_average_(1m|5m|15m)\", {JOB}, {NODE}}})",
-                         "{{__name__}}"),
-                   Query(f"max({sel('system.cpu.logical.count', *HOST)})", "logical CPUs")],
-                  unit="short", width=8),
-            Panel("timeseries", "Memory",
-                  [Query(f"max by (system_memory_state) ({sel('system.memory.usage', *HOST)})",
-                         "{{system_memory_state}}"),
-                   Query(f"max({sel('system.memory.limit', *HOST)})", "total")],
-                  unit="bytes", min=0, width=8, description="Memory by state (psutil's: used excludes buffers "
-                                                             "and cache) and the total."),
-            Panel("timeseries", "Swap",
-                  [Query(f"max by (system_paging_state) ({sel('system.paging.usage', *HOST)})",
-                         "{{system_paging_state}}")],
-                  unit="bytes", min=0, width=8),
-        ]),
-        Row("Filesystems, disks and network", [
-            # One unit per panel (the schema allows no per-field unit overrides): used fraction in the
-            # table, sizes in a stat beside it.
-            Panel("table", "Filesystems", [
-                Query(f"max by (system_filesystem_mountpoint, system_device, system_filesystem_type) "
-                      f"({sel('system.filesystem.utilization', *HOST)})", instant=True, fmt="table")],
-                unit="percentunit", width=8, thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")],
-                transformations=table_of(1, rename={
-                    "system_filesystem_mountpoint": "mount point", "system_device": "device",
-                    "system_filesystem_type": "type", "Value": "used"}),
-                description="Used fraction of each filesystem (pseudo filesystems excluded)."),
-            Panel("stat", "Filesystem sizes",
-                  [Query(f"max by (system_filesystem_mountpoint) ({sel('system.filesystem.limit', *HOST)})",
-                         "{{system_filesystem_mountpoint}}", instant=True)], unit="bytes", width=4),
-            Panel("timeseries", "Filesystem used",
-                  [Query(f"max by (system_filesystem_mountpoint) ({sel('system.filesystem.utilization', *HOST)})",
-                         "{{system_filesystem_mountpoint}}")], unit="percentunit", min=0, max=1, width=12,
-                  thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")]),
-            Panel("timeseries", "Disk throughput",
-                  [Query(f"sum by (system_device, disk_io_direction) "
-                         f"(rate({sel('system.disk.io', *HOST)}[$__rate_interval]))",
-                         "{{system_device}} {{disk_io_direction}}")], unit="Bps", min=0, width=8),
-            Panel("timeseries", "Disk operations",
-                  [Query(f"sum by (system_device, disk_io_direction) "
-                         f"(rate({sel('system.disk.operations', *HOST)}[$__rate_interval]))",
-                         "{{system_device}} {{disk_io_direction}}")], unit="iops", min=0, width=8),
-            Panel("timeseries", "Network throughput",
-                  [Query(f"sum by (network_interface_name, network_io_direction) "
-                         f"(rate({sel('system.network.io', *HOST)}[$__rate_interval]))",
-                         "{{network_interface_name}} {{network_io_direction}}")], unit="Bps", min=0, width=8),
-            Panel("timeseries", "Network packets, errors and drops", [
-                Query(f"sum by (network_io_direction) (rate({sel('system.network.packet.count', *HOST)}"
-                      f"[$__rate_interval]))", "packets {{network_io_direction}}"),
-                Query(f"sum by (network_io_direction) (rate({sel('system.network.errors', *HOST)}"
-                      f"[$__rate_interval]))", "errors {{network_io_direction}}"),
-                Query(f"sum by (network_io_direction) (rate({sel('system.network.packet.dropped', *HOST)}"
-                      f"[$__rate_interval]))", "dropped {{network_io_direction}}")],
-                unit="pps", min=0, width=24, height=7),
-        ]),
-        Row("Training process", [
-            Panel("timeseries", "Process CPU",
-                  [Query(f"sum by (process_pid) ({sel('process.cpu.utilization', *HOST)})", "pid {{process_pid}}")],
-                  unit="percentunit", min=0, width=8,
-                  description="CPU time of the monitored process tree / elapsed time / logical CPUs."),
-            Panel("timeseries", "Process CPU time by mode",
-                  [Query(f"sum by (cpu_mode) (rate({sel('process.cpu.time', *HOST)}[$__rate_interval]))",
-                         "{{cpu_mode}}")], unit="short", min=0, stack=True, width=8,
-                  description="CPU seconds per second of the process tree (1 = one core busy)."),
-            Panel("timeseries", "Process memory", [
-                Query(f"sum({sel('process.memory.usage', *HOST)})", "resident"),
-                Query(f"sum({sel('process.memory.virtual', *HOST)})", "virtual")], unit="bytes", min=0, width=8),
-            Panel("timeseries", "Processes, threads and open files", [
-                Query(f"sum({sel('otel_forge.process.count', *HOST)})", "processes"),
-                Query(f"sum({sel('process.thread.count', *HOST)})", "threads"),
-                Query(f"sum({sel('process.unix.file_descriptor.count', *HOST)})", "open files")],
-                unit="short", min=0, width=12),
-            Panel("timeseries", "GPU memory of the process tree",
-                  [Query(f"{per_gpu('otel_forge.gpu.process.memory.usage', *GPUS)}", "GPU {{hw_id}}")],
-                  unit="bytes", min=0, width=12),
-        ]),
-        Row("GPUs", [
-            Panel("timeseries", "GPU utilization", [Query(per_gpu("hw.gpu.utilization", *GPUS), "GPU {{hw_id}}")],
-                  unit="percentunit", min=0, max=1, width=12, legend_table=True),
-            Panel("timeseries", "GPU memory activity",
-                  [Query(per_gpu("otel_forge.gpu.memory.activity", *GPUS), "GPU {{hw_id}}")],
-                  unit="percentunit", min=0, max=1, width=12, legend_table=True,
-                  description="Fraction of time device memory was read or written."),
-            Panel("timeseries", "GPU memory used", [
-                Query(per_gpu("hw.gpu.memory.usage", *GPUS), "GPU {{hw_id}} used"),
-                Query(per_gpu("hw.gpu.memory.limit", *GPUS), "GPU {{hw_id}} size")],
-                unit="bytes", min=0, width=8),
-            Panel("timeseries", "Power vs limit", [
-                Query(per_gpu("hw.power", *GPUS), "GPU {{hw_id}} power"),
-                Query(per_gpu("otel_forge.gpu.power.limit", *GPUS), "GPU {{hw_id}} limit")],
-                unit="watt", min=0, width=8, description="Power draw and the enforced power limit."),
-            Panel("timeseries", "Power / limit",
-                  [Query(per_gpu("otel_forge.gpu.power.utilization", *GPUS), "GPU {{hw_id}}")],
-                  unit="percentunit", min=0, width=8),
-            Panel("timeseries", "Temperature",
-                  [Query(per_gpu("hw.temperature", *GPUS, by="hw_sensor_location"),
-                         "GPU {{hw_id}} {{hw_sensor_location}}")], unit="celsius", width=8),
-            Panel("timeseries", "SM and memory clocks",
-                  [Query(per_gpu("otel_forge.gpu.clock.frequency", *GPUS, by="otel_forge_gpu_clock"),
-                         "GPU {{hw_id}} {{otel_forge_gpu_clock}}")], unit="hertz", width=8),
-            Panel("timeseries", "Throttle reasons",
-                  [Query(f"sum by (otel_forge_gpu_throttle_reason) ({sel('otel_forge.gpu.throttle', *GPUS)})",
-                         "{{otel_forge_gpu_throttle_reason}}")], unit="short", min=0, width=8,
-                  description="Number of GPUs with each clock-throttle reason active (0 when none is)."),
-            Panel("timeseries", "PCIe throughput",
-                  [Query(f"max by (job, instance, hw_id, network_io_direction) "
-                         f"(rate({sel('hw.gpu.io', *GPUS)}[$__rate_interval]))",
-                         "GPU {{hw_id}} {{network_io_direction}}")], unit="Bps", min=0, width=12,
-                  description=NVLINK_NOTE),
-            Panel("timeseries", "ECC errors",
-                  [Query(f"sum by (hw_id, error_type) (increase({sel('hw.errors', *GPUS)}[$__rate_interval]))",
-                         "GPU {{hw_id}} {{error_type}}")], unit="short", min=0, width=12,
-                  description="ECC errors per GPU and type in each interval. " + ZERO_IS_NORMAL),
-            Panel("table", "XID events",
-                  [Query(f"max by (hw_id, otel_forge_gpu_xid) "
-                         f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
-                         instant=True, fmt="table")], unit="none", width=12,
-                  thresholds=[(None, "red")],
-                  transformations=table_of(1, rename={"hw_id": "GPU", "otel_forge_gpu_xid": "XID",
-                                                              "Value": "events since agent start"}),
-                  description="XID critical-error events per GPU and code, counted since the agent started, for "
-                              "GPUs that had any in the range. " + ZERO_IS_NORMAL),
-            Panel("stat", "GPU energy over the range, per GPU",
-                  [Query(f"sum by (hw_id) (increase({sel('hw.energy', *GPUS)}[$__range]))", "GPU {{hw_id}}",
-                         instant=True)], unit="joule", width=12),
-        ]),
-        Row("Agent", [
-            Panel("timeseries", "Hardware reads and errors", [
-                Query(f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.reads', *HOST)}"
-                      f"[$__rate_interval]))", "{{otel_forge_collector}} reads"),
-                Query(f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.errors', *HOST)}"
-                      f"[$__rate_interval]))", "{{otel_forge_collector}} errors")], unit="reqps", min=0, width=8),
-            Panel("timeseries", "Time per hardware read", [
-                Query(f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.read.time', *HOST)}"
-                      f"[$__rate_interval])) / sum by (otel_forge_collector) "
-                      f"(rate({sel('otel_forge.collector.reads', *HOST)}[$__rate_interval]))",
-                      "{{otel_forge_collector}}")], unit="s", min=0, width=8),
-            Panel("timeseries", "MLflow delivery",
-                  [Query(f"sum by (otel_forge_delivery_outcome) "
-                         f"(increase({sel('otel_forge.delivery.windows', *HOST)}[$__rate_interval]))",
-                         "{{otel_forge_delivery_outcome}}")], unit="short", min=0, width=8,
-                  description="MLflow windows per interval by outcome (delivered, retried, spooled, dropped); "
-                              "empty when the agent serves no run."),
-        ]),
+        Row(
+            "Overview",
+            [
+                Panel(
+                    "stat",
+                    "Agent",
+                    [Query(agent_up(*HOST), instant=True)],
+                    unit="none",
+                    width=3,
+                    height=4,
+                    mappings=up_down_mappings(),
+                    thresholds=[(None, "red"), (1, "green")],
+                    description="UP while Prometheus scrapes the agent (or, through a Collector, while its "
+                    "hardware reads go on).",
+                ),
+                Panel(
+                    "stat",
+                    "CPU busy",
+                    [Query(f"max({sel('otel_forge.cpu.utilization', *HOST)})")],
+                    unit="percentunit",
+                    width=3,
+                    height=4,
+                    thresholds=[(None, "green"), (0.9, "orange")],
+                ),
+                Panel(
+                    "stat",
+                    "Memory used",
+                    [Query(f"max({sel('system.memory.utilization', *HOST, MEM_USED)})")],
+                    unit="percentunit",
+                    width=3,
+                    height=4,
+                    thresholds=[(None, "green"), (0.9, "red")],
+                ),
+                Panel(
+                    "stat",
+                    "GPUs OK",
+                    [Query(f"sum({sel('hw.status', *GPUS, GPU_OK)})")],
+                    unit="none",
+                    width=3,
+                    height=4,
+                ),
+                Panel(
+                    "stat",
+                    "GPU utilization (mean)",
+                    [Query(f"avg({gpu_util(*GPUS)})")],
+                    unit="percentunit",
+                    width=3,
+                    height=4,
+                    thresholds=[(None, "red"), (0.5, "orange"), (0.8, "green")],
+                ),
+                Panel("stat", "GPU power", [Query(f"sum({sel('hw.power', *GPUS)})")], unit="watt", width=3, height=4),
+                Panel(
+                    "stat",
+                    "GPU energy over the range",
+                    [Query(f"sum(increase({sel('hw.energy', *GPUS)}[$__range]))", instant=True)],
+                    unit="joule",
+                    width=6,
+                    height=4,
+                    description="Energy the selected GPUs used over the dashboard's time range "
+                    "(increase of hw.energy).",
+                ),
+            ],
+        ),
+        Row(
+            "CPU and memory",
+            [
+                Panel(
+                    "timeseries",
+                    "CPU by mode",
+                    [Query(f"max by (cpu_mode) ({cpu})", "{{cpu_mode}}")],
+                    unit="percentunit",
+                    stack=True,
+                    min=0,
+                    width=8,
+                    description="Fraction of all logical CPUs' time in each mode (idle left out; the stack is "
+                    "the busy fraction).",
+                ),
+                Panel(
+                    "timeseries",
+                    "Load average",
+                    [
+                        Query(
+                            f'max by (__name__) ({{__name__=~"system_cpu_load_average_(1m|5m|15m)", {JOB}, {NODE}}})',
+                            "{{__name__}}",
+                        ),
+                        Query(f"max({sel('system.cpu.logical.count', *HOST)})", "logical CPUs"),
+                    ],
+                    unit="short",
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Memory",
+                    [
+                        Query(
+                            f"max by (system_memory_state) ({sel('system.memory.usage', *HOST)})",
+                            "{{system_memory_state}}",
+                        ),
+                        Query(f"max({sel('system.memory.limit', *HOST)})", "total"),
+                    ],
+                    unit="bytes",
+                    min=0,
+                    width=8,
+                    description="Memory by state (psutil's: used excludes buffers and cache) and the total.",
+                ),
+                Panel(
+                    "timeseries",
+                    "Swap",
+                    [
+                        Query(
+                            f"max by (system_paging_state) ({sel('system.paging.usage', *HOST)})",
+                            "{{system_paging_state}}",
+                        )
+                    ],
+                    unit="bytes",
+                    min=0,
+                    width=8,
+                ),
+            ],
+        ),
+        Row(
+            "Filesystems, disks and network",
+            [
+                # One unit per panel (the schema allows no per-field unit overrides): used fraction in the
+                # table, sizes in a stat beside it.
+                Panel(
+                    "table",
+                    "Filesystems",
+                    [
+                        Query(
+                            f"max by (system_filesystem_mountpoint, system_device, system_filesystem_type) "
+                            f"({sel('system.filesystem.utilization', *HOST)})",
+                            instant=True,
+                            fmt="table",
+                        )
+                    ],
+                    unit="percentunit",
+                    width=8,
+                    thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")],
+                    transformations=table_of(
+                        1,
+                        rename={
+                            "system_filesystem_mountpoint": "mount point",
+                            "system_device": "device",
+                            "system_filesystem_type": "type",
+                            "Value": "used",
+                        },
+                    ),
+                    description="Used fraction of each filesystem (pseudo filesystems excluded).",
+                ),
+                Panel(
+                    "stat",
+                    "Filesystem sizes",
+                    [
+                        Query(
+                            f"max by (system_filesystem_mountpoint) ({sel('system.filesystem.limit', *HOST)})",
+                            "{{system_filesystem_mountpoint}}",
+                            instant=True,
+                        )
+                    ],
+                    unit="bytes",
+                    width=4,
+                ),
+                Panel(
+                    "timeseries",
+                    "Filesystem used",
+                    [
+                        Query(
+                            f"max by (system_filesystem_mountpoint) ({sel('system.filesystem.utilization', *HOST)})",
+                            "{{system_filesystem_mountpoint}}",
+                        )
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")],
+                ),
+                Panel(
+                    "timeseries",
+                    "Disk throughput",
+                    [
+                        Query(
+                            f"sum by (system_device, disk_io_direction) "
+                            f"(rate({sel('system.disk.io', *HOST)}[$__rate_interval]))",
+                            "{{system_device}} {{disk_io_direction}}",
+                        )
+                    ],
+                    unit="Bps",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Disk operations",
+                    [
+                        Query(
+                            f"sum by (system_device, disk_io_direction) "
+                            f"(rate({sel('system.disk.operations', *HOST)}[$__rate_interval]))",
+                            "{{system_device}} {{disk_io_direction}}",
+                        )
+                    ],
+                    unit="iops",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Network throughput",
+                    [
+                        Query(
+                            f"sum by (network_interface_name, network_io_direction) "
+                            f"(rate({sel('system.network.io', *HOST)}[$__rate_interval]))",
+                            "{{network_interface_name}} {{network_io_direction}}",
+                        )
+                    ],
+                    unit="Bps",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Network packets, errors and drops",
+                    [
+                        Query(
+                            f"sum by (network_io_direction) (rate({sel('system.network.packet.count', *HOST)}"
+                            f"[$__rate_interval]))",
+                            "packets {{network_io_direction}}",
+                        ),
+                        Query(
+                            f"sum by (network_io_direction) (rate({sel('system.network.errors', *HOST)}"
+                            f"[$__rate_interval]))",
+                            "errors {{network_io_direction}}",
+                        ),
+                        Query(
+                            f"sum by (network_io_direction) (rate({sel('system.network.packet.dropped', *HOST)}"
+                            f"[$__rate_interval]))",
+                            "dropped {{network_io_direction}}",
+                        ),
+                    ],
+                    unit="pps",
+                    min=0,
+                    width=24,
+                    height=7,
+                ),
+            ],
+        ),
+        Row(
+            "Training process",
+            [
+                Panel(
+                    "timeseries",
+                    "Process CPU",
+                    [Query(f"sum by (process_pid) ({sel('process.cpu.utilization', *HOST)})", "pid {{process_pid}}")],
+                    unit="percentunit",
+                    min=0,
+                    width=8,
+                    description="CPU time of the monitored process tree / elapsed time / logical CPUs.",
+                ),
+                Panel(
+                    "timeseries",
+                    "Process CPU time by mode",
+                    [
+                        Query(
+                            f"sum by (cpu_mode) (rate({sel('process.cpu.time', *HOST)}[$__rate_interval]))",
+                            "{{cpu_mode}}",
+                        )
+                    ],
+                    unit="short",
+                    min=0,
+                    stack=True,
+                    width=8,
+                    description="CPU seconds per second of the process tree (1 = one core busy).",
+                ),
+                Panel(
+                    "timeseries",
+                    "Process memory",
+                    [
+                        Query(f"sum({sel('process.memory.usage', *HOST)})", "resident"),
+                        Query(f"sum({sel('process.memory.virtual', *HOST)})", "virtual"),
+                    ],
+                    unit="bytes",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Processes, threads and open files",
+                    [
+                        Query(f"sum({sel('otel_forge.process.count', *HOST)})", "processes"),
+                        Query(f"sum({sel('process.thread.count', *HOST)})", "threads"),
+                        Query(f"sum({sel('process.unix.file_descriptor.count', *HOST)})", "open files"),
+                    ],
+                    unit="short",
+                    min=0,
+                    width=12,
+                ),
+                Panel(
+                    "timeseries",
+                    "GPU memory of the process tree",
+                    [Query(f"{per_gpu('otel_forge.gpu.process.memory.usage', *GPUS)}", "GPU {{hw_id}}")],
+                    unit="bytes",
+                    min=0,
+                    width=12,
+                ),
+            ],
+        ),
+        Row(
+            "GPUs",
+            [
+                Panel(
+                    "timeseries",
+                    "GPU utilization",
+                    [Query(per_gpu("hw.gpu.utilization", *GPUS), "GPU {{hw_id}}")],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                ),
+                Panel(
+                    "timeseries",
+                    "GPU memory activity",
+                    [Query(per_gpu("otel_forge.gpu.memory.activity", *GPUS), "GPU {{hw_id}}")],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                    description="Fraction of time device memory was read or written.",
+                ),
+                Panel(
+                    "timeseries",
+                    "GPU memory used",
+                    [
+                        Query(per_gpu("hw.gpu.memory.usage", *GPUS), "GPU {{hw_id}} used"),
+                        Query(per_gpu("hw.gpu.memory.limit", *GPUS), "GPU {{hw_id}} size"),
+                    ],
+                    unit="bytes",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Power vs limit",
+                    [
+                        Query(per_gpu("hw.power", *GPUS), "GPU {{hw_id}} power"),
+                        Query(per_gpu("otel_forge.gpu.power.limit", *GPUS), "GPU {{hw_id}} limit"),
+                    ],
+                    unit="watt",
+                    min=0,
+                    width=8,
+                    description="Power draw and the enforced power limit.",
+                ),
+                Panel(
+                    "timeseries",
+                    "Power / limit",
+                    [Query(per_gpu("otel_forge.gpu.power.utilization", *GPUS), "GPU {{hw_id}}")],
+                    unit="percentunit",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Temperature",
+                    [
+                        Query(
+                            per_gpu("hw.temperature", *GPUS, by="hw_sensor_location"),
+                            "GPU {{hw_id}} {{hw_sensor_location}}",
+                        )
+                    ],
+                    unit="celsius",
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "SM and memory clocks",
+                    [
+                        Query(
+                            per_gpu("otel_forge.gpu.clock.frequency", *GPUS, by="otel_forge_gpu_clock"),
+                            "GPU {{hw_id}} {{otel_forge_gpu_clock}}",
+                        )
+                    ],
+                    unit="hertz",
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Throttle reasons",
+                    [
+                        Query(
+                            f"sum by (otel_forge_gpu_throttle_reason) ({sel('otel_forge.gpu.throttle', *GPUS)})",
+                            "{{otel_forge_gpu_throttle_reason}}",
+                        )
+                    ],
+                    unit="short",
+                    min=0,
+                    width=8,
+                    description="Number of GPUs with each clock-throttle reason active (0 when none is).",
+                ),
+                Panel(
+                    "timeseries",
+                    "PCIe throughput",
+                    [
+                        Query(
+                            f"max by (job, instance, hw_id, network_io_direction) "
+                            f"(rate({sel('hw.gpu.io', *GPUS)}[$__rate_interval]))",
+                            "GPU {{hw_id}} {{network_io_direction}}",
+                        )
+                    ],
+                    unit="Bps",
+                    min=0,
+                    width=12,
+                    description=NVLINK_NOTE,
+                ),
+                Panel(
+                    "timeseries",
+                    "ECC errors",
+                    [
+                        Query(
+                            f"sum by (hw_id, error_type) (increase({sel('hw.errors', *GPUS)}[$__rate_interval]))",
+                            "GPU {{hw_id}} {{error_type}}",
+                        )
+                    ],
+                    unit="short",
+                    min=0,
+                    width=12,
+                    description="ECC errors per GPU and type in each interval. " + ZERO_IS_NORMAL,
+                ),
+                Panel(
+                    "table",
+                    "XID events",
+                    [
+                        Query(
+                            f"max by (hw_id, otel_forge_gpu_xid) "
+                            f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
+                            instant=True,
+                            fmt="table",
+                        )
+                    ],
+                    unit="none",
+                    width=12,
+                    thresholds=[(None, "red")],
+                    transformations=table_of(
+                        1, rename={"hw_id": "GPU", "otel_forge_gpu_xid": "XID", "Value": "events since agent start"}
+                    ),
+                    description="XID critical-error events per GPU and code, counted since the agent started, for "
+                    "GPUs that had any in the range. " + ZERO_IS_NORMAL,
+                ),
+                Panel(
+                    "stat",
+                    "GPU energy over the range, per GPU",
+                    [
+                        Query(
+                            f"sum by (hw_id) (increase({sel('hw.energy', *GPUS)}[$__range]))",
+                            "GPU {{hw_id}}",
+                            instant=True,
+                        )
+                    ],
+                    unit="joule",
+                    width=12,
+                ),
+            ],
+        ),
+        Row(
+            "Agent",
+            [
+                Panel(
+                    "timeseries",
+                    "Hardware reads and errors",
+                    [
+                        Query(
+                            f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.reads', *HOST)}"
+                            f"[$__rate_interval]))",
+                            "{{otel_forge_collector}} reads",
+                        ),
+                        Query(
+                            f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.errors', *HOST)}"
+                            f"[$__rate_interval]))",
+                            "{{otel_forge_collector}} errors",
+                        ),
+                    ],
+                    unit="reqps",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Time per hardware read",
+                    [
+                        Query(
+                            f"sum by (otel_forge_collector) (rate({sel('otel_forge.collector.read.time', *HOST)}"
+                            f"[$__rate_interval])) / sum by (otel_forge_collector) "
+                            f"(rate({sel('otel_forge.collector.reads', *HOST)}[$__rate_interval]))",
+                            "{{otel_forge_collector}}",
+                        )
+                    ],
+                    unit="s",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "MLflow delivery",
+                    [
+                        Query(
+                            f"sum by (otel_forge_delivery_outcome) "
+                            f"(increase({sel('otel_forge.delivery.windows', *HOST)}[$__rate_interval]))",
+                            "{{otel_forge_delivery_outcome}}",
+                        )
+                    ],
+                    unit="short",
+                    min=0,
+                    width=8,
+                    description="MLflow windows per interval by outcome (delivered, retried, spooled, dropped); "
+                    "empty when the agent serves no run.",
+                ),
+            ],
+        ),
     ]
     return dashboard(
-        "otel-forge-node", "otel-forge / Node",
+        "otel-forge-node",
+        "otel-forge / Node",
         "One node in depth: CPU, memory, filesystems, disks, network, the training process and every GPU.",
-        [datasource_variable(), job_variable(), node_variable(multi=False), gpu_variable()], rows)
+        [datasource_variable(), job_variable(), node_variable(multi=False), gpu_variable()],
+        rows,
+    )
 
 
 # --- the fleet dashboard ------------------------------------------------------------------------------
+
 
 def fleet_dashboard() -> dict[str, Any]:
     node_util = f"avg by (job, instance) ({gpu_util(*GPUS)})"
     node_util_range = f"avg by (job, instance) (avg_over_time({gpu_util(*GPUS)}[$__range]))"
     temp_range = f"max by (job, instance, hw_id) (max_over_time({sel('hw.temperature', *GPUS)}[$__range]))"
     up = agent_up(*HOST)
-    stragglers = (f"{node_util_range} < on (job) group_left () "
-                  f"($straggler_ratio * quantile by (job) (0.5, {node_util_range}))")
+    stragglers = (
+        f"{node_util_range} < on (job) group_left () ($straggler_ratio * quantile by (job) (0.5, {node_util_range}))"
+    )
     rows = [
-        Row("Fleet", [
-            Panel("stat", "Agents up", [Query(f"count(({up}) == 1) or vector(0)", instant=True)], unit="none",
-                  width=4, height=4),
-            Panel("stat", "Agents down", [Query(f"count(({up}) == 0) or vector(0)", instant=True)], unit="none",
-                  width=4, height=4, thresholds=[(None, "green"), (1, "red")]),
-            Panel("stat", "GPUs", [Query(f"count({sel('hw.status', *GPUS, GPU_OK)} == 1)")],
-                  unit="none", width=4, height=4, description="GPUs whose state is ok."),
-            Panel("stat", "GPU utilization (mean)", [Query(f"avg({gpu_util(*GPUS)})")], unit="percentunit",
-                  width=4, height=4, thresholds=[(None, "red"), (0.5, "orange"), (0.8, "green")]),
-            Panel("stat", "Total GPU power", [Query(f"sum({sel('hw.power', *GPUS)})")], unit="watt", width=4,
-                  height=4),
-            Panel("stat", "GPU energy over the range",
-                  [Query(f"sum(increase({sel('hw.energy', *GPUS)}[$__range]))", instant=True)], unit="joule",
-                  width=4, height=4),
-        ]),
-        Row("GPU utilization", [
-            Panel("heatmap", "GPU utilization by node and GPU",
-                  [Query(f"max by (instance, hw_id) ({gpu_util(*GPUS)})", "{{instance}} GPU {{hw_id}}")],
-                  unit="percentunit", width=24, height=10,
-                  description="One row per node and GPU; a pale row among dark ones is a GPU that waits."),
-            Panel("timeseries", "Node GPU utilization vs the job's median", [
-                Query(node_util, "{{instance}}"),
-                Query(f"quantile by (job) (0.5, {node_util})", "median {{job}}")],
-                unit="percentunit", min=0, max=1, width=14, height=9, legend_table=True),
-            Panel("table", "Stragglers", [
-                Query(stragglers, instant=True, fmt="table"),
-                Query(f"({stragglers}) * 0 + on (job) group_left () quantile by (job) (0.5, {node_util_range})",
-                      instant=True, fmt="table")],
-                unit="percentunit", width=10, height=9, thresholds=[(None, "orange")],
-                transformations=table_of(2, rename={
-                    "instance": "node", "Value #A": "node mean", "Value #B": "job median"}),
-                description="Nodes whose mean GPU utilization over the range is below $straggler_ratio x the "
-                            "median of their job's nodes. Empty when no node lags."),
-        ]),
-        Row("Power, energy and temperature", [
-            Panel("timeseries", "GPU power by node", [
-                Query(f"sum by (job, instance) ({sel('hw.power', *GPUS)})", "{{instance}}"),
-                Query(f"sum({sel('hw.power', *GPUS)})", "total"),
-                Query(f"sum({sel('otel_forge.gpu.power.limit', *GPUS)})", "total power limit")],
-                unit="watt", min=0, width=12, stack=False, legend_table=True),
-            Panel("table", "GPU energy by node over the range",
-                  [Query(f"sum by (job, instance) (increase({sel('hw.energy', *GPUS)}[$__range]))", instant=True,
-                         fmt="table")], unit="joule", width=12,
-                  transformations=table_of(1, rename={"instance": "node", "Value": "energy"})),
-            Panel("timeseries", "Hottest GPUs",
-                  [Query(f"topk(5, {per_gpu('hw.temperature', *GPUS)})", "{{instance}} GPU {{hw_id}}")],
-                  unit="celsius", width=12),
-            Panel("table", "Temperature outliers", [
-                Query(f"{temp_range} > on (job) group_left () (quantile by (job) (0.5, {temp_range}) + 10) "
-                      f"or {temp_range} > 85", instant=True, fmt="table")],
-                unit="celsius", width=12, thresholds=[(None, "orange"), (85, "red")],
-                transformations=table_of(1, rename={"instance": "node", "hw_id": "GPU",
-                                                            "Value": "max temperature"}),
-                description="GPUs whose highest temperature in the range is 10 C above their job's median GPU, "
-                            "or above 85 C. Empty when none is."),
-            Panel("timeseries", "GPUs throttling, by reason",
-                  [Query(f"sum by (otel_forge_gpu_throttle_reason) "
-                         f"({sel('otel_forge.gpu.throttle', *GPUS, NOT_IDLE)})",
-                         "{{otel_forge_gpu_throttle_reason}}")], unit="short", min=0, width=24, height=7,
-                  description="Number of GPUs with each clock-throttle reason active (idle left out)."),
-        ]),
-        Row("Events and agents", [
-            Panel("table", "XID and ECC events", [
-                Query(f"max by (job, instance, hw_id, otel_forge_gpu_xid) "
-                      f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
-                      instant=True, fmt="table"),
-                Query(f"sum by (job, instance, hw_id, error_type) "
-                      f"(increase({sel('hw.errors', *GPUS)}[$__range])) > 0", instant=True, fmt="table")],
-                unit="none", width=14, height=9, thresholds=[(None, "red")],
-                transformations=table_of(2, rename={
-                    "instance": "node", "hw_id": "GPU", "otel_forge_gpu_xid": "XID", "error_type": "ECC",
-                    "Value #A": "XID events since agent start", "Value #B": "ECC errors in range"}),
-                description="XID events (counted since the agent started, for GPUs that had any in the range) "
-                            "and ECC errors in the range. " + ZERO_IS_NORMAL),
-            Panel("table", "Agents", [
-                Query(up, instant=True, fmt="table"),
-                Query(f"max by (job, instance, host_name, otel_forge_node_id) (target_info{{{JOB}, {NODE}}})",
-                      instant=True, fmt="table")],
-                unit="none", width=10, height=9, mappings=up_down_mappings(),
-                thresholds=[(None, "red"), (1, "green")],
-                transformations=table_of(2, exclude=["Value #B"], rename={
-                    "instance": "node", "host_name": "host", "otel_forge_node_id": "node id", "Value #A": "agent"}),
-                description="Every agent of the selected jobs: UP while Prometheus scrapes it (or, through a "
-                            "Collector, while its hardware reads go on), DOWN otherwise."),
-        ]),
+        Row(
+            "Fleet",
+            [
+                Panel(
+                    "stat",
+                    "Agents up",
+                    [Query(f"count(({up}) == 1) or vector(0)", instant=True)],
+                    unit="none",
+                    width=4,
+                    height=4,
+                ),
+                Panel(
+                    "stat",
+                    "Agents down",
+                    [Query(f"count(({up}) == 0) or vector(0)", instant=True)],
+                    unit="none",
+                    width=4,
+                    height=4,
+                    thresholds=[(None, "green"), (1, "red")],
+                ),
+                Panel(
+                    "stat",
+                    "GPUs",
+                    [Query(f"count({sel('hw.status', *GPUS, GPU_OK)} == 1)")],
+                    unit="none",
+                    width=4,
+                    height=4,
+                    description="GPUs whose state is ok.",
+                ),
+                Panel(
+                    "stat",
+                    "GPU utilization (mean)",
+                    [Query(f"avg({gpu_util(*GPUS)})")],
+                    unit="percentunit",
+                    width=4,
+                    height=4,
+                    thresholds=[(None, "red"), (0.5, "orange"), (0.8, "green")],
+                ),
+                Panel(
+                    "stat", "Total GPU power", [Query(f"sum({sel('hw.power', *GPUS)})")], unit="watt", width=4, height=4
+                ),
+                Panel(
+                    "stat",
+                    "GPU energy over the range",
+                    [Query(f"sum(increase({sel('hw.energy', *GPUS)}[$__range]))", instant=True)],
+                    unit="joule",
+                    width=4,
+                    height=4,
+                ),
+            ],
+        ),
+        Row(
+            "GPU utilization",
+            [
+                Panel(
+                    "heatmap",
+                    "GPU utilization by node and GPU",
+                    [Query(f"max by (instance, hw_id) ({gpu_util(*GPUS)})", "{{instance}} GPU {{hw_id}}")],
+                    unit="percentunit",
+                    width=24,
+                    height=10,
+                    description="One row per node and GPU; a pale row among dark ones is a GPU that waits.",
+                ),
+                Panel(
+                    "timeseries",
+                    "Node GPU utilization vs the job's median",
+                    [
+                        Query(node_util, "{{instance}}"),
+                        Query(f"quantile by (job) (0.5, {node_util})", "median {{job}}"),
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=14,
+                    height=9,
+                    legend_table=True,
+                ),
+                Panel(
+                    "table",
+                    "Stragglers",
+                    [
+                        Query(stragglers, instant=True, fmt="table"),
+                        Query(
+                            f"({stragglers}) * 0 + on (job) group_left () quantile by (job) (0.5, {node_util_range})",
+                            instant=True,
+                            fmt="table",
+                        ),
+                    ],
+                    unit="percentunit",
+                    width=10,
+                    height=9,
+                    thresholds=[(None, "orange")],
+                    transformations=table_of(
+                        2, rename={"instance": "node", "Value #A": "node mean", "Value #B": "job median"}
+                    ),
+                    description="Nodes whose mean GPU utilization over the range is below $straggler_ratio x the "
+                    "median of their job's nodes. Empty when no node lags.",
+                ),
+            ],
+        ),
+        Row(
+            "Power, energy and temperature",
+            [
+                Panel(
+                    "timeseries",
+                    "GPU power by node",
+                    [
+                        Query(f"sum by (job, instance) ({sel('hw.power', *GPUS)})", "{{instance}}"),
+                        Query(f"sum({sel('hw.power', *GPUS)})", "total"),
+                        Query(f"sum({sel('otel_forge.gpu.power.limit', *GPUS)})", "total power limit"),
+                    ],
+                    unit="watt",
+                    min=0,
+                    width=12,
+                    stack=False,
+                    legend_table=True,
+                ),
+                Panel(
+                    "table",
+                    "GPU energy by node over the range",
+                    [
+                        Query(
+                            f"sum by (job, instance) (increase({sel('hw.energy', *GPUS)}[$__range]))",
+                            instant=True,
+                            fmt="table",
+                        )
+                    ],
+                    unit="joule",
+                    width=12,
+                    transformations=table_of(1, rename={"instance": "node", "Value": "energy"}),
+                ),
+                Panel(
+                    "timeseries",
+                    "Hottest GPUs",
+                    [Query(f"topk(5, {per_gpu('hw.temperature', *GPUS)})", "{{instance}} GPU {{hw_id}}")],
+                    unit="celsius",
+                    width=12,
+                ),
+                Panel(
+                    "table",
+                    "Temperature outliers",
+                    [
+                        Query(
+                            f"{temp_range} > on (job) group_left () (quantile by (job) (0.5, {temp_range}) + 10) "
+                            f"or {temp_range} > 85",
+                            instant=True,
+                            fmt="table",
+                        )
+                    ],
+                    unit="celsius",
+                    width=12,
+                    thresholds=[(None, "orange"), (85, "red")],
+                    transformations=table_of(
+                        1, rename={"instance": "node", "hw_id": "GPU", "Value": "max temperature"}
+                    ),
+                    description="GPUs whose highest temperature in the range is 10 C above their job's median GPU, "
+                    "or above 85 C. Empty when none is.",
+                ),
+                Panel(
+                    "timeseries",
+                    "GPUs throttling, by reason",
+                    [
+                        Query(
+                            f"sum by (otel_forge_gpu_throttle_reason) "
+                            f"({sel('otel_forge.gpu.throttle', *GPUS, NOT_IDLE)})",
+                            "{{otel_forge_gpu_throttle_reason}}",
+                        )
+                    ],
+                    unit="short",
+                    min=0,
+                    width=24,
+                    height=7,
+                    description="Number of GPUs with each clock-throttle reason active (idle left out).",
+                ),
+            ],
+        ),
+        Row(
+            "Events and agents",
+            [
+                Panel(
+                    "table",
+                    "XID and ECC events",
+                    [
+                        Query(
+                            f"max by (job, instance, hw_id, otel_forge_gpu_xid) "
+                            f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
+                            instant=True,
+                            fmt="table",
+                        ),
+                        Query(
+                            f"sum by (job, instance, hw_id, error_type) "
+                            f"(increase({sel('hw.errors', *GPUS)}[$__range])) > 0",
+                            instant=True,
+                            fmt="table",
+                        ),
+                    ],
+                    unit="none",
+                    width=14,
+                    height=9,
+                    thresholds=[(None, "red")],
+                    transformations=table_of(
+                        2,
+                        rename={
+                            "instance": "node",
+                            "hw_id": "GPU",
+                            "otel_forge_gpu_xid": "XID",
+                            "error_type": "ECC",
+                            "Value #A": "XID events since agent start",
+                            "Value #B": "ECC errors in range",
+                        },
+                    ),
+                    description="XID events (counted since the agent started, for GPUs that had any in the range) "
+                    "and ECC errors in the range. " + ZERO_IS_NORMAL,
+                ),
+                Panel(
+                    "table",
+                    "Agents",
+                    [
+                        Query(up, instant=True, fmt="table"),
+                        Query(
+                            f"max by (job, instance, host_name, otel_forge_node_id) (target_info{{{JOB}, {NODE}}})",
+                            instant=True,
+                            fmt="table",
+                        ),
+                    ],
+                    unit="none",
+                    width=10,
+                    height=9,
+                    mappings=up_down_mappings(),
+                    thresholds=[(None, "red"), (1, "green")],
+                    transformations=table_of(
+                        2,
+                        exclude=["Value #B"],
+                        rename={
+                            "instance": "node",
+                            "host_name": "host",
+                            "otel_forge_node_id": "node id",
+                            "Value #A": "agent",
+                        },
+                    ),
+                    description="Every agent of the selected jobs: UP while Prometheus scrapes it (or, through a "
+                    "Collector, while its hardware reads go on), DOWN otherwise.",
+                ),
+            ],
+        ),
     ]
-    straggler = custom_variable("straggler_ratio", "Straggler below x median", ["0.5", "0.7", "0.8", "0.9"],
-                                "0.8", "A node is a straggler when its mean GPU utilization is below this fraction "
-                                       "of its job's median.")
+    straggler = custom_variable(
+        "straggler_ratio",
+        "Straggler below x median",
+        ["0.5", "0.7", "0.8", "0.9"],
+        "0.8",
+        "A node is a straggler when its mean GPU utilization is below this fraction of its job's median.",
+    )
     return dashboard(
-        "otel-forge-fleet", "otel-forge / Fleet",
+        "otel-forge-fleet",
+        "otel-forge / Fleet",
         "All nodes of a job: GPU utilization by node and GPU, stragglers, power and energy, temperature "
         "outliers, XID/ECC events and agents up or down.",
-        [datasource_variable(), job_variable(), node_variable(multi=True), gpu_variable(), straggler], rows)
+        [datasource_variable(), job_variable(), node_variable(multi=True), gpu_variable(), straggler],
+        rows,
+    )
 
 
 # --- the run dashboard --------------------------------------------------------------------------------
 
+
 def run_dashboard() -> dict[str, Any]:
     info_all = sel("otel_forge.run.info", JOB)
     mlflow_run_url = "${tracking_uri}/#/experiments/${experiment}/runs/${run}"
-    row_link = ("${tracking_uri}/#/experiments/${__data.fields.mlflow_experiment_id}"
-                "/runs/${__data.fields.mlflow_run_id}")
+    row_link = "${tracking_uri}/#/experiments/${__data.fields.mlflow_experiment_id}/runs/${__data.fields.mlflow_run_id}"
 
     def gpus(metric: str, by: str = "") -> str:
         return in_run(per_gpu(metric, *GPUS, by=by))
@@ -689,123 +1426,349 @@ def run_dashboard() -> dict[str, Any]:
     run_energy = in_run(f"sum by (job, instance) (increase({sel('hw.energy', *GPUS)}[$__range]))", over_range=True)
 
     rows = [
-        Row("Run", [
-            Panel("table", "Run and its nodes", [
-                Query(f"max by (mlflow_run_id, mlflow_run_name, mlflow_experiment_id, otel_forge_node_id, instance) "
-                      f"(last_over_time({sel('otel_forge.run.info', JOB, NODE, RUN, KNOWN_RUN)}[$__range]))",
-                      instant=True, fmt="table"),
-                Query(f"min by (instance) (min_over_time(timestamp({sel('otel_forge.run.info', JOB, NODE, RUN)})"
-                      f"[$__range:$__interval])) * 1000", instant=True, fmt="table"),
-                Query(f"max by (instance) (max_over_time(timestamp({sel('otel_forge.run.info', JOB, NODE, RUN)})"
-                      f"[$__range:$__interval])) * 1000", instant=True, fmt="table")],
-                unit="none", width=16, height=6,
-                links=[link("Open the run in MLflow", row_link)],
-                transformations=table_of(3, exclude=["Value #A"],
-                                         time_fields=["Value #B", "Value #C"], rename={
-                    "mlflow_run_id": "run id", "mlflow_run_name": "run name", "mlflow_experiment_id": "experiment",
-                    "otel_forge_node_id": "node id", "instance": "node", "Value #B": "first seen in range",
-                    "Value #C": "last seen in range"}),
-                description="The run's nodes, from otel_forge_run_info (1 while an agent serves the run); "
-                            "click a row to open the run in the MLflow UI at $tracking_uri."),
-            Panel("stat", "Nodes in the run",
-                  [Query(f"count({run_info(over_range=True)})", instant=True)], unit="none", width=4, height=6),
-            Panel("stat", "GPU energy of the run's nodes over the range",
-                  [Query(f"sum({run_energy})", instant=True)], unit="joule", width=4, height=6),
-        ]),
-        Row("GPUs of the run", [
-            Panel("heatmap", "GPU utilization by node and GPU",
-                  [Query(gpus("hw.gpu.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
-                  unit="percentunit", width=24, height=9),
-            Panel("timeseries", "GPU utilization",
-                  [Query(gpus("hw.gpu.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
-                  unit="percentunit", min=0, max=1, width=12, legend_table=True),
-            Panel("timeseries", "GPU memory used",
-                  [Query(gpus("hw.gpu.memory.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
-                  unit="percentunit", min=0, max=1, width=12, legend_table=True),
-            Panel("timeseries", "GPU power vs limit, per node", [
-                Query(in_run(f"sum by (job, instance) ({sel('hw.power', *GPUS)})"), "{{otel_forge_node_id}} power"),
-                Query(in_run(f"sum by (job, instance) ({sel('otel_forge.gpu.power.limit', *GPUS)})"),
-                      "{{otel_forge_node_id}} limit")], unit="watt", min=0, width=8),
-            Panel("timeseries", "GPU temperature",
-                  [Query(gpus("hw.temperature"), "{{otel_forge_node_id}} GPU {{hw_id}}")], unit="celsius", width=8),
-            Panel("timeseries", "SM clock",
-                  [Query(in_run(f"max by (job, instance, hw_id) "
-                                f"({sel('otel_forge.gpu.clock.frequency', *GPUS, SM_CLOCK)})"),
-                         "{{otel_forge_node_id}} GPU {{hw_id}}")], unit="hertz", width=8),
-            Panel("timeseries", "PCIe throughput",
-                  [Query(in_run(f"sum by (job, instance, network_io_direction) "
-                                f"(rate({sel('hw.gpu.io', *GPUS)}[$__rate_interval]))"),
-                         "{{otel_forge_node_id}} {{network_io_direction}}")], unit="Bps", min=0, width=12,
-                  description=NVLINK_NOTE),
-            Panel("table", "XID and ECC events", [
-                Query(in_run(f"max by (job, instance, hw_id, otel_forge_gpu_xid) "
-                             f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
-                             over_range=True), instant=True, fmt="table"),
-                Query(in_run(f"sum by (job, instance, hw_id, error_type) "
-                             f"(increase({sel('hw.errors', *GPUS)}[$__range])) > 0", over_range=True),
-                      instant=True, fmt="table")],
-                unit="none", width=12, thresholds=[(None, "red")],
-                transformations=table_of(2, exclude=["job", "instance"], rename={
-                    "otel_forge_node_id": "node", "hw_id": "GPU", "otel_forge_gpu_xid": "XID",
-                    "error_type": "ECC", "Value #A": "XID events since agent start",
-                    "Value #B": "ECC errors in range"}),
-                description="XID events and ECC errors on the run's GPUs. " + ZERO_IS_NORMAL),
-        ]),
-        Row("Hosts of the run", [
-            Panel("timeseries", "CPU busy", [Query(host(sel("otel_forge.cpu.utilization", *HOST)),
-                                                   "{{otel_forge_node_id}}")], unit="percentunit", min=0, width=8),
-            Panel("timeseries", "Memory used",
-                  [Query(host(sel("system.memory.utilization", *HOST, MEM_USED)),
-                         "{{otel_forge_node_id}}")], unit="percentunit", min=0, max=1, width=8),
-            Panel("timeseries", "Training process CPU",
-                  [Query(in_run(f"sum by (job, instance) ({sel('process.cpu.utilization', *HOST)})"),
-                         "{{otel_forge_node_id}}")], unit="percentunit", min=0, width=8),
-            Panel("timeseries", "Disk throughput",
-                  [Query(in_run(f"sum by (job, instance, disk_io_direction) "
-                                f"(rate({sel('system.disk.io', *HOST)}[$__rate_interval]))"),
-                         "{{otel_forge_node_id}} {{disk_io_direction}}")], unit="Bps", min=0, width=8),
-            Panel("timeseries", "Network throughput",
-                  [Query(in_run(f"sum by (job, instance, network_io_direction) "
-                                f"(rate({sel('system.network.io', *HOST)}[$__rate_interval]))"),
-                         "{{otel_forge_node_id}} {{network_io_direction}}")], unit="Bps", min=0, width=8),
-            Panel("timeseries", "MLflow delivery",
-                  [Query(in_run(f"sum by (job, instance, otel_forge_delivery_outcome) "
-                                f"(increase({sel('otel_forge.delivery.windows', *HOST)}[$__rate_interval]))"),
-                         "{{otel_forge_node_id}} {{otel_forge_delivery_outcome}}")], unit="short", min=0, width=8,
-                  description="The run's MLflow windows per interval by outcome (delivered, retried, spooled, "
-                              "dropped)."),
-        ]),
+        Row(
+            "Run",
+            [
+                Panel(
+                    "table",
+                    "Run and its nodes",
+                    [
+                        Query(
+                            "max by (mlflow_run_id, mlflow_run_name, mlflow_experiment_id, otel_forge_node_id, "
+                            "instance) "
+                            f"(last_over_time({sel('otel_forge.run.info', JOB, NODE, RUN, KNOWN_RUN)}[$__range]))",
+                            instant=True,
+                            fmt="table",
+                        ),
+                        Query(
+                            f"min by (instance) (min_over_time(timestamp({sel('otel_forge.run.info', JOB, NODE, RUN)})"
+                            f"[$__range:$__interval])) * 1000",
+                            instant=True,
+                            fmt="table",
+                        ),
+                        Query(
+                            f"max by (instance) (max_over_time(timestamp({sel('otel_forge.run.info', JOB, NODE, RUN)})"
+                            f"[$__range:$__interval])) * 1000",
+                            instant=True,
+                            fmt="table",
+                        ),
+                    ],
+                    unit="none",
+                    width=16,
+                    height=6,
+                    links=[link("Open the run in MLflow", row_link)],
+                    transformations=table_of(
+                        3,
+                        exclude=["Value #A"],
+                        time_fields=["Value #B", "Value #C"],
+                        rename={
+                            "mlflow_run_id": "run id",
+                            "mlflow_run_name": "run name",
+                            "mlflow_experiment_id": "experiment",
+                            "otel_forge_node_id": "node id",
+                            "instance": "node",
+                            "Value #B": "first seen in range",
+                            "Value #C": "last seen in range",
+                        },
+                    ),
+                    description="The run's nodes, from otel_forge_run_info (1 while an agent serves the run); "
+                    "click a row to open the run in the MLflow UI at $tracking_uri.",
+                ),
+                Panel(
+                    "stat",
+                    "Nodes in the run",
+                    [Query(f"count({run_info(over_range=True)})", instant=True)],
+                    unit="none",
+                    width=4,
+                    height=6,
+                ),
+                Panel(
+                    "stat",
+                    "GPU energy of the run's nodes over the range",
+                    [Query(f"sum({run_energy})", instant=True)],
+                    unit="joule",
+                    width=4,
+                    height=6,
+                ),
+            ],
+        ),
+        Row(
+            "GPUs of the run",
+            [
+                Panel(
+                    "heatmap",
+                    "GPU utilization by node and GPU",
+                    [Query(gpus("hw.gpu.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                    unit="percentunit",
+                    width=24,
+                    height=9,
+                ),
+                Panel(
+                    "timeseries",
+                    "GPU utilization",
+                    [Query(gpus("hw.gpu.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                ),
+                Panel(
+                    "timeseries",
+                    "GPU memory used",
+                    [Query(gpus("hw.gpu.memory.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                ),
+                Panel(
+                    "timeseries",
+                    "GPU power vs limit, per node",
+                    [
+                        Query(
+                            in_run(f"sum by (job, instance) ({sel('hw.power', *GPUS)})"), "{{otel_forge_node_id}} power"
+                        ),
+                        Query(
+                            in_run(f"sum by (job, instance) ({sel('otel_forge.gpu.power.limit', *GPUS)})"),
+                            "{{otel_forge_node_id}} limit",
+                        ),
+                    ],
+                    unit="watt",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "GPU temperature",
+                    [Query(gpus("hw.temperature"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                    unit="celsius",
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "SM clock",
+                    [
+                        Query(
+                            in_run(
+                                f"max by (job, instance, hw_id) "
+                                f"({sel('otel_forge.gpu.clock.frequency', *GPUS, SM_CLOCK)})"
+                            ),
+                            "{{otel_forge_node_id}} GPU {{hw_id}}",
+                        )
+                    ],
+                    unit="hertz",
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "PCIe throughput",
+                    [
+                        Query(
+                            in_run(
+                                f"sum by (job, instance, network_io_direction) "
+                                f"(rate({sel('hw.gpu.io', *GPUS)}[$__rate_interval]))"
+                            ),
+                            "{{otel_forge_node_id}} {{network_io_direction}}",
+                        )
+                    ],
+                    unit="Bps",
+                    min=0,
+                    width=12,
+                    description=NVLINK_NOTE,
+                ),
+                Panel(
+                    "table",
+                    "XID and ECC events",
+                    [
+                        Query(
+                            in_run(
+                                f"max by (job, instance, hw_id, otel_forge_gpu_xid) "
+                                f"(max_over_time({sel('otel_forge.gpu.xid.errors', *GPUS)}[$__range])) > 0",
+                                over_range=True,
+                            ),
+                            instant=True,
+                            fmt="table",
+                        ),
+                        Query(
+                            in_run(
+                                f"sum by (job, instance, hw_id, error_type) "
+                                f"(increase({sel('hw.errors', *GPUS)}[$__range])) > 0",
+                                over_range=True,
+                            ),
+                            instant=True,
+                            fmt="table",
+                        ),
+                    ],
+                    unit="none",
+                    width=12,
+                    thresholds=[(None, "red")],
+                    transformations=table_of(
+                        2,
+                        exclude=["job", "instance"],
+                        rename={
+                            "otel_forge_node_id": "node",
+                            "hw_id": "GPU",
+                            "otel_forge_gpu_xid": "XID",
+                            "error_type": "ECC",
+                            "Value #A": "XID events since agent start",
+                            "Value #B": "ECC errors in range",
+                        },
+                    ),
+                    description="XID events and ECC errors on the run's GPUs. " + ZERO_IS_NORMAL,
+                ),
+            ],
+        ),
+        Row(
+            "Hosts of the run",
+            [
+                Panel(
+                    "timeseries",
+                    "CPU busy",
+                    [Query(host(sel("otel_forge.cpu.utilization", *HOST)), "{{otel_forge_node_id}}")],
+                    unit="percentunit",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Memory used",
+                    [Query(host(sel("system.memory.utilization", *HOST, MEM_USED)), "{{otel_forge_node_id}}")],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Training process CPU",
+                    [
+                        Query(
+                            in_run(f"sum by (job, instance) ({sel('process.cpu.utilization', *HOST)})"),
+                            "{{otel_forge_node_id}}",
+                        )
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Disk throughput",
+                    [
+                        Query(
+                            in_run(
+                                f"sum by (job, instance, disk_io_direction) "
+                                f"(rate({sel('system.disk.io', *HOST)}[$__rate_interval]))"
+                            ),
+                            "{{otel_forge_node_id}} {{disk_io_direction}}",
+                        )
+                    ],
+                    unit="Bps",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "Network throughput",
+                    [
+                        Query(
+                            in_run(
+                                f"sum by (job, instance, network_io_direction) "
+                                f"(rate({sel('system.network.io', *HOST)}[$__rate_interval]))"
+                            ),
+                            "{{otel_forge_node_id}} {{network_io_direction}}",
+                        )
+                    ],
+                    unit="Bps",
+                    min=0,
+                    width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "MLflow delivery",
+                    [
+                        Query(
+                            in_run(
+                                f"sum by (job, instance, otel_forge_delivery_outcome) "
+                                f"(increase({sel('otel_forge.delivery.windows', *HOST)}[$__rate_interval]))"
+                            ),
+                            "{{otel_forge_node_id}} {{otel_forge_delivery_outcome}}",
+                        )
+                    ],
+                    unit="short",
+                    min=0,
+                    width=8,
+                    description="The run's MLflow windows per interval by outcome (delivered, retried, spooled, "
+                    "dropped).",
+                ),
+            ],
+        ),
     ]
     variables = [
-        datasource_variable(), job_variable(),
-        query_variable("run", "MLflow run", f"label_values({info_all}, mlflow_run_id)", sort=0,
-                       description="An MLflow run that otel_forge agents served (otel_forge_run_info)."),
-        query_variable("experiment", "Experiment", f"label_values({sel('otel_forge.run.info', JOB, RUN)}, "
-                                                   "mlflow_experiment_id)", hide=2),
-        query_variable("run_name", "Run name", f"label_values({sel('otel_forge.run.info', JOB, RUN)}, "
-                                               "mlflow_run_name)", hide=1),
+        datasource_variable(),
+        job_variable(),
+        query_variable(
+            "run",
+            "MLflow run",
+            f"label_values({info_all}, mlflow_run_id)",
+            sort=0,
+            description="An MLflow run that otel_forge agents served (otel_forge_run_info).",
+        ),
+        query_variable(
+            "experiment",
+            "Experiment",
+            f"label_values({sel('otel_forge.run.info', JOB, RUN)}, mlflow_experiment_id)",
+            hide=2,
+        ),
+        query_variable(
+            "run_name", "Run name", f"label_values({sel('otel_forge.run.info', JOB, RUN)}, mlflow_run_name)", hide=1
+        ),
         node_variable(multi=True, selector=sel("otel_forge.run.info", JOB, RUN)),
         gpu_variable(),
-        textbox_variable("tracking_uri", "MLflow tracking URI", "http://localhost:5000",
-                         "Base URL of the MLflow UI that the links open."),
+        textbox_variable(
+            "tracking_uri",
+            "MLflow tracking URI",
+            "http://localhost:5000",
+            "Base URL of the MLflow UI that the links open.",
+        ),
     ]
     annotation = prometheus_annotation(
-        "MLflow run", f"max by (mlflow_run_id) ({sel('otel_forge.run.info', JOB, RUN)})",
-        "MLflow run {{mlflow_run_id}}", "run {{mlflow_run_id}}: start and end of the agents serving it",
-        "mlflow_run_id", "rgba(255, 152, 48, 1)")
-    links = [link("Run in MLflow", mlflow_run_url, "The selected run in the MLflow UI"),
-             link("Run's system metrics in MLflow", mlflow_run_url + "/system-metrics",
-                  "The same readings as MLflow metrics (system/<node>/...)"),
-             link("Experiment in MLflow", "${tracking_uri}/#/experiments/${experiment}")]
+        "MLflow run",
+        f"max by (mlflow_run_id) ({sel('otel_forge.run.info', JOB, RUN)})",
+        "MLflow run {{mlflow_run_id}}",
+        "run {{mlflow_run_id}}: start and end of the agents serving it",
+        "mlflow_run_id",
+        "rgba(255, 152, 48, 1)",
+    )
+    links = [
+        link("Run in MLflow", mlflow_run_url, "The selected run in the MLflow UI"),
+        link(
+            "Run's system metrics in MLflow",
+            mlflow_run_url + "/system-metrics",
+            "The same readings as MLflow metrics (system/<node>/...)",
+        ),
+        link("Experiment in MLflow", "${tracking_uri}/#/experiments/${experiment}"),
+    ]
     return dashboard(
-        "otel-forge-run", "otel-forge / MLflow run",
+        "otel-forge-run",
+        "otel-forge / MLflow run",
         "One MLflow run: its nodes' GPUs and hosts over the run's time (a group_left join on "
         "otel_forge_run_info), the run's start and end as an annotation, links back to the MLflow UI.",
-        variables, rows, annotations=[annotation], links=links, time_from="now-6h")
+        variables,
+        rows,
+        annotations=[annotation],
+        links=links,
+        time_from="now-6h",
+    )
 
 
-DASHBOARDS = {"otel-forge-node.json": node_dashboard, "otel-forge-fleet.json": fleet_dashboard,
-              "otel-forge-run.json": run_dashboard}
+DASHBOARDS = {
+    "otel-forge-node.json": node_dashboard,
+    "otel-forge-fleet.json": fleet_dashboard,
+    "otel-forge-run.json": run_dashboard,
+}
 
 
 def render(build: Any) -> str:

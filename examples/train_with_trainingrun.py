@@ -49,8 +49,13 @@ def main() -> None:
     args = parser.parse_args()
     config = TrainConfig(steps=args.steps)
     checkpoints = Path(tempfile.mkdtemp(prefix="checkpoints-"))
-    with otel_forge.TrainingRun(config=config, run_name="example-trainingrun", description="otel_forge example",
-                                tags={"example": "trainingrun"}, register_checkpoints=True) as run:
+    with otel_forge.TrainingRun(
+        config=config,
+        run_name="example-trainingrun",
+        description="otel_forge example",
+        tags={"example": "trainingrun"},
+        register_checkpoints=True,
+    ) as run:
         weight = 0.0
         for step in range(config.steps):
             weight, loss = train_step(weight, config)

@@ -13,8 +13,12 @@ from otel_forge.config import ForgeConfig
 
 
 @contextlib.contextmanager
-def opened_with(fake: Callable[[dict], contextlib.AbstractContextManager[Any]], collector_class: Any,
-                scenario: dict, **settings: Any) -> Iterator[tuple[Any, Any]]:
+def opened_with(
+    fake: Callable[[dict], contextlib.AbstractContextManager[Any]],
+    collector_class: Any,
+    scenario: dict,
+    **settings: Any,
+) -> Iterator[tuple[Any, Any]]:
     """(the fake module, a collector created on it with ``settings``), closed at the end."""
     with fake(scenario) as module:
         collector = collector_class.create(ForgeConfig.resolve(environ={}, **settings))
@@ -32,8 +36,11 @@ def read(collector: Any) -> Readings:
 
 def by_gpu(readings: Readings, metric: str, **attributes: str) -> dict[str, float]:
     """Values of ``metric`` keyed by hw.id, among readings carrying ``attributes``."""
-    return {attrs["hw.id"]: value for attrs, value in readings.get(metric)
-            if all(attrs.get(key) == wanted for key, wanted in attributes.items())}
+    return {
+        attrs["hw.id"]: value
+        for attrs, value in readings.get(metric)
+        if all(attrs.get(key) == wanted for key, wanted in attributes.items())
+    }
 
 
 def messages(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:

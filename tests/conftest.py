@@ -1,13 +1,11 @@
-import sys
+"""Session fixtures: one real ``mlflow server``, its client, and the socket watch (tests/socket_io.py);
+the ``slow`` marker on every test that needs a server process."""
+
 from pathlib import Path
 
-# Test helpers (servers.py, gpu_fakes.py, proxy.py, hermetic.py, ...) are plain modules beside the tests.
-sys.path.insert(0, str(Path(__file__).parent))
-
-
-import pytest  # noqa: E402
-
-from mlflow_server import MlflowServer  # noqa: E402
+import pytest
+from mlflow_server import MlflowServer
+from socket_io import socket_io  # noqa: F401 - a fixture for every test
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +21,17 @@ def client(mlflow_server):
     from mlflow import MlflowClient
 
     return MlflowClient(mlflow_server.uri)
+
+
+# The inner loop (`./run-tests -m "not slow"`, under a minute): what needs no server process. Slow:
+# every test that starts or uses a real server (MLflow, Prometheus, an agent or CMD subprocess).
+_SLOW_FOLDERS = {"cli_run", "collector_config", "dashboards", "faults", "integration", "multinode", "training_run"}
+_SLOW_FIXTURES = {"mlflow_server", "client"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        folder = item.path.relative_to(tests).parts[0]
+        if folder in _SLOW_FOLDERS or _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

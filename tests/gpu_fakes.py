@@ -53,8 +53,7 @@ def fake_amdsmi(scenario: Mapping[str, Any] | None = None) -> Iterator[ModuleTyp
         yield module
 
 
-def fake_gpu_env(scenario: Mapping[str, Any] | None = None,
-                 base: Mapping[str, str] | None = None) -> dict[str, str]:
+def fake_gpu_env(scenario: Mapping[str, Any] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """An environment for a subprocess that should see the fakes: PYTHONPATH starts with
     tests/fakes and OTEL_FORGE_FAKE_GPUS holds ``scenario`` (as JSON)."""
     env = dict(os.environ if base is None else base)

@@ -15,10 +15,30 @@ import pytest
 # OTel settings (otel-forge's own OTEL_FORGE_* among them) and MLflow's system-metrics settings.
 HERMETIC_PREFIXES = ("OTEL_", "MLFLOW_SYSTEM_METRICS_")
 TRACKING_VARS = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "NNODES",
-                 "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
-                 "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
+LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "GROUP_WORLD_SIZE",
+    "NNODES",
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NNODES",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMIX_RANK",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALRANKID",
+    "PALS_LOCAL_RANKID",
+)
 
 
 def steers(name: str, prefixes: tuple[str, ...] = HERMETIC_PREFIXES) -> bool:
@@ -26,8 +46,9 @@ def steers(name: str, prefixes: tuple[str, ...] = HERMETIC_PREFIXES) -> bool:
     return name.startswith(prefixes) or name in TRACKING_VARS or name in LAUNCHER_VARS
 
 
-def hermetic_environ(extra: Mapping[str, str] | None = None, *, prefixes: tuple[str, ...] = HERMETIC_PREFIXES,
-                     **more: str) -> dict[str, str]:
+def hermetic_environ(
+    extra: Mapping[str, str] | None = None, *, prefixes: tuple[str, ...] = HERMETIC_PREFIXES, **more: str
+) -> dict[str, str]:
     """This process's environment without steering variables, unbuffered, plus ``extra`` and ``more``
     (for a subprocess)."""
     env = {name: value for name, value in os.environ.items() if not steers(name, prefixes)}
@@ -37,8 +58,13 @@ def hermetic_environ(extra: Mapping[str, str] | None = None, *, prefixes: tuple[
     return env
 
 
-def apply_hermetic(monkeypatch: pytest.MonkeyPatch, *, prefixes: tuple[str, ...] = HERMETIC_PREFIXES,
-                   http_timeout_s: int | None = None, **setenv: str) -> None:
+def apply_hermetic(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    prefixes: tuple[str, ...] = HERMETIC_PREFIXES,
+    http_timeout_s: int | None = None,
+    **setenv: str,
+) -> None:
     """Remove the steering variables from this process's environment for one test.
 
     With ``http_timeout_s``, MLflow's client makes one attempt per request with that timeout: a dead

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from servers import free_port
 
 
 class MlflowServer:
@@ -37,12 +32,29 @@ class MlflowServer:
 
     def start(self, timeout_s: float = 90.0) -> MlflowServer:
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        log = open(self.root / "server.log", "ab")
+        log = open(self.root / "server.log", "ab")  # noqa: SIM115 - the server's output until it stops
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.db}",
-             "--default-artifact-root", str(self.artifacts), "--host", "127.0.0.1", "--port", str(self.port),
-             "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.db}",
+                "--default-artifact-root",
+                str(self.artifacts),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -32,7 +32,6 @@ import enum
 import http.client
 import http.server
 import json
-import socket
 import threading
 import time
 import urllib.parse
@@ -44,8 +43,20 @@ GET_RUN = "/api/2.0/mlflow/runs/get"
 
 # Hop-by-hop headers are the proxy's own business, not forwarded; nor are the length and host of the
 # client's request (http.client sets those of the upstream request).
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
-               "trailer", "trailers", "transfer-encoding", "upgrade", "content-length", "host"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+}
 
 
 class Mode(enum.Enum):
@@ -57,10 +68,12 @@ class Mode(enum.Enum):
 
 
 # What `mlflow server` answers when its SQLAlchemy pool has no free connection within its timeout.
-QUEUE_POOL_BODY = {"error_code": "BAD_REQUEST",
-                   "message": "(sqlalchemy.exc.TimeoutError) QueuePool limit of size 5 overflow 10 reached, "
-                              "connection timed out, timeout 30.00 (Background on this error at: "
-                              "https://sqlalche.me/e/20/3o7r)"}
+QUEUE_POOL_BODY = {
+    "error_code": "BAD_REQUEST",
+    "message": "(sqlalchemy.exc.TimeoutError) QueuePool limit of size 5 overflow 10 reached, "
+    "connection timed out, timeout 30.00 (Background on this error at: "
+    "https://sqlalche.me/e/20/3o7r)",
+}
 
 
 @dataclass
@@ -77,8 +90,15 @@ class _Request:
 class MlflowProxy:
     """A threaded HTTP proxy that counts and records requests and fails on demand; a context manager."""
 
-    def __init__(self, upstream_uri: str, mode: Mode | str = Mode.PASS, delay_s: float = 0.0,
-                 retry_after_s: int = 1, plain_429: bool = False, upstream_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        upstream_uri: str,
+        mode: Mode | str = Mode.PASS,
+        delay_s: float = 0.0,
+        retry_after_s: int = 1,
+        plain_429: bool = False,
+        upstream_timeout_s: float = 120.0,
+    ) -> None:
         upstream = urllib.parse.urlsplit(upstream_uri)
         self._upstream = (upstream.hostname or "127.0.0.1", upstream.port or 80)
         self.mode = Mode(mode)
@@ -92,8 +112,9 @@ class MlflowProxy:
         self._requests: list[_Request] = []
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="test-mlflow-proxy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="test-mlflow-proxy", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -204,12 +225,20 @@ class MlflowProxy:
                 mode, delay_s = proxy.mode, proxy.delay_s
                 if proxy._refused(path, request.body):
                     proxy._decided(request, "400")
-                    status, headers, answer = 400, {"Content-Type": "application/json"}, json.dumps(
-                        {"error_code": "INVALID_PARAMETER_VALUE", "message": "proxy refuses the batch"}).encode()
+                    status, headers, answer = (
+                        400,
+                        {"Content-Type": "application/json"},
+                        json.dumps(
+                            {"error_code": "INVALID_PARAMETER_VALUE", "message": "proxy refuses the batch"}
+                        ).encode(),
+                    )
                 elif mode is Mode.ERROR_500 or path in proxy.fail_paths:
                     proxy._decided(request, Mode.ERROR_500.value)
-                    status, headers, answer = 500, {"Content-Type": "application/json"}, json.dumps(
-                        {"error_code": "INTERNAL_ERROR", "message": "proxy answers 500"}).encode()
+                    status, headers, answer = (
+                        500,
+                        {"Content-Type": "application/json"},
+                        json.dumps({"error_code": "INTERNAL_ERROR", "message": "proxy answers 500"}).encode(),
+                    )
                 elif mode is Mode.OVERLOAD_400:
                     proxy._decided(request, mode.value)
                     status, headers = 400, {"Content-Type": "application/json"}
@@ -221,8 +250,9 @@ class MlflowProxy:
                         headers["Content-Type"], answer = "text/plain", b"Too Many Requests (proxy answers 429)"
                     else:
                         headers["Content-Type"] = "application/json"
-                        answer = json.dumps({"error_code": "RESOURCE_EXHAUSTED", "message": "proxy answers 429"}
-                                            ).encode()
+                        answer = json.dumps(
+                            {"error_code": "RESOURCE_EXHAUSTED", "message": "proxy answers 429"}
+                        ).encode()
                 else:
                     proxy._decided(request, mode.value)
                     if mode is Mode.DELAY:
@@ -256,7 +286,7 @@ class MlflowProxy:
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError, socket.timeout):
+                except (TimeoutError, BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (its own deadline): nothing to answer
 
             do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _handle

@@ -8,8 +8,9 @@ from typing import Any
 
 def anchor_key(client: Any, run_id: str, prefix: str = "system/") -> str:
     """The node's anchor key in the run (``prefix``: ``system/`` or ``system/<node>/``)."""
-    keys = [key for key in client.get_run(run_id).data.metrics
-            if key.startswith(prefix) and "/" not in key[len(prefix):]]
+    keys = [
+        key for key in client.get_run(run_id).data.metrics if key.startswith(prefix) and "/" not in key[len(prefix) :]
+    ]
     assert keys, f"no {prefix}* metric in run {run_id}"
     return min(keys)
 

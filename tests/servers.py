@@ -7,6 +7,7 @@ Both process classes are context managers; tests hold them in fixtures that stop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,8 +39,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: float = 0.1,
-             message: str | Callable[[], str] = "condition") -> T:
+def wait_for(
+    predicate: Callable[[], T],
+    timeout_s: float = 10.0,
+    interval_s: float = 0.1,
+    message: str | Callable[[], str] = "condition",
+) -> T:
     """Call ``predicate`` until it returns something truthy and return that; fail after ``timeout_s``.
 
     An exception from ``predicate`` counts as "not yet"; the last one is named on timeout.
@@ -70,20 +75,16 @@ def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
 
 
 def _kill_group(process: subprocess.Popen[Any], sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _stop_group(process: subprocess.Popen[Any], sig: int, timeout_s: float) -> int:
     """Send ``sig`` to the process group, wait ``timeout_s``, then SIGKILL the group. Exit code."""
     if process.poll() is None:
         _kill_group(process, sig)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
     # Children of the leader (if any) go too, whatever the leader did.
     _kill_group(process, signal.SIGKILL)
     return process.wait()
@@ -160,16 +161,18 @@ class PrometheusServer:
 
     def wait_for_series(self, promql: str, timeout_s: float = 10.0, min_series: int = 1) -> list[dict[str, Any]]:
         """Poll ``promql`` until it returns at least ``min_series`` series; return them."""
-        return wait_for(lambda: (lambda result: result if len(result) >= min_series else None)(self.query(promql)),
-                        timeout_s, interval_s=0.2,
-                        message=lambda: f"{min_series} series of {promql!r}; targets: {self.targets_health()}")
+        return wait_for(
+            lambda: (lambda result: result if len(result) >= min_series else None)(self.query(promql)),
+            timeout_s,
+            interval_s=0.2,
+            message=lambda: f"{min_series} series of {promql!r}; targets: {self.targets_health()}",
+        )
 
     def targets_health(self) -> list[tuple[str, str, str]]:
         """(scrape URL, health, last error) per active target, for failure messages."""
         try:
             _, body = http_get(f"{self.url}/api/v1/targets")
-            return [(t["scrapeUrl"], t["health"], t["lastError"])
-                    for t in json.loads(body)["data"]["activeTargets"]]
+            return [(t["scrapeUrl"], t["health"], t["lastError"]) for t in json.loads(body)["data"]["activeTargets"]]
         except Exception as error:  # noqa: BLE001 - only for diagnostics
             return [("?", "?", repr(error))]
 
@@ -186,12 +189,16 @@ class PrometheusServer:
         self.stop()
 
 
-def prometheus_config(scrape_targets: Sequence[str], scrape_interval_s: float = 1,
-                      rule_files: Sequence[str | Path] | None = None) -> str:
+def prometheus_config(
+    scrape_targets: Sequence[str], scrape_interval_s: float = 1, rule_files: Sequence[str | Path] | None = None
+) -> str:
     """prometheus.yml text: one job, ``otel-forge``, scraping ``scrape_targets`` (host:port)."""
     config: dict[str, Any] = {
-        "global": {"scrape_interval": f"{scrape_interval_s}s", "evaluation_interval": f"{scrape_interval_s}s",
-                   "scrape_timeout": f"{scrape_interval_s}s"},
+        "global": {
+            "scrape_interval": f"{scrape_interval_s}s",
+            "evaluation_interval": f"{scrape_interval_s}s",
+            "scrape_timeout": f"{scrape_interval_s}s",
+        },
         "scrape_configs": [{"job_name": "otel-forge", "static_configs": [{"targets": list(scrape_targets)}]}],
     }
     if rule_files:
@@ -200,8 +207,13 @@ def prometheus_config(scrape_targets: Sequence[str], scrape_interval_s: float = 
     return json.dumps(config, indent=2)
 
 
-def start_prometheus(tmp_path: Path, scrape_targets: Sequence[str], scrape_interval_s: float = 1,
-                     rule_files: Sequence[str | Path] | None = None, ready_timeout_s: float = 30.0) -> PrometheusServer:
+def start_prometheus(
+    tmp_path: Path,
+    scrape_targets: Sequence[str],
+    scrape_interval_s: float = 1,
+    rule_files: Sequence[str | Path] | None = None,
+    ready_timeout_s: float = 30.0,
+) -> PrometheusServer:
     """Start Prometheus on 127.0.0.1:<free port> scraping ``scrape_targets``; wait for ``/-/ready``."""
     directory = Path(tmp_path) / "prometheus"
     directory.mkdir(parents=True, exist_ok=True)
@@ -210,11 +222,22 @@ def start_prometheus(tmp_path: Path, scrape_targets: Sequence[str], scrape_inter
     port = free_port()
     with open(directory / "prometheus.log", "wb") as log:
         process = subprocess.Popen(
-            [PROMETHEUS_BINARY, f"--config.file={config_path}", f"--storage.tsdb.path={directory / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory)
+            [
+                PROMETHEUS_BINARY,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={directory / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--web.enable-lifecycle",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=directory,
+        )
     server = PrometheusServer(process, f"http://127.0.0.1:{port}", directory)
     try:
+
         def ready() -> bool:
             if process.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {process.returncode}:\n{server.log}")
@@ -280,9 +303,10 @@ class AgentProcess:
         if line is None:
             code = self.process.poll()
             state = f"exited with {code}" if code is not None else f"still running after {timeout_s} s"
-            raise RuntimeError(f"otel-forge monitor {state} without serving Prometheus\n"
-                               f"stdout:\n{self.stdout}\nstderr:\n{self.stderr}")
-        self.metrics_url = line[len(SERVING_PREFIX):].strip()
+            raise RuntimeError(
+                f"otel-forge monitor {state} without serving Prometheus\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+            )
+        self.metrics_url = line[len(SERVING_PREFIX) :].strip()
         return self.metrics_url
 
     def scrape(self) -> str:
@@ -345,14 +369,22 @@ def monitor_command(args: Sequence[str]) -> list[str]:
 
 def spawn_agent(args: Sequence[str], env: Mapping[str, str] | None = None) -> AgentProcess:
     """Start ``otel-forge monitor ARGS`` without waiting for anything."""
-    process = subprocess.Popen(monitor_command(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=agent_environment(env),
-                               start_new_session=True, cwd=REPO_ROOT)
+    process = subprocess.Popen(
+        monitor_command(args),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=agent_environment(env),
+        start_new_session=True,
+        cwd=REPO_ROOT,
+    )
     return AgentProcess(process, _LineReader(process.stdout), _LineReader(process.stderr))
 
 
-def start_agent(args: Sequence[str], env: Mapping[str, str] | None = None,
-                ready_timeout_s: float = 30.0) -> AgentProcess:
+def start_agent(
+    args: Sequence[str], env: Mapping[str, str] | None = None, ready_timeout_s: float = 30.0
+) -> AgentProcess:
     """Start ``otel-forge monitor ARGS``; return once it prints ``otel-forge: serving prometheus URL``."""
     agent = spawn_agent(args, env)
     try:

@@ -36,14 +36,21 @@ def _scrape(url: str, accept: str, stop: threading.Event, counts: list[int]) -> 
 def test_one_collect_per_interval_for_every_sink_and_scraper():
     interval_s = 0.5
     exporters = [CountingExporter(), CountingExporter()]
-    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
-                                 sampling_interval_s=interval_s, collectors="cpu,memory")
+    config = ForgeConfig.resolve(
+        environ={},
+        prometheus_host="127.0.0.1",
+        prometheus_port=0,
+        sampling_interval_s=interval_s,
+        collectors="cpu,memory",
+    )
     agent = Agent(config, extra_exporters=[lambda e=e: e for e in exporters]).start()
     url = agent.endpoints[0].split()[-1]
     stop, scrapes = threading.Event(), []
     # Two scrapers, as an HA pair of Prometheus servers would, 10x per interval, text and OpenMetrics.
-    scrapers = [threading.Thread(target=_scrape, args=(url, accept, stop, scrapes))
-                for accept in ("text/plain", "application/openmetrics-text; version=1.0.0")]
+    scrapers = [
+        threading.Thread(target=_scrape, args=(url, accept, stop, scrapes))
+        for accept in ("text/plain", "application/openmetrics-text; version=1.0.0")
+    ]
     for scraper in scrapers:
         scraper.start()
     time.sleep(3.0)
@@ -51,7 +58,7 @@ def test_one_collect_per_interval_for_every_sink_and_scraper():
     for scraper in scrapers:
         scraper.join()
     fan_out, rendering = agent.fan_out, agent.fan_out.sinks[0]
-    readers = agent.meter_provider._metric_readers  # noqa: SLF001 - the count is the point
+    readers = agent.meter_provider._metric_readers
     collects, renderings, encodings = fan_out.exports, rendering.renderings, rendering.encodings
     reads = {name: cache.stats.reads for name, cache in agent.instruments.caches.items()}
     agent.shutdown()  # one last collect, which the threaded sinks export before they stop
@@ -75,8 +82,9 @@ def test_a_hung_sink_delays_no_other_sink():
             return MetricExportResult.SUCCESS
 
     hung, healthy = HungExporter(), CountingExporter()
-    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
-                                 sampling_interval_s=0.2, collectors="memory")
+    config = ForgeConfig.resolve(
+        environ={}, prometheus_host="127.0.0.1", prometheus_port=0, sampling_interval_s=0.2, collectors="memory"
+    )
     agent = Agent(config, extra_exporters=[lambda: hung, lambda: healthy]).start()
     url = agent.endpoints[0].split()[-1]
     try:
@@ -94,8 +102,9 @@ def test_a_hung_sink_delays_no_other_sink():
 
 
 def test_a_scrape_before_the_first_collect_triggers_it_once():
-    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
-                                 sampling_interval_s=3600, collectors="memory")
+    config = ForgeConfig.resolve(
+        environ={}, prometheus_host="127.0.0.1", prometheus_port=0, sampling_interval_s=3600, collectors="memory"
+    )
     with Agent(config) as agent:
         url = agent.endpoints[0].split()[-1]
         bodies = [urllib.request.urlopen(url).read() for _ in range(3)]
@@ -104,8 +113,14 @@ def test_a_scrape_before_the_first_collect_triggers_it_once():
 
 
 def test_stop_frees_threads_and_port_and_a_second_start_works():
-    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
-                                 sampling_interval_s=0.2, collectors="cpu", otlp_endpoint="http://127.0.0.1:9")
+    config = ForgeConfig.resolve(
+        environ={},
+        prometheus_host="127.0.0.1",
+        prometheus_port=0,
+        sampling_interval_s=0.2,
+        collectors="cpu",
+        otlp_endpoint="http://127.0.0.1:9",
+    )
     before = {t.ident for t in threading.enumerate()}
     for _ in range(2):
         agent = Agent(config).start()
@@ -142,19 +157,27 @@ def test_only_local_rank_zero_runs_an_agent():
 def test_an_otlp_exporter_set_to_delta_keeps_a_reader_of_its_own(monkeypatch):
     # The shared collect is cumulative (Prometheus and MLflow need it); delta needs its own collect.
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "delta")
-    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0, collectors="memory",
-                                 otlp_endpoint="http://127.0.0.1:9", sampling_interval_s=0.2)  # OTLP gives up fast
+    config = ForgeConfig.resolve(
+        environ={},
+        prometheus_host="127.0.0.1",
+        prometheus_port=0,
+        collectors="memory",
+        otlp_endpoint="http://127.0.0.1:9",
+        sampling_interval_s=0.2,
+    )  # OTLP gives up fast
     with Agent(config) as agent:
-        readers = agent.meter_provider._metric_readers  # noqa: SLF001 - the count is the point
+        readers = agent.meter_provider._metric_readers
         assert len(readers) == 2 and [type(s).__name__ for s in agent.fan_out.sinks] == ["PrometheusRendering"]
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "cumulative")
     with Agent(config) as agent:
-        assert len(agent.meter_provider._metric_readers) == 1  # noqa: SLF001
+        assert len(agent.meter_provider._metric_readers) == 1
         assert [type(s).__name__ for s in agent.fan_out.sinks] == ["PrometheusRendering", "OTLPMetricExporter"]
 
 
-PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 
 def _rendering_of(attributes: dict[str, str]):
@@ -179,12 +202,16 @@ def test_a_body_is_exactly_prometheus_clients_encoding_as_negotiated():
 
     # Attribute keys that prometheus_client's escapings treat differently, were they not translated first.
     for attributes in ({"hw.id": "GPU-0"}, {"__reserved": "x", "9lives": "y", "a:b": "z", "hw.id": "GPU-0"}):
-        for accept in (PROMETHEUS_2_ACCEPT, "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
-                       "text/plain;version=0.0.4", ""):
+        for accept in (
+            PROMETHEUS_2_ACCEPT,
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
+            "text/plain;version=0.0.4",
+            "",
+        ):
             rendering = _rendering_of(attributes)
             body, headers = rendering.body(accept, None)
             encoder, content_type = choose_encoder(accept)
-            assert body == encoder(rendering._latest), (attributes, accept)  # noqa: SLF001
+            assert body == encoder(rendering._latest), (attributes, accept)
             assert headers == [("Content-Type", content_type)]
     assert b'hw_gpu_memory_usage_bytes{_lives="y",_reserved="x",a_b="z",hw_id="GPU-0"' in body
 
@@ -192,8 +219,9 @@ def test_a_body_is_exactly_prometheus_clients_encoding_as_negotiated():
 def test_a_scraper_keeps_its_connection_and_shutdown_closes_it():
     import http.client
 
-    config = ForgeConfig.resolve(environ={}, prometheus_host="127.0.0.1", prometheus_port=0,
-                                 sampling_interval_s=0.2, collectors="memory")
+    config = ForgeConfig.resolve(
+        environ={}, prometheus_host="127.0.0.1", prometheus_port=0, sampling_interval_s=0.2, collectors="memory"
+    )
     before = {t.ident for t in threading.enumerate()}
     agent = Agent(config).start()
     port = int(agent.endpoints[0].split()[-1].rsplit(":", 1)[1].split("/")[0])
@@ -220,8 +248,7 @@ def test_a_scraper_keeps_its_connection_and_shutdown_closes_it():
 
 
 def test_the_agents_reader_follows_otel_metric_export_interval():
-    config = ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": "200"}, prometheus=False,
-                                 collectors="memory")
+    config = ForgeConfig.resolve(environ={"OTEL_METRIC_EXPORT_INTERVAL": "200"}, prometheus=False, collectors="memory")
     exporter = CountingExporter()
     with Agent(config, extra_exporters=[lambda: exporter]):
         time.sleep(1.5)

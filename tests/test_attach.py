@@ -68,8 +68,10 @@ def test_import_is_cheap():
     """`import otel_forge` pulls neither mlflow, the exporters, nor NVML."""
     import subprocess
 
-    code = ("import sys, otel_forge; heavy = [m for m in sys.modules if m.split('.')[0] in "
-            "('mlflow', 'pynvml', 'amdsmi', 'prometheus_client', 'grpc') or "
-            "m.startswith(('opentelemetry.exporter', 'opentelemetry.sdk'))]; print(heavy)")
+    code = (
+        "import sys, otel_forge; heavy = [m for m in sys.modules if m.split('.')[0] in "
+        "('mlflow', 'pynvml', 'amdsmi', 'prometheus_client', 'grpc') or "
+        "m.startswith(('opentelemetry.exporter', 'opentelemetry.sdk'))]; print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -15,15 +15,24 @@ def test_doctor_json_reports_collectors_config_sources_and_endpoints(capsys, mon
     assert report["collectors"]["cpu"]["present"] is True
     assert report["collectors"]["nvidia"] == {"present": False, "reason": "not in the collectors setting"}
     assert report["config"]["sampling_interval_s"] == {
-        "value": 3.0, "source": "env MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "not_used": []}
+        "value": 3.0,
+        "source": "env MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL",
+        "not_used": [],
+    }
     assert report["config"]["collectors"]["source"] == "--collectors"
     assert report["endpoints"]["otlp"].startswith("disabled")
     assert report["endpoints"]["prometheus"].startswith("free")
 
 
 def test_doctor_shows_the_node_id_and_job_key_with_where_they_came_from(capsys, monkeypatch):
-    for name, value in {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
-                        "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}.items():
+    for name, value in {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+    }.items():
         monkeypatch.setenv(name, value)
     for name in ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID", "OTEL_FORGE_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -44,23 +53,26 @@ def test_doctor_text_names_each_collector(capsys):
     assert "otlp       http/protobuf http://127.0.0.1:9/v1/metrics: unreachable" in out
 
 
-@pytest.mark.parametrize("argv", [
-    ["monitor", "--interval", "-1"],
-    ["monitor", "--duration", "soon"],
-    ["doctor", "--gpus", ""],
-    ["monitor", "--otlp-protocol", "smtp"],
-    ["monitor", "--duration", "inf"],
-    ["monitor", "--duration", "nan"],
-    ["monitor", "--prometheus-host", "x..y"],
-    ["monitor", "--prometheus-host", ""],
-    ["monitor", "--interval", "1e-9"],
-    ["monitor", "--interval", "1e10", "--otlp-endpoint", "http://127.0.0.1:9"],
-    ["monitor", "--collectors", ""],
-    ["monitor", "--gpus", "x,-1"],
-    ["monitor", "--node-id", "../../x y"],
-    ["run", "--interval", "0.001", "--", "true"],
-    ["run", "--collectors", "", "--", "true"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["monitor", "--interval", "-1"],
+        ["monitor", "--duration", "soon"],
+        ["doctor", "--gpus", ""],
+        ["monitor", "--otlp-protocol", "smtp"],
+        ["monitor", "--duration", "inf"],
+        ["monitor", "--duration", "nan"],
+        ["monitor", "--prometheus-host", "x..y"],
+        ["monitor", "--prometheus-host", ""],
+        ["monitor", "--interval", "1e-9"],
+        ["monitor", "--interval", "1e10", "--otlp-endpoint", "http://127.0.0.1:9"],
+        ["monitor", "--collectors", ""],
+        ["monitor", "--gpus", "x,-1"],
+        ["monitor", "--node-id", "../../x y"],
+        ["run", "--interval", "0.001", "--", "true"],
+        ["run", "--collectors", "", "--", "true"],
+    ],
+)
 def test_bad_values_are_one_line_and_exit_2(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -84,8 +96,10 @@ def test_doctor_shows_pending_spools_with_their_delivery_counts(tmp_path, capsys
     spool.write_stats({"delivered": 3, "retried": 2, "spooled": 1, "dropped": 0})
     assert main(["doctor", "--collectors", "cpu", "--tracking-uri", "http://user:pw@127.0.0.1:9"]) == 0
     out = capsys.readouterr().out
-    assert (f"run run1 node node_0: 1 window(s) pending (delivered 3, retried 2, spooled 1, dropped 0); "
-            f"otel-forge replay {tmp_path / 'run1-node_0-1'}") in out
+    assert (
+        f"run run1 node node_0: 1 window(s) pending (delivered 3, retried 2, spooled 1, dropped 0); "
+        f"otel-forge replay {tmp_path / 'run1-node_0-1'}"
+    ) in out
     assert "pw" not in out and "http://***@127.0.0.1:9: does not answer" in out
 
 
@@ -99,8 +113,16 @@ def test_doctor_json_lists_the_spool(tmp_path, capsys, monkeypatch):
     spool.append(Window(1, 2000, (("system/x", 2.0),)))
     assert main(["doctor", "--json", "--collectors", "cpu"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["spools"] == [{"path": str(tmp_path / "r-n-1"), "run_id": "r", "node_id": None,
-                                 "pending_windows": 2, "stats": {}, "replay": f"otel-forge replay {tmp_path / 'r-n-1'}"}]
+    assert report["spools"] == [
+        {
+            "path": str(tmp_path / "r-n-1"),
+            "run_id": "r",
+            "node_id": None,
+            "pending_windows": 2,
+            "stats": {},
+            "replay": f"otel-forge replay {tmp_path / 'r-n-1'}",
+        }
+    ]
 
 
 def test_repeated_sdk_errors_are_let_through_once_a_minute():
@@ -117,7 +139,9 @@ def test_repeated_sdk_errors_are_let_through_once_a_minute():
     assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
     assert not repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
     assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", "another message"))
-    assert repeat.filter(record("otel_forge.mlflow.worker", failed)) and repeat.filter(record("otel_forge.mlflow.worker", failed))
+    assert repeat.filter(record("otel_forge.mlflow.worker", failed)) and repeat.filter(
+        record("otel_forge.mlflow.worker", failed)
+    )
 
 
 def test_doctor_says_which_variable_won_and_which_was_not_used(capsys, monkeypatch):
@@ -126,8 +150,10 @@ def test_doctor_says_which_variable_won_and_which_was_not_used(capsys, monkeypat
     monkeypatch.setenv("OTEL_METRIC_EXPORT_TIMEOUT", "4000")
     assert main(["doctor", "--collectors", "cpu", "--no-prometheus"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
-    assert "(env OTEL_FORGE_SAMPLING_INTERVAL; set but not used: OTEL_METRIC_EXPORT_INTERVAL)" in \
-        lines["sampling_interval_s"]
+    assert (
+        "(env OTEL_FORGE_SAMPLING_INTERVAL; set but not used: OTEL_METRIC_EXPORT_INTERVAL)"
+        in lines["sampling_interval_s"]
+    )
     assert "4.0" in lines["export_timeout_s"] and "(env OTEL_METRIC_EXPORT_TIMEOUT)" in lines["export_timeout_s"]
 
 
@@ -136,7 +162,20 @@ def test_doctor_checks_a_scheme_less_grpc_endpoint_by_its_host_and_port(capsys):
 
     with socket.create_server(("127.0.0.1", 0)) as listening:
         port = listening.getsockname()[1]
-        assert main(["doctor", "--collectors", "cpu", "--no-prometheus", "--otlp-protocol", "grpc",
-                     "--otlp-endpoint", f"127.0.0.1:{port}"]) == 0
+        assert (
+            main(
+                [
+                    "doctor",
+                    "--collectors",
+                    "cpu",
+                    "--no-prometheus",
+                    "--otlp-protocol",
+                    "grpc",
+                    "--otlp-endpoint",
+                    f"127.0.0.1:{port}",
+                ]
+            )
+            == 0
+        )
     otlp = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("otlp "))
     assert f"grpc 127.0.0.1:{port}: answers" in otlp, otlp

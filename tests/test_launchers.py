@@ -10,12 +10,27 @@ from otel_forge.cli.launchers import read_launch
 from otel_forge.node import NodeIdentity
 
 
-@pytest.mark.parametrize("command", [
-    ["torchrun", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4", "--rdzv-id", "j7", "train.py"],
-    ["torchrun", "--nnodes=2", "--node_rank=1", "--nproc_per_node=4", "--rdzv_id=j7", "train.py", "--nnodes", "9"],
-    ["/venv/bin/python3", "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1", "--nproc-per-node",
-     "4", "--rdzv-id", "j7", "train.py"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["torchrun", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4", "--rdzv-id", "j7", "train.py"],
+        ["torchrun", "--nnodes=2", "--node_rank=1", "--nproc_per_node=4", "--rdzv_id=j7", "train.py", "--nnodes", "9"],
+        [
+            "/venv/bin/python3",
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            "1",
+            "--nproc-per-node",
+            "4",
+            "--rdzv-id",
+            "j7",
+            "train.py",
+        ],
+    ],
+)
 def test_torchrun_arguments_give_the_node_and_the_job(command):
     launch = read_launch(command)
     node = NodeIdentity.detect(environ=launch.environ)
@@ -30,8 +45,9 @@ def test_torchrun_on_the_first_node_creates_the_run():
 
 
 def test_elastic_torchrun_without_node_rank_uses_host_names_and_the_rendezvous_host_creates():
-    here = read_launch(["torchrun", "--nnodes", "1:4", "--rdzv-endpoint", f"{socket.gethostname()}:29400",
-                        "--standalone", "t.py"])
+    here = read_launch(
+        ["torchrun", "--nnodes", "1:4", "--rdzv-endpoint", f"{socket.gethostname()}:29400", "--standalone", "t.py"]
+    )
     there = read_launch(["torchrun", "--nnodes", "1:4", "--rdzv-endpoint", "other-host.invalid:29400", "t.py"])
     assert here.host_named and NodeIdentity.detect(environ=here.environ, host_named=True).is_global_zero
     assert not NodeIdentity.detect(environ=there.environ, host_named=True).is_global_zero

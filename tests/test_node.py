@@ -19,8 +19,13 @@ def test_torchrun_multi_node():
 
 
 def test_slurm_multi_node_local_zero_runs_the_agent():
-    env = {"SLURM_PROCID": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS": "16", "SLURM_NODEID": "1",
-           "SLURM_JOB_NUM_NODES": "2"}
+    env = {
+        "SLURM_PROCID": "8",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "16",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NUM_NODES": "2",
+    }
     node = NodeIdentity.detect(environ=env)
     assert node.node_id == "node_1" and node.runs_agent and node.rank == 8
 
@@ -40,8 +45,9 @@ def test_single_node_job_has_no_derived_node_id_but_explicit_wins():
 
 def test_resource_carries_service_host_node_and_user_attributes(monkeypatch):
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "")
-    config = ForgeConfig.resolve(environ={"OTEL_RESOURCE_ATTRIBUTES": "team=ml,service.name=ignored",
-                                          "OTEL_SERVICE_NAME": "trainer"})
+    config = ForgeConfig.resolve(
+        environ={"OTEL_RESOURCE_ATTRIBUTES": "team=ml,service.name=ignored", "OTEL_SERVICE_NAME": "trainer"}
+    )
     node = NodeIdentity.detect("node_2", environ={})
     attributes = build_resource(config, node).attributes
     assert attributes["service.name"] == "trainer"
@@ -61,7 +67,11 @@ def test_default_service_name():
 
 def test_job_key_and_its_source_per_launcher():
     cases = {
-        "slurm": ({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3"}, "slurm-4242.3", "launcher SLURM_JOB_ID, SLURM_STEP_ID"),
+        "slurm": (
+            {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3"},
+            "slurm-4242.3",
+            "launcher SLURM_JOB_ID, SLURM_STEP_ID",
+        ),
         "slurm batch": ({"SLURM_JOB_ID": "4242"}, "slurm-4242", "launcher SLURM_JOB_ID"),
         "torchrun": ({"TORCHELASTIC_RUN_ID": "exp7"}, "torchrun-exp7", "launcher TORCHELASTIC_RUN_ID"),
         "open mpi 5": ({"PMIX_NAMESPACE": "prterun-a-1@1"}, "mpi-prterun-a-1@1", "launcher PMIX_NAMESPACE"),
@@ -79,16 +89,21 @@ def test_torchrun_default_rendezvous_id_names_no_job():
 
 def test_explicit_job_id_and_node_id_win_with_their_source():
     config = ForgeConfig.resolve(environ={"OTEL_FORGE_JOB_ID": "nightly-7", "OTEL_FORGE_NODE_ID": "rack3"})
-    node = NodeIdentity.from_config(config, environ={"SLURM_JOB_ID": "1", "SLURM_NODEID": "1",
-                                                     "SLURM_JOB_NUM_NODES": "2"})
+    node = NodeIdentity.from_config(
+        config, environ={"SLURM_JOB_ID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2"}
+    )
     assert (node.job_key, node.job_key_source) == ("nightly-7", "env OTEL_FORGE_JOB_ID")
     assert (node.node_id, node.node_id_source) == ("rack3", "env OTEL_FORGE_NODE_ID")
 
 
 def test_mpi_across_hosts_names_the_node_by_its_host(monkeypatch):
     monkeypatch.setattr("socket.gethostname", lambda: "gpu-07.cluster.example")
-    env = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "8",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "5",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+    }
     node = NodeIdentity.detect(environ=env)
     assert (node.node_id, node.node_id_source) == ("gpu-07", "host name (MPI: no node index)")
     assert node.sampling_key == "gpu-07.cluster.example/gpu-07"

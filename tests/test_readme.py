@@ -25,7 +25,7 @@ PACKAGE = README.parent / "otel_forge"
 def _architecture_map() -> set[str]:
     """The modules the README's architecture map names, as paths (nesting by 2-space indent)."""
     text = README.read_text()
-    block = text[text.index("## Architecture"):].split("```")[1]
+    block = text[text.index("## Architecture") :].split("```")[1]
     folders: list[str] = []
     named: set[str] = set()
     for line in block.splitlines():
@@ -43,8 +43,11 @@ def _architecture_map() -> set[str]:
 
 
 def test_the_architecture_map_names_every_module_file_for_file():
-    modules = {str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
-               if path.name not in ("__init__.py", "__main__.py")}
+    modules = {
+        str(path.relative_to(PACKAGE.parent))
+        for path in PACKAGE.rglob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    }
     named = _architecture_map() - {"otel_forge/__init__.py"}
     assert sorted(modules - named) == [] and sorted(named - modules) == []
 

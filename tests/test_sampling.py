@@ -38,8 +38,11 @@ class FakeClock:
 
 def metric_points(reader):
     data = reader.get_metrics_data()
-    return {m.name: m.data.data_points for rm in data.resource_metrics for sm in rm.scope_metrics
-            for m in sm.metrics} if data else {}
+    return (
+        {m.name: m.data.data_points for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+        if data
+        else {}
+    )
 
 
 def test_snapshot_is_reused_until_max_age():
@@ -62,7 +65,7 @@ def test_three_readers_cost_one_hardware_read_per_interval():
     for interval in range(5):
         clock.now = float(interval)
         # Three readers at unrelated moments inside one interval, as Prometheus, OTLP and MLflow do.
-        for offset, reader in zip((0.0, 0.3, 0.6), readers):
+        for offset, reader in zip((0.0, 0.3, 0.6), readers, strict=False):
             clock.now = interval + offset
             points = metric_points(reader)
             assert points["system.memory.limit"][0].value == 100 + interval + 1
@@ -87,8 +90,10 @@ def test_a_failing_collector_costs_only_its_own_values_and_warns_once(caplog, mo
 
     broken = Broken(fail=True)
     from otel_forge import names
-    monkeypatch.setattr(names, "METRICS", names.METRICS + (
-        names.MetricSpec("x.broken", names.Kind.GAUGE, "1", "broken", (), "broken"),))
+
+    monkeypatch.setattr(
+        names, "METRICS", names.METRICS + (names.MetricSpec("x.broken", names.Kind.GAUGE, "1", "broken", (), "broken"),)
+    )
     monkeypatch.setattr("otel_forge.pipeline.instruments.METRICS", names.METRICS)
     instruments = InstrumentSet(provider.get_meter("t"), [broken, Good()], max_age_s=0.9, clock=clock)
     with caplog.at_level(logging.WARNING):

@@ -12,6 +12,7 @@ server costs logging, not the job. CMD scripts live in ``tests/cli_run/scripts``
 from __future__ import annotations
 
 import collections
+import contextlib
 import getpass
 import json
 import os
@@ -43,25 +44,31 @@ RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) in experiment (\S+) at (
 
 # Bugs found by these tests (see the report that came with them).
 BUG_CMD_TRAININGRUN_DROPS_CONFIG = (
-    "otel_forge/mlflow/training/training_run.py TrainingRun._open: a TrainingRun inside `otel-forge run` resumes the run "
+    "otel_forge/mlflow/training/training_run.py TrainingRun._open: a TrainingRun inside `otel-forge run` resumes "
+    "the run "
     "from MLFLOW_RUN_ID and _record_new_run is only called for a created run, so CMD's config params, "
-    "config.json, description and tags never reach the run")
+    "config.json, description and tags never reach the run"
+)
 BUG_TWO_AGENTS_PER_NODE = (
     "otel_forge/cli/run.py + training_run.py: `otel-forge run` samples the node and CMD's TrainingRun "
     "(system_metrics=True by default) starts a second agent into the same run with the same system/ prefix: "
-    "two values at one step")
+    "two values at one step"
+)
 BUG_SIGINT_TWICE = (
     "otel_forge/cli/run.py _forward_signals: CMD shares otel-forge's process group, so a terminal Ctrl-C "
     "(SIGINT to the group) reaches CMD directly AND forwarded: twice, the second one inside CMD's cleanup "
-    "(uv run: do not forward SIGINT to a child in our own process group, astral-sh/uv#11009, #13925)")
+    "(uv run: do not forward SIGINT to a child in our own process group, astral-sh/uv#11009, #13925)"
+)
 BUG_SIGNAL_BEFORE_HANDLERS = (
     "otel_forge/cli/run.py run(): the forwarding handlers are installed only after Popen and the system-metrics "
     "monitor's start; a SIGTERM in between (hundreds of ms after the run opened) kills otel-forge by the signal: "
-    "the run stays RUNNING and CMD is orphaned")
+    "the run stays RUNNING and CMD is orphaned"
+)
 BUG_READER_TICKS_BEFORE_REGISTRATION = (
     "otel_forge/pipeline.py Agent.start: the MLflow PeriodicExportingMetricReader is built (its ticker thread "
     "starts in its constructor) before open_collectors/build_resource and MeterProvider(...): a tick in between "
-    "logs the SDK's 'Cannot call collect on a MetricReader until it is registered' warning on stderr")
+    "logs the SDK's 'Cannot call collect on a MetricReader until it is registered' warning on stderr"
+)
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -77,10 +84,18 @@ def server_options(uri: str, experiment: str) -> list[str]:
     return ["--tracking-uri", uri, "--no-prometheus", "--interval", INTERVAL, "--experiment", experiment]
 
 
-def run_forge(args: list[str], cwd: Path, env: dict[str, str],
-              timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FORGE_RUN, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+def run_forge(
+    args: list[str], cwd: Path, env: dict[str, str], timeout_s: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*FORGE_RUN, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def run_id_of(stdout: str) -> str:
@@ -104,9 +119,22 @@ def children_of(client, run_id: str) -> list:  # type: ignore[no-untyped-def]
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=otel-forge tests", "-c", "user.email=tests@example.invalid",
-                           "-c", "commit.gpgsign=false", *args], cwd=repo, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        [
+            "git",
+            "-c",
+            "user.name=otel-forge tests",
+            "-c",
+            "user.email=tests@example.invalid",
+            "-c",
+            "commit.gpgsign=false",
+            *args,
+        ],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 @dataclass
@@ -149,9 +177,21 @@ def git_repo(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
 def plain_run(mlflow_server, git_repo, tmp_path_factory) -> Launched:  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("plain")
     experiment = unique("plain")
-    result = run_forge([*server_options(mlflow_server.uri, experiment), "--tag", "team=forge", "--",
-                        sys.executable, "train.py", "--steps", "20", "cfg.toml"], cwd=git_repo,
-                       env=forge_environ(tmp))
+    result = run_forge(
+        [
+            *server_options(mlflow_server.uri, experiment),
+            "--tag",
+            "team=forge",
+            "--",
+            sys.executable,
+            "train.py",
+            "--steps",
+            "20",
+            "cfg.toml",
+        ],
+        cwd=git_repo,
+        env=forge_environ(tmp),
+    )
     return Launched(result, run_id_of(result.stdout), git_repo, experiment)
 
 
@@ -170,8 +210,9 @@ def test_plain_mlflow_script_exits_0_and_the_run_is_finished(plain_run, client) 
     assert len(children) == 1, [r.data.tags for r in runs]
 
 
-def test_plain_mlflow_script_metrics_land_in_its_child_run_system_metrics_in_the_launched_run(plain_run,
-                                                                                             client) -> None:
+def test_plain_mlflow_script_metrics_land_in_its_child_run_system_metrics_in_the_launched_run(
+    plain_run, client
+) -> None:
     [child] = children_of(client, plain_run.run_id)
     assert steps_of(client, child.info.run_id, "loss") == list(range(20))
     assert child.data.params["steps"] == "20"  # CMD's own mlflow.log_param
@@ -219,13 +260,29 @@ def test_plain_mlflow_script_run_has_the_launch_config_as_artifact_and_params(pl
     resolved = json.loads(Path(client.download_artifacts(plain_run.run_id, "config.json", str(tmp_path))).read_text())
     assert resolved == {"model": {"dim": 8, "layers": [16, 32]}, "optim": {"lr": 0.1}}
     params = run.data.params
-    assert {k: params.get(k) for k in ("model.dim", "model.layers.0", "model.layers.1", "optim.lr")} == \
-        {"model.dim": "8", "model.layers.0": "16", "model.layers.1": "32", "optim.lr": "0.1"}
+    assert {k: params.get(k) for k in ("model.dim", "model.layers.0", "model.layers.1", "optim.lr")} == {
+        "model.dim": "8",
+        "model.layers.0": "16",
+        "model.layers.1": "32",
+        "optim.lr": "0.1",
+    }
 
 
 def test_exit_code_3_fails_the_run_and_otel_forge_exits_3(mlflow_server, git_repo, client, tmp_path) -> None:
-    result = run_forge([*server_options(mlflow_server.uri, unique("exit3")), "--", sys.executable, "train.py",
-                        "--steps", "2", "--exit-code", "3"], cwd=git_repo, env=forge_environ(tmp_path))
+    result = run_forge(
+        [
+            *server_options(mlflow_server.uri, unique("exit3")),
+            "--",
+            sys.executable,
+            "train.py",
+            "--steps",
+            "2",
+            "--exit-code",
+            "3",
+        ],
+        cwd=git_repo,
+        env=forge_environ(tmp_path),
+    )
 
     assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
@@ -237,10 +294,20 @@ def test_exit_code_3_fails_the_run_and_otel_forge_exits_3(mlflow_server, git_rep
 
 def test_a_healthy_run_writes_nothing_to_stderr(mlflow_server, tmp_path) -> None:
     # A short interval makes the race certain; at 0.3 s on 2 busy cores it shows about one run in three.
-    options = ["--tracking-uri", mlflow_server.uri, "--no-prometheus", "--interval", "0.02",
-               "--experiment", unique("quiet")]
-    result = run_forge([*options, "--", sys.executable, "-c", "import time; time.sleep(0.5)"], cwd=tmp_path,
-                       env=forge_environ(tmp_path))
+    options = [
+        "--tracking-uri",
+        mlflow_server.uri,
+        "--no-prometheus",
+        "--interval",
+        "0.02",
+        "--experiment",
+        unique("quiet"),
+    ]
+    result = run_forge(
+        [*options, "--", sys.executable, "-c", "import time; time.sleep(0.5)"],
+        cwd=tmp_path,
+        env=forge_environ(tmp_path),
+    )
 
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
@@ -255,8 +322,15 @@ class Background:
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
         self.out, self.err = cwd / "stdout.txt", cwd / "stderr.txt"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.process = subprocess.Popen([*FORGE_RUN, *args], cwd=cwd, env=env, stdout=out, stderr=err,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+            self.process = subprocess.Popen(
+                [*FORGE_RUN, *args],
+                cwd=cwd,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def stdout(self) -> str:
         return self.out.read_text()
@@ -268,8 +342,9 @@ class Background:
         deadline = time.monotonic() + timeout_s
         while not predicate():
             if self.process.poll() is not None:
-                pytest.fail(f"otel-forge exited {self.process.returncode} before {what}:\n{self.stdout()}\n"
-                            f"{self.stderr()}")
+                pytest.fail(
+                    f"otel-forge exited {self.process.returncode} before {what}:\n{self.stdout()}\n{self.stderr()}"
+                )
             if time.monotonic() > deadline:
                 pytest.fail(f"no {what} within {timeout_s} s:\n{self.stdout()}\n{self.stderr()}")
             time.sleep(0.05)
@@ -279,10 +354,8 @@ class Background:
 
     def kill(self) -> None:
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.process.wait(timeout=10)
 
 
@@ -294,11 +367,22 @@ def background() -> Iterator[list[Background]]:
         process.kill()
 
 
-def _start_signal_child(mlflow_server, tmp_path: Path, background: list[Background], mode: str,
-                        experiment: str) -> tuple[Background, Path]:  # type: ignore[no-untyped-def]
+def _start_signal_child(
+    mlflow_server, tmp_path: Path, background: list[Background], mode: str, experiment: str
+) -> tuple[Background, Path]:  # type: ignore[no-untyped-def]
     record = tmp_path / "signals.txt"
-    forge = Background([*server_options(mlflow_server.uri, experiment), "--", sys.executable,
-                        str(SCRIPTS / "signal_child.py"), str(record), mode], tmp_path, forge_environ(tmp_path))
+    forge = Background(
+        [
+            *server_options(mlflow_server.uri, experiment),
+            "--",
+            sys.executable,
+            str(SCRIPTS / "signal_child.py"),
+            str(record),
+            mode,
+        ],
+        tmp_path,
+        forge_environ(tmp_path),
+    )
     background.append(forge)
     ready = Path(f"{record}.ready")
     forge.wait_for(ready.exists, "CMD ready")
@@ -309,18 +393,26 @@ def _start_signal_child(mlflow_server, tmp_path: Path, background: list[Backgrou
 
 
 def _child_pid(forge: Background) -> int:
-    children = [child for child in psutil.Process(forge.process.pid).children()
-                if "signal_child.py" in " ".join(child.cmdline())]
+    children = [
+        child
+        for child in psutil.Process(forge.process.pid).children()
+        if "signal_child.py" in " ".join(child.cmdline())
+    ]
     assert len(children) == 1, children
     return children[0].pid
 
 
-@pytest.mark.parametrize(("mode", "cmd_exit", "forge_exit"), [
-    ("exit:7", 7, 7),  # CMD handles SIGTERM, cleans up, exits 7: otel-forge exits 7
-    ("default", -signal.SIGTERM, 128 + signal.SIGTERM),  # CMD dies by SIGTERM: otel-forge exits 143
-], ids=["cmd-handles-it", "cmd-dies-by-it"])
-def test_sigterm_is_forwarded_to_cmd_run_killed_and_exit_mirrored(mode, cmd_exit, forge_exit, mlflow_server, client,
-                                                                   tmp_path, background) -> None:
+@pytest.mark.parametrize(
+    ("mode", "cmd_exit", "forge_exit"),
+    [
+        ("exit:7", 7, 7),  # CMD handles SIGTERM, cleans up, exits 7: otel-forge exits 7
+        ("default", -signal.SIGTERM, 128 + signal.SIGTERM),  # CMD dies by SIGTERM: otel-forge exits 143
+    ],
+    ids=["cmd-handles-it", "cmd-dies-by-it"],
+)
+def test_sigterm_is_forwarded_to_cmd_run_killed_and_exit_mirrored(
+    mode, cmd_exit, forge_exit, mlflow_server, client, tmp_path, background
+) -> None:
     forge, record = _start_signal_child(mlflow_server, tmp_path, background, mode, unique("sigterm"))
     cmd = psutil.Process(_child_pid(forge))
 
@@ -356,10 +448,22 @@ def test_terminal_ctrl_c_reaches_cmd_once(mlflow_server, client, tmp_path, backg
 def test_sigterm_right_after_the_run_opened_still_ends_run_and_cmd(mlflow_server, client, tmp_path) -> None:
     marker = f"otel-forge-test-{uuid.uuid4().hex}"
     forge = subprocess.Popen(
-        [*FORGE_RUN, *server_options(mlflow_server.uri, unique("early-sigterm")), "--", sys.executable, "-c",
-         f"import time; time.sleep(30)  # {marker}"],
-        cwd=tmp_path, env=forge_environ(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        stdin=subprocess.DEVNULL, start_new_session=True)
+        [
+            *FORGE_RUN,
+            *server_options(mlflow_server.uri, unique("early-sigterm")),
+            "--",
+            sys.executable,
+            "-c",
+            f"import time; time.sleep(30)  # {marker}",
+        ],
+        cwd=tmp_path,
+        env=forge_environ(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
     def survivors() -> list[psutil.Process]:
         found = []
@@ -393,8 +497,17 @@ def test_sigterm_right_after_the_run_opened_still_ends_run_and_cmd(mlflow_server
 def test_cmd_sees_the_launched_run_tracking_uri_and_experiment_id(mlflow_server, client, tmp_path) -> None:
     seen = tmp_path / "env.json"
     experiment = unique("env")
-    result = run_forge([*server_options(mlflow_server.uri, experiment), "--", sys.executable,
-                        str(SCRIPTS / "write_env.py"), str(seen)], cwd=tmp_path, env=forge_environ(tmp_path))
+    result = run_forge(
+        [
+            *server_options(mlflow_server.uri, experiment),
+            "--",
+            sys.executable,
+            str(SCRIPTS / "write_env.py"),
+            str(seen),
+        ],
+        cwd=tmp_path,
+        env=forge_environ(tmp_path),
+    )
 
     assert result.returncode == 0, result.stderr
     env = json.loads(seen.read_text())
@@ -415,9 +528,21 @@ def test_cmd_does_not_inherit_the_users_mlflow_run_id_but_the_run_it_names(mlflo
     seen = tmp_path / "env.json"
     experiment_id = client.create_experiment(unique("user-run-id"))
     given = client.create_run(experiment_id).info.run_id
-    result = run_forge(["--tracking-uri", mlflow_server.uri, "--no-prometheus", "--interval", INTERVAL, "--",
-                        sys.executable, str(SCRIPTS / "write_env.py"), str(seen)], cwd=tmp_path,
-                       env=forge_environ(tmp_path, MLFLOW_RUN_ID=given))
+    result = run_forge(
+        [
+            "--tracking-uri",
+            mlflow_server.uri,
+            "--no-prometheus",
+            "--interval",
+            INTERVAL,
+            "--",
+            sys.executable,
+            str(SCRIPTS / "write_env.py"),
+            str(seen),
+        ],
+        cwd=tmp_path,
+        env=forge_environ(tmp_path, MLFLOW_RUN_ID=given),
+    )
 
     assert result.returncode == 0, result.stderr
     assert run_id_of(result.stdout) == given  # otel-forge resumed it
@@ -436,8 +561,18 @@ def _sklearn_job(mlflow_server, tmp_path_factory, mode: str, *options: str) -> L
     pytest.importorskip("sklearn")
     tmp = tmp_path_factory.mktemp(f"sklearn-{mode}")
     experiment = unique(f"sklearn-{mode}")
-    result = run_forge([*server_options(mlflow_server.uri, experiment), *options, "--", sys.executable,
-                        str(SCRIPTS / "sklearn_fits.py"), mode], cwd=tmp, env=forge_environ(tmp))
+    result = run_forge(
+        [
+            *server_options(mlflow_server.uri, experiment),
+            *options,
+            "--",
+            sys.executable,
+            str(SCRIPTS / "sklearn_fits.py"),
+            mode,
+        ],
+        cwd=tmp,
+        env=forge_environ(tmp),
+    )
     return Launched(result, run_id_of(result.stdout), tmp, experiment)
 
 
@@ -477,8 +612,7 @@ def test_sklearn_autolog_three_fits_are_three_children_of_the_launched_run(autol
         assert fit.data.tags["estimator_name"] == "Ridge"
 
 
-def test_start_run_per_fit_makes_three_children_and_a_nested_run_keeps_its_own_parent(start_run_job,
-                                                                                       client) -> None:
+def test_start_run_per_fit_makes_three_children_and_a_nested_run_keeps_its_own_parent(start_run_job, client) -> None:
     runs = _assert_one_job_with_its_fits(client, start_run_job)
     [nested] = [r for r in runs if r.info.run_name == "nested-in-first-fit"]
     first_fit = {fit.data.params["alpha"]: fit for fit in children_of(client, start_run_job.run_id)}["0.1"]
@@ -507,8 +641,15 @@ def _trainingrun_models(client, run):  # type: ignore[no-untyped-def]
     return {m.name: m for m in models if m.source_run_id == run.info.run_id}
 
 
-EXAMPLE_PARAMS = {"steps": "50", "batch_size": "32", "optimizer.lr": "0.05", "optimizer.momentum": "0.9",
-                  "layers.0": "16", "layers.1": "16", "checkpoint_every": "25"}
+EXAMPLE_PARAMS = {
+    "steps": "50",
+    "batch_size": "32",
+    "optimizer.lr": "0.05",
+    "optimizer.momentum": "0.9",
+    "layers.0": "16",
+    "layers.1": "16",
+    "checkpoint_every": "25",
+}
 
 
 def _assert_trainingrun_example_logged(client, run) -> None:  # type: ignore[no-untyped-def]
@@ -530,10 +671,14 @@ def _assert_trainingrun_example_logged(client, run) -> None:  # type: ignore[no-
 
 def test_trainingrun_example_run_directly(mlflow_server, client, tmp_path) -> None:
     experiment = unique("direct")
-    result = subprocess.run([sys.executable, str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "50"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                            env=forge_environ(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri,
-                                              MLFLOW_EXPERIMENT_NAME=experiment))
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "50"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=forge_environ(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri, MLFLOW_EXPERIMENT_NAME=experiment),
+    )
 
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
@@ -554,9 +699,22 @@ def trainingrun_under_forge(mlflow_server, tmp_path_factory) -> Launched:  # typ
     experiment = unique("forge-trainingrun")
     # The interval also in the environment, which CMD inherits: its TrainingRun samples as often.
     env = forge_environ(tmp, MLFLOW_TRACKING_URI=mlflow_server.uri, OTEL_FORGE_SAMPLING_INTERVAL=INTERVAL)
-    result = run_forge(["--no-prometheus", "--interval", INTERVAL, "--experiment", experiment, "--",
-                        sys.executable, str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "50"], cwd=tmp,
-                       env=env)
+    result = run_forge(
+        [
+            "--no-prometheus",
+            "--interval",
+            INTERVAL,
+            "--experiment",
+            experiment,
+            "--",
+            sys.executable,
+            str(EXAMPLES / "train_with_trainingrun.py"),
+            "--steps",
+            "50",
+        ],
+        cwd=tmp,
+        env=env,
+    )
     return Launched(result, run_id_of(result.stdout), tmp, experiment)
 
 
@@ -586,13 +744,17 @@ def test_trainingrun_example_under_otel_forge_run_has_one_agent(trainingrun_unde
 # --- bad input ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "named"), [
-    (["--"], "nothing to run"),
-    ([], "nothing to run"),
-    (["--interval", "0", "--", "python", "-c", "pass"], "--interval"),
-    (["--tag", "novalue", "--", "python", "-c", "pass"], "--tag"),
-    (["--", "/nonexistent/otel-forge-test-binary"], "/nonexistent/otel-forge-test-binary"),
-], ids=["missing-command", "no-separator-no-command", "interval-zero", "tag-without-value", "no-such-executable"])
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--"], "nothing to run"),
+        ([], "nothing to run"),
+        (["--interval", "0", "--", sys.executable, "-c", "pass"], "--interval"),
+        (["--tag", "novalue", "--", sys.executable, "-c", "pass"], "--tag"),
+        (["--", "/nonexistent/otel-forge-test-binary"], "/nonexistent/otel-forge-test-binary"),
+    ],
+    ids=["missing-command", "no-separator-no-command", "interval-zero", "tag-without-value", "no-such-executable"],
+)
 def test_bad_input_is_one_line_and_exit_2(args, named, mlflow_server, tmp_path) -> None:
     options = ["--tracking-uri", mlflow_server.uri, "--no-prometheus", "--experiment", unique("bad")]
     result = run_forge([*options, *args], cwd=tmp_path, env=forge_environ(tmp_path))
@@ -615,9 +777,20 @@ def test_without_a_tracking_uri_the_run_lands_in_mlflow_db_of_the_working_direct
     work = tmp_path / "work"
     work.mkdir()
     # README: `otel-forge run -- python examples/train_with_trainingrun.py --steps 200`, no server.
-    result = run_forge(["--no-prometheus", "--interval", INTERVAL, "--", sys.executable,
-                        str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "200"],
-                       cwd=work, env=forge_environ(tmp_path))
+    result = run_forge(
+        [
+            "--no-prometheus",
+            "--interval",
+            INTERVAL,
+            "--",
+            sys.executable,
+            str(EXAMPLES / "train_with_trainingrun.py"),
+            "--steps",
+            "200",
+        ],
+        cwd=work,
+        env=forge_environ(tmp_path),
+    )
 
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
@@ -646,10 +819,28 @@ def test_server_down_at_start_cmd_still_runs_and_its_exit_code_is_returned(tmp_p
     # Credentials in the URI: they must not reach a message.
     uri = f"http://forge-user:s3cr3t-token@127.0.0.1:{_free_port()}"
     started = time.monotonic()
-    result = run_forge(["--tracking-uri", uri, "--no-prometheus", "--interval", INTERVAL, "--", sys.executable,
-                        str(SCRIPTS / "write_env.py"), str(seen), "5"], cwd=tmp_path,
-                       env=forge_environ(tmp_path, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", OTEL_FORGE_CALL_DEADLINE="1",
-                                         OTEL_FORGE_START_WAIT="2", OTEL_FORGE_DRAIN_DEADLINE="2"))
+    result = run_forge(
+        [
+            "--tracking-uri",
+            uri,
+            "--no-prometheus",
+            "--interval",
+            INTERVAL,
+            "--",
+            sys.executable,
+            str(SCRIPTS / "write_env.py"),
+            str(seen),
+            "5",
+        ],
+        cwd=tmp_path,
+        env=forge_environ(
+            tmp_path,
+            MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+            OTEL_FORGE_CALL_DEADLINE="1",
+            OTEL_FORGE_START_WAIT="2",
+            OTEL_FORGE_DRAIN_DEADLINE="2",
+        ),
+    )
     elapsed = time.monotonic() - started
 
     assert result.returncode == 5, result.stderr

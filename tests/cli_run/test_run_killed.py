@@ -3,6 +3,7 @@ RUNNING (its watchdog ends it KILLED, with the node's outcome tag). Real ``mlflo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -27,13 +28,31 @@ def _gone(pid: int) -> bool:
 
 def test_sigkill_takes_cmd_along_and_the_run_ends_killed(mlflow_server, client, tmp_path) -> None:
     pid_file, out = tmp_path / "cmd.pid", tmp_path / "stdout.txt"
-    cmd = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
-                                 "time.sleep(300)"]
+    cmd = [
+        sys.executable,
+        "-c",
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)",
+    ]
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}, prefixes=("OTEL_", "MLFLOW_"))
     with open(out, "w") as stdout:
-        forge = subprocess.Popen([*FORGE_RUN, "--tracking-uri", mlflow_server.uri, "--experiment",
-                                  f"killed-{uuid.uuid4().hex[:8]}", "--no-prometheus", "--interval", "0.3", "--",
-                                  *cmd], env=env, stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True)
+        forge = subprocess.Popen(
+            [
+                *FORGE_RUN,
+                "--tracking-uri",
+                mlflow_server.uri,
+                "--experiment",
+                f"killed-{uuid.uuid4().hex[:8]}",
+                "--no-prometheus",
+                "--interval",
+                "0.3",
+                "--",
+                *cmd,
+            ],
+            env=env,
+            stdout=stdout,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         cmd_pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, 0.05, "CMD to start"))
         run_id = wait_for(lambda: (found := RUN_LINE.search(out.read_text())) and found.group(1), 10, 0.05)
@@ -47,19 +66,24 @@ def test_sigkill_takes_cmd_along_and_the_run_ends_killed(mlflow_server, client, 
         tags = client.get_run(run_id).data.tags
         assert tags["otel_forge.job.outcome"] == "KILLED"
         assert [v for k, v in tags.items() if k.startswith("otel_forge.outcome.")] == [
-            "KILLED (rank None, otel-forge run died)"]
+            "KILLED (rank None, otel-forge run died)"
+        ]
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(forge.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_a_normal_end_leaves_no_watchdog_behind(mlflow_server, client, tmp_path) -> None:
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}, prefixes=("OTEL_", "MLFLOW_"))
     before = {p.pid for p in psutil.process_iter() if "otel_forge.cli.watchdog" in " ".join(_cmdline(p))}
-    result = subprocess.run([*FORGE_RUN, "--tracking-uri", mlflow_server.uri, "--no-prometheus", "--", sys.executable,
-                             "-c", "pass"], env=env, capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [*FORGE_RUN, "--tracking-uri", mlflow_server.uri, "--no-prometheus", "--", sys.executable, "-c", "pass"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     run_id = RUN_LINE.search(result.stdout).group(1)  # type: ignore[union-attr]
     assert client.get_run(run_id).info.status == "FINISHED"

@@ -21,40 +21,133 @@ CONTRIB = "otelcol-contrib"
 # Component type -> (kind, distributions that ship it, documented top-level settings).
 # Sources: the "Distributions" line of each component's README in opentelemetry-collector(-contrib)
 # and the manifests of opentelemetry-collector-releases (distributions/otelcol, otelcol-contrib).
-_HTTP_CLIENT = {"endpoint", "tls", "headers", "timeout", "compression", "auth", "proxy_url", "read_buffer_size",
-                "write_buffer_size", "max_idle_conns", "max_idle_conns_per_host", "max_conns_per_host",
-                "idle_conn_timeout", "disable_keep_alives", "http2_read_idle_timeout", "http2_ping_timeout",
-                "cookies"}
+_HTTP_CLIENT = {
+    "endpoint",
+    "tls",
+    "headers",
+    "timeout",
+    "compression",
+    "auth",
+    "proxy_url",
+    "read_buffer_size",
+    "write_buffer_size",
+    "max_idle_conns",
+    "max_idle_conns_per_host",
+    "max_conns_per_host",
+    "idle_conn_timeout",
+    "disable_keep_alives",
+    "http2_read_idle_timeout",
+    "http2_ping_timeout",
+    "cookies",
+}
 COMPONENTS: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
     "otlp": ("receiver", frozenset({CORE, CONTRIB}), frozenset({"protocols"})),
-    "memory_limiter": ("processor", frozenset({CORE, CONTRIB}), frozenset({
-        "check_interval", "limit_mib", "spike_limit_mib", "limit_percentage", "spike_limit_percentage",
-        "min_gc_interval_when_soft_limited", "min_gc_interval_when_hard_limited"})),
-    "batch": ("processor", frozenset({CORE, CONTRIB}), frozenset({
-        "timeout", "send_batch_size", "send_batch_max_size", "metadata_keys", "metadata_cardinality_limit"})),
+    "memory_limiter": (
+        "processor",
+        frozenset({CORE, CONTRIB}),
+        frozenset(
+            {
+                "check_interval",
+                "limit_mib",
+                "spike_limit_mib",
+                "limit_percentage",
+                "spike_limit_percentage",
+                "min_gc_interval_when_soft_limited",
+                "min_gc_interval_when_hard_limited",
+            }
+        ),
+    ),
+    "batch": (
+        "processor",
+        frozenset({CORE, CONTRIB}),
+        frozenset({"timeout", "send_batch_size", "send_batch_max_size", "metadata_keys", "metadata_cardinality_limit"}),
+    ),
     # `otlp` is the OTLP/gRPC exporter; v0.144 renamed it `otlp_grpc` and kept `otlp` as an alias.
-    "otlp_exporter": ("exporter", frozenset({CORE, CONTRIB}), frozenset({
-        "endpoint", "tls", "headers", "compression", "timeout", "sending_queue", "retry_on_failure",
-        "balancer_name", "auth", "keepalive", "read_buffer_size", "write_buffer_size", "wait_for_ready",
-        "authority"})),
-    "prometheus": ("exporter", frozenset({CORE, CONTRIB}), frozenset({
-        "endpoint", "tls", "const_labels", "namespace", "send_timestamps", "metric_expiration",
-        "resource_to_telemetry_conversion", "resource_constant_labels", "enable_open_metrics",
-        "without_scope_info", "add_metric_suffixes", "translation_strategy"})),
-    "prometheusremotewrite": ("exporter", frozenset({CORE, CONTRIB}), frozenset(_HTTP_CLIENT | {
-        "namespace", "external_labels", "add_metric_suffixes", "remote_write_queue",
-        "resource_to_telemetry_conversion", "target_info", "export_created_metric", "retry_on_failure", "wal",
-        "max_batch_size_bytes", "send_metadata", "protobuf_message", "translation_strategy"})),
-    "debug": ("exporter", frozenset({CORE, CONTRIB}), frozenset({
-        "verbosity", "sampling_initial", "sampling_thereafter", "use_internal_logger", "sending_queue"})),
-    "health_check": ("extension", frozenset({CORE, CONTRIB}), frozenset({
-        "endpoint", "path", "tls", "response_body", "check_collector_pipeline", "cors", "auth"})),
+    "otlp_exporter": (
+        "exporter",
+        frozenset({CORE, CONTRIB}),
+        frozenset(
+            {
+                "endpoint",
+                "tls",
+                "headers",
+                "compression",
+                "timeout",
+                "sending_queue",
+                "retry_on_failure",
+                "balancer_name",
+                "auth",
+                "keepalive",
+                "read_buffer_size",
+                "write_buffer_size",
+                "wait_for_ready",
+                "authority",
+            }
+        ),
+    ),
+    "prometheus": (
+        "exporter",
+        frozenset({CORE, CONTRIB}),
+        frozenset(
+            {
+                "endpoint",
+                "tls",
+                "const_labels",
+                "namespace",
+                "send_timestamps",
+                "metric_expiration",
+                "resource_to_telemetry_conversion",
+                "resource_constant_labels",
+                "enable_open_metrics",
+                "without_scope_info",
+                "add_metric_suffixes",
+                "translation_strategy",
+            }
+        ),
+    ),
+    "prometheusremotewrite": (
+        "exporter",
+        frozenset({CORE, CONTRIB}),
+        frozenset(
+            _HTTP_CLIENT
+            | {
+                "namespace",
+                "external_labels",
+                "add_metric_suffixes",
+                "remote_write_queue",
+                "resource_to_telemetry_conversion",
+                "target_info",
+                "export_created_metric",
+                "retry_on_failure",
+                "wal",
+                "max_batch_size_bytes",
+                "send_metadata",
+                "protobuf_message",
+                "translation_strategy",
+            }
+        ),
+    ),
+    "debug": (
+        "exporter",
+        frozenset({CORE, CONTRIB}),
+        frozenset({"verbosity", "sampling_initial", "sampling_thereafter", "use_internal_logger", "sending_queue"}),
+    ),
+    "health_check": (
+        "extension",
+        frozenset({CORE, CONTRIB}),
+        frozenset({"endpoint", "path", "tls", "response_body", "check_collector_pipeline", "cors", "auth"}),
+    ),
 }
 # The same type name means a different component per kind (otlp receiver / otlp exporter).
 _TYPE_KEYS = {("exporter", "otlp"): "otlp_exporter", ("exporter", "otlp_grpc"): "otlp_exporter"}
 
-KINDS = {"receivers": "receiver", "processors": "processor", "exporters": "exporter",
-         "connectors": "connector", "extensions": "extension"}
+KINDS = {
+    "receivers": "receiver",
+    "processors": "processor",
+    "exporters": "exporter",
+    "connectors": "connector",
+    "extensions": "extension",
+}
 SIGNALS = ("metrics", "traces", "logs")
 # A component id is `type` or `type/name`.
 _ID = re.compile(r"^([a-z][a-z0-9_]*)(?:/[^/\s]+)?$")
@@ -75,7 +168,7 @@ def used_types(config: dict[str, Any]) -> set[tuple[str, str]]:
     """(kind, type) of every defined component."""
     found = set()
     for section, kind in KINDS.items():
-        for component_id in (config.get(section) or {}):
+        for component_id in config.get(section) or {}:
             match = _ID.match(component_id)
             if match:
                 found.add((kind, match.group(1)))
@@ -104,8 +197,10 @@ def problems(config: dict[str, Any]) -> list[str]:
                 continue
             spec = component_spec(kind, match.group(1))
             if spec is None:
-                found.append(f"{section}: {component_id!r}: type {match.group(1)!r} is not among the official "
-                             f"{kind}s this project uses ({CORE}, {CONTRIB})")
+                found.append(
+                    f"{section}: {component_id!r}: type {match.group(1)!r} is not among the official "
+                    f"{kind}s this project uses ({CORE}, {CONTRIB})"
+                )
                 continue
             if settings is None:
                 continue
@@ -118,8 +213,9 @@ def problems(config: dict[str, Any]) -> list[str]:
             if match.group(1) == "otlp" and kind == "receiver":
                 protocols = settings.get("protocols") or {}
                 if not protocols or set(protocols) - {"grpc", "http"}:
-                    found.append(f"receivers: {component_id!r}: protocols must be grpc and/or http, got "
-                                 f"{sorted(protocols)}")
+                    found.append(
+                        f"receivers: {component_id!r}: protocols must be grpc and/or http, got {sorted(protocols)}"
+                    )
 
     service = config.get("service")
     if not isinstance(service, dict):
@@ -140,8 +236,11 @@ def problems(config: dict[str, Any]) -> list[str]:
         if not isinstance(pipeline, dict):
             found.append(f"pipeline {pipeline_id!r} is not a mapping")
             continue
-        found += [f"pipeline {pipeline_id!r}: unknown key {key!r}" for key in pipeline
-                  if key not in {"receivers", "processors", "exporters"}]
+        found += [
+            f"pipeline {pipeline_id!r}: unknown key {key!r}"
+            for key in pipeline
+            if key not in {"receivers", "processors", "exporters"}
+        ]
         for section in ("receivers", "exporters"):
             if not pipeline.get(section):
                 found.append(f"pipeline {pipeline_id!r}: no {section}")

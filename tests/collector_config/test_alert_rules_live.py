@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from servers import PROMETHEUS_BINARY, PrometheusServer, fake_gpu_env, free_port, http_get, start_agent, wait_for
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "collector-config"
@@ -31,7 +30,10 @@ RULES = CONFIG_DIR / "alert-rules.yml"
 SHORT_FOR = "1s"
 
 SCENARIO = {
-    "count": 2, "amd": False, "hot": True, "xid_events": [[0, 79]],
+    "count": 2,
+    "amd": False,
+    "hot": True,
+    "xid_events": [[0, 79]],
     "sequences": {"0": {"utilization": [95], "ecc_uncorrected": [2]}, "1": {"utilization": [0]}},
 }
 
@@ -40,11 +42,11 @@ SCENARIO = {
 WITNESSES = {
     "OtelForgeGpuTemperatureHigh": 'hw_temperature_celsius{hw_type="gpu", hw_sensor_location="gpu"}',
     "OtelForgeGpuThermalThrottling": '{__name__=~"otel_forge_gpu_throttle(_ratio)?", '
-                                     'otel_forge_gpu_throttle_reason="hw_thermal_slowdown"}',
+    'otel_forge_gpu_throttle_reason="hw_thermal_slowdown"}',
     "OtelForgeGpuXidError": "otel_forge_gpu_xid_errors_total",
     "OtelForgeGpuUncorrectableEccErrors": 'hw_errors_total{hw_type="gpu", error_type="uncorrected"}',
     "OtelForgeGpuLost": 'hw_status{hw_type="gpu", hw_state="failed"}',
-    "OtelForgeGpuIdleDuringRun": 'otel_forge_run_info == 1',
+    "OtelForgeGpuIdleDuringRun": "otel_forge_run_info == 1",
     "OtelForgeMlflowDeliverySpooling": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="spooled"}',
     "OtelForgeMlflowDeliveryDropping": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="dropped"}',
     "OtelForgeAgentDown": 'up{job="otel-forge"}',
@@ -54,13 +56,26 @@ WITNESSES = {
 BOTH_JOBS = {"otel-forge", "otel-forge-gateway"}
 # (alert, job) pairs the scenario must fire.
 EXPECTED_FIRING = {
-    *((alert, job) for job in BOTH_JOBS for alert in (
-        "OtelForgeGpuTemperatureHigh", "OtelForgeGpuThermalThrottling", "OtelForgeGpuXidError",
-        "OtelForgeGpuUncorrectableEccErrors", "OtelForgeGpuIdleDuringRun")),
+    *(
+        (alert, job)
+        for job in BOTH_JOBS
+        for alert in (
+            "OtelForgeGpuTemperatureHigh",
+            "OtelForgeGpuThermalThrottling",
+            "OtelForgeGpuXidError",
+            "OtelForgeGpuUncorrectableEccErrors",
+            "OtelForgeGpuIdleDuringRun",
+        )
+    ),
     ("OtelForgeAgentDown", "otel-forge"),
 }
-NEVER_FIRING = {"OtelForgeGpuLost", "OtelForgeMlflowDeliverySpooling", "OtelForgeMlflowDeliveryDropping",
-                "OtelForgeGatewayDown", "OtelForgeAgentStoppedReporting"}
+NEVER_FIRING = {
+    "OtelForgeGpuLost",
+    "OtelForgeMlflowDeliverySpooling",
+    "OtelForgeMlflowDeliveryDropping",
+    "OtelForgeGatewayDown",
+    "OtelForgeAgentStoppedReporting",
+}
 
 
 def shipped_rules() -> list[dict[str, Any]]:
@@ -101,9 +116,14 @@ def prometheus_test_config(directory: Path, agent_target: str, dead_target: str,
         (targets / example.removesuffix(".example")).write_text(yaml.safe_dump(groups))
         for sd in jobs[job_name]["file_sd_configs"]:
             sd["files"] = [str(directory / pattern) for pattern in sd["files"]]
-    jobs["otel-forge-gateway"]["metric_relabel_configs"] = [{
-        "source_labels": ["__name__"], "regex": f"({'|'.join(unit_one_gauges())})",
-        "target_label": "__name__", "replacement": "${1}_ratio"}]
+    jobs["otel-forge-gateway"]["metric_relabel_configs"] = [
+        {
+            "source_labels": ["__name__"],
+            "regex": f"({'|'.join(unit_one_gauges())})",
+            "target_label": "__name__",
+            "replacement": "${1}_ratio",
+        }
+    ]
     path = directory / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -111,14 +131,24 @@ def prometheus_test_config(directory: Path, agent_target: str, dead_target: str,
 
 def start_prometheus_with(config_path: Path, directory: Path) -> PrometheusServer:
     port = free_port()
-    log = open(directory / "prometheus.log", "wb")
+    log = open(directory / "prometheus.log", "wb")  # noqa: SIM115 - Prometheus's stdout until it stops
     process = subprocess.Popen(
-        [PROMETHEUS_BINARY, f"--config.file={config_path}", f"--storage.tsdb.path={directory / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory)
+        [
+            PROMETHEUS_BINARY,
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={directory / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=directory,
+    )
     log.close()
     server = PrometheusServer(process, f"http://127.0.0.1:{port}", directory)
     try:
+
         def ready() -> bool:
             assert process.poll() is None, f"prometheus exited with {process.returncode}:\n{server.log}"
             return http_get(f"{server.url}/-/ready", timeout_s=1.0)[0] == 200
@@ -137,16 +167,32 @@ def mlflow_run(mlflow_server):
     client = MlflowClient(mlflow_server.uri)
     experiment_id = client.create_experiment("collector-config-alerts")
     run = client.create_run(experiment_id, run_name="stalled-run")
-    yield {"uri": mlflow_server.uri, "run_id": run.info.run_id, "experiment_id": experiment_id,
-           "run_name": "stalled-run"}
+    yield {
+        "uri": mlflow_server.uri,
+        "run_id": run.info.run_id,
+        "experiment_id": experiment_id,
+        "run_name": "stalled-run",
+    }
 
 
 @pytest.fixture(scope="module")
 def stack(mlflow_run, tmp_path_factory):
     directory = tmp_path_factory.mktemp("collector-config-live")
-    agent = start_agent(["--prometheus-port", "0", "--interval", "1", "--node-id", "node_0",
-                         "--run-id", mlflow_run["run_id"], "--tracking-uri", mlflow_run["uri"]],
-                        env=fake_gpu_env(SCENARIO))
+    agent = start_agent(
+        [
+            "--prometheus-port",
+            "0",
+            "--interval",
+            "1",
+            "--node-id",
+            "node_0",
+            "--run-id",
+            mlflow_run["run_id"],
+            "--tracking-uri",
+            mlflow_run["uri"],
+        ],
+        env=fake_gpu_env(SCENARIO),
+    )
     try:
         rules = short_for_rules(directory / "alert-rules.yml")
         config = prometheus_test_config(directory, agent.scrape_target, f"127.0.0.1:{free_port()}", rules)
@@ -166,8 +212,12 @@ def alerts(prometheus: PrometheusServer) -> list[dict[str, Any]]:
 
 def alert_summary(prometheus: PrometheusServer) -> list[tuple[str, str, str, str]]:
     """(alert, job, GPU, state) of every active alert, for failure messages."""
-    return sorted({(a["labels"]["alertname"], a["labels"].get("job", ""), a["labels"].get("hw_id", ""), a["state"])
-                   for a in alerts(prometheus)})
+    return sorted(
+        {
+            (a["labels"]["alertname"], a["labels"].get("job", ""), a["labels"].get("hw_id", ""), a["state"])
+            for a in alerts(prometheus)
+        }
+    )
 
 
 def test_the_test_rules_differ_from_the_shipped_ones_only_in_for(tmp_path):
@@ -226,10 +276,14 @@ def test_scenario_fires_the_expected_alerts(stack):
 
     def firing() -> set[tuple[str, str]] | None:
         now = {(a["labels"]["alertname"], a["labels"]["job"]) for a in alerts(prometheus) if a["state"] == "firing"}
-        return now if EXPECTED_FIRING <= now else None
+        return now if now >= EXPECTED_FIRING else None
 
-    fired = wait_for(firing, 45.0, interval_s=0.5,
-                     message=lambda: f"alerts {sorted(EXPECTED_FIRING)}; have {alert_summary(prometheus)}")
+    fired = wait_for(
+        firing,
+        45.0,
+        interval_s=0.5,
+        message=lambda: f"alerts {sorted(EXPECTED_FIRING)}; have {alert_summary(prometheus)}",
+    )
     assert not {name for name, _ in fired} & NEVER_FIRING, fired
 
 
@@ -237,12 +291,16 @@ def test_stalled_training_alert_names_the_run_and_the_idle_gpu(stack):
     prometheus, run = stack["prometheus"], stack["run"]
 
     def idle() -> list[dict[str, Any]] | None:
-        found = [a for a in alerts(prometheus)
-                 if a["labels"]["alertname"] == "OtelForgeGpuIdleDuringRun" and a["state"] == "firing"]
+        found = [
+            a
+            for a in alerts(prometheus)
+            if a["labels"]["alertname"] == "OtelForgeGpuIdleDuringRun" and a["state"] == "firing"
+        ]
         return found if len(found) == 2 else None
 
-    found = wait_for(idle, 45.0, interval_s=0.5,
-                     message=lambda: f"GPU-idle alert of both jobs; have {alert_summary(prometheus)}")
+    found = wait_for(
+        idle, 45.0, interval_s=0.5, message=lambda: f"GPU-idle alert of both jobs; have {alert_summary(prometheus)}"
+    )
     for alert in found:
         labels = alert["labels"]
         assert labels["hw_id"] == "1", labels  # GPU 0 runs at 95%
@@ -256,9 +314,15 @@ def test_stalled_training_alert_names_the_run_and_the_idle_gpu(stack):
 
 def test_gpu_alerts_name_the_right_gpus(stack):
     prometheus = stack["prometheus"]
-    wait_for(lambda: {a["labels"]["alertname"] for a in alerts(prometheus) if a["state"] == "firing"}
-             >= {"OtelForgeGpuXidError", "OtelForgeGpuUncorrectableEccErrors", "OtelForgeGpuTemperatureHigh"},
-             45.0, interval_s=0.5, message=lambda: f"GPU alerts firing; have {alert_summary(prometheus)}")
+    wait_for(
+        lambda: (
+            {a["labels"]["alertname"] for a in alerts(prometheus) if a["state"] == "firing"}
+            >= {"OtelForgeGpuXidError", "OtelForgeGpuUncorrectableEccErrors", "OtelForgeGpuTemperatureHigh"}
+        ),
+        45.0,
+        interval_s=0.5,
+        message=lambda: f"GPU alerts firing; have {alert_summary(prometheus)}",
+    )
     by_name: dict[str, set[tuple[str, str]]] = {}
     for alert in alerts(prometheus):
         if alert["state"] == "firing":

@@ -8,9 +8,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 import collector_lint
+import pytest
 from collector_lint import CONTRIB, CORE, load, problems, used_types
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "collector-config"
@@ -47,8 +46,9 @@ def test_shipped_config_passes(path):
 
 def test_agent_pipeline_is_otlp_in_limiter_batch_otlp_out():
     config = load(AGENT)
-    assert config["service"]["pipelines"] == {"metrics": {
-        "receivers": ["otlp"], "processors": ["memory_limiter", "batch"], "exporters": ["otlp"]}}
+    assert config["service"]["pipelines"] == {
+        "metrics": {"receivers": ["otlp"], "processors": ["memory_limiter", "batch"], "exporters": ["otlp"]}
+    }
     # OTLP in on localhost only: a node agent is not a network service.
     for protocol in config["receivers"]["otlp"]["protocols"].values():
         assert protocol["endpoint"].startswith("localhost:"), protocol
@@ -73,21 +73,30 @@ def _broken(config, change):
 
 BREAKAGES = {
     "undefined exporter in a pipeline": (
-        lambda c: c["service"]["pipelines"]["metrics"]["exporters"].append("otlphttp/missing"), "is not defined"),
-    "defined but unused processor": (
-        lambda c: c["processors"].__setitem__("batch/unused", {}), "used by no pipeline"),
+        lambda c: c["service"]["pipelines"]["metrics"]["exporters"].append("otlphttp/missing"),
+        "is not defined",
+    ),
+    "defined but unused processor": (lambda c: c["processors"].__setitem__("batch/unused", {}), "used by no pipeline"),
     "component from no official distribution": (
-        lambda c: c["exporters"].__setitem__("dcgm_fancy", {}), "not among the official exporters"),
+        lambda c: c["exporters"].__setitem__("dcgm_fancy", {}),
+        "not among the official exporters",
+    ),
     "misspelt setting": (
-        lambda c: c["processors"]["memory_limiter"].__setitem__("limit_percentag", 80), "unknown settings"),
+        lambda c: c["processors"]["memory_limiter"].__setitem__("limit_percentag", 80),
+        "unknown settings",
+    ),
     "memory_limiter not first": (
         lambda c: c["service"]["pipelines"]["metrics"].__setitem__("processors", ["batch", "memory_limiter"]),
-        "must come first"),
+        "must come first",
+    ),
     "pipeline without receivers": (
-        lambda c: c["service"]["pipelines"]["metrics"].__setitem__("receivers", []), "no receivers"),
+        lambda c: c["service"]["pipelines"]["metrics"].__setitem__("receivers", []),
+        "no receivers",
+    ),
     "unknown pipeline signal": (
         lambda c: c["service"]["pipelines"].__setitem__("profilez", {"receivers": ["otlp"], "exporters": ["debug"]}),
-        "is not one of"),
+        "is not one of",
+    ),
     "undefined extension": (lambda c: c["service"]["extensions"].append("pprof"), "is not defined"),
 }
 
@@ -107,10 +116,16 @@ def _otelcol() -> str | None:
 def test_otelcol_validate(path, tmp_path):
     binary = _otelcol()
     if binary is None:
-        pytest.skip("neither otelcol-contrib nor otelcol is on PATH (no OpenTelemetry Collector can be installed "
-                    "on this machine): `otelcol validate` not run; the static checks above stand in for it")
-    env = {**os.environ, "OTEL_GATEWAY_ENDPOINT": "localhost:4317",
-           "PROMETHEUS_REMOTE_WRITE_URL": "http://localhost:9090/api/v1/write"}
-    result = subprocess.run([binary, "validate", f"--config={path}"], capture_output=True, text=True, env=env,
-                            timeout=60)
+        pytest.skip(
+            "neither otelcol-contrib nor otelcol is on PATH (no OpenTelemetry Collector can be installed "
+            "on this machine): `otelcol validate` not run; the static checks above stand in for it"
+        )
+    env = {
+        **os.environ,
+        "OTEL_GATEWAY_ENDPOINT": "localhost:4317",
+        "PROMETHEUS_REMOTE_WRITE_URL": "http://localhost:9090/api/v1/write",
+    }
+    result = subprocess.run(
+        [binary, "validate", f"--config={path}"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

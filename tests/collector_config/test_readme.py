@@ -18,8 +18,11 @@ README = (CONFIG_DIR / "README.md").read_text()
 # Variables the Collector configs read (not otel-forge settings).
 CONFIG_VARIABLES = {"OTEL_GATEWAY_ENDPOINT": "agent.yaml", "PROMETHEUS_REMOTE_WRITE_URL": "gateway.yaml"}
 # Shell values the README uses, replaced by something concrete to parse.
-SHELL_VALUES = {'"$(hostname -s)"': "gpu-node-001", "$(hostname -s)": "gpu-node-001",
-                '"$MLFLOW_RUN_ID"': "0123456789abcdef"}
+SHELL_VALUES = {
+    '"$(hostname -s)"': "gpu-node-001",
+    "$(hostname -s)": "gpu-node-001",
+    '"$MLFLOW_RUN_ID"': "0123456789abcdef",
+}
 
 
 def code_blocks() -> list[str]:
@@ -34,8 +37,11 @@ def otel_forge_commands() -> list[str]:
             line = line.split(" #", 1)[0].strip()
             if re.search(r"(^|\s)otel-forge (run|monitor|doctor)\b", line) and not line.startswith("#"):
                 lines.append(line)
-    lines += [span for span in re.findall(r"`([^`\n]*otel-forge (?:run|monitor|doctor)[^`\n]*)`", README)
-              if "--" in span or "=" in span]
+    lines += [
+        span
+        for span in re.findall(r"`([^`\n]*otel-forge (?:run|monitor|doctor)[^`\n]*)`", README)
+        if "--" in span or "=" in span
+    ]
     return lines
 
 
@@ -62,12 +68,17 @@ def test_there_are_commands_for_each_setup():
     assert any("--otlp-endpoint" in line for line in commands)
     assert any("OTEL_EXPORTER_OTLP_ENDPOINT=" in line for line in commands)
     assert any("--prometheus-host" in line for line in commands)
-    for heading in ("## 1. Single node", "## 2. Many nodes, scraped directly",
-                    "## 3. Many nodes, through OpenTelemetry Collectors"):
+    for heading in (
+        "## 1. Single node",
+        "## 2. Many nodes, scraped directly",
+        "## 3. Many nodes, through OpenTelemetry Collectors",
+    ):
         assert heading in README
-    for command in ("prometheus --config.file=collector-config/prometheus.yml",
-                    "otelcol-contrib --config collector-config/gateway.yaml",
-                    "otelcol-contrib --config collector-config/agent.yaml"):
+    for command in (
+        "prometheus --config.file=collector-config/prometheus.yml",
+        "otelcol-contrib --config collector-config/gateway.yaml",
+        "otelcol-contrib --config collector-config/agent.yaml",
+    ):
         assert command in README, command
 
 
@@ -94,8 +105,11 @@ def test_environment_variables_are_real():
 
 
 def test_alert_table_lists_every_rule():
-    rules = {rule["alert"]: rule for group in yaml.safe_load((CONFIG_DIR / "alert-rules.yml").read_text())["groups"]
-             for rule in group["rules"]}
+    rules = {
+        rule["alert"]: rule
+        for group in yaml.safe_load((CONFIG_DIR / "alert-rules.yml").read_text())["groups"]
+        for rule in group["rules"]
+    }
     table = dict(re.findall(r"^\| `(OtelForge\w+)` \| (\w+) \|", README, flags=re.M))
     assert table == {name: rule["labels"]["severity"] for name, rule in rules.items()}
 

@@ -8,13 +8,13 @@ import sys
 from typing import Any
 
 import pytest
+from collector_helpers import by_gpu, messages, opened_with, read
+from gpu_fakes import fake_amdsmi
 
 from otel_forge.collectors.amd import AmdCollector
 from otel_forge.collectors.base import CollectorUnavailable
 from otel_forge.config import ForgeConfig
 from otel_forge.names import METRICS
-from collector_helpers import by_gpu, messages, opened_with, read
-from gpu_fakes import fake_amdsmi
 
 LOGGER = "otel_forge.collectors.amd"
 SPECS = {spec.name: spec for spec in METRICS if spec.source == "amd"}
@@ -26,12 +26,26 @@ def opened(scenario: dict, **settings: Any) -> contextlib.AbstractContextManager
 
 
 def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
-    scenario = {"count": 4, "sequences": {"0": {
-        "gfx_activity": [30], "umc_activity": [12], "vram_total": [192 * 1024 * MiB], "vram_used": [48 * 1024 * MiB],
-        "socket_power": [250], "power_limit": [750], "energy": [12345], "temperature_edge": [50],
-        "temperature_hotspot": [66], "gfx_clock": [2100], "mem_clock": [1300], "ecc_correctable": [5],
-        "ecc_uncorrectable": [1],
-    }}}
+    scenario = {
+        "count": 4,
+        "sequences": {
+            "0": {
+                "gfx_activity": [30],
+                "umc_activity": [12],
+                "vram_total": [192 * 1024 * MiB],
+                "vram_used": [48 * 1024 * MiB],
+                "socket_power": [250],
+                "power_limit": [750],
+                "energy": [12345],
+                "temperature_edge": [50],
+                "temperature_hotspot": [66],
+                "gfx_clock": [2100],
+                "mem_clock": [1300],
+                "ecc_correctable": [5],
+                "ecc_uncorrectable": [1],
+            }
+        },
+    }
     with opened(scenario) as (_, collector):
         readings = read(collector)
 
@@ -71,8 +85,12 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
 
 
 def test_power_limit_in_microwatts_and_the_old_energy_key_are_understood() -> None:
-    scenario = {"count": 1, "power_limit_uw": True, "legacy_energy_key": True,
-                "sequences": {"0": {"power_limit": [750], "energy": [500]}}}
+    scenario = {
+        "count": 1,
+        "power_limit_uw": True,
+        "legacy_energy_key": True,
+        "sequences": {"0": {"power_limit": [750], "energy": [500]}},
+    }
     with opened(scenario) as (_, collector):
         readings = read(collector)
     assert by_gpu(readings, "otel_forge.gpu.power.limit") == {"0": 750.0}
@@ -81,8 +99,12 @@ def test_power_limit_in_microwatts_and_the_old_energy_key_are_understood() -> No
 
 def test_not_available_values_are_skipped_without_switching_the_field_off(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    scenario = {"count": 1, "sequences": {"0": {"gfx_activity": ["N/A", 40], "umc_activity": [0xFFFF],
-                                                "ecc_correctable": [0xFFFFFFFFFFFFFFFF, 255]}}}
+    scenario = {
+        "count": 1,
+        "sequences": {
+            "0": {"gfx_activity": ["N/A", 40], "umc_activity": [0xFFFF], "ecc_correctable": [0xFFFFFFFFFFFFFFFF, 255]}
+        },
+    }
     with opened(scenario) as (amdsmi, collector):
         first, second = read(collector), read(collector)
         assert amdsmi.calls("amdsmi_get_gpu_activity") == 2
@@ -137,8 +159,9 @@ def test_other_errors_skip_the_field_this_read_and_warn_once_a_minute(caplog: py
     assert len(messages(caplog, logging.WARNING, "reading power failed")) == 1
 
 
-def test_amdsmi_import_noise_never_reaches_stdout(capfd: pytest.CaptureFixture[str],
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_amdsmi_import_noise_never_reaches_stdout(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     with fake_amdsmi({"import_error": True}):
         with pytest.raises(CollectorUnavailable, match="amdsmi cannot be loaded .KeyError"):
@@ -156,10 +179,13 @@ def test_missing_amdsmi_package_gives_the_reason(monkeypatch: pytest.MonkeyPatch
         AmdCollector.create(ForgeConfig.resolve(environ={}))
 
 
-@pytest.mark.parametrize(("scenario", "reason"), [
-    ({"init_error": "DRIVER_NOT_LOADED"}, "amdsmi failed to initialise: .*34"),
-    ({"count": 0}, "amdsmi found no GPUs"),
-])
+@pytest.mark.parametrize(
+    ("scenario", "reason"),
+    [
+        ({"init_error": "DRIVER_NOT_LOADED"}, "amdsmi failed to initialise: .*34"),
+        ({"count": 0}, "amdsmi found no GPUs"),
+    ],
+)
 def test_unavailable_amdsmi_gives_the_reason(scenario: dict, reason: str) -> None:
     with fake_amdsmi(scenario) as amdsmi:
         with pytest.raises(CollectorUnavailable, match=reason):

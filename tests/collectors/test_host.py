@@ -7,6 +7,7 @@ import time
 
 import psutil
 import pytest
+from collector_helpers import read
 
 from otel_forge.collectors.cpu import CpuCollector
 from otel_forge.collectors.disk import DiskCollector, is_real_filesystem
@@ -14,7 +15,6 @@ from otel_forge.collectors.memory import MemoryCollector
 from otel_forge.collectors.network import NetworkCollector, is_physical_interface
 from otel_forge.collectors.process import ProcessCollector, ProcessTree
 from otel_forge.config import ForgeConfig
-from collector_helpers import read
 
 
 def values(readings, metric, **match):
@@ -64,8 +64,9 @@ def test_memory_usage_within_limit():
     assert 0 < used <= limit == psutil.virtual_memory().total
     for _, fraction in readings.get("system.memory.utilization"):
         assert 0 <= fraction <= 1
-    assert values(readings, "system.memory.utilization", **{"system.memory.state": "used"})[0] == \
-        pytest.approx(used / limit)
+    assert values(readings, "system.memory.utilization", **{"system.memory.state": "used"})[0] == pytest.approx(
+        used / limit
+    )
 
 
 def test_filesystems_are_real_mounts_within_limits():
@@ -76,7 +77,7 @@ def test_filesystems_are_real_mounts_within_limits():
         assert is_real_filesystem(attrs["system.filesystem.type"], attrs["system.filesystem.mountpoint"])
         used = values(readings, "system.filesystem.usage", **{**attrs, "system.filesystem.state": "used"})[0]
         assert 0 <= used <= limit
-    for attrs, fraction in readings.get("system.filesystem.utilization"):
+    for _, fraction in readings.get("system.filesystem.utilization"):
         assert 0 <= fraction <= 1
     mounts = {a["system.filesystem.mountpoint"] for a, _ in limits}
     assert not mounts & {"/proc", "/sys", "/dev", "/dev/shm", "/run"}
@@ -118,7 +119,9 @@ def test_network_filters_loopback_and_counts_monotonically():
 
 
 def test_loopback_is_included_only_when_asked():
-    names = {a["network.interface.name"] for a, _ in read(NetworkCollector(include_virtual=True)).get("system.network.io")}
+    names = {
+        a["network.interface.name"] for a, _ in read(NetworkCollector(include_virtual=True)).get("system.network.io")
+    }
     assert "lo" in names
     assert not is_physical_interface("lo") and not is_physical_interface("docker0")
     assert not is_physical_interface("veth1234")
@@ -154,5 +157,6 @@ def test_process_of_another_pid_and_a_missing_one():
         child.kill()
         child.wait()
     from otel_forge.collectors.base import CollectorUnavailable
+
     with pytest.raises(CollectorUnavailable, match=str(child.pid)):
         ProcessCollector.create(ForgeConfig.resolve(environ={}, pid=child.pid))

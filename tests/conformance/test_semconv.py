@@ -76,9 +76,11 @@ def test_the_reference_is_loaded() -> None:
     assert "interrupt" in SEMCONV_ENUMS["cpu.mode"] and "hw.serial_number" in SEMCONV_KEYS
 
 
-@pytest.mark.parametrize("spec", [spec for spec in METRICS
-                                  if not spec.name.startswith(OURS) and spec.name not in COLLECTOR_HOSTMETRICS],
-                         ids=lambda spec: f"{spec.name}[{spec.source}]")
+@pytest.mark.parametrize(
+    "spec",
+    [spec for spec in METRICS if not spec.name.startswith(OURS) and spec.name not in COLLECTOR_HOSTMETRICS],
+    ids=lambda spec: f"{spec.name}[{spec.source}]",
+)
 def test_a_semconv_named_row_is_the_semconv_metric(spec) -> None:  # type: ignore[no-untyped-def]
     assert spec.name in SEMCONV_METRICS, f"{spec.name} is not a semconv metric: name it otel_forge.*"
     assert (spec.kind, spec.unit) == SEMCONV_METRICS[spec.name]
@@ -96,8 +98,12 @@ def collected_points() -> list[tuple[str, dict[str, object]]]:
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
     with fake_nvml({"count": 2}), fake_amdsmi({"count": 1}):
-        handle = instrument(provider, ForgeConfig.resolve(environ={}), per_cpu=True,
-                            collectors=["cpu", "memory", "disk", "network", "process", "nvidia", "amd"])
+        handle = instrument(
+            provider,
+            ForgeConfig.resolve(environ={}),
+            per_cpu=True,
+            collectors=["cpu", "memory", "disk", "network", "process", "nvidia", "amd"],
+        )
         try:
             time.sleep(0.1)  # the CPU collector reports time deltas: let a few clock ticks (10 ms) elapse
             reader.collect()
@@ -105,9 +111,13 @@ def collected_points() -> list[tuple[str, dict[str, object]]]:
         finally:
             handle.unregister()
             provider.shutdown()
-    return [(metric.name, dict(point.attributes or {}))
-            for resource_metrics in data.resource_metrics for scope in resource_metrics.scope_metrics
-            for metric in scope.metrics for point in metric.data.data_points]
+    return [
+        (metric.name, dict(point.attributes or {}))
+        for resource_metrics in data.resource_metrics
+        for scope in resource_metrics.scope_metrics
+        for metric in scope.metrics
+        for point in metric.data.data_points
+    ]
 
 
 def test_a_collect_emits_only_declared_attributes_and_semconv_enum_values(collected_points) -> None:  # type: ignore[no-untyped-def]

@@ -59,8 +59,9 @@ class CollectorForm:
             for sample in family.samples:
                 if family.name == "target_info":
                     name = "target_info"
-                    labels = {k: v for k, v in sample.labels.items()
-                              if k not in ("service_name", "service_instance_id")}
+                    labels = {
+                        k: v for k, v in sample.labels.items() if k not in ("service_name", "service_instance_id")
+                    }
                 else:
                     name = sample.name
                     if family.type == "gauge" and name in self.ratio_gauges:
@@ -76,7 +77,7 @@ class CollectorForm:
         render: Callable[[], str] = self.exposition
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 try:
                     body, status = render().encode(), 200
                 except Exception as error:  # noqa: BLE001 - shown to Prometheus as a failed scrape

@@ -9,8 +9,18 @@ import re
 from pathlib import Path
 
 import pytest
-from grafana_queries import (DASHBOARD_FILES, DASHBOARDS_DIR, REPO_ROOT, annotation_queries, label_values, load,
-                             load_builder, panels, targets, variables)
+from grafana_queries import (
+    DASHBOARD_FILES,
+    DASHBOARDS_DIR,
+    REPO_ROOT,
+    annotation_queries,
+    label_values,
+    load,
+    load_builder,
+    panels,
+    targets,
+    variables,
+)
 
 SCHEMA_DIR = REPO_ROOT.parent / "shared" / "grafana"
 PANEL_TYPES = {"timeseries", "stat", "heatmap", "table"}
@@ -37,8 +47,10 @@ def schemas() -> dict[str, object]:
 
 
 def _errors(validator: object, instance: object) -> list[str]:
-    return [f"{'/'.join(map(str, error.absolute_path)) or '.'}: {error.message[:300]}"
-            for error in validator.iter_errors(instance)]  # type: ignore[attr-defined]
+    return [
+        f"{'/'.join(map(str, error.absolute_path)) or '.'}: {error.message[:300]}"
+        for error in validator.iter_errors(instance)
+    ]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", DASHBOARD_FILES)
@@ -49,16 +61,18 @@ def test_dashboard_validates_against_grafana_schema(name: str, schemas: dict[str
     for panel in panels(dashboard):
         if panel["type"] == "timeseries":
             assert _errors(schemas["timeseries options"], panel["options"]) == [], panel["title"]
-            assert _errors(schemas["timeseries custom"], panel["fieldConfig"]["defaults"]["custom"]) == [], \
-                panel["title"]
+            assert _errors(schemas["timeseries custom"], panel["fieldConfig"]["defaults"]["custom"]) == [], panel[
+                "title"
+            ]
             checked += 1
     assert checked > 0, "no timeseries panel was checked"
 
 
 def test_committed_json_is_the_builders_output() -> None:
     for name, build in builder.DASHBOARDS.items():
-        assert (DASHBOARDS_DIR / name).read_text() == builder.render(build), \
+        assert (DASHBOARDS_DIR / name).read_text() == builder.render(build), (
             f"{name} is stale: run python dashboards/build.py"
+        )
     assert sorted(builder.DASHBOARDS) == sorted(DASHBOARD_FILES)
     assert builder.main(["--check"]) == 0
 
@@ -187,6 +201,11 @@ def test_the_builder_runs_as_a_script(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, str(DASHBOARDS_DIR / "build.py"), "--check"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(DASHBOARDS_DIR / "build.py"), "--check"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr

@@ -32,8 +32,17 @@ from typing import Any
 
 import pytest
 from collector_form import CollectorForm
-from grafana_queries import (ALL, Target, annotation_queries, interpolate, label_values, load, load_builder,
-                             targets, variables)
+from grafana_queries import (
+    ALL,
+    Target,
+    annotation_queries,
+    interpolate,
+    label_values,
+    load,
+    load_builder,
+    targets,
+    variables,
+)
 from servers import AgentProcess, PrometheusServer, fake_gpu_env, free_port, http_get, start_agent, start_prometheus
 
 DIRECT_JOB = "otel-forge"
@@ -41,12 +50,22 @@ COLLECTOR_JOB = "llm-pretrain"  # the agents' service.name: the job a Collector 
 RANGE_S, STEP_S = 30, 2
 READY_TIMEOUT_S = 60.0
 
-HEALTHY = {"count": 2, "amd": False, "sequences": {
-    "0": {"utilization": [90, 95, 85], "temperature": [60, 61], "ecc_corrected": [0]},
-    "1": {"utilization": [88, 92], "temperature": [62, 63], "ecc_corrected": [0]}}}
+HEALTHY = {
+    "count": 2,
+    "amd": False,
+    "sequences": {
+        "0": {"utilization": [90, 95, 85], "temperature": [60, 61], "ecc_corrected": [0]},
+        "1": {"utilization": [88, 92], "temperature": [62, 63], "ecc_corrected": [0]},
+    },
+}
 # Idle GPUs, hot (thermal throttle bits set), ECC corrected errors growing (the fake's default), an XID 79.
-FAULTY = {"count": 2, "amd": False, "hot": True, "xid_events": [[1, 79]], "sequences": {
-    "0": {"utilization": [10, 15]}, "1": {"utilization": [5, 12]}}}
+FAULTY = {
+    "count": 2,
+    "amd": False,
+    "hot": True,
+    "xid_events": [[1, 79]],
+    "sequences": {"0": {"utilization": [10, 15]}, "1": {"utilization": [5, 12]}},
+}
 
 # Panels of the node dashboard that show nothing on a healthy node, and why.
 EMPTY_ON_A_HEALTHY_NODE = {
@@ -68,8 +87,20 @@ class Stack:
 
 
 def _agent_args(node_id: str, run_id: str, tracking_uri: str) -> list[str]:
-    return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--interval", "1",
-            "--node-id", node_id, "--run-id", run_id, "--tracking-uri", tracking_uri]
+    return [
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--interval",
+        "1",
+        "--node-id",
+        node_id,
+        "--run-id",
+        run_id,
+        "--tracking-uri",
+        tracking_uri,
+    ]
 
 
 def _scrape_config(direct: Sequence[str], collector: str) -> str:
@@ -84,8 +115,11 @@ def _scrape_config(direct: Sequence[str], collector: str) -> str:
 
 
 def _ratio_gauges() -> set[str]:
-    return {builder.prometheus_name(spec) for spec in builder.SPECS.values()
-            if spec.unit == "1" and spec.kind.value == "gauge"}
+    return {
+        builder.prometheus_name(spec)
+        for spec in builder.SPECS.values()
+        if spec.unit == "1" and spec.kind.value == "gauge"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +140,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
             # Two agents on one machine stand for two hosts: each its own host name and instance id
             # (service.instance.id defaults to the host name, which would make them one node).
             host = f"gpu-{node_id.replace('_', '-')}"
-            env = {**fake_gpu_env(scenario), "OTEL_SERVICE_NAME": COLLECTOR_JOB,
-                   "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={host},host.name={host}",
-                   "OTEL_FORGE_SPOOL_DIR": str(tmp_path / f"spool-{node_id}")}
+            env = {
+                **fake_gpu_env(scenario),
+                "OTEL_SERVICE_NAME": COLLECTOR_JOB,
+                "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={host},host.name={host}",
+                "OTEL_FORGE_SPOOL_DIR": str(tmp_path / f"spool-{node_id}"),
+            }
             agents[node_id] = start_agent(_agent_args(node_id, run.info.run_id, mlflow_server.uri), env)
         collector = CollectorForm([agent.metrics_url for agent in agents.values()], _ratio_gauges())
         collector_target = collector.serve()
         prometheus = start_prometheus(tmp_path, [agent.scrape_target for agent in agents.values()])
         # start_prometheus knows one job; give it both, then reload (it runs with --web.enable-lifecycle).
         (prometheus.directory / "prometheus.yml").write_text(
-            _scrape_config([agent.scrape_target for agent in agents.values()], collector_target))
+            _scrape_config([agent.scrape_target for agent in agents.values()], collector_target)
+        )
         request = urllib.request.Request(f"{prometheus.url}/-/reload", method="POST")
         with urllib.request.urlopen(request, timeout=10) as response:
             assert response.status == 200
@@ -124,22 +162,27 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
         collector_ids = {}
         for node in agents:
             (info,) = prometheus.wait_for_series(
-                f'target_info{{job="{COLLECTOR_JOB}", otel_forge_node_id="{node}"}}', READY_TIMEOUT_S)
+                f'target_info{{job="{COLLECTOR_JOB}", otel_forge_node_id="{node}"}}', READY_TIMEOUT_S
+            )
             collector_ids[node] = info["metric"]["instance"]
         instances[COLLECTOR_JOB] = collector_ids
 
         # Enough history for rate() and the 30 s range: 10 samples of every GPU in both forms, the run's
         # info series and MLflow deliveries from both agents.
         for job in (DIRECT_JOB, COLLECTOR_JOB):
-            prometheus.wait_for_series(f'count_over_time(hw_power_watts{{job="{job}"}}[{RANGE_S}s]) >= 10',
-                                       READY_TIMEOUT_S, min_series=4)
-            prometheus.wait_for_series(f'otel_forge_delivery_windows_total{{job="{job}"}}', READY_TIMEOUT_S,
-                                       min_series=2)
-            prometheus.wait_for_series(f'otel_forge_run_info{{job="{job}", mlflow_run_id="{run.info.run_id}"}}',
-                                       READY_TIMEOUT_S, min_series=2)
+            prometheus.wait_for_series(
+                f'count_over_time(hw_power_watts{{job="{job}"}}[{RANGE_S}s]) >= 10', READY_TIMEOUT_S, min_series=4
+            )
+            prometheus.wait_for_series(
+                f'otel_forge_delivery_windows_total{{job="{job}"}}', READY_TIMEOUT_S, min_series=2
+            )
+            prometheus.wait_for_series(
+                f'otel_forge_run_info{{job="{job}", mlflow_run_id="{run.info.run_id}"}}', READY_TIMEOUT_S, min_series=2
+            )
             prometheus.wait_for_series(f'otel_forge_gpu_xid_errors_total{{job="{job}"}}', READY_TIMEOUT_S)
-        yield Stack(prometheus, agents, instances, run.info.run_id, experiment_id, idle_run.info.run_id,
-                    mlflow_server.uri)
+        yield Stack(
+            prometheus, agents, instances, run.info.run_id, experiment_id, idle_run.info.run_id, mlflow_server.uri
+        )
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -158,8 +201,10 @@ def _query(stack: Stack, expr: str, instant: bool) -> list[dict[str, Any]]:
     if instant:
         path, params = "query", {"query": expr, "time": f"{now:.3f}"}
     else:
-        path, params = "query_range", {"query": expr, "start": f"{now - RANGE_S:.3f}", "end": f"{now:.3f}",
-                                       "step": str(STEP_S)}
+        path, params = (
+            "query_range",
+            {"query": expr, "start": f"{now - RANGE_S:.3f}", "end": f"{now:.3f}", "step": str(STEP_S)},
+        )
     status, body = http_get(f"{stack.prometheus.url}/api/v1/{path}?{urllib.parse.urlencode(params)}")
     reply = json.loads(body)
     if status != 200 or reply.get("status") != "success":
@@ -168,8 +213,11 @@ def _query(stack: Stack, expr: str, instant: bool) -> list[dict[str, Any]]:
 
 
 def _has_data(result: list[dict[str, Any]]) -> bool:
-    values = [value for series in result
-              for _, value in (series.get("values") or ([series["value"]] if "value" in series else []))]
+    values = [
+        value
+        for series in result
+        for _, value in (series.get("values") or ([series["value"]] if "value" in series else []))
+    ]
     return any(not math.isnan(float(value)) for value in values)
 
 
@@ -202,8 +250,11 @@ def evaluate(stack: Stack, dashboard: Mapping[str, Any], values: Mapping[str, An
 
 
 def assert_all_have_data(outcomes: Sequence[Outcome], exempt: Mapping[str, str] = {}) -> None:
-    empty = [f"{o.target.panel} [{o.target.ref_id}]: {o.expr}" for o in outcomes
-             if not o.has_data and o.target.panel not in exempt]
+    empty = [
+        f"{o.target.panel} [{o.target.ref_id}]: {o.expr}"
+        for o in outcomes
+        if not o.has_data and o.target.panel not in exempt
+    ]
     assert not empty, "panels without data:\n" + "\n".join(empty)
 
 
@@ -214,8 +265,9 @@ def _values(dashboard_name: str, stack: Stack, job: str, **chosen: Any) -> dict[
     if dashboard_name == "otel-forge-fleet.json":
         base["straggler_ratio"] = "0.8"
     if dashboard_name == "otel-forge-run.json":
-        base.update(run=stack.run_id, experiment=stack.experiment_id, run_name="dashboard-run",
-                    tracking_uri=stack.tracking_uri)
+        base.update(
+            run=stack.run_id, experiment=stack.experiment_id, run_name="dashboard-run", tracking_uri=stack.tracking_uri
+        )
     return {**base, **chosen}
 
 
@@ -241,8 +293,14 @@ def test_collector_form_is_what_the_dashboards_meet_through_a_collector(stack: S
 @pytest.mark.parametrize("job", FORMS)
 def test_every_variable_query_finds_its_values(stack: Stack, job: str) -> None:
     nodes = stack.instances[job]
-    expected = {"job": {job}, "node": set(nodes.values()), "gpu": {"0", "1"}, "run": {stack.run_id},
-                "experiment": {stack.experiment_id}, "run_name": {"dashboard-run"}}
+    expected = {
+        "job": {job},
+        "node": set(nodes.values()),
+        "gpu": {"0", "1"},
+        "run": {stack.run_id},
+        "experiment": {stack.experiment_id},
+        "run_name": {"dashboard-run"},
+    }
     for name in ("otel-forge-node.json", "otel-forge-fleet.json", "otel-forge-run.json"):
         dashboard = load(name)
         values = _values(name, stack, job)
@@ -250,8 +308,11 @@ def test_every_variable_query_finds_its_values(stack: Stack, job: str) -> None:
             if variable["type"] != "query":
                 continue
             selector, label = label_values(variable["query"])
-            found = {series[label] for series in _series_api(stack, interpolate(selector, dashboard, values))
-                     if label in series}
+            found = {
+                series[label]
+                for series in _series_api(stack, interpolate(selector, dashboard, values))
+                if label in series
+            }
             assert expected[variable["name"]] <= found, (name, variable["name"], found)
 
 
@@ -265,8 +326,9 @@ def test_node_dashboard_every_panel_has_data_on_a_faulty_node(stack: Stack, job:
     # Only the chosen node answers.
     for outcome in outcomes:
         for series in outcome.result:
-            assert series["metric"].get("instance", stack.instances[job]["node_1"]) == \
-                stack.instances[job]["node_1"], outcome.target.panel
+            assert series["metric"].get("instance", stack.instances[job]["node_1"]) == stack.instances[job]["node_1"], (
+                outcome.target.panel
+            )
 
 
 @pytest.mark.parametrize("job", FORMS)
@@ -318,9 +380,10 @@ def test_run_dashboard_every_panel_has_data_for_the_run(stack: Stack, job: str) 
     for outcome in joined:
         assert {series["metric"].get("otel_forge_node_id") for series in outcome.result} <= {"node_0", "node_1"}
     nodes = next(o for o in outcomes if o.target.panel == "Run and its nodes" and o.target.ref_id == "A")
-    assert {(s["metric"]["otel_forge_node_id"], s["metric"]["mlflow_experiment_id"], s["metric"]["mlflow_run_id"])
-            for s in nodes.result} == {("node_0", stack.experiment_id, stack.run_id),
-                                       ("node_1", stack.experiment_id, stack.run_id)}
+    assert {
+        (s["metric"]["otel_forge_node_id"], s["metric"]["mlflow_experiment_id"], s["metric"]["mlflow_run_id"])
+        for s in nodes.result
+    } == {("node_0", stack.experiment_id, stack.run_id), ("node_1", stack.experiment_id, stack.run_id)}
     # The run's start and end: one annotation region per run while its agents serve it.
     (annotation,) = annotation_queries(dashboard)
     values = _values("otel-forge-run.json", stack, job)
@@ -341,8 +404,11 @@ def test_run_dashboard_shows_nothing_for_a_run_no_agent_served(stack: Stack, job
 def test_run_links_open_the_run_in_the_mlflow_ui(stack: Stack) -> None:
     dashboard = load("otel-forge-run.json")
     values = _values("otel-forge-run.json", stack, DIRECT_JOB)
-    urls = {entry["title"]: interpolate(entry["url"], dashboard, values)
-            for entry in dashboard["links"] if entry["type"] == "link"}
+    urls = {
+        entry["title"]: interpolate(entry["url"], dashboard, values)
+        for entry in dashboard["links"]
+        if entry["type"] == "link"
+    }
     run_url = urls["Run in MLflow"]
     assert run_url == f"{stack.tracking_uri}/#/experiments/{stack.experiment_id}/runs/{stack.run_id}"
     status, page = http_get(run_url.split("#")[0])
@@ -353,8 +419,11 @@ def test_run_links_open_the_run_in_the_mlflow_ui(stack: Stack) -> None:
     (panel,) = [p for p in dashboard["panels"] if p.get("title") == "Run and its nodes"]
     (data_link,) = panel["fieldConfig"]["defaults"]["links"]
     fields = set(re.findall(r"__data\.fields\.(\w+)", data_link["url"]))
-    (query_a,) = [o for o in evaluate(stack, {"panels": [panel], "templating": dashboard["templating"]}, values)
-                  if o.target.ref_id == "A"]
+    (query_a,) = [
+        o
+        for o in evaluate(stack, {"panels": [panel], "templating": dashboard["templating"]}, values)
+        if o.target.ref_id == "A"
+    ]
     assert all(fields <= set(series["metric"]) for series in query_a.result) and query_a.result
 
 
@@ -366,7 +435,10 @@ def test_the_agents_exposition_has_every_metric_the_dashboards_name(stack: Stack
     for name in ("otel-forge-node.json", "otel-forge-fleet.json", "otel-forge-run.json"):
         for target in targets(load(name)):
             named |= set(re.findall(r"(?<![\w\"])([a-z][a-z0-9_]*)\{", target.expr))
-            named |= {pattern.removesuffix("(_ratio)?") for pattern in re.findall(r'__name__=~"([^"]+)"', target.expr)
-                      if pattern.endswith("(_ratio)?")}
+            named |= {
+                pattern.removesuffix("(_ratio)?")
+                for pattern in re.findall(r'__name__=~"([^"]+)"', target.expr)
+                if pattern.endswith("(_ratio)?")
+            }
     named -= {"up"}
     assert named and named <= exported, named - exported

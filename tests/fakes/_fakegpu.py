@@ -41,8 +41,9 @@ class FakeState:
     def count_calls(self, function: str | None = None, index: int | None = None) -> int:
         """How many times ``function`` (any, if None) was called, for GPU ``index`` (any, if None)."""
         with self.lock:
-            return sum(count for (name, gpu), count in self.calls.items()
-                       if function in (None, name) and index in (None, gpu))
+            return sum(
+                count for (name, gpu), count in self.calls.items() if function in (None, name) and index in (None, gpu)
+            )
 
     def call_counts(self) -> dict[tuple[str, int | None], int]:
         with self.lock:

@@ -110,8 +110,10 @@ class AmdSmiStatus(IntEnum):
 
 
 # The pre-6.x name of the same codes.
-AmdSmiRetCode = IntEnum("AmdSmiRetCode", {(status.name if status == 0 else f"STATUS_{status.name}"): status.value
-                                          for status in AmdSmiStatus})
+AmdSmiRetCode = IntEnum(
+    "AmdSmiRetCode",
+    {(status.name if status == 0 else f"STATUS_{status.name}"): status.value for status in AmdSmiStatus},
+)
 
 
 class AmdSmiException(Exception):
@@ -219,10 +221,11 @@ class AmdSmiClkType(IntEnum):
     DCLK1 = 9
 
 
-amdsmi_wrapper = types.SimpleNamespace(amdsmi_processor_handle=ctypes.c_void_p,
-                                       **{f"AMDSMI_STATUS_{s.name}": s.value for s in AmdSmiStatus})
+amdsmi_wrapper = types.SimpleNamespace(
+    amdsmi_processor_handle=ctypes.c_void_p, **{f"AMDSMI_STATUS_{s.name}": s.value for s in AmdSmiStatus}
+)
 _NA = "N/A"
-_GIB = 1024 ** 3
+_GIB = 1024**3
 
 
 # --- the simulation ----------------------------------------------------------------------------
@@ -233,8 +236,8 @@ class _Gpu:
         self.index = index
         self.memory = ctypes.create_string_buffer(8)  # the handle is its address
         self.name = scenario.get("name", "AMD Instinct MI300X")
-        self.uuid = f"{0xa1ff0000 + index:08x}-0000-1000-80a9-{index:012x}"
-        self.bdf = f"0000:{0x0c + 0x10 * index:02x}:00.0"
+        self.uuid = f"{0xA1FF0000 + index:08x}-0000-1000-80a9-{index:012x}"
+        self.bdf = f"0000:{0x0C + 0x10 * index:02x}:00.0"
         self.lost = False
         self.lost_after = scenario.get("lost_after_reads", {}).get(str(index))
 
@@ -309,22 +312,40 @@ def amdsmi_get_gpu_device_bdf(handle: Any) -> str:
 
 def amdsmi_get_gpu_asic_info(handle: Any) -> dict[str, Any]:
     gpu = _call("amdsmi_get_gpu_asic_info", handle)
-    return {"market_name": gpu.name, "vendor_id": "0x1002", "vendor_name": "Advanced Micro Devices Inc. [AMD/ATI]",
-            "subvendor_id": "0x1002", "device_id": "0x74a1", "rev_id": "0x00", "asic_serial": "0x0000000000000000",
-            "oam_id": gpu.index, "num_compute_units": 304, "target_graphics_version": "gfx942",
-            "subsystem_id": "0x74a1"}
+    return {
+        "market_name": gpu.name,
+        "vendor_id": "0x1002",
+        "vendor_name": "Advanced Micro Devices Inc. [AMD/ATI]",
+        "subvendor_id": "0x1002",
+        "device_id": "0x74a1",
+        "rev_id": "0x00",
+        "asic_serial": "0x0000000000000000",
+        "oam_id": gpu.index,
+        "num_compute_units": 304,
+        "target_graphics_version": "gfx942",
+        "subsystem_id": "0x74a1",
+    }
 
 
 def amdsmi_get_gpu_board_info(handle: Any) -> dict[str, Any]:
     gpu = _call("amdsmi_get_gpu_board_info", handle)
-    return {"model_number": "102-G30211-00", "product_serial": f"692251001{gpu.index:03d}", "fru_id": "N/A",
-            "product_name": gpu.name, "manufacturer_name": "AMD"}
+    return {
+        "model_number": "102-G30211-00",
+        "product_serial": f"692251001{gpu.index:03d}",
+        "fru_id": "N/A",
+        "product_name": gpu.name,
+        "manufacturer_name": "AMD",
+    }
 
 
 def amdsmi_get_gpu_vbios_info(handle: Any) -> dict[str, Any]:
     _call("amdsmi_get_gpu_vbios_info", handle)
-    return {"name": "AMD MI300X", "build_date": "2024/01/01 00:00", "part_number": "113-M3000100-102",
-            "version": "022.040.003.043.000001"}
+    return {
+        "name": "AMD MI300X",
+        "build_date": "2024/01/01 00:00",
+        "part_number": "113-M3000100-102",
+        "version": "022.040.003.043.000001",
+    }
 
 
 def amdsmi_get_gpu_driver_info(handle: Any) -> dict[str, Any]:
@@ -334,9 +355,11 @@ def amdsmi_get_gpu_driver_info(handle: Any) -> dict[str, Any]:
 
 def amdsmi_get_gpu_activity(handle: Any) -> dict[str, Any]:
     gpu = _call("amdsmi_get_gpu_activity", handle, "activity")
-    return {"gfx_activity": _value(gpu, "gfx_activity", lambda n, i: (10 * i + 7 * n) % 101),
-            "umc_activity": _value(gpu, "umc_activity", lambda n, i: (5 * i + 3 * n) % 101),
-            "mm_activity": _NA}
+    return {
+        "gfx_activity": _value(gpu, "gfx_activity", lambda n, i: (10 * i + 7 * n) % 101),
+        "umc_activity": _value(gpu, "umc_activity", lambda n, i: (5 * i + 3 * n) % 101),
+        "mm_activity": _NA,
+    }
 
 
 def amdsmi_get_gpu_memory_total(handle: Any, mem_type: AmdSmiMemoryType) -> int:
@@ -360,9 +383,16 @@ def amdsmi_get_power_info(handle: Any) -> dict[str, Any]:
     gpu = _call("amdsmi_get_power_info", handle, "power")
     watts = int(_value(gpu, "socket_power", lambda n, i: 300 + 10 * i + 5 * (n % 10)))
     limit = int(_value(gpu, "power_limit", lambda n, i: 750))
-    return {"socket_power": watts, "current_socket_power": watts, "average_socket_power": _NA,
-            "gfx_voltage": _NA, "soc_voltage": _NA, "mem_voltage": _NA, "ubb_power": _NA,
-            "power_limit": limit * 1_000_000 if _state.scenario.get("power_limit_uw") else limit}
+    return {
+        "socket_power": watts,
+        "current_socket_power": watts,
+        "average_socket_power": _NA,
+        "gfx_voltage": _NA,
+        "soc_voltage": _NA,
+        "mem_voltage": _NA,
+        "ubb_power": _NA,
+        "power_limit": limit * 1_000_000 if _state.scenario.get("power_limit_uw") else limit,
+    }
 
 
 def amdsmi_get_energy_count(handle: Any) -> dict[str, Any]:
@@ -370,12 +400,14 @@ def amdsmi_get_energy_count(handle: Any) -> dict[str, Any]:
     resolution_uj = 15.3
     joules = _value(gpu, "energy", lambda n, i: 20_000 + n * (300 + 10 * i))
     key = "power" if _state.scenario.get("legacy_energy_key") else "energy_accumulator"
-    return {key: int(round(joules * 1_000_000 / resolution_uj)), "counter_resolution": resolution_uj,
-            "timestamp": 1_700_000_000_000_000_000}
+    return {
+        key: int(round(joules * 1_000_000 / resolution_uj)),
+        "counter_resolution": resolution_uj,
+        "timestamp": 1_700_000_000_000_000_000,
+    }
 
 
-def amdsmi_get_temp_metric(handle: Any, sensor_type: AmdSmiTemperatureType,
-                           metric: AmdSmiTemperatureMetric) -> int:
+def amdsmi_get_temp_metric(handle: Any, sensor_type: AmdSmiTemperatureType, metric: AmdSmiTemperatureMetric) -> int:
     _check_type(sensor_type, AmdSmiTemperatureType)
     _check_type(metric, AmdSmiTemperatureMetric)
     sensor = sensor_type.name.lower()
@@ -389,25 +421,40 @@ def amdsmi_get_clock_info(handle: Any, clock_type: AmdSmiClkType) -> dict[str, A
     name = "mem" if clock_type == AmdSmiClkType.MEM else "gfx"
     gpu = _call("amdsmi_get_clock_info", handle, "clock", f"clock_{name}")
     default = (lambda n, i: 1300) if name == "mem" else (lambda n, i: 2100 - 20 * ((n + i) % 4))
-    return {"clk": int(_value(gpu, f"{name}_clock", default)), "min_clk": 500, "max_clk": 2100,
-            "clk_locked": _NA, "clk_deep_sleep": _NA}
+    return {
+        "clk": int(_value(gpu, f"{name}_clock", default)),
+        "min_clk": 500,
+        "max_clk": 2100,
+        "clk_locked": _NA,
+        "clk_deep_sleep": _NA,
+    }
 
 
 def amdsmi_get_gpu_total_ecc_count(handle: Any) -> dict[str, int]:
     gpu = _call("amdsmi_get_gpu_total_ecc_count", handle, "ecc")
-    return {"correctable_count": int(_value(gpu, "ecc_correctable", lambda n, i: n // 2)),
-            "uncorrectable_count": int(_value(gpu, "ecc_uncorrectable", lambda n, i: 0)),
-            "deferred_count": 0}
+    return {
+        "correctable_count": int(_value(gpu, "ecc_correctable", lambda n, i: n // 2)),
+        "uncorrectable_count": int(_value(gpu, "ecc_uncorrectable", lambda n, i: 0)),
+        "deferred_count": 0,
+    }
 
 
 def amdsmi_get_gpu_process_list(handle: Any) -> list[dict[str, Any]]:
     gpu = _call("amdsmi_get_gpu_process_list", handle, "processes")
     pids = {"self": os.getpid(), "parent": os.getppid()}
-    return [{"name": "python", "pid": pids.get(pid, pid), "mem": vram,
-             "engine_usage": {"gfx": 0, "enc": 0},
-             "memory_usage": {"gtt_mem": 0, "cpu_mem": 0, "vram_mem": vram},
-             "cu_occupancy": _NA, "sdma_usage": _NA, "evicted_time": _NA}
-            for pid, vram in _state.scenario.get("processes", {}).get(str(gpu.index), ())]
+    return [
+        {
+            "name": "python",
+            "pid": pids.get(pid, pid),
+            "mem": vram,
+            "engine_usage": {"gfx": 0, "enc": 0},
+            "memory_usage": {"gtt_mem": 0, "cpu_mem": 0, "vram_mem": vram},
+            "cu_occupancy": _NA,
+            "sdma_usage": _NA,
+            "evicted_time": _NA,
+        }
+        for pid, vram in _state.scenario.get("processes", {}).get(str(gpu.index), ())
+    ]
 
 
 def _require_init() -> None:

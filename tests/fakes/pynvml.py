@@ -52,6 +52,7 @@ import threading
 from typing import Any
 
 from _fakegpu import FakeState, load_scenario
+
 _REAL_MODULE = "_otel_forge_real_pynvml"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -72,9 +73,20 @@ def _load_real_pynvml() -> Any:
 
 
 _real = _load_real_pynvml()
-_EXPORTED = ("NVML_", "NVMLError", "NVMLLibraryMismatchError", "nvmlEventType", "nvmlClocksEventReason",
-             "nvmlClocksThrottleReason", "c_nvml", "struct_c_nvml", "nvmlPciInfo_t", "nvmlFriendlyObject",
-             "nvmlStructToFriendlyObject", "nvmlExceptionClass")
+_EXPORTED = (
+    "NVML_",
+    "NVMLError",
+    "NVMLLibraryMismatchError",
+    "nvmlEventType",
+    "nvmlClocksEventReason",
+    "nvmlClocksThrottleReason",
+    "c_nvml",
+    "struct_c_nvml",
+    "nvmlPciInfo_t",
+    "nvmlFriendlyObject",
+    "nvmlStructToFriendlyObject",
+    "nvmlExceptionClass",
+)
 globals().update({name: getattr(_real, name) for name in dir(_real) if name.startswith(_EXPORTED)})
 NVMLError = _real.NVMLError
 
@@ -94,7 +106,7 @@ _FIELDS = {
     "events": ("nvmlDeviceRegisterEvents",),
 }
 _FIELD_OF = {function: name for name, functions in _FIELDS.items() for function in functions}
-_GIB = 1024 ** 3
+_GIB = 1024**3
 _THERMAL = _real.nvmlClocksEventReasonSwThermalSlowdown | _real.nvmlClocksEventReasonHwThermalSlowdown
 
 
@@ -103,7 +115,7 @@ class _Device:
         self.index = index
         self.struct = _real.struct_c_nvmlDevice_t()  # the handle points at it: a real device handle
         self.name = scenario.get("name", "NVIDIA H100 80GB HBM3")
-        self.uuid = f"GPU-{0x1a2b0000 + index:08x}-0000-4000-8000-{index:012x}"
+        self.uuid = f"GPU-{0x1A2B0000 + index:08x}-0000-4000-8000-{index:012x}"
         self.pci_bus_id = f"00000000:{0x17 + 0x10 * index:02X}:00.0"
         self.lost = str(index) in {str(i) for i in scenario.get("lost", ())}
         self.lost_after = scenario.get("lost_after_reads", {}).get(str(index))
@@ -328,9 +340,17 @@ def _throttle(device: _Device) -> int:
 def nvmlDeviceGetComputeRunningProcesses(handle: Any) -> list:
     device = _call("nvmlDeviceGetComputeRunningProcesses", handle)
     pids = {"self": os.getpid(), "parent": os.getppid()}
-    return [_real.nvmlFriendlyObject({"pid": pids.get(pid, pid), "usedGpuMemory": used,
-                                      "gpuInstanceId": 0xFFFFFFFF, "computeInstanceId": 0xFFFFFFFF})
-            for pid, used in _state.scenario.get("processes", {}).get(str(device.index), ())]
+    return [
+        _real.nvmlFriendlyObject(
+            {
+                "pid": pids.get(pid, pid),
+                "usedGpuMemory": used,
+                "gpuInstanceId": 0xFFFFFFFF,
+                "computeInstanceId": 0xFFFFFFFF,
+            }
+        )
+        for pid, used in _state.scenario.get("processes", {}).get(str(device.index), ())
+    ]
 
 
 # --- events ------------------------------------------------------------------------------------
@@ -363,13 +383,15 @@ def nvmlEventSetWait_v2(event_set: Any, timeout_ms: int) -> Any:
         registered = _state.event_sets.get(_address(event_set))
         if registered is None:
             raise _real.NVMLError_InvalidArgument()
-        if not _state.lock.wait_for(lambda: _pending_for(registered) is not None or not _state.initialized,
-                                    timeout=timeout_ms / 1000):
+        if not _state.lock.wait_for(
+            lambda: _pending_for(registered) is not None or not _state.initialized, timeout=timeout_ms / 1000
+        ):
             raise _real.NVMLError_Timeout()
         _require_init()
         gpu, code = _state.pending_xids.pop(_pending_for(registered))
-        return _real.c_nvmlEventData_t(device=_state.devices[gpu].handle,
-                                       eventType=_real.nvmlEventTypeXidCriticalError, eventData=code)
+        return _real.c_nvmlEventData_t(
+            device=_state.devices[gpu].handle, eventType=_real.nvmlEventTypeXidCriticalError, eventData=code
+        )
 
 
 nvmlEventSetWait = nvmlEventSetWait_v2

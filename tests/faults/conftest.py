@@ -5,19 +5,14 @@ threads."""
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # faultkit.py
-
-from faultkit import HTTP_TIMEOUT_S, ExportRecorder, ThreadWatch  # noqa: E402
-from hermetic import apply_hermetic  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
-from mlflow_server import MlflowServer  # noqa: E402
+from faultkit import HTTP_TIMEOUT_S, ExportRecorder, ThreadWatch
+from hermetic import apply_hermetic
+from mlflow_server import MlflowServer
+from socket_io import SocketIO
 
 
 @pytest.fixture(autouse=True)
@@ -69,22 +64,22 @@ def pausable_server(_shared_server: MlflowServer) -> Iterator[MlflowServer]:
 
 
 @pytest.fixture
-def exports(monkeypatch: pytest.MonkeyPatch) -> ExportRecorder:
-    """Wrap ``MLflowMetricExporter.export`` on the class, before any exporter exists: no call is missed."""
+def exports(monkeypatch: pytest.MonkeyPatch, socket_io: SocketIO) -> ExportRecorder:
+    """Wrap ``MLflowMetricExporter.export`` on the class, before any exporter exists: no call is missed,
+    and each is watched for socket I/O on the thread that calls it (the reader's)."""
     from opentelemetry.sdk.metrics.export import MetricExportResult
 
     from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
 
     recorder = ExportRecorder()
-    original = MLflowMetricExporter.export
+    original = socket_io.watched(MLflowMetricExporter.export)
 
-    def timed_export(self: MLflowMetricExporter, *args: Any, **kwargs: Any) -> MetricExportResult:
-        started = time.perf_counter()
+    def recorded_export(self: MLflowMetricExporter, *args: Any, **kwargs: Any) -> MetricExportResult:
         result = original(self, *args, **kwargs)
-        recorder.record(time.perf_counter() - started, result is MetricExportResult.SUCCESS)
+        recorder.record(result is MetricExportResult.SUCCESS)
         return result
 
-    monkeypatch.setattr(MLflowMetricExporter, "export", timed_export)
+    monkeypatch.setattr(MLflowMetricExporter, "export", recorded_export)
     return recorder
 
 

@@ -20,14 +20,22 @@ def test_500_then_429_are_retried_and_nothing_is_lost(pausable_server, tmp_path,
     run_id = create_run(server.uri)
     with MlflowProxy(server.uri, plain_429=True) as proxy:
         agent = otel_forge.monitor(
-            run_id=run_id, tracking_uri=proxy.uri, sampling_interval=INTERVAL_S, samples_per_window=1,
-            prometheus=False, node_id=NODE, collectors=["cpu", "memory"], queue_size=4, call_deadline_s=1,
-            drain_deadline_s=10, spool_dir=str(tmp_path / "spool"))
+            run_id=run_id,
+            tracking_uri=proxy.uri,
+            sampling_interval=INTERVAL_S,
+            samples_per_window=1,
+            prometheus=False,
+            node_id=NODE,
+            collectors=["cpu", "memory"],
+            queue_size=4,
+            call_deadline_s=1,
+            drain_deadline_s=10,
+            spool_dir=str(tmp_path / "spool"),
+        )
         exporter = agent.exporter
         stats = exporter.worker.stats
         try:
-            wait_for(lambda: stats.delivered >= 3, 15, 0.05,
-                     message="the first windows to arrive through the proxy")
+            wait_for(lambda: stats.delivered >= 3, 15, 0.05, message="the first windows to arrive through the proxy")
             proxy.set_mode("500")
             time.sleep(2.0)
             retried_on_500 = stats.retried
@@ -36,13 +44,19 @@ def test_500_then_429_are_retried_and_nothing_is_lost(pausable_server, tmp_path,
             # The worker backs off (0.5 s, 1 s, 2 s, ...): 429s last until one request has met them.
             wait_for(lambda: proxy.answered["429"] >= 1, 10, 0.05, message="a request answered 429")
             proxy.set_mode("pass")
-            wait_for(lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows, 30, 0.05,
-                     message="the backlog to be delivered once the server answers normally")
+            wait_for(
+                lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows,
+                30,
+                0.05,
+                message="the backlog to be delivered once the server answers normally",
+            )
         finally:
             agent.stop()
 
-    print(f"\n500/429: {exports.windows} windows, {stats.retried} retries ({retried_on_500} during 500s), "
-          f"{stats.spooled} spooled, proxy answered {dict(proxy.answered)}")
+    print(
+        f"\n500/429: {exports.windows} windows, {stats.retried} retries ({retried_on_500} during 500s), "
+        f"{stats.spooled} spooled, proxy answered {dict(proxy.answered)}"
+    )
     assert proxy.answered["500"] > 0 and proxy.answered["429"] > 0, dict(proxy.answered)
     assert retried_on_500 > 0
     assert stats.retried > retried_on_500, "the 429s should have been retried too"

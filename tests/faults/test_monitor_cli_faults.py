@@ -26,14 +26,40 @@ def test_monitor_exits_on_time_and_delivers_every_window_despite_a_hang(pausable
     server = pausable_server
     run_id = create_run(server.uri)
     spool_root = tmp_path / "spool"
-    env = hermetic_environ(OTEL_FORGE_DRAIN_DEADLINE=str(DRAIN_DEADLINE_S), OTEL_FORGE_CALL_DEADLINE="1",
-                           OTEL_FORGE_SPOOL_DIR=str(spool_root))
-    command = [sys.executable, "-m", "otel_forge.cli", "monitor", "--run-id", run_id, "--tracking-uri", server.uri,
-               "--interval", str(INTERVAL_S), "--no-prometheus", "--duration", str(DURATION_S),
-               "--collectors", "cpu,memory", "--node-id", "node_0"]
+    env = hermetic_environ(
+        OTEL_FORGE_DRAIN_DEADLINE=str(DRAIN_DEADLINE_S),
+        OTEL_FORGE_CALL_DEADLINE="1",
+        OTEL_FORGE_SPOOL_DIR=str(spool_root),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "otel_forge.cli",
+        "monitor",
+        "--run-id",
+        run_id,
+        "--tracking-uri",
+        server.uri,
+        "--interval",
+        str(INTERVAL_S),
+        "--no-prometheus",
+        "--duration",
+        str(DURATION_S),
+        "--collectors",
+        "cpu,memory",
+        "--node-id",
+        "node_0",
+    ]
     started = time.monotonic()
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     stderr_lines: list[str] = []
     stderr_reader = threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True)
     stderr_reader.start()
@@ -60,8 +86,10 @@ def test_monitor_exits_on_time_and_delivers_every_window_despite_a_hang(pausable
     stdout = process.stdout.read()
     stderr = "".join(stderr_lines)
     run_s = exited_at - serving_at
-    print(f"\nmonitor: started in {serving_at - started:.2f} s, ran {run_s:.2f} s after serving "
-          f"(duration {DURATION_S:g} + drain deadline {DRAIN_DEADLINE_S:g}), exit {code}\n{stderr}")
+    print(
+        f"\nmonitor: started in {serving_at - started:.2f} s, ran {run_s:.2f} s after serving "
+        f"(duration {DURATION_S:g} + drain deadline {DRAIN_DEADLINE_S:g}), exit {code}\n{stderr}"
+    )
 
     assert code == 0, (stdout, stderr)
     assert "Traceback" not in stderr

@@ -28,9 +28,18 @@ CALL_DEADLINE_S = 1.0
 
 def _monitor(run_id: str, uri: str, tmp_path: Path, drain_deadline_s: float):  # type: ignore[no-untyped-def]
     return otel_forge.monitor(
-        run_id=run_id, tracking_uri=uri, sampling_interval=INTERVAL_S, samples_per_window=1, prometheus=False,
-        node_id=NODE, collectors=["cpu", "memory"], queue_size=QUEUE_SIZE, call_deadline_s=CALL_DEADLINE_S,
-        drain_deadline_s=drain_deadline_s, spool_dir=str(tmp_path / "spool"))
+        run_id=run_id,
+        tracking_uri=uri,
+        sampling_interval=INTERVAL_S,
+        samples_per_window=1,
+        prometheus=False,
+        node_id=NODE,
+        collectors=["cpu", "memory"],
+        queue_size=QUEUE_SIZE,
+        call_deadline_s=CALL_DEADLINE_S,
+        drain_deadline_s=drain_deadline_s,
+        spool_dir=str(tmp_path / "spool"),
+    )
 
 
 def _spooled_windows(path: Path) -> list[Path]:
@@ -55,8 +64,12 @@ def test_killed_server_comes_back_and_every_window_arrives_in_order(server, tmp_
         restart = threading.Thread(target=server.start, name="test-server-restart")
         restart.start()
         # Exporting goes on past the queue's 4 windows: the rest is written to the spool.
-        wait_for(lambda: len(_spooled_windows(exporter.spool.path)) >= 3, QUEUE_SIZE * INTERVAL_S + 5, 0.05,
-                 message="windows in the spool during the outage")
+        wait_for(
+            lambda: len(_spooled_windows(exporter.spool.path)) >= 3,
+            QUEUE_SIZE * INTERVAL_S + 5,
+            0.05,
+            message="windows in the spool during the outage",
+        )
         assert not server.healthy(), "the server came back too early to test an outage"
         files_during_outage = len(_spooled_windows(exporter.spool.path))
         spooled_during_outage = stats.spooled
@@ -65,13 +78,19 @@ def test_killed_server_comes_back_and_every_window_arrives_in_order(server, tmp_
 
         restart.join(120)
         assert server.healthy(), "the server did not restart"
-        wait_for(lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows, 45, 0.05,
-                 message="the queue and the spool to be delivered after the restart")
+        wait_for(
+            lambda: exporter.worker.pending() == 0 and stats.delivered >= exports.windows,
+            45,
+            0.05,
+            message="the queue and the spool to be delivered after the restart",
+        )
     finally:
         agent.stop()
 
-    print(f"\noutage: {exports.windows} windows, {delivered_before} delivered before the kill, "
-          f"{files_during_outage} spool files seen, {stats.spooled} spooled, {stats.retried} retries")
+    print(
+        f"\noutage: {exports.windows} windows, {delivered_before} delivered before the kill, "
+        f"{files_during_outage} spool files seen, {stats.spooled} spooled, {stats.retried} retries"
+    )
     assert spooled_during_outage > 0
     assert stats.retried > 0
     assert stats.dropped == 0
@@ -99,8 +118,10 @@ def test_closed_while_down_leaves_a_spool_that_replay_delivers(server, tmp_path,
     spool = exporter.spool.path
     left = _spooled_windows(spool)
     delivered = stats.delivered
-    print(f"\nclosed while down: {exports.windows} windows, {delivered} delivered, {len(left)} left in {spool}, "
-          f"stop took {stop_s:.2f} s")
+    print(
+        f"\nclosed while down: {exports.windows} windows, {delivered} delivered, {len(left)} left in {spool}, "
+        f"stop took {stop_s:.2f} s"
+    )
     assert stop_s < 1.0 + 5.0, "close should give up after the drain deadline"
     assert spool.is_dir()
     assert len(left) == exports.windows - delivered, (len(left), exports.windows, delivered)
@@ -111,8 +132,14 @@ def test_closed_while_down_leaves_a_spool_that_replay_delivers(server, tmp_path,
     assert re.match(rf"{len(left)} system-metrics window\(s\)", warnings[0]), warnings[0]
 
     server.start()
-    result = subprocess.run([*_otel_forge(), "replay", str(spool)], capture_output=True, text=True, timeout=60,
-                            env=hermetic_environ(), stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [*_otel_forge(), "replay", str(spool)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=hermetic_environ(),
+        stdin=subprocess.DEVNULL,
+    )
     print(result.stdout, result.stderr)
     assert result.returncode == 0, (result.stdout, result.stderr)
     assert f"delivered {len(left)} window(s) to run {run_id}" in result.stdout
@@ -123,8 +150,14 @@ def test_closed_while_down_leaves_a_spool_that_replay_delivers(server, tmp_path,
 
 
 def test_replay_of_a_missing_path_is_one_line_and_exit_2(tmp_path) -> None:
-    result = subprocess.run([*_otel_forge(), "replay", str(tmp_path / "nonexistent")], capture_output=True,
-                            text=True, timeout=60, env=hermetic_environ(), stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [*_otel_forge(), "replay", str(tmp_path / "nonexistent")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=hermetic_environ(),
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr

@@ -25,22 +25,34 @@ def _kept(caplog) -> tuple[str, str]:  # type: ignore[no-untyped-def]
 
 
 def _replay(path: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", path], capture_output=True, text=True,
-                            timeout=timeout_s, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "otel_forge.cli", "replay", path],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=hermetic_environ(),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert result.returncode == 0, (result.stdout, result.stderr)
     return result
 
 
-def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, caplog, capsys,
-                                                              monkeypatch) -> None:
+def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, caplog, capsys, monkeypatch) -> None:
     from mlflow import MlflowClient
 
     from otel_forge.cli import main
 
     caplog.set_level(logging.WARNING, logger="otel_forge")
     config = ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path / "spool"), drain_deadline_s=1.0)
-    run = TrainingRun({"lr": 0.1}, tracking_uri=server.uri, experiment="down-at-close", system_metrics=False,
-                      forge_config=config, launch_argv=["train.py"])
+    run = TrainingRun(
+        {"lr": 0.1},
+        tracking_uri=server.uri,
+        experiment="down-at-close",
+        system_metrics=False,
+        forge_config=config,
+        launch_argv=["train.py"],
+    )
     with run:
         for step in range(30):
             run.log({"loss": float(step)}, step)
@@ -75,8 +87,14 @@ def test_what_describes_the_run_is_kept_too_and_replayed(server, tmp_path, caplo
     launch.write_text('[optim]\nlr = 0.1\npassword = "hunter2"\n')
     config = ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path / "spool"), drain_deadline_s=0.5)
     big = {f"layer_{i:04d}": i for i in range(3000)}  # 30 calls of params
-    run = TrainingRun(big, tracking_uri=server.uri, experiment="describe-at-close", system_metrics=False,
-                      forge_config=config, launch_argv=["train.py", str(launch)])
+    run = TrainingRun(
+        big,
+        tracking_uri=server.uri,
+        experiment="describe-at-close",
+        system_metrics=False,
+        forge_config=config,
+        launch_argv=["train.py", str(launch)],
+    )
     assert run.start()
     server.kill()  # most of what describes the run is still queued
     run.log({"loss": 1.0}, 0)
@@ -102,8 +120,14 @@ def test_a_job_that_ends_before_the_server_ever_answers_is_replayed_into_a_new_r
     caplog.set_level(logging.WARNING, logger="otel_forge")
     server.kill()  # down for the whole job
     config = ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path / "spool"), drain_deadline_s=1.0)
-    with TrainingRun({"lr": 0.1}, tracking_uri=server.uri, experiment="never-answered", system_metrics=False,
-                     forge_config=config, launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        {"lr": 0.1},
+        tracking_uri=server.uri,
+        experiment="never-answered",
+        system_metrics=False,
+        forge_config=config,
+        launch_argv=["train.py"],
+    ) as run:
         for step in range(50):
             run.log({"loss": float(step)}, step)
     assert run.run_id is None

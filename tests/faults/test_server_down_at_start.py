@@ -37,16 +37,27 @@ def _hang_then_answer(server, hang_s: float = HANG_S) -> threading.Thread:  # ty
     return thread
 
 
-def test_trainingrun_opens_when_the_server_answers_and_loses_nothing(pausable_server, tmp_path, monkeypatch,
-                                                                    caplog) -> None:
+def test_trainingrun_opens_when_the_server_answers_and_loses_nothing(
+    pausable_server, tmp_path, monkeypatch, caplog
+) -> None:
     from mlflow import MlflowClient
 
     monkeypatch.chdir(tmp_path)
-    config = ForgeConfig.resolve(environ={}, sampling_interval_s=0.3, prometheus=False, collectors="cpu,memory",
-                                 spool_dir=str(tmp_path / "spool"))
+    config = ForgeConfig.resolve(
+        environ={},
+        sampling_interval_s=0.3,
+        prometheus=False,
+        collectors="cpu,memory",
+        spool_dir=str(tmp_path / "spool"),
+    )
     resumed = _hang_then_answer(pausable_server, JOB_START_HANG_S)
-    with TrainingRun({"lr": 0.1}, tracking_uri=pausable_server.uri, experiment="late-server", forge_config=config,
-                     launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        {"lr": 0.1},
+        tracking_uri=pausable_server.uri,
+        experiment="late-server",
+        forge_config=config,
+        launch_argv=["train.py"],
+    ) as run:
         for step in range(700):  # 70 s: the server answers again after 60
             run.log({"loss": float(step)}, step)
             time.sleep(0.1)
@@ -68,14 +79,41 @@ def test_trainingrun_opens_when_the_server_answers_and_loses_nothing(pausable_se
 def test_otel_forge_run_starts_cmd_after_its_wait_and_both_meet_in_one_run(pausable_server, tmp_path) -> None:
     from mlflow import MlflowClient
 
-    env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"), "OTEL_FORGE_START_WAIT": "2",
-                            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(HTTP_TIMEOUT_S)}, prefixes=("OTEL_", "MLFLOW_"))
+    env = hermetic_environ(
+        {
+            "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"),
+            "OTEL_FORGE_START_WAIT": "2",
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(HTTP_TIMEOUT_S),
+        },
+        prefixes=("OTEL_", "MLFLOW_"),
+    )
     experiment = f"late-{time.time_ns()}"
     resumed = _hang_then_answer(pausable_server)
-    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "run", "--tracking-uri", pausable_server.uri,
-                             "--experiment", experiment, "--no-prometheus", "--interval", "0.3", "--",
-                             sys.executable, "-c", TRAIN], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=180, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "otel_forge.cli",
+            "run",
+            "--tracking-uri",
+            pausable_server.uri,
+            "--experiment",
+            experiment,
+            "--no-prometheus",
+            "--interval",
+            "0.3",
+            "--",
+            sys.executable,
+            "-c",
+            TRAIN,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     resumed.join()
 
     assert result.returncode == 0, result.stderr

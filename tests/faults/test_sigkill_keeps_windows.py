@@ -22,10 +22,30 @@ def test_windows_of_a_killed_run_survive_in_the_spool(pausable_server, tmp_path:
     server, out, spool = pausable_server, tmp_path / "stdout.txt", tmp_path / "spool"
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(spool)}, prefixes=("OTEL_", "MLFLOW_"))
     with open(out, "w") as stdout:
-        process = subprocess.Popen([sys.executable, "-m", "otel_forge.cli", "run", "--tracking-uri", server.uri,
-                                    "--no-prometheus", "--interval", "0.2", "--collectors", "cpu,memory", "--",
-                                    sys.executable, "-c", "import time; time.sleep(120)"], env=env, stdout=stdout,
-                                   stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "otel_forge.cli",
+                "run",
+                "--tracking-uri",
+                server.uri,
+                "--no-prometheus",
+                "--interval",
+                "0.2",
+                "--collectors",
+                "cpu,memory",
+                "--",
+                sys.executable,
+                "-c",
+                "import time; time.sleep(120)",
+            ],
+            env=env,
+            stdout=stdout,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: "serving mlflow run" in out.read_text(), 60, 0.05, "the run to be sampled")
         run_id = re.search(r"otel-forge: run ([0-9a-f]{32})", out.read_text()).group(1)  # type: ignore[union-attr]
@@ -45,8 +65,15 @@ def test_windows_of_a_killed_run_survive_in_the_spool(pausable_server, tmp_path:
     waiting = len(list(kept.glob("*.window.json")))
     assert waiting >= 5, sorted(p.name for p in kept.iterdir())
 
-    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", str(kept)], capture_output=True,
-                            text=True, timeout=120, env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "otel_forge.cli", "replay", str(kept)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=hermetic_environ(),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert result.returncode == 0, (result.stdout, result.stderr)
     steps = sorted(m.step for m in client.get_metric_history(run_id, key))
     assert steps == list(range(len(steps))) and len(steps) >= 2 + waiting - 1, (steps, waiting)

@@ -25,9 +25,26 @@ def test_sigterm_during_an_outage_exits_within_20_s(pausable_server, tmp_path: P
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}, prefixes=("OTEL_", "MLFLOW_"))
     cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "otel_forge.cli", "run", "--tracking-uri", server.uri,
-                                    "--no-prometheus", "--interval", "0.2", "--", *cmd], env=env, stdout=stdout,
-                                   stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "otel_forge.cli",
+                "run",
+                "--tracking-uri",
+                server.uri,
+                "--no-prometheus",
+                "--interval",
+                "0.2",
+                "--",
+                *cmd,
+            ],
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: "serving mlflow run" in out.read_text(), 60, 0.05, "the run to open and be sampled")
         time.sleep(1.0)

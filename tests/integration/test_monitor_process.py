@@ -23,25 +23,51 @@ STOP_LIMIT_S = 3.0
 def _safe_args() -> list[str]:
     """Options that keep a run harmless should a bad value slip through: a free local port, a short
     life. The bad option comes after them (argparse: the last one wins)."""
-    return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--duration", "3",
-            "--collectors", "cpu"]
+    return [
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--duration",
+        "3",
+        "--collectors",
+        "cpu",
+    ]
 
 
 def _run_monitor(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(monitor_command(args), capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          env=agent_environment(), stdin=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.run(
+        monitor_command(args),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=agent_environment(),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
-@pytest.mark.parametrize(("bad_args", "named"), [
-    (["--interval", "0"], "--interval"),
-    (["--interval", "abc"], "--interval"),
-    (["--collectors", "cpu,nope"], "nope"),
-    (["--prometheus-port", "70000"], "--prometheus-port"),
-    (["--otlp-protocol", "carrier-pigeon"], "--otlp-protocol"),
-    (["--otlp-endpoint", "ftp://x"], "--otlp-endpoint"),
-    (["--no-such-flag"], "--no-such-flag"),
-], ids=["interval-zero", "interval-text", "unknown-collector", "port-range", "protocol", "endpoint-scheme",
-        "unknown-flag"])
+@pytest.mark.parametrize(
+    ("bad_args", "named"),
+    [
+        (["--interval", "0"], "--interval"),
+        (["--interval", "abc"], "--interval"),
+        (["--collectors", "cpu,nope"], "nope"),
+        (["--prometheus-port", "70000"], "--prometheus-port"),
+        (["--otlp-protocol", "carrier-pigeon"], "--otlp-protocol"),
+        (["--otlp-endpoint", "ftp://x"], "--otlp-endpoint"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+    ids=[
+        "interval-zero",
+        "interval-text",
+        "unknown-collector",
+        "port-range",
+        "protocol",
+        "endpoint-scheme",
+        "unknown-flag",
+    ],
+)
 def test_bad_value_is_one_line_and_exit_2(bad_args: list[str], named: str) -> None:
     result = _run_monitor(_safe_args() + bad_args)
 
@@ -98,8 +124,9 @@ def running_agent(request: pytest.FixtureRequest) -> Callable[[], tuple[AgentPro
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_stops_the_monitor_and_frees_the_port(sig: signal.Signals,
-                                                     running_agent: Callable[[], tuple[AgentProcess, int]]) -> None:
+def test_signal_stops_the_monitor_and_frees_the_port(
+    sig: signal.Signals, running_agent: Callable[[], tuple[AgentProcess, int]]
+) -> None:
     agent, port = running_agent()
     assert not _can_bind(port)
 
@@ -119,8 +146,9 @@ def test_signal_stops_the_monitor_and_frees_the_port(sig: signal.Signals,
 def test_duration_exits_0_by_itself() -> None:
     port = free_port()
     started = time.monotonic()
-    result = _run_monitor(["--prometheus-host", "127.0.0.1", "--prometheus-port", str(port), "--interval", "1",
-                           "--duration", "1"])
+    result = _run_monitor(
+        ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(port), "--interval", "1", "--duration", "1"]
+    )
     elapsed_s = time.monotonic() - started
 
     assert result.returncode == 0, result.stderr

@@ -19,11 +19,11 @@ from typing import Any
 
 import grpc
 import pytest
+from hermetic import apply_hermetic
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.sdk.version import __version__ as sdk_version
-from hermetic import apply_hermetic
 from servers import AgentProcess, spawn_agent, wait_for
 
 from otel_forge import METRICS, Agent, ForgeConfig
@@ -64,7 +64,7 @@ class Received:
 class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
     received: Received  # set on the per-server subclass
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         encoding = self.headers.get("Content-Encoding", "")
         if encoding == "gzip":
@@ -93,7 +93,7 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
     def __init__(self, received: Received) -> None:
         self.received = received
 
-    def Export(self, request: ExportRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def Export(self, request: ExportRequest, context: grpc.ServicerContext) -> Any:
         self.received.add(request)
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
@@ -126,15 +126,23 @@ class ServerCert:
         key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
         now = datetime.datetime.now(datetime.timezone.utc)
-        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                               critical=False)
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                .sign(key, hashes.SHA256()))
-        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+            )
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256())
+        )
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         return cls(key_pem, cert.public_bytes(serialization.Encoding.PEM))
 
 
@@ -160,8 +168,9 @@ def start_receiver(request: pytest.FixtureRequest) -> Callable[..., Receiver]:
             http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
             http_server.daemon_threads = True
             port = http_server.server_address[1]
-            thread = threading.Thread(target=http_server.serve_forever, kwargs={"poll_interval": 0.05},
-                                      name=RECEIVER_THREAD, daemon=True)
+            thread = threading.Thread(
+                target=http_server.serve_forever, kwargs={"poll_interval": 0.05}, name=RECEIVER_THREAD, daemon=True
+            )
             thread.start()
 
             def stop() -> None:
@@ -219,9 +228,15 @@ def _wait_for_all(receiver: Receiver, names: set[str]) -> dict[str, list[metrics
         metrics = _metrics(receiver.received.snapshot())
         return metrics if names <= set(metrics) else None
 
-    return wait_for(complete, DELIVERY_TIMEOUT_S, 0.05, message=lambda: (
-        f"{sorted(names - set(_metrics(receiver.received.snapshot())))} over OTLP {receiver.protocol} "
-        f"({len(receiver.received.requests)} requests, paths {set(receiver.received.paths)})"))
+    return wait_for(
+        complete,
+        DELIVERY_TIMEOUT_S,
+        0.05,
+        message=lambda: (
+            f"{sorted(names - set(_metrics(receiver.received.snapshot())))} over OTLP {receiver.protocol} "
+            f"({len(receiver.received.requests)} requests, paths {set(receiver.received.paths)})"
+        ),
+    )
 
 
 def _run_agent(config: ForgeConfig, request: pytest.FixtureRequest) -> Agent:
@@ -232,20 +247,32 @@ def _run_agent(config: ForgeConfig, request: pytest.FixtureRequest) -> Agent:
 
 def _agent_threads() -> set[threading.Thread]:
     """Live threads, less the receiver's own (its server loop, gRPC workers, HTTP request threads)."""
-    return {t for t in threading.enumerate()
-            if t.is_alive() and not t.name.startswith(RECEIVER_THREAD) and "process_request_thread" not in t.name}
+    return {
+        t
+        for t in threading.enumerate()
+        if t.is_alive() and not t.name.startswith(RECEIVER_THREAD) and "process_request_thread" not in t.name
+    }
 
 
 # --- tests --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
-def test_otlp_delivers_the_metric_table(protocol: str, start_receiver: Callable[[str], Receiver],
-                                        clean_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+def test_otlp_delivers_the_metric_table(
+    protocol: str,
+    start_receiver: Callable[[str], Receiver],
+    clean_env: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
     receiver = start_receiver(protocol)
     threads_before = _agent_threads()
-    config = ForgeConfig.resolve(prometheus=False, otlp_endpoint=receiver.endpoint, otlp_protocol=protocol,
-                                 sampling_interval_s=0.5, collectors=",".join(COLLECTORS))
+    config = ForgeConfig.resolve(
+        prometheus=False,
+        otlp_endpoint=receiver.endpoint,
+        otlp_protocol=protocol,
+        sampling_interval_s=0.5,
+        collectors=",".join(COLLECTORS),
+    )
     agent = _run_agent(config, request)
     assert agent.endpoints == [f"otlp {protocol} {config.otlp_metrics_url}"]
 
@@ -268,8 +295,10 @@ def test_otlp_delivers_the_metric_table(protocol: str, start_receiver: Callable[
             else:
                 assert kind == "sum", (name, kind)
                 assert metric.sum.is_monotonic is (spec.kind is Kind.COUNTER), name
-                assert metric.sum.aggregation_temporality == \
-                    metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE, name
+                assert (
+                    metric.sum.aggregation_temporality
+                    == metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+                ), name
             for point in _points(metric):
                 # Only the table's attributes, never an undeclared one.
                 assert set(_attributes(point.attributes)) <= set(spec.attributes), (name, point.attributes)
@@ -288,8 +317,12 @@ def test_otlp_delivers_the_metric_table(protocol: str, start_receiver: Callable[
     assert attribute_values("system.network.io", "network.io.direction") == {"receive", "transmit"}
     cpu_values = [p.as_double for m in metrics["system.cpu.utilization"] for p in _points(m)]
     assert cpu_values and all(0.0 <= v <= 1.0 for v in cpu_values)
-    used = [p.as_int or p.as_double for m in metrics["system.memory.usage"] for p in _points(m)
-            if _attributes(p.attributes)["system.memory.state"] == "used"]
+    used = [
+        p.as_int or p.as_double
+        for m in metrics["system.memory.usage"]
+        for p in _points(m)
+        if _attributes(p.attributes)["system.memory.state"] == "used"
+    ]
     assert used and all(v > 0 for v in used)
 
     # The resource: who sent it.
@@ -305,13 +338,18 @@ def test_otlp_delivers_the_metric_table(protocol: str, start_receiver: Callable[
     assert NODE_ID_ATTRIBUTE not in resource
 
     # Shut down: no exporter thread (or any other the agent started) is left behind.
-    wait_for(lambda: not (_agent_threads() - threads_before), 5.0, 0.05,
-             message=lambda: f"agent threads to end: {_agent_threads() - threads_before}")
+    wait_for(
+        lambda: not (_agent_threads() - threads_before),
+        5.0,
+        0.05,
+        message=lambda: f"agent threads to end: {_agent_threads() - threads_before}",
+    )
     assert not agent.running
 
 
-def test_otlp_endpoint_from_env_gets_v1_metrics(start_receiver: Callable[[str], Receiver],
-                                                clean_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+def test_otlp_endpoint_from_env_gets_v1_metrics(
+    start_receiver: Callable[[str], Receiver], clean_env: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """``OTEL_EXPORTER_OTLP_ENDPOINT`` is a base URL: the HTTP exporter posts to ``<it>/v1/metrics``."""
     receiver = start_receiver("http/protobuf")
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint + "/")
@@ -324,13 +362,22 @@ def test_otlp_endpoint_from_env_gets_v1_metrics(start_receiver: Callable[[str], 
 
 
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
-def test_otlp_resource_from_env(protocol: str, start_receiver: Callable[[str], Receiver],
-                                clean_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+def test_otlp_resource_from_env(
+    protocol: str,
+    start_receiver: Callable[[str], Receiver],
+    clean_env: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
     receiver = start_receiver(protocol)
     clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
     clean_env.setenv("OTEL_FORGE_NODE_ID", "node_3")
-    config = ForgeConfig.resolve(prometheus=False, otlp_endpoint=receiver.endpoint, otlp_protocol=protocol,
-                                 sampling_interval_s=0.5, collectors="memory")
+    config = ForgeConfig.resolve(
+        prometheus=False,
+        otlp_endpoint=receiver.endpoint,
+        otlp_protocol=protocol,
+        sampling_interval_s=0.5,
+        collectors="memory",
+    )
     _run_agent(config, request)
 
     _wait_for_all(receiver, {"system.memory.usage"})
@@ -361,17 +408,25 @@ def _spawn_monitor(args: list[str], env: dict[str, str], request: pytest.Fixture
 
 
 def _wait_serving_otlp(agent: AgentProcess, line: str) -> None:
-    wait_for(lambda: line in agent.stdout.splitlines(), DELIVERY_TIMEOUT_S, 0.05,
-             message=lambda: f"{line!r} from {agent.describe()}")
+    wait_for(
+        lambda: line in agent.stdout.splitlines(),
+        DELIVERY_TIMEOUT_S,
+        0.05,
+        message=lambda: f"{line!r} from {agent.describe()}",
+    )
 
 
 @pytest.mark.parametrize("form", HTTP_ENDPOINT_FORMS)
-def test_each_http_endpoint_form_posts_to_v1_metrics(form: str, start_receiver: Callable[..., Receiver],
-                                                     request: pytest.FixtureRequest) -> None:
+def test_each_http_endpoint_form_posts_to_v1_metrics(
+    form: str, start_receiver: Callable[..., Receiver], request: pytest.FixtureRequest
+) -> None:
     receiver = start_receiver("http/protobuf")
     args, env = HTTP_ENDPOINT_FORMS[form]
-    agent = _spawn_monitor([arg.format(base=receiver.endpoint) for arg in args],
-                           {name: value.format(base=receiver.endpoint) for name, value in env.items()}, request)
+    agent = _spawn_monitor(
+        [arg.format(base=receiver.endpoint) for arg in args],
+        {name: value.format(base=receiver.endpoint) for name, value in env.items()},
+        request,
+    )
 
     _wait_serving_otlp(agent, f"otel-forge: serving otlp http/protobuf {receiver.endpoint}/v1/metrics")
     _wait_for_all(receiver, {"system.cpu.utilization"})
@@ -382,11 +437,13 @@ def test_each_http_endpoint_form_posts_to_v1_metrics(form: str, start_receiver: 
 
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_METRICS_INSECURE"])
 def test_a_scheme_less_grpc_endpoint_delivers_in_plaintext_when_insecure_is_set(
-        variable: str, start_receiver: Callable[..., Receiver], request: pytest.FixtureRequest) -> None:
+    variable: str, start_receiver: Callable[..., Receiver], request: pytest.FixtureRequest
+) -> None:
     """``host:port`` is the OTel gRPC exporter's form; plaintext is asked for as the exporter reads it."""
     receiver = start_receiver("grpc")
-    agent = _spawn_monitor(["--otlp-protocol", "grpc", "--otlp-endpoint", receiver.host_port],
-                           {variable: "true"}, request)
+    agent = _spawn_monitor(
+        ["--otlp-protocol", "grpc", "--otlp-endpoint", receiver.host_port], {variable: "true"}, request
+    )
 
     _wait_serving_otlp(agent, f"otel-forge: serving otlp grpc {receiver.host_port}")
     _wait_for_all(receiver, {"system.cpu.utilization"})
@@ -394,35 +451,52 @@ def test_a_scheme_less_grpc_endpoint_delivers_in_plaintext_when_insecure_is_set(
     assert "Traceback" not in agent.stderr
 
 
-def test_a_scheme_less_grpc_endpoint_uses_tls_by_default(start_receiver: Callable[..., Receiver],
-                                                         clean_env: pytest.MonkeyPatch, tmp_path: Path,
-                                                         request: pytest.FixtureRequest) -> None:
+def test_a_scheme_less_grpc_endpoint_uses_tls_by_default(
+    start_receiver: Callable[..., Receiver],
+    clean_env: pytest.MonkeyPatch,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
     """Without a scheme nor an INSECURE variable the OTel exporter speaks TLS: only a TLS receiver
     (trusted through ``OTEL_EXPORTER_OTLP_CERTIFICATE``) can get the metrics."""
     cert = ServerCert.create()
     receiver = start_receiver("grpc", tls=cert)
     (tmp_path / "ca.pem").write_bytes(cert.cert_pem)
     clean_env.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(tmp_path / "ca.pem"))
-    config = ForgeConfig.resolve(prometheus=False, otlp_endpoint=receiver.host_port, otlp_protocol="grpc",
-                                 sampling_interval_s=0.2, collectors="cpu")
+    config = ForgeConfig.resolve(
+        prometheus=False,
+        otlp_endpoint=receiver.host_port,
+        otlp_protocol="grpc",
+        sampling_interval_s=0.2,
+        collectors="cpu",
+    )
     agent = _run_agent(config, request)
 
     assert agent.endpoints == [f"otlp grpc {receiver.host_port}"]
     _wait_for_all(receiver, {"system.cpu.utilization"})
 
 
-def test_a_path_on_a_grpc_endpoint_is_dropped_with_a_warning(start_receiver: Callable[..., Receiver],
-                                                             clean_env: pytest.MonkeyPatch,
-                                                             caplog: pytest.LogCaptureFixture,
-                                                             request: pytest.FixtureRequest) -> None:
+def test_a_path_on_a_grpc_endpoint_is_dropped_with_a_warning(
+    start_receiver: Callable[..., Receiver],
+    clean_env: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
+) -> None:
     receiver = start_receiver("grpc")
-    config = ForgeConfig.resolve(prometheus=False, otlp_endpoint=receiver.endpoint + "/v1/metrics",
-                                 otlp_protocol="grpc", sampling_interval_s=0.2, collectors="cpu")
+    config = ForgeConfig.resolve(
+        prometheus=False,
+        otlp_endpoint=receiver.endpoint + "/v1/metrics",
+        otlp_protocol="grpc",
+        sampling_interval_s=0.2,
+        collectors="cpu",
+    )
     with caplog.at_level(logging.WARNING, logger="otel_forge.pipeline"):
         agent = _run_agent(config, request)
 
     assert agent.endpoints == [f"otlp grpc {receiver.endpoint}"]
-    warning = (f"otlp_endpoint '{receiver.endpoint}/v1/metrics' (from argument): a gRPC endpoint has no path; "
-               f"dialing {receiver.endpoint}")
+    warning = (
+        f"otlp_endpoint '{receiver.endpoint}/v1/metrics' (from argument): a gRPC endpoint has no path; "
+        f"dialing {receiver.endpoint}"
+    )
     assert [record.getMessage() for record in caplog.records if record.name == "otel_forge.pipeline.otlp"] == [warning]
     _wait_for_all(receiver, {"system.cpu.utilization"})

@@ -18,7 +18,9 @@ def _monitor_args(port: int) -> list[str]:
 
 
 @pytest.fixture
-def scraped_agent(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., tuple[AgentProcess, PrometheusServer]]:
+def scraped_agent(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Callable[..., tuple[AgentProcess, PrometheusServer]]:
     """Start an agent (with ``env``) and a Prometheus scraping it every second; both stop after the test."""
 
     def start(env: dict[str, str] | None = None) -> tuple[AgentProcess, PrometheusServer]:
@@ -40,8 +42,12 @@ def test_prometheus_reads_cpu_memory_and_target_info(scraped_agent: Callable[...
 
     # First the agent's own /metrics: the exporter's names that the queries below rely on.
     text = agent.scrape()
-    for line in ("# TYPE system_cpu_utilization gauge", "# TYPE system_memory_usage_bytes gauge",
-                 "# TYPE system_memory_limit_bytes gauge", "# TYPE target_info gauge"):
+    for line in (
+        "# TYPE system_cpu_utilization gauge",
+        "# TYPE system_memory_usage_bytes gauge",
+        "# TYPE system_memory_limit_bytes gauge",
+        "# TYPE target_info gauge",
+    ):
         assert line in text, f"{line!r} not in the agent's /metrics"
     assert 'cpu_mode="idle"' in text and 'system_memory_state="used"' in text
 
@@ -60,8 +66,10 @@ def test_prometheus_reads_cpu_memory_and_target_info(scraped_agent: Callable[...
     assert len(used) == 1 and len(limit) == 1
     assert 0 < _values(used)[0] <= _values(limit)[0]
     # The same comparison in PromQL, label sets matched the way a dashboard matches them.
-    assert prometheus.query('system_memory_usage_bytes{system_memory_state="used"} '
-                            '<= ignoring(system_memory_state) system_memory_limit_bytes')
+    assert prometheus.query(
+        'system_memory_usage_bytes{system_memory_state="used"} '
+        "<= ignoring(system_memory_state) system_memory_limit_bytes"
+    )
 
     target = prometheus.wait_for_series('target_info{job="otel-forge"}', SCRAPE_TIMEOUT_S)
     labels = target[0]["metric"]
@@ -86,8 +94,11 @@ def test_prometheus_reads_fake_gpus(scraped_agent: Callable[..., tuple]) -> None
     utilization = wait_for(gpu_series, SCRAPE_TIMEOUT_S, 0.2, message=lambda: f"2 GPUs; agent stderr:\n{agent.stderr}")
     # The exporter's names for W gauges and J counters, as the agent serves them.
     text = agent.scrape()
-    for line in ("# TYPE hw_gpu_utilization gauge", "# TYPE hw_power_watts gauge",
-                 "# TYPE hw_energy_joules_total counter"):
+    for line in (
+        "# TYPE hw_gpu_utilization gauge",
+        "# TYPE hw_power_watts gauge",
+        "# TYPE hw_energy_joules_total counter",
+    ):
         assert line in text, f"{line!r} not in the agent's /metrics"
     assert {series["metric"]["hw_id"] for series in utilization} == {"0", "1"}
     assert {series["metric"]["hw_vendor"] for series in utilization} == {"NVIDIA"}

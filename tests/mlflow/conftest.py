@@ -7,16 +7,12 @@ the helpers here are imported as plain modules (``from otel_points import gauge`
 
 from __future__ import annotations
 
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from hermetic import apply_hermetic  # noqa: E402
-from proxy import MlflowProxy  # noqa: E402
+from hermetic import apply_hermetic
+from proxy import MlflowProxy
 
 
 @pytest.fixture(autouse=True)

@@ -44,5 +44,9 @@ def metrics_data(*metrics: Metric) -> MetricsData:
 
 def as_named_points(data: MetricsData) -> list[tuple[str, list[NumberDataPoint]]]:
     """What ``KeyMapper.sample`` takes: (metric name, data points)."""
-    return [(metric.name, list(metric.data.data_points))
-            for resource in data.resource_metrics for scope in resource.scope_metrics for metric in scope.metrics]
+    return [
+        (metric.name, list(metric.data.data_points))
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    ]

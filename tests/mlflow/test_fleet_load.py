@@ -24,7 +24,12 @@ def _steps(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-untyp
 
 def test_an_overloaded_server_answering_400_queue_pool_loses_no_window(client, experiment_id, proxy, tmp_path):
     run_id = client.create_run(experiment_id).info.run_id
-    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)))
+    exporter = MLflowMetricExporter(
+        run_id,
+        tracking_uri=proxy.uri,
+        node_id="node_0",
+        config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)),
+    )
     exporter.worker._backoff = (0.05, 0.2)
     proxy.set_mode(Mode.OVERLOAD_400)
     for value in range(20):
@@ -44,10 +49,19 @@ def test_nodes_started_together_deliver_spread_over_the_window(client, experimen
     nodes, interval_s, samples = 16, 0.25, 4
     window_s = interval_s * samples
     run_id = client.create_run(experiment_id).info.run_id
-    monitors = [otel_forge.monitor(run_id=run_id, tracking_uri=proxy.uri, node_id=f"node_{i}",
-                                   sampling_interval=interval_s, samples_per_window=samples, prometheus=False,
-                                   collectors=("memory",), spool_dir=str(tmp_path / f"spool{i}"))
-                for i in range(nodes)]
+    monitors = [
+        otel_forge.monitor(
+            run_id=run_id,
+            tracking_uri=proxy.uri,
+            node_id=f"node_{i}",
+            sampling_interval=interval_s,
+            samples_per_window=samples,
+            prometheus=False,
+            collectors=("memory",),
+            spool_dir=str(tmp_path / f"spool{i}"),
+        )
+        for i in range(nodes)
+    ]
     time.sleep(4.5 * window_s)
     stopped_at = time.time()
     for monitor in monitors:
@@ -70,12 +84,20 @@ def test_nodes_started_together_deliver_spread_over_the_window(client, experimen
 
 def test_an_unchanged_value_is_sent_every_tenth_window(client, experiment_id, tmp_path):
     run_id = client.create_run(experiment_id).info.run_id
-    exporter = MLflowMetricExporter(run_id, tracking_uri=client.tracking_uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)))
+    exporter = MLflowMetricExporter(
+        run_id,
+        tracking_uri=client.tracking_uri,
+        node_id="node_0",
+        config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)),
+    )
     for window in range(25):
-        exporter.export(metrics_data(
-            gauge("otel_forge.cpu.utilization", [({}, window / 100)]),  # changes every window
-            gauge("system.memory.limit", [({}, 64 << 30)], unit="By"),  # never changes
-            gauge("system.memory.utilization", [({"system.memory.state": "used"}, 0.5 if window < 12 else 0.7)])))
+        exporter.export(
+            metrics_data(
+                gauge("otel_forge.cpu.utilization", [({}, window / 100)]),  # changes every window
+                gauge("system.memory.limit", [({}, 64 << 30)], unit="By"),  # never changes
+                gauge("system.memory.utilization", [({"system.memory.state": "used"}, 0.5 if window < 12 else 0.7)]),
+            )
+        )
         time.sleep(0.002)
     exporter.shutdown()
 
@@ -83,16 +105,27 @@ def test_an_unchanged_value_is_sent_every_tenth_window(client, experiment_id, tm
     assert _steps(client, run_id, "system/node_0/system_memory_total_megabytes") == [0, 10, 20]
     # Sent when it changed (12), then refreshed 10 windows after: a chart's line goes on.
     assert _steps(client, run_id, "system/node_0/system_memory_usage_percentage") == [0, 10, 12, 22]
-    values = [m.value for m in sorted(client.get_metric_history(run_id, "system/node_0/system_memory_usage_percentage"),
-                                      key=lambda m: m.step)]
+    values = [
+        m.value
+        for m in sorted(
+            client.get_metric_history(run_id, "system/node_0/system_memory_usage_percentage"), key=lambda m: m.step
+        )
+    ]
     assert values == [50.0, 50.0, 70.0, 70.0]
 
 
 def test_an_agent_told_the_experiment_never_reads_the_run(client, experiment_id, proxy, tmp_path):
     run_id = client.create_run(experiment_id).info.run_id
-    monitor = otel_forge.monitor(run_id=run_id, experiment_id=experiment_id, tracking_uri=proxy.uri,
-                                 node_id="node_9", sampling_interval=0.1, prometheus=False, collectors=("memory",),
-                                 spool_dir=str(tmp_path))
+    monitor = otel_forge.monitor(
+        run_id=run_id,
+        experiment_id=experiment_id,
+        tracking_uri=proxy.uri,
+        node_id="node_9",
+        sampling_interval=0.1,
+        prometheus=False,
+        collectors=("memory",),
+        spool_dir=str(tmp_path),
+    )
     wait_for(lambda: proxy.count(LOG_BATCH) >= 3, 10, 0.05, message="three windows")
     monitor.stop()
     assert proxy.count(GET_RUN) == 0  # a node of a large run starts without reading it

@@ -25,8 +25,14 @@ def _export(exporter: MLflowMetricExporter, values: list[float]) -> None:
 def test_force_flush_closes_the_open_window_and_returns_once_it_is_delivered(client, experiment_id, tmp_path):
     run_id = client.create_run(experiment_id).info.run_id
     # A window of 5 samples, delivered 60 s into the next window: only a flush sends it now.
-    exporter = MLflowMetricExporter(run_id, tracking_uri=client.tracking_uri, node_id="node_0", samples_per_window=5,
-                                    delivery_phase_s=60, config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)))
+    exporter = MLflowMetricExporter(
+        run_id,
+        tracking_uri=client.tracking_uri,
+        node_id="node_0",
+        samples_per_window=5,
+        delivery_phase_s=60,
+        config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)),
+    )
     try:
         _export(exporter, [0.2, 0.4])
         assert KEY not in client.get_run(run_id).data.metrics
@@ -42,7 +48,13 @@ def test_force_flush_closes_the_open_window_and_returns_once_it_is_delivered(cli
 
 def test_force_flush_says_false_when_delivery_outlasts_its_timeout(client, experiment_id, proxy, tmp_path):
     run_id = client.create_run(experiment_id).info.run_id
-    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", samples_per_window=1, config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)))
+    exporter = MLflowMetricExporter(
+        run_id,
+        tracking_uri=proxy.uri,
+        node_id="node_0",
+        samples_per_window=1,
+        config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)),
+    )
     proxy.set_mode(Mode.DELAY, delay_s=2.0)
     _export(exporter, [0.1])
     assert exporter.force_flush(timeout_millis=100) is False
@@ -56,7 +68,13 @@ def test_the_providers_shutdown_budget_reaches_the_drain(client, experiment_id, 
     """The SDK's reader calls ``exporter.shutdown(timeout=<ms left>)``: a 60 s drain deadline does not
     hold a provider shut down with 300 ms; what is not delivered by then stays in the spool."""
     run_id = client.create_run(experiment_id).info.run_id
-    exporter = MLflowMetricExporter(run_id, tracking_uri=proxy.uri, node_id="node_0", samples_per_window=1, config=ForgeConfig.resolve(environ={}, drain_deadline_s=60, spool_dir=str(tmp_path)))
+    exporter = MLflowMetricExporter(
+        run_id,
+        tracking_uri=proxy.uri,
+        node_id="node_0",
+        samples_per_window=1,
+        config=ForgeConfig.resolve(environ={}, drain_deadline_s=60, spool_dir=str(tmp_path)),
+    )
     provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(exporter, export_interval_millis=3_600_000)])
     proxy.set_mode(Mode.DELAY, delay_s=1.0)  # each log_batch takes 1 s: 5 windows need 5 s
     _export(exporter, [0.1, 0.2, 0.3, 0.4, 0.5])

@@ -23,9 +23,17 @@ NOWHERE = "http://127.0.0.1:{port}"  # a refused port: every delivery fails, win
 
 
 def _monitor_into_nowhere(spool_dir: Path, **settings):  # type: ignore[no-untyped-def]
-    return otel_forge.monitor(run_id="0" * 32, tracking_uri=NOWHERE.format(port=free_port()), node_id="node_0",
-                              sampling_interval=0.05, prometheus=False, collectors=("memory",),
-                              spool_dir=str(spool_dir), drain_deadline_s=0.2, **settings)
+    return otel_forge.monitor(
+        run_id="0" * 32,
+        tracking_uri=NOWHERE.format(port=free_port()),
+        node_id="node_0",
+        sampling_interval=0.05,
+        prometheus=False,
+        collectors=("memory",),
+        spool_dir=str(spool_dir),
+        drain_deadline_s=0.2,
+        **settings,
+    )
 
 
 def _thread_errors(monkeypatch) -> list[BaseException]:  # type: ignore[no-untyped-def]
@@ -75,23 +83,41 @@ def test_spool_files_are_readable_by_their_owner_only(tmp_path) -> None:
     directory = monitor.exporter.spool.path
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     files = list(directory.iterdir())
-    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files), \
-        [(f.name, oct(f.stat().st_mode)) for f in files]
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files), [
+        (f.name, oct(f.stat().st_mode)) for f in files
+    ]
 
 
 def test_replay_sets_a_corrupt_or_foreign_file_aside_and_delivers_the_rest(client, experiment_id, tmp_path) -> None:
     run_id = client.create_run(experiment_id).info.run_id
-    spool = WindowSpool(tmp_path / "spool", 1 << 20, header={"run_id": run_id, "node_id": "node_0",
-                                                            "prefix": "system/node_0/", "first_step": 0})
+    spool = WindowSpool(
+        tmp_path / "spool",
+        1 << 20,
+        header={"run_id": run_id, "node_id": "node_0", "prefix": "system/node_0/", "first_step": 0},
+    )
     for index in range(4):
         assert spool.append(Window(index, 1_700_000_000_000 + index, (("system/node_0/x", float(index)),)))
     files = sorted((tmp_path / "spool").glob("*.window.json"))
     files[1].write_text("{ not json")
     files[2].write_text(json.dumps({"something": "else"}))
 
-    result = subprocess.run([sys.executable, "-m", "otel_forge.cli", "replay", str(tmp_path / "spool"),
-                             "--tracking-uri", client.tracking_uri], capture_output=True, text=True, timeout=120,
-                            env=hermetic_environ(), stdin=subprocess.DEVNULL, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "otel_forge.cli",
+            "replay",
+            str(tmp_path / "spool"),
+            "--tracking-uri",
+            client.tracking_uri,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=hermetic_environ(),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "delivered 2 window(s)" in result.stdout

@@ -3,15 +3,11 @@ file for the tasks to run in (helpers.py and jobsim.py hold the rest)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from hermetic import apply_hermetic  # noqa: E402
-from helpers import LAUNCH_TOML, git  # noqa: E402
+from helpers import LAUNCH_TOML, git
+from hermetic import apply_hermetic
 
 
 @pytest.fixture(autouse=True)

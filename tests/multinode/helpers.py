@@ -22,9 +22,22 @@ JOB_KEY_TAG = "otel_forge.job.key"
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=otel-forge tests", "-c", "user.email=tests@example.invalid",
-                           "-c", "commit.gpgsign=false", *args], cwd=repo, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        [
+            "git",
+            "-c",
+            "user.name=otel-forge tests",
+            "-c",
+            "user.email=tests@example.invalid",
+            "-c",
+            "commit.gpgsign=false",
+            *args,
+        ],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def unique(name: str) -> str:
@@ -33,10 +46,16 @@ def unique(name: str) -> str:
 
 def task_environ(tracking_uri: str, experiment: str, tmp: Path) -> dict[str, str]:
     """What every task of a job gets besides its launcher's variables: the server, a fast interval."""
-    return {"MLFLOW_TRACKING_URI": tracking_uri, "MLFLOW_EXPERIMENT_NAME": experiment,
-            "OTEL_FORGE_SAMPLING_INTERVAL": "0.3", "OTEL_FORGE_PROMETHEUS": "false",
-            "OTEL_FORGE_COLLECTORS": "cpu,memory,process", "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
-            "TMPDIR": str(tmp), "GIT_CONFIG_NOSYSTEM": "1"}
+    return {
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "MLFLOW_EXPERIMENT_NAME": experiment,
+        "OTEL_FORGE_SAMPLING_INTERVAL": "0.3",
+        "OTEL_FORGE_PROMETHEUS": "false",
+        "OTEL_FORGE_COLLECTORS": "cpu,memory,process",
+        "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
+        "TMPDIR": str(tmp),
+        "GIT_CONFIG_NOSYSTEM": "1",
+    }
 
 
 @dataclass
@@ -58,8 +77,15 @@ class JobResult:
         return describe(self.finished)
 
 
-def run_job(launcher: str, argv: Callable[[Task], Sequence[str]], tmp: Path, tracking_uri: str, cwd: Path,
-            experiment: str | None = None, **job_options: Any) -> JobResult:
+def run_job(
+    launcher: str,
+    argv: Callable[[Task], Sequence[str]],
+    tmp: Path,
+    tracking_uri: str,
+    cwd: Path,
+    experiment: str | None = None,
+    **job_options: Any,
+) -> JobResult:
     """Start a job's tasks together and wait for all of them."""
     if launcher == "mpi":
         assert shutil.which("unshare"), "unshare (util-linux) gives each simulated MPI node its host name"
@@ -106,5 +132,6 @@ def contiguous(steps: list[int]) -> bool:
 
 
 def describe(finished: list[Finished]) -> str:
-    return "\n".join(f"task {f.task.rank} (node {f.task.node}) exit {f.returncode}\n{f.stdout}\n{f.stderr}"
-                     for f in finished)
+    return "\n".join(
+        f"task {f.task.rank} (node {f.task.node}) exit {f.returncode}\n{f.stdout}\n{f.stderr}" for f in finished
+    )

@@ -26,14 +26,18 @@ def wrapped(*task_args: str):  # type: ignore[no-untyped-def]
 
 
 def trainingrun(*task_args: str):  # type: ignore[no-untyped-def]
-    return lambda task: [*TASK, "--api", "trainingrun", "--rank", str(task.rank), "--node", str(task.node),
-                         *task_args]
+    return lambda task: [*TASK, "--api", "trainingrun", "--rank", str(task.rank), "--node", str(task.node), *task_args]
 
 
 def test_a_node_that_fails_after_rank_0_finished_fails_the_run(mlflow_server, client, job_repo, tmp_path) -> None:
     # Node 1 trains 8 s, rank 0 only 1 s: rank 0 ends the run FINISHED first, node 1 then exits 3.
-    result = run_job("slurm", wrapped("--api", "mlflow", "--seconds", "1", "--node-seconds", "1:8",
-                                      "--fail-node", "1", "--exit-code", "3"), tmp_path, mlflow_server.uri, job_repo)
+    result = run_job(
+        "slurm",
+        wrapped("--api", "mlflow", "--seconds", "1", "--node-seconds", "1:8", "--fail-node", "1", "--exit-code", "3"),
+        tmp_path,
+        mlflow_server.uri,
+        job_repo,
+    )
 
     assert result.codes() == [0, 0, 3, 3], result.describe()
     run = the_run(client, result.experiment)
@@ -46,10 +50,14 @@ def test_a_node_that_fails_after_rank_0_finished_fails_the_run(mlflow_server, cl
     assert node_1[-1].timestamp > node_0[-1].timestamp + 1500, (node_0[-1], node_1[-1])
 
 
-def test_a_rank_that_raises_fails_the_run_though_rank_0_ends_well(mlflow_server, client, job_repo,
-                                                                    tmp_path) -> None:
-    result = run_job("slurm", trainingrun("--seconds", "6", "--node-seconds", "1:3", "--raise-on-node", "1"),
-                     tmp_path, mlflow_server.uri, job_repo)
+def test_a_rank_that_raises_fails_the_run_though_rank_0_ends_well(mlflow_server, client, job_repo, tmp_path) -> None:
+    result = run_job(
+        "slurm",
+        trainingrun("--seconds", "6", "--node-seconds", "1:3", "--raise-on-node", "1"),
+        tmp_path,
+        mlflow_server.uri,
+        job_repo,
+    )
 
     assert result.codes()[:2] == [0, 0] and all(code != 0 for code in result.codes()[2:]), result.describe()
     run = the_run(client, result.experiment)
@@ -60,15 +68,30 @@ def test_a_rank_that_raises_fails_the_run_though_rank_0_ends_well(mlflow_server,
 
 def test_a_requeued_job_continues_its_run(mlflow_server, client, job_repo, tmp_path) -> None:
     experiment = unique("requeue")
-    first = run_job("slurm", trainingrun("--seconds", "5", "--raise-on-node", "1"), tmp_path, mlflow_server.uri,
-                    job_repo, experiment=experiment, name="attempt1")
+    first = run_job(
+        "slurm",
+        trainingrun("--seconds", "5", "--raise-on-node", "1"),
+        tmp_path,
+        mlflow_server.uri,
+        job_repo,
+        experiment=experiment,
+        name="attempt1",
+    )
     run = the_run(client, experiment)
     assert run.info.status == "FAILED"
     before = {node: node_steps(client, run.info.run_id, node) for node in ("node_0", "node_1")}
 
     # SLURM requeues the job: same job id and step, every task started again.
-    second = run_job("slurm", trainingrun("--seconds", "5", "--first-step", "10"), tmp_path, mlflow_server.uri,
-                     job_repo, experiment=experiment, name="attempt2", job_id=first.job.job_id)
+    second = run_job(
+        "slurm",
+        trainingrun("--seconds", "5", "--first-step", "10"),
+        tmp_path,
+        mlflow_server.uri,
+        job_repo,
+        experiment=experiment,
+        name="attempt2",
+        job_id=first.job.job_id,
+    )
 
     assert second.codes() == [0, 0, 0, 0], second.describe()
     run = the_run(client, experiment)  # still one run
@@ -85,23 +108,52 @@ def test_cmd_leftovers_cannot_rewrite_the_final_status(mlflow_server, client, tm
     # MLflow's atexit would end the run FINISHED.
     experiment = unique("orphan")
     env = hermetic_environ(task_environ(mlflow_server.uri, experiment, tmp_path))
-    result = subprocess.run([*FORGE, "run", "--", *TASK, "--rank", "0", "--node", "0", "--seconds", "0.5",
-                             "--exit-code", "3", "--orphan-s", "2"], check=False, cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [
+            *FORGE,
+            "run",
+            "--",
+            *TASK,
+            "--rank",
+            "0",
+            "--node",
+            "0",
+            "--seconds",
+            "0.5",
+            "--exit-code",
+            "3",
+            "--orphan-s",
+            "2",
+        ],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
     assert result.returncode == 3, result.stderr
     assert "left 1 process(es) running" in result.stderr
     run_id = the_run(client, experiment).info.run_id
     time.sleep(3)  # past the moment the orphan would have ended the run
     assert client.get_run(run_id).info.status == "FAILED"
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "mlflow.start_run()" in " ".join(p.info["cmdline"] or [])]
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if "mlflow.start_run()" in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 def _monitor(run_id: str, task: Task, env: dict[str, str], cwd: Path, job_id: str) -> subprocess.Popen[str]:
     """``srun --ntasks-per-node=1 otel-forge monitor --run-id RUN`` on ``task``'s node."""
-    return subprocess.Popen([*FORGE, "monitor", "--run-id", run_id, "--no-prometheus"], cwd=cwd,
-                            env=hermetic_environ({**env, **slurm_environ(job_id, task, step="1")}),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [*FORGE, "monitor", "--run-id", run_id, "--no-prometheus"],
+        cwd=cwd,
+        env=hermetic_environ({**env, **slurm_environ(job_id, task, step="1")}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_a_second_agent_for_a_node_stands_down_with_one_warning(mlflow_server, client, job_repo, tmp_path) -> None:
@@ -118,8 +170,12 @@ def test_a_second_agent_for_a_node_stands_down_with_one_warning(mlflow_server, c
     _, monitor_err = monitor.communicate(timeout=60)
 
     assert [f.returncode for f in finished] == [0, 0] and monitor.returncode == 0, (monitor_err, finished)
-    warnings = [line for text in (monitor_err, *(f.stderr for f in finished)) for line in text.splitlines()
-                if "already writes system/node_0/" in line]
+    warnings = [
+        line
+        for text in (monitor_err, *(f.stderr for f in finished))
+        for line in text.splitlines()
+        if "already writes system/node_0/" in line
+    ]
     assert len(warnings) == 1, (warnings, monitor_err, finished)
     for node in ("node_0", "node_1"):
         steps = node_steps(client, run_id, node)
@@ -150,13 +206,35 @@ def test_otel_forge_run_wrapping_the_launcher_samples_every_node(mlflow_server, 
     # node 1 by its own TrainingRun (local rank 0), each once.
     experiment = unique("batch-node")
     job_id = unique("slurm")[-8:]
-    batch = {"SLURM_JOB_ID": job_id, "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "2", "SLURM_PROCID": "0",
-             "SLURM_LOCALID": "0"}
+    batch = {
+        "SLURM_JOB_ID": job_id,
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
     env = hermetic_environ({**task_environ(mlflow_server.uri, experiment, tmp_path), **batch})
-    launcher = [sys.executable, str(Path(TASK[1]).parent / "srun_like.py"), "--job-id", job_id, "--",
-                *TASK, "--api", "trainingrun", "--seconds", "6"]
-    result = subprocess.run([*FORGE, "run", "--", *launcher], check=False, cwd=job_repo, env=env, capture_output=True, text=True,
-                            timeout=120)
+    launcher = [
+        sys.executable,
+        str(Path(TASK[1]).parent / "srun_like.py"),
+        "--job-id",
+        job_id,
+        "--",
+        *TASK,
+        "--api",
+        "trainingrun",
+        "--seconds",
+        "6",
+    ]
+    result = subprocess.run(
+        [*FORGE, "run", "--", *launcher],
+        check=False,
+        cwd=job_repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
     assert result.returncode == 0, result.stderr
     assert "already writes" not in result.stderr, result.stderr

@@ -14,16 +14,41 @@ from jobsim import FORGE, TASK
 
 PATTERNS = {
     # srun otel-forge run -- python train.py: one wrapper per task; CMD uses MLflow's own API.
-    "otel-forge-run": lambda task: [*FORGE, "run", "--", *TASK, "--api", "mlflow", "--rank", str(task.rank),
-                                    "--node", str(task.node), "--seconds", "3", "cfg.toml"],
+    "otel-forge-run": lambda task: [
+        *FORGE,
+        "run",
+        "--",
+        *TASK,
+        "--api",
+        "mlflow",
+        "--rank",
+        str(task.rank),
+        "--node",
+        str(task.node),
+        "--seconds",
+        "3",
+        "cfg.toml",
+    ],
     # The same script in every rank, with TrainingRun.
-    "trainingrun": lambda task: [*TASK, "--api", "trainingrun", "--rank", str(task.rank), "--node", str(task.node),
-                                 "--seconds", "6"],
+    "trainingrun": lambda task: [
+        *TASK,
+        "--api",
+        "trainingrun",
+        "--rank",
+        str(task.rank),
+        "--node",
+        str(task.node),
+        "--seconds",
+        "6",
+    ],
 }
 
 
-@pytest.fixture(scope="module", params=[(launcher, pattern) for launcher in ("slurm", "torchrun", "mpi")
-                                        for pattern in PATTERNS], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(launcher, pattern) for launcher in ("slurm", "torchrun", "mpi") for pattern in PATTERNS],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def job_result(request, mlflow_server, job_repo, tmp_path_factory) -> JobResult:  # type: ignore[no-untyped-def]
     launcher, pattern = request.param
     tmp = tmp_path_factory.mktemp(f"{launcher}-{pattern}")
@@ -50,8 +75,10 @@ def test_the_run_has_the_jobs_params_git_state_and_key(job_result: JobResult, cl
     tags, params = run.data.tags, run.data.params
     assert tags["mlflow.source.git.commit"] == git(job_result.cwd, "rev-parse", "HEAD")
     assert tags["otel_forge.job.key"].startswith(job_result.job.launcher)
-    assert tags["otel_forge.job.key"].endswith(job_result.job.job_id) or job_result.job.job_id in tags[
-        "otel_forge.job.key"]
+    assert (
+        tags["otel_forge.job.key"].endswith(job_result.job.job_id)
+        or job_result.job.job_id in tags["otel_forge.job.key"]
+    )
     # The launch file (otel-forge run) or TrainingRun's config, recorded once by rank 0.
     assert params.get("optim.lr") == "0.1" or params.get("lr") == "0.1", params
     # Training metrics from rank 0 only (MLflow's API or TrainingRun.log).

@@ -26,12 +26,38 @@ def test_otel_forge_run_per_node_around_torchrun(spelling, mlflow_server, client
     sep = "-" if spelling == "dashes" else "_"
 
     def node(rank: int) -> subprocess.Popen[str]:
-        argv = [*FORGE, "run", "--", torchrun, "--nnodes", "2", f"--node{sep}rank", str(rank),
-                f"--nproc{sep}per{sep}node=2", f"--rdzv{sep}id", rdzv_id, f"--master{sep}addr", "127.0.0.1",
-                f"--master{sep}port", str(port), str(SCRIPTS / "task.py"), "--api", "trainingrun", "--seconds", "6"]
+        argv = [
+            *FORGE,
+            "run",
+            "--",
+            torchrun,
+            "--nnodes",
+            "2",
+            f"--node{sep}rank",
+            str(rank),
+            f"--nproc{sep}per{sep}node=2",
+            f"--rdzv{sep}id",
+            rdzv_id,
+            f"--master{sep}addr",
+            "127.0.0.1",
+            f"--master{sep}port",
+            str(port),
+            str(SCRIPTS / "task.py"),
+            "--api",
+            "trainingrun",
+            "--seconds",
+            "6",
+        ]
         env = hermetic_environ(task_environ(mlflow_server.uri, experiment, tmp_path))
-        return subprocess.Popen(argv, cwd=job_repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            cwd=job_repo,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
     nodes = [node(0), node(1)]
     try:

@@ -3,15 +3,9 @@ name per test (the client of the session server is tests/conftest.py's)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from hermetic import apply_hermetic  # noqa: E402
-from trun_helpers import unique  # noqa: E402
+from hermetic import apply_hermetic
+from trun_helpers import unique
 
 
 @pytest.fixture(autouse=True)

@@ -18,8 +18,14 @@ def test_register_checkpoint_once_per_step(mlflow_server, client, experiment, tm
     checkpoint.mkdir()
     (checkpoint / "weights.bin").write_bytes(b"\0" * 16)
     with MlflowProxy(mlflow_server.uri) as proxy:
-        run = TrainingRun(tracking_uri=proxy.uri, experiment=experiment, run_name="ckpt-run", system_metrics=False,
-                          register_checkpoints=True, launch_argv=["train.py"])
+        run = TrainingRun(
+            tracking_uri=proxy.uri,
+            experiment=experiment,
+            run_name="ckpt-run",
+            system_metrics=False,
+            register_checkpoints=True,
+            launch_argv=["train.py"],
+        )
         try:
             assert run.checkpoint_fields(100) is None  # not open yet: no fields, no I/O
             assert proxy.total() == 0
@@ -29,8 +35,9 @@ def test_register_checkpoint_once_per_step(mlflow_server, client, experiment, tm
             assert proxy.total() == requests  # from memory
             run.register_checkpoint(100, checkpoint)
             run.register_checkpoint(100, checkpoint)  # again: still one model
-            fields = wait_for(lambda: "model_id" in (run.checkpoint_fields(100) or {}) and run.checkpoint_fields(100),
-                              30, 0.05)
+            fields = wait_for(
+                lambda: "model_id" in (run.checkpoint_fields(100) or {}) and run.checkpoint_fields(100), 30, 0.05
+            )
             requests = proxy.total()
             assert run.checkpoint_fields(100) == fields
             assert proxy.total() == requests
@@ -50,22 +57,39 @@ def test_register_checkpoint_once_per_step(mlflow_server, client, experiment, tm
     assert str(model.status).endswith("READY")
 
     # A fresh process resuming the same run registers the same step: the model is found, not duplicated.
-    with TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, run_id=run.run_id,
-                     system_metrics=False, register_checkpoints=True, launch_argv=["train.py"]) as resumed:
+    with TrainingRun(
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        run_id=run.run_id,
+        system_metrics=False,
+        register_checkpoints=True,
+        launch_argv=["train.py"],
+    ) as resumed:
         assert resumed.start()
         resumed.register_checkpoint(100, checkpoint)
         resumed.register_checkpoint(200, checkpoint)
-        again = wait_for(lambda: "model_id" in (resumed.checkpoint_fields(100) or {})
-                         and "model_id" in (resumed.checkpoint_fields(200) or {}) and resumed.checkpoint_fields(100),
-                         30, 0.05)
+        again = wait_for(
+            lambda: (
+                "model_id" in (resumed.checkpoint_fields(100) or {})
+                and "model_id" in (resumed.checkpoint_fields(200) or {})
+                and resumed.checkpoint_fields(100)
+            ),
+            30,
+            0.05,
+        )
     assert again == fields
     assert [m.model_id for m in _models(client, experiment_id, "ckpt-run-step-100")] == [fields["model_id"]]
     assert len(_models(client, experiment_id, "ckpt-run-step-200")) == 1
 
 
 def test_checkpoints_off_by_default(mlflow_server, client, experiment, tmp_path):
-    with TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, run_name="no-ckpt",
-                     system_metrics=False, launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        run_name="no-ckpt",
+        system_metrics=False,
+        launch_argv=["train.py"],
+    ) as run:
         assert run.start()
         run.register_checkpoint(1, tmp_path)
         assert run.checkpoint_fields(1) is None

@@ -26,9 +26,15 @@ def _leaks(records: list[logging.LogRecord]) -> list[str]:
 
 
 def _open_log_close(uri: str, experiment: str, tmp_path: Path) -> tuple[TrainingRun, dict | None]:
-    run = TrainingRun({"lr": 0.1, "data": {"url": f"https://bob:{SECRET}@data.example.com/x"}},
-                      tracking_uri=uri, experiment=experiment, run_name="cred-run", system_metrics=False,
-                      register_checkpoints=True, launch_argv=["train.py"])
+    run = TrainingRun(
+        {"lr": 0.1, "data": {"url": f"https://bob:{SECRET}@data.example.com/x"}},
+        tracking_uri=uri,
+        experiment=experiment,
+        run_name="cred-run",
+        system_metrics=False,
+        register_checkpoints=True,
+        launch_argv=["train.py"],
+    )
     try:
         assert run.start()  # the server ignores basic auth: the run opens
         run.log({"loss": 1.0}, step=0)
@@ -40,14 +46,19 @@ def _open_log_close(uri: str, experiment: str, tmp_path: Path) -> tuple[Training
     return run, entry
 
 
-def test_credentials_in_the_uri_reach_no_log_tag_param_or_entry(mlflow_server, client, experiment, tmp_path,
-                                                                monkeypatch, caplog):
+def test_credentials_in_the_uri_reach_no_log_tag_param_or_entry(
+    mlflow_server, client, experiment, tmp_path, monkeypatch, caplog
+):
     caplog.set_level(logging.DEBUG)  # every logger, every level
     caplog.set_level(logging.DEBUG, logger="urllib3")  # even if an earlier in-process CLI test quieted it
     monkeypatch.chdir(tmp_path)
     run, entry = _open_log_close(_with_userinfo(mlflow_server.uri), experiment, tmp_path)
-    assert entry == {"backend": "mlflow", "run_id": run.run_id, "experiment": experiment,
-                     "tracking_uri": mlflow_server.uri}
+    assert entry == {
+        "backend": "mlflow",
+        "run_id": run.run_id,
+        "experiment": experiment,
+        "tracking_uri": mlflow_server.uri,
+    }
     assert SECRET not in json.dumps(entry)
     data = client.get_run(run.run_id)
     assert data.info.status == "FINISHED"
@@ -65,14 +76,18 @@ def test_credentials_do_not_reach_stdout(mlflow_server, experiment, tmp_path, mo
     assert SECRET not in captured.out + captured.err
 
 
-def test_a_delivery_failure_does_not_log_the_credentials(mlflow_server, experiment, tmp_path, monkeypatch,
-                                                         caplog):
+def test_a_delivery_failure_does_not_log_the_credentials(mlflow_server, experiment, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with MlflowProxy(mlflow_server.uri) as proxy:
-        run = TrainingRun(tracking_uri=_with_userinfo(proxy.uri), experiment=experiment, system_metrics=False,
-                          launch_argv=["train.py"], forge_config=ForgeConfig.resolve(drain_deadline_s=1))
+        run = TrainingRun(
+            tracking_uri=_with_userinfo(proxy.uri),
+            experiment=experiment,
+            system_metrics=False,
+            launch_argv=["train.py"],
+            forge_config=ForgeConfig.resolve(drain_deadline_s=1),
+        )
         try:
             assert run.start()
             proxy.fail_paths.add(LOG_BATCH)  # the server answers 500: delivery is retried, a warning said

@@ -40,8 +40,13 @@ class Color(enum.Enum):
 
 def test_nested_dataclass_dict_and_lists_become_dotted_params():
     assert flatten_params(Train()) == {
-        "model.dim": "8", "model.layers.0": "4", "model.layers.1": "4",
-        "optim.name": "adamw", "optim.lr": "0.0003", "optim.betas.0": "0.9", "optim.betas.1": "0.95",
+        "model.dim": "8",
+        "model.layers.0": "4",
+        "model.layers.1": "4",
+        "optim.name": "adamw",
+        "optim.lr": "0.0003",
+        "optim.betas.0": "0.9",
+        "optim.betas.1": "0.95",
         "seed": "0",
     }
 
@@ -93,8 +98,7 @@ def test_pydantic_model_nested_and_inside_a_dataclass():
         note: str | None = None
 
     assert config_as_dict(Config()) == {"data": {"path": "/data", "shards": [0, 1]}, "batch": 32, "note": None}
-    assert flatten_params(Config()) == {"data.path": "/data", "data.shards.0": "0", "data.shards.1": "1",
-                                        "batch": "32"}
+    assert flatten_params(Config()) == {"data.path": "/data", "data.shards.0": "0", "data.shards.1": "1", "batch": "32"}
 
     @dataclasses.dataclass
     class Outer:
@@ -123,8 +127,12 @@ def test_a_value_that_cannot_be_read_costs_only_itself():
     recursive["self"] = recursive
     plain = config_as_dict({"odd": Unprintable(), "loop": recursive, "ok": 1})
     assert plain == {"odd": "<unprintable Unprintable>", "loop": {"lr": 0.1, "self": "<cycle>"}, "ok": 1}
-    assert flatten_params(plain) == {"odd": "<unprintable Unprintable>", "loop.lr": "0.1", "loop.self": "<cycle>",
-                                     "ok": "1"}
+    assert flatten_params(plain) == {
+        "odd": "<unprintable Unprintable>",
+        "loop.lr": "0.1",
+        "loop.self": "<cycle>",
+        "ok": "1",
+    }
 
 
 def test_batches_of_one_hundred():

@@ -16,8 +16,13 @@ from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG, job_tag
 from otel_forge.mlflow.training.training_run import TrainingRun
 from otel_forge.node import NodeIdentity
 
-SLURM_NODE_1 = {"SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
-                "SLURM_NTASKS": "4"}
+SLURM_NODE_1 = {
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NTASKS": "4",
+}
 
 
 def _node(environ: dict[str, str]) -> NodeIdentity:
@@ -27,8 +32,13 @@ def _node(environ: dict[str, str]) -> NodeIdentity:
 def test_a_run_created_beforehand_is_described_once(mlflow_server, client, experiment, tmp_path, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the project's repository: git state to record
     run_id = client.create_run(client.create_experiment(experiment)).info.run_id
-    with TrainingRun({"lr": 0.1, "model": {"dim": 8}}, tracking_uri=mlflow_server.uri, run_id=run_id,
-                     system_metrics=False, launch_argv=["train.py"]) as first:
+    with TrainingRun(
+        {"lr": 0.1, "model": {"dim": 8}},
+        tracking_uri=mlflow_server.uri,
+        run_id=run_id,
+        system_metrics=False,
+        launch_argv=["train.py"],
+    ) as first:
         first.log({"loss": 1.0}, step=0)
     described = client.get_run(run_id).data
     assert described.params == {"lr": "0.1", "model.dim": "8"}
@@ -36,8 +46,13 @@ def test_a_run_created_beforehand_is_described_once(mlflow_server, client, exper
     config_json = client.download_artifacts(run_id, "config.json", str(tmp_path / "first"))
     assert json.loads(Path(config_json).read_text()) == {"lr": 0.1, "model": {"dim": 8}}
 
-    with TrainingRun({"lr": 0.9, "other": 1}, tracking_uri=mlflow_server.uri, run_id=run_id, system_metrics=False,
-                     launch_argv=["train.py"]) as again:
+    with TrainingRun(
+        {"lr": 0.9, "other": 1},
+        tracking_uri=mlflow_server.uri,
+        run_id=run_id,
+        system_metrics=False,
+        launch_argv=["train.py"],
+    ) as again:
         again.log({"loss": 0.5}, step=1)
     after = client.get_run(run_id).data
     assert (after.params, after.tags) == (described.params, described.tags)
@@ -47,11 +62,22 @@ def test_a_run_created_beforehand_is_described_once(mlflow_server, client, exper
 
 def test_another_rank_finds_the_jobs_run_by_key_without_reading_the_run(mlflow_server, client, experiment):
     key = unique("slurm")
-    owner = TrainingRun({"lr": 0.1}, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                        node=_node({"SLURM_JOB_ID": key, "SLURM_PROCID": "0"}), launch_argv=["train.py"])
+    owner = TrainingRun(
+        {"lr": 0.1},
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        system_metrics=False,
+        node=_node({"SLURM_JOB_ID": key, "SLURM_PROCID": "0"}),
+        launch_argv=["train.py"],
+    )
     with MlflowProxy(mlflow_server.uri) as proxy:
-        finder = TrainingRun(tracking_uri=proxy.uri, experiment=experiment, system_metrics=False,
-                             node=_node({**SLURM_NODE_1, "SLURM_JOB_ID": key}), launch_argv=["train.py"])
+        finder = TrainingRun(
+            tracking_uri=proxy.uri,
+            experiment=experiment,
+            system_metrics=False,
+            node=_node({**SLURM_NODE_1, "SLURM_JOB_ID": key}),
+            launch_argv=["train.py"],
+        )
         # The finder looks for the run before rank 0 has made it (or the experiment).
         with finder, owner:
             wait_for(lambda: finder.run_id is not None, 30, 0.05, "the finder to find the run")
@@ -66,8 +92,13 @@ def test_another_rank_finds_the_jobs_run_by_key_without_reading_the_run(mlflow_s
 
 def test_a_rank_with_no_way_to_find_the_run_says_which_setting_fixes_it(mlflow_server, experiment, caplog):
     caplog.set_level(logging.WARNING, logger="otel_forge")
-    lost = TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment,
-                       node=_node(SLURM_NODE_1), launch_argv=["train.py"], init_deadline_s=5)
+    lost = TrainingRun(
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        node=_node(SLURM_NODE_1),
+        launch_argv=["train.py"],
+        init_deadline_s=5,
+    )
     with lost:
         assert not lost.start()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -77,8 +108,13 @@ def test_a_rank_with_no_way_to_find_the_run_says_which_setting_fixes_it(mlflow_s
 def test_a_rank_whose_run_never_appears_gives_up_at_the_init_deadline(mlflow_server, client, experiment, caplog):
     caplog.set_level(logging.WARNING, logger="otel_forge")
     client.create_experiment(experiment)
-    waiting = TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, launch_argv=["train.py"],
-                          node=_node({**SLURM_NODE_1, "SLURM_JOB_ID": unique("never")}), init_deadline_s=2)
+    waiting = TrainingRun(
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        launch_argv=["train.py"],
+        node=_node({**SLURM_NODE_1, "SLURM_JOB_ID": unique("never")}),
+        init_deadline_s=2,
+    )
     with waiting:
         assert not waiting.start()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

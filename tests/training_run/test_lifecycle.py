@@ -47,8 +47,14 @@ def test_construction_does_no_io(mlflow_server, client, experiment):
         assert done.returncode == 0, done.stderr
         state = json.loads(done.stdout.strip().splitlines()[-1])
         assert proxy.total() == 0
-    assert state == {"mlflow_imported": False, "threads": 0, "run_id": None, "entry": None, "fields": None,
-                     "databricks": state["databricks"]}
+    assert state == {
+        "mlflow_imported": False,
+        "threads": 0,
+        "run_id": None,
+        "entry": None,
+        "fields": None,
+        "databricks": state["databricks"],
+    }
     assert len(state["databricks"]) == 2
     assert all("absolute workspace path" in message for message in state["databricks"])
     assert client.get_experiment_by_name(experiment) is None
@@ -56,14 +62,19 @@ def test_construction_does_no_io(mlflow_server, client, experiment):
 
 def test_first_log_opens_the_run(mlflow_server, client, experiment):
     with MlflowProxy(mlflow_server.uri) as proxy:
-        run = TrainingRun({"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False,
-                          launch_argv=["train.py"])
+        run = TrainingRun(
+            {"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False, launch_argv=["train.py"]
+        )
         assert (run.run_id, run.tracking_entry(), proxy.total()) == (None, None, 0)
         run.log({"loss": 1.0}, step=0)
         wait_for(lambda: run.run_id is not None, 30, 0.05)
         assert proxy.total() > 0
-        assert run.tracking_entry() == {"backend": "mlflow", "run_id": run.run_id, "experiment": experiment,
-                                        "tracking_uri": proxy.uri}
+        assert run.tracking_entry() == {
+            "backend": "mlflow",
+            "run_id": run.run_id,
+            "experiment": experiment,
+            "tracking_uri": proxy.uri,
+        }
         run.close()
     data = client.get_run(run.run_id)
     assert data.info.status == "FINISHED"
@@ -73,8 +84,9 @@ def test_first_log_opens_the_run(mlflow_server, client, experiment):
 
 def test_close_without_entering_or_logging_creates_no_run(mlflow_server, client, experiment):
     with MlflowProxy(mlflow_server.uri) as proxy:
-        run = TrainingRun({"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False,
-                          launch_argv=["train.py"])
+        run = TrainingRun(
+            {"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False, launch_argv=["train.py"]
+        )
         run.close()
         assert proxy.total() == 0
     assert client.get_experiment_by_name(experiment) is None
@@ -82,8 +94,13 @@ def test_close_without_entering_or_logging_creates_no_run(mlflow_server, client,
 
 def test_entering_opens_the_run_without_a_log(mlflow_server, client, experiment):
     # Every rank enters its TrainingRun: that alone must open the run (and start the node's sampling).
-    with TrainingRun({"lr": 0.1}, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                     launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        {"lr": 0.1},
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        system_metrics=False,
+        launch_argv=["train.py"],
+    ) as run:
         wait_for(lambda: run.run_id is not None, 30, 0.05)
     found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert [(r.info.run_id, r.info.status, r.data.params) for r in found] == [(run.run_id, "FINISHED", {"lr": "0.1"})]
@@ -92,12 +109,14 @@ def test_entering_opens_the_run_without_a_log(mlflow_server, client, experiment)
 def test_a_loop_that_ends_before_its_run_opens_keeps_the_nodes_windows(mlflow_server, client, experiment):
     # A slow server (every call 0.5 s): the run opens after the loop ended. The windows sampled
     # meanwhile wait for it, and close() lets it open before stopping the sampling.
-    config = ForgeConfig.resolve(environ={}, sampling_interval_s=0.1, samples_per_window=1, collectors=["cpu"],
-                                 prometheus=False, spool_dir=None)
+    config = ForgeConfig.resolve(
+        environ={}, sampling_interval_s=0.1, samples_per_window=1, collectors=["cpu"], prometheus=False, spool_dir=None
+    )
     with MlflowProxy(mlflow_server.uri) as proxy:
         proxy.set_mode(Mode.DELAY, delay_s=0.5)
-        with TrainingRun({"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, launch_argv=["train.py"],
-                         forge_config=config) as run:
+        with TrainingRun(
+            {"lr": 0.1}, tracking_uri=proxy.uri, experiment=experiment, launch_argv=["train.py"], forge_config=config
+        ) as run:
             time.sleep(0.5)  # the loop: shorter than the first call to the server
             assert run.run_id is None
     steps = anchor_steps(client, run.run_id)
@@ -120,8 +139,13 @@ def _statuses(client, experiment):
 
 def test_close_statuses_and_idempotence(mlflow_server, client, experiment):
     def training_run(name):
-        return TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, run_name=name,
-                           system_metrics=False, launch_argv=["train.py"])
+        return TrainingRun(
+            tracking_uri=mlflow_server.uri,
+            experiment=experiment,
+            run_name=name,
+            system_metrics=False,
+            launch_argv=["train.py"],
+        )
 
     with training_run("normal") as run:
         run.log({"loss": 1.0}, step=0)
@@ -137,8 +161,12 @@ def test_close_statuses_and_idempotence(mlflow_server, client, experiment):
     twice.close()
     twice.close("FAILED")  # already closed: nothing happens
     twice.log({"loss": 2.0}, step=1)  # after close: a no-op
-    assert _statuses(client, experiment) == {"normal": "FINISHED", "error": "FAILED", "interrupt": "KILLED",
-                                             "twice": "FINISHED"}
+    assert _statuses(client, experiment) == {
+        "normal": "FINISHED",
+        "error": "FAILED",
+        "interrupt": "KILLED",
+        "twice": "FINISHED",
+    }
     assert [(m.step, m.value) for m in client.get_metric_history(twice.run_id, "loss")] == [(0, 1.0)]
 
 
@@ -164,9 +192,10 @@ elif {name!r} == "exception":
 
 
 def test_process_exit_paths_end_the_run(mlflow_server, client, experiment):
-    processes = {name: popen_script(textwrap.dedent(EXIT_SCRIPT.format(uri=mlflow_server.uri, experiment=experiment,
-                                                                       name=name)))
-                 for name in ("sigterm", "normal-exit", "exception")}
+    processes = {
+        name: popen_script(textwrap.dedent(EXIT_SCRIPT.format(uri=mlflow_server.uri, experiment=experiment, name=name)))
+        for name in ("sigterm", "normal-exit", "exception")
+    }
     try:
         run_ids = {name: process.stdout.readline().strip() for name, process in processes.items()}
         assert all(run_ids.values()), {n: p.stderr.read() for n, p in processes.items() if not run_ids[n]}

@@ -46,20 +46,42 @@ class Config:
 
 
 EXPECTED_PARAMS = {
-    "model.dim": "8", "model.act": "gelu", "optim.lr": "0.1", "optim.betas.0": "0.9", "optim.betas.1": "0.95",
-    "layers.0": "16", "layers.1": "32", "args.epochs": "3", "data.path": "/data/shards", "data.workers": "4",
-    "notes": "z" * 6000, "by_id.1": "one", "by_id.2": "two", **{f"sweep.h{i:03d}": str(i) for i in range(150)},
+    "model.dim": "8",
+    "model.act": "gelu",
+    "optim.lr": "0.1",
+    "optim.betas.0": "0.9",
+    "optim.betas.1": "0.95",
+    "layers.0": "16",
+    "layers.1": "32",
+    "args.epochs": "3",
+    "data.path": "/data/shards",
+    "data.workers": "4",
+    "notes": "z" * 6000,
+    "by_id.1": "one",
+    "by_id.2": "two",
+    **{f"sweep.h{i:03d}": str(i) for i in range(150)},
 }
 EXPECTED_CONFIG_JSON = {
-    "model": {"dim": 8, "act": "gelu"}, "optim": {"lr": 0.1, "betas": [0.9, 0.95]}, "layers": [16, 32],
-    "resume_from": None, "args": {"epochs": 3, "out": None}, "data": {"path": "/data/shards", "workers": 4},
-    "notes": "z" * 7000, "by_id": {"1": "one", "2": "two"}, "sweep": {f"h{i:03d}": i for i in range(150)},
+    "model": {"dim": 8, "act": "gelu"},
+    "optim": {"lr": 0.1, "betas": [0.9, 0.95]},
+    "layers": [16, 32],
+    "resume_from": None,
+    "args": {"epochs": 3, "out": None},
+    "data": {"path": "/data/shards", "workers": 4},
+    "notes": "z" * 7000,
+    "by_id": {"1": "one", "2": "two"},
+    "sweep": {f"h{i:03d}": i for i in range(150)},
 }
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false",
-                           *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def _git_repo(path: Path) -> str:
@@ -81,14 +103,27 @@ def test_new_run_params_tags_and_artifacts(mlflow_server, client, experiment, tm
     monkeypatch.chdir(tmp_path / "repo")
     launch = "[optim]\nlr = 0.1\n"
     (tmp_path / "repo" / "cfg.toml").write_text(launch)  # untracked: the repository stays clean
-    for name, value in {"SLURM_JOB_ID": "4242", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8",
-                        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"}.items():
+    for name, value in {
+        "SLURM_JOB_ID": "4242",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "8",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "2",
+    }.items():
         monkeypatch.setenv(name, value)
 
     with MlflowProxy(mlflow_server.uri) as proxy:
-        with TrainingRun(Config(), tracking_uri=proxy.uri, experiment=experiment, run_name="meta-run",
-                         description="baseline, **bold**", tags={"team": "vision", "world_size": "from-user"},
-                         launch_argv=["train.py", "cfg.toml"], system_metrics=False) as run:
+        with TrainingRun(
+            Config(),
+            tracking_uri=proxy.uri,
+            experiment=experiment,
+            run_name="meta-run",
+            description="baseline, **bold**",
+            tags={"team": "vision", "world_size": "from-user"},
+            launch_argv=["train.py", "cfg.toml"],
+            system_metrics=False,
+        ) as run:
             run.log({"loss": 0.5, "acc": 1, "not_a_number": "x"}, step=0)
         param_batches = [len(body["params"]) for _, _, body in proxy.requests(LOG_BATCH) if body.get("params")]
 
@@ -122,11 +157,17 @@ def test_new_run_params_tags_and_artifacts(mlflow_server, client, experiment, tm
 
 def test_world_size_tag_from_torchrun(mlflow_server, client, experiment, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "16", "GROUP_RANK": "0",
-                        "GROUP_WORLD_SIZE": "4"}.items():
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "16",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "4",
+    }.items():
         monkeypatch.setenv(name, value)
-    with TrainingRun({"a": 1}, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                     launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        {"a": 1}, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False, launch_argv=["train.py"]
+    ) as run:
         assert run.start()
     tags = client.get_run(run.run_id).data.tags
     assert (tags["world_size"], tags["node_count"]) == ("16", "4")
@@ -134,8 +175,9 @@ def test_world_size_tag_from_torchrun(mlflow_server, client, experiment, tmp_pat
 
 
 @pytest.mark.parametrize("where, launch_name", [("dirty-repo", "cfg.yaml"), ("no-repo", "cfg.json")])
-def test_git_state_and_launch_file(where, launch_name, mlflow_server, client, experiment, tmp_path, monkeypatch,
-                                   caplog):
+def test_git_state_and_launch_file(
+    where, launch_name, mlflow_server, client, experiment, tmp_path, monkeypatch, caplog
+):
     caplog.set_level(logging.DEBUG, logger="otel_forge")
     base = tmp_path / "base"
     base.mkdir()
@@ -151,8 +193,13 @@ def test_git_state_and_launch_file(where, launch_name, mlflow_server, client, ex
     launch = "lr: 0.1\n" if launch_name.endswith(".yaml") else '{"lr": 0.1}'
     (workdir / launch_name).write_text(launch)
 
-    with TrainingRun({"lr": 0.1}, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                     launch_argv=["train.py", f"--config={launch_name}"]) as run:
+    with TrainingRun(
+        {"lr": 0.1},
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        system_metrics=False,
+        launch_argv=["train.py", f"--config={launch_name}"],
+    ) as run:
         run.log({"loss": 1.0}, step=0)
 
     data = client.get_run(run.run_id)
@@ -173,8 +220,13 @@ def test_metric_values_numbers_and_item(mlflow_server, client, experiment):
         def item(self) -> float:
             return 2.5
 
-    with TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                     launch_argv=["train.py"], forge_config=ForgeConfig.resolve()) as run:
+    with TrainingRun(
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        system_metrics=False,
+        launch_argv=["train.py"],
+        forge_config=ForgeConfig.resolve(),
+    ) as run:
         run.log({"t": Scalar(), "i": 3, "nan": float("nan"), "s": "x", "none": None}, step=7)
     data = client.get_run(run.run_id).data
     assert data.params == {}  # no config, no params
@@ -185,16 +237,18 @@ def test_metric_values_numbers_and_item(mlflow_server, client, experiment):
 
 
 def test_metric_keys_mlflow_rejects_do_not_lose_the_step(mlflow_server, client, experiment):
-    with TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                     launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False, launch_argv=["train.py"]
+    ) as run:
         run.log({"loss": 0.25, "acc@1": 0.5}, step=0)
     assert client.get_run(run.run_id).data.metrics.get("loss") == 0.25
 
 
 def test_a_param_key_mlflow_rejects_does_not_lose_the_other_params(mlflow_server, client, experiment):
     config = {"lr": 0.1, "loss(weights)": [1, 2], "layers": 4}
-    with TrainingRun(config, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                     launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        config, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False, launch_argv=["train.py"]
+    ) as run:
         run.log({"loss": 1.0}, step=0)
     params = client.get_run(run.run_id).data.params
     assert (params.get("lr"), params.get("layers")) == ("0.1", "4")
@@ -204,8 +258,12 @@ def test_a_fast_loop_is_delivered_whole_in_few_calls(mlflow_server, client, expe
     """10,000 log() calls in a tight loop: every step arrives, in log_batch calls of up to 1000."""
     from otel_forge import ForgeConfig, TrainingRun
 
-    run = TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                      forge_config=ForgeConfig.resolve(environ={}, drain_deadline_s=60))
+    run = TrainingRun(
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        system_metrics=False,
+        forge_config=ForgeConfig.resolve(environ={}, drain_deadline_s=60),
+    )
     for step in range(10_000):
         run.log({"train/loss": 1.0 / (step + 1)}, step=step)
     run.close()

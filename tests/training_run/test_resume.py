@@ -29,17 +29,30 @@ def test_resume_writes_nothing_again(mlflow_server, client, experiment, tmp_path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "first.toml").write_text("lr = 0.1\n")
     (tmp_path / "second.toml").write_text("lr = 0.9\n")
-    with _training_run(mlflow_server, experiment, config={"lr": 0.1, "model": {"dim": 8}}, run_name="resumable",
-                       description="first", tags={"phase": "one"}, launch_argv=["train.py", "first.toml"]) as first:
+    with _training_run(
+        mlflow_server,
+        experiment,
+        config={"lr": 0.1, "model": {"dim": 8}},
+        run_name="resumable",
+        description="first",
+        tags={"phase": "one"},
+        launch_argv=["train.py", "first.toml"],
+    ) as first:
         first.log({"loss": 1.0}, step=0)
     before = _snapshot(client, first.run_id, tmp_path)
     assert before[0] == {"lr": "0.1", "model.dim": "8"}
     assert client.get_run(first.run_id).info.status == "FINISHED"
 
-    resumed = _training_run(mlflow_server, experiment, run_id=first.run_id,
-                            config={"lr": 0.9, "model": {"dim": 16}, "new_key": 1}, run_name="other-name",
-                            description="second", tags={"phase": "two", "extra": "x"},
-                            launch_argv=["train.py", "second.toml"])
+    resumed = _training_run(
+        mlflow_server,
+        experiment,
+        run_id=first.run_id,
+        config={"lr": 0.9, "model": {"dim": 16}, "new_key": 1},
+        run_name="other-name",
+        description="second",
+        tags={"phase": "two", "extra": "x"},
+        launch_argv=["train.py", "second.toml"],
+    )
     try:
         assert resumed.start()
         assert resumed.run_id == first.run_id
@@ -103,8 +116,9 @@ def test_a_gone_run_falls_back_to_a_new_run(how, mlflow_server, client, experime
     else:
         gone = "0123456789abcdef0123456789abcdef"
     # A deleted run is replaced; an id that never existed only when asked to (else it is a typo).
-    with _training_run(mlflow_server, experiment, run_id=gone, config={"lr": 0.1},
-                       create_if_missing=how == "never-existed") as run:
+    with _training_run(
+        mlflow_server, experiment, run_id=gone, config={"lr": 0.1}, create_if_missing=how == "never-existed"
+    ) as run:
         run.log({"loss": 2.0}, step=0)
     assert run.run_id is not None and run.run_id != gone
     fresh = client.get_run(run.run_id)

@@ -39,16 +39,28 @@ class Unprintable:
         raise RuntimeError("no")
 
 
-def test_secrets_are_masked_in_params_tags_config_and_launch_file(mlflow_server, client, experiment, tmp_path,
-                                                                   monkeypatch, capfd):
+def test_secrets_are_masked_in_params_tags_config_and_launch_file(
+    mlflow_server, client, experiment, tmp_path, monkeypatch, capfd
+):
     monkeypatch.setenv("OTEL_FORGE_SECRET_KEYS", "vault path")
     launch = tmp_path / "train.toml"
     launch.write_text(LAUNCH)
-    config = {"db": {"password": "hunter2", "host": "db"}, "openai_api_key": "sk-live-123", "hf_token": "tok-abc",
-              "creds": {"url": "https://u:pw-in-url@hub.example"}, "vault_path": "vault-9",
-              "model": {"tokenizer": "bpe", "max_tokens": 4096}}
-    with TrainingRun(config, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                     tags={"api_key": "sk-live-123", "team": "ml"}, launch_argv=["train.py", str(launch)]) as run:
+    config = {
+        "db": {"password": "hunter2", "host": "db"},
+        "openai_api_key": "sk-live-123",
+        "hf_token": "tok-abc",
+        "creds": {"url": "https://u:pw-in-url@hub.example"},
+        "vault_path": "vault-9",
+        "model": {"tokenizer": "bpe", "max_tokens": 4096},
+    }
+    with TrainingRun(
+        config,
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        system_metrics=False,
+        tags={"api_key": "sk-live-123", "team": "ml"},
+        launch_argv=["train.py", str(launch)],
+    ) as run:
         run.log({"loss": 1.0}, step=0)
 
     shown = _everything_mlflow_shows(client, run.run_id, tmp_path)
@@ -62,18 +74,22 @@ def test_secrets_are_masked_in_params_tags_config_and_launch_file(mlflow_server,
     assert launch.read_text() == LAUNCH  # the original is untouched
 
 
-def test_an_odd_value_costs_only_itself_and_a_big_config_is_recorded_whole(mlflow_server, client, experiment,
-                                                                            tmp_path):
+def test_an_odd_value_costs_only_itself_and_a_big_config_is_recorded_whole(mlflow_server, client, experiment, tmp_path):
     recursive: dict = {"depth": 1}
     recursive["again"] = recursive
     config = {f"layer_{i:05d}": {"width": i} for i in range(10_000)}
     config.update({"odd": Unprintable(), "loop": recursive})
-    with TrainingRun(config, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False,
-                     launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        config, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False, launch_argv=["train.py"]
+    ) as run:
         run.log({"loss": 1.0}, step=0)
         # 101 calls of 100 params (MLflow's limit); the sqlite server slows as a run's params grow.
-        wait_for(lambda: run.run_id and len(client.get_run(run.run_id).data.params) == 10_003, 90, 0.5,
-                 "every param in the run")
+        wait_for(
+            lambda: run.run_id and len(client.get_run(run.run_id).data.params) == 10_003,
+            90,
+            0.5,
+            "every param in the run",
+        )
 
     data = client.get_run(run.run_id).data
     assert data.params["odd"] == "<unprintable Unprintable>" and data.params["loop.again"] == "<cycle>"
@@ -86,8 +102,13 @@ def test_a_huge_config_value_never_holds_the_training_loop(mlflow_server, client
     # 1 MiB in one value, with something secret-looking in it; the loop logs every 10 ms meanwhile.
     huge = ("token=abc " + "x" * 1000 + "\n") * 1000
     gaps = []
-    with TrainingRun({"huge": huge, "lr": 0.1}, tracking_uri=mlflow_server.uri, experiment=experiment,
-                     system_metrics=False, launch_argv=["train.py"]) as run:
+    with TrainingRun(
+        {"huge": huge, "lr": 0.1},
+        tracking_uri=mlflow_server.uri,
+        experiment=experiment,
+        system_metrics=False,
+        launch_argv=["train.py"],
+    ) as run:
         last = time.perf_counter()
         for step in range(300):
             run.log({"loss": 1.0 / (step + 1)}, step)

@@ -22,12 +22,26 @@ def _script_environ(env: dict[str, str] | None) -> dict[str, str]:
     return environment
 
 
-def run_script(code: str, env: dict[str, str] | None = None, timeout_s: float = 60.0,
-               cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=timeout_s,
-                          env=_script_environ(env), cwd=cwd or REPO_ROOT)
+def run_script(
+    code: str, env: dict[str, str] | None = None, timeout_s: float = 60.0, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=_script_environ(env),
+        cwd=cwd or REPO_ROOT,
+    )
 
 
 def popen_script(code: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-u", "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_script_environ(env), cwd=cwd or REPO_ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-u", "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_script_environ(env),
+        cwd=cwd or REPO_ROOT,
+    )

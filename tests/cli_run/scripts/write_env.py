@@ -1,6 +1,6 @@
 """CMD that records what ``otel-forge run`` exported to it, then exits with the code it is given.
 
-    python write_env.py OUT.json [EXIT_CODE]
+python write_env.py OUT.json [EXIT_CODE]
 """
 
 from __future__ import annotations
@@ -9,8 +9,14 @@ import json
 import os
 import sys
 
-NAMES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
-         "MLFLOW_HTTP_REQUEST_TIMEOUT", "OTEL_FORGE_LAUNCHED_RUN_ID")
+NAMES = (
+    "MLFLOW_RUN_ID",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_ID",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "OTEL_FORGE_LAUNCHED_RUN_ID",
+)
 
 with open(sys.argv[1], "w") as out:
     json.dump({name: os.environ.get(name) for name in NAMES}, out)

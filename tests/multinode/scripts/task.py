@@ -28,8 +28,9 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=os.environ.get("RANK"))
     parser.add_argument("--node", type=int, default=os.environ.get("GROUP_RANK"))
     parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--node-seconds", action="append", default=[], metavar="N:S",
-                        help="node N trains S seconds instead")
+    parser.add_argument(
+        "--node-seconds", action="append", default=[], metavar="N:S", help="node N trains S seconds instead"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--first-step", type=int, default=0)
     parser.add_argument("--fail-node", type=int)
