@@ -551,6 +551,23 @@ def launched_run_id(environ: Mapping[str, str] | None = None) -> str | None:
     return run_id if run_id and run_id != LAUNCHER_OPENS else None
 
 
+# Variables of the libraries underneath: theirs, not settings of ours, but named here too, so every
+# variable otel_forge reads or sets is in this module.
+# The OTLP exporter's own timeout: when set, it wins over the one we derive (pipeline/otlp.py).
+OTLP_TIMEOUT_VARS = ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+# MLflow's HTTP defaults (2 min timeout, 7 retries with growing backoff) would hide a down server
+# inside one call for minutes: bounded. Ending a run prints its URL, credentials included: not.
+# The user's own settings win (mlflow/client.py sets these before importing mlflow).
+MLFLOW_CLIENT_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+# What the CLI sets in its own process: one attempt per call (our worker retries), MLflow quiet.
+MLFLOW_RETRIES_VAR = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
+MLFLOW_LOGGING_LEVEL_VAR = "MLFLOW_LOGGING_LEVEL"
+
+
 class Origin(enum.Enum):
     """Where a setting's value came from."""
 

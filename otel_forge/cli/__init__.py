@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from otel_forge.cli import doctor, monitor, replay, run
-from otel_forge.config import ConfigError
+from otel_forge.config import MLFLOW_LOGGING_LEVEL_VAR, MLFLOW_RETRIES_VAR, ConfigError
 from otel_forge.pipeline import EndpointError
 
 USAGE_ERROR = 2
@@ -70,9 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # so are MLflow's own (its store's retries, its table creation): -v shows them.
     logging.getLogger("urllib3").setLevel(max(level, logging.ERROR))
     if not args.verbose:
-        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")  # read when mlflow is imported
+        os.environ.setdefault(MLFLOW_LOGGING_LEVEL_VAR, "ERROR")  # read when mlflow is imported
     # In the agent's own process our worker does the retrying: one attempt per call.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault(MLFLOW_RETRIES_VAR, "0")
     try:
         return args.run(args)
     except (ConfigError, EndpointError) as error:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from otel_forge.config import MLFLOW_CLIENT_DEFAULTS
 from otel_forge.mlflow.worker import Outcome
 
 if TYPE_CHECKING:
@@ -73,23 +74,13 @@ def _http_status(error: BaseException) -> int | None:
         return None
 
 
-# MLflow's HTTP defaults (2 min timeout, 7 retries with growing backoff) would hide a down server
-# inside one call for minutes: bounded. Ending a run prints its URL, credentials included: not.
-# The user's own settings win.
-MLFLOW_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
-    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-}
-
-
 _import_lock = threading.Lock()
 
 
 def import_mlflow() -> Any:
     """Import mlflow once, under a lock: two threads importing it at once can see it half-made."""
     with _import_lock:
-        for name, value in MLFLOW_DEFAULTS.items():
+        for name, value in MLFLOW_CLIENT_DEFAULTS.items():
             os.environ.setdefault(name, value)
         import mlflow
         import mlflow.entities

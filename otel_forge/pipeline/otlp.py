@@ -6,7 +6,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from otel_forge.config import ForgeConfig
+from otel_forge.config import OTLP_TIMEOUT_VARS, ForgeConfig
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExporter
@@ -18,7 +18,7 @@ def _otlp_timeout_s(config: ForgeConfig) -> float | None:
     """The exporter retries within its timeout (10 s by default): an export that outlasts the
     interval only delays the next one and keeps shutdown waiting, and none may outlast the reader's
     export timeout. ``OTEL_EXPORTER_OTLP_*TIMEOUT`` still wins (None lets the exporter read it)."""
-    if any(os.environ.get(name) for name in ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")):
+    if any(os.environ.get(name) for name in OTLP_TIMEOUT_VARS):
         return None
     return min(10.0, config.sampling_interval_s, config.export_timeout_s)
 

@@ -9,7 +9,6 @@ left out (where-filters, NaN/inf), and in which order and how completely windows
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -21,6 +20,7 @@ import pytest
 from otel_points import as_named_points, counter, gauge, metrics_data
 from servers import wait_for
 
+import otel_forge.mlflow.worker as worker_module
 from otel_forge.mlflow.keys import KeyMapper, key_segment, sanitize_key, system_prefix
 from otel_forge.mlflow.spool_files import HEADER
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
@@ -512,26 +512,33 @@ def test_a_call_past_its_deadline_that_fails_is_retried_once_it_has_ended() -> N
     worker.close(1)
 
 
-def test_retries_back_off_with_jitter() -> None:
+def test_retries_back_off_with_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
     failures = 6
-    times: list[float] = []
+    draws = iter([0.0, 1.0, 0.5, 0.25, 0.75, 0.1])  # controlled random() draws
+
+    class Pauses(threading.Event):
+        """The worker's backoff pauses, as asked for (no waiting: the test is not about time)."""
+
+        asked: list[float] = []
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.asked.append(timeout if timeout is not None else -1.0)
+            return False
 
     def deliver(item: int) -> None:
-        times.append(time.monotonic())
-        if len(times) <= failures:
+        if len(Pauses.asked) < failures:
             raise ConnectionError("down")
 
+    monkeypatch.setattr(worker_module.random, "random", lambda: next(draws))
     worker = DeliveryWorker(deliver, name="jitter", backoff_initial_s=0.02, backoff_max_s=0.08)
+    worker._wake = Pauses()
     worker.submit(1)
     wait_for(lambda: worker.stats.delivered == 1, 10, 0.01)
     worker.close(1)
-    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    # Each pause is half its backoff plus a random half; the backoff doubles up to its cap.
     caps = [0.02, 0.04, 0.08, 0.08, 0.08, 0.08]
-    # Each pause lies between half its backoff and the whole of it (plus scheduling).
-    assert all(cap / 2 <= gap < cap + 0.05 for gap, cap in zip(gaps, caps, strict=False)), list(
-        zip(gaps, caps, strict=False)
-    )
-    assert len({round(gap / cap, 2) for gap, cap in zip(gaps, caps, strict=False)}) > 1  # not one fixed schedule
+    expected = [cap * (0.5 + r / 2) for cap, r in zip(caps, [0.0, 1.0, 0.5, 0.25, 0.75, 0.1], strict=True)]
+    assert Pauses.asked[:failures] == pytest.approx(expected)
 
 
 def _failing(errors: dict[int, list[BaseException]], delivered: list[int]):  # type: ignore[no-untyped-def]
