@@ -30,6 +30,8 @@ GPU_ATTRIBUTES = (
     "otel_forge.gpu.uuid",
     "otel_forge.gpu.pci_bus_id",
 )
+# What a MIG instance carries beyond GPU_ATTRIBUTES: its GPU's hw.id and its GPU instance id.
+MIG_ATTRIBUTES = ("hw.parent", "otel_forge.gpu.mig.instance")
 _FS = ("system.device", "system.filesystem.mountpoint", "system.filesystem.type")
 _DISK = ("system.device", "disk.io.direction")
 _NET = ("network.interface.name", "network.io.direction")
@@ -79,13 +81,32 @@ class MetricSpec:
 
 
 def _gpu(
-    name: str, kind: Kind, unit: str, extra: tuple[str, ...], description: str, mlflow: tuple[MlflowKey, ...] = ()
+    name: str,
+    kind: Kind,
+    unit: str,
+    extra: tuple[str, ...],
+    description: str,
+    mlflow: tuple[MlflowKey, ...] = (),
+    mig: bool = False,
 ) -> tuple[MetricSpec, ...]:
-    """The same GPU metric for both vendors' collectors."""
+    """The same GPU metric for both vendors' collectors; ``mig``: NVIDIA's MIG instances report it too."""
     return tuple(
-        MetricSpec(name, kind, unit, source, GPU_ATTRIBUTES + extra, description, mlflow)
+        MetricSpec(
+            name, kind, unit, source, GPU_ATTRIBUTES + extra + _mig(mig and source == "nvidia"), description, mlflow
+        )
         for source in ("nvidia", "amd")
     )
+
+
+def _mig(reported: bool) -> tuple[str, ...]:
+    return MIG_ATTRIBUTES if reported else ()
+
+
+def _nvidia(
+    name: str, kind: Kind, unit: str, extra: tuple[str, ...], description: str, mlflow: tuple[MlflowKey, ...] = ()
+) -> MetricSpec:
+    """A GPU metric only NVML gives."""
+    return MetricSpec(name, kind, unit, "nvidia", GPU_ATTRIBUTES + extra, description, mlflow)
 
 
 _MB = 1e-6
@@ -181,42 +202,69 @@ METRICS: tuple[MetricSpec, ...] = (
                "Open file descriptors of the process tree.", (K("process_open_fds"),)),
     MetricSpec("otel_forge.process.count", U, "{process}", "process", _PROC, "Processes in the tree.",
                (K("process_count"),)),
-    # GPUs (NVIDIA through NVML, AMD through amdsmi); {hw.id} is the GPU index
-    *_gpu("hw.gpu.utilization", G, "1", ("hw.gpu.task",), "Fraction of time the GPU was busy.",
-          (K("gpu_{hw.id}_utilization_percentage", _PCT),)),
+    # GPUs (NVIDIA through NVML, AMD through amdsmi); {hw.id} is the GPU index, <gpu>_mig<n> for a MIG instance
+    *_gpu("hw.gpu.utilization", G, "1", ("hw.gpu.task",),
+          "Fraction of time the GPU was busy (`hw.gpu.task` general; NVIDIA's video encoder and decoder too).",
+          (K("gpu_{hw.id}_utilization_percentage", _PCT, where=_where({"hw.gpu.task": "general"})),), mig=True),
     *_gpu("otel_forge.gpu.memory.activity", G, "1", (),
           "Fraction of time device memory was being read or written.",
-          (K("gpu_{hw.id}_memory_activity_percentage", _PCT),)),
-    *_gpu("hw.gpu.memory.usage", U, "By", (), "GPU memory used.", (K("gpu_{hw.id}_memory_usage_megabytes", _MB),)),
-    *_gpu("hw.gpu.memory.limit", U, "By", (), "GPU memory size.", (K("gpu_{hw.id}_memory_total_megabytes", _MB),)),
+          (K("gpu_{hw.id}_memory_activity_percentage", _PCT),), mig=True),
+    *_gpu("hw.gpu.memory.usage", U, "By", (), "GPU memory used.", (K("gpu_{hw.id}_memory_usage_megabytes", _MB),),
+          mig=True),
+    *_gpu("hw.gpu.memory.limit", U, "By", (), "GPU memory size.", (K("gpu_{hw.id}_memory_total_megabytes", _MB),),
+          mig=True),
     *_gpu("hw.gpu.memory.utilization", G, "1", (), "GPU memory used / size.",
-          (K("gpu_{hw.id}_memory_usage_percentage", _PCT),)),
+          (K("gpu_{hw.id}_memory_usage_percentage", _PCT),), mig=True),
     *_gpu("hw.power", G, "W", (), "Power draw.", (K("gpu_{hw.id}_power_usage_watts"),)),
     *_gpu("otel_forge.gpu.power.limit", G, "W", (), "Enforced power limit.", (K("gpu_{hw.id}_power_limit_watts"),)),
     *_gpu("otel_forge.gpu.power.utilization", G, "1", (), "Power draw / enforced power limit.",
           (K("gpu_{hw.id}_power_usage_percentage", _PCT),)),
     *_gpu("hw.energy", C, "J", (), "Energy consumed since the driver loaded.",
           (K("gpu_{hw.id}_energy_joules", fold=Fold.SINCE_START),)),
-    *_gpu("hw.temperature", G, "Cel", ("hw.sensor_location",), "Temperature.",
-          # One sensor per key: NVIDIA's die ("gpu"), AMD's edge; AMD's hotspot beside it.
+    *_gpu("hw.temperature", G, "Cel", ("hw.sensor_location",),
+          "Temperature (`hw.sensor_location`: NVIDIA gpu, memory; AMD edge, hotspot, memory).",
+          # One sensor per key: NVIDIA's die ("gpu"), AMD's edge; AMD's hotspot and the memory (HBM) beside it.
           (K("gpu_{hw.id}_temperature_celsius", where=_where({"hw.sensor_location": ("gpu", "edge")})),
-           K("gpu_{hw.id}_hotspot_temperature_celsius", where=_where({"hw.sensor_location": "hotspot"})))),
+           K("gpu_{hw.id}_hotspot_temperature_celsius", where=_where({"hw.sensor_location": "hotspot"})),
+           K("gpu_{hw.id}_memory_temperature_celsius", where=_where({"hw.sensor_location": "memory"})))),
     *_gpu("otel_forge.gpu.clock.frequency", G, "Hz", ("otel_forge.gpu.clock",), "Clock frequency (sm, memory).",
           (K("gpu_{hw.id}_{otel_forge.gpu.clock}_clock_mhz", _MB),)),
-    *_gpu("hw.errors", C, "{error}", ("error.type",), "ECC errors (`error.type` corrected, uncorrected).",
+    *_gpu("hw.errors", C, "{error}", ("error.type",),
+          "ECC errors since the driver loaded (`error.type` corrected, uncorrected; AMD's deferred too).",
           (K("gpu_{hw.id}_ecc_{error.type}_errors", fold=Fold.SINCE_START),)),
     *_gpu("hw.status", U, "1", ("hw.state",), "1 for the GPU's current state (ok, failed), 0 for the others.",
-          (K("gpu_{hw.id}_status_ok", where=_where({"hw.state": "ok"})),)),
-    MetricSpec("hw.gpu.io", C, "By", "nvidia", GPU_ATTRIBUTES + ("network.io.direction",),
-               "Bytes over PCIe (transmit, receive): NVML's throughput, sampled each read, times the time between "
-               "reads.",
-               (K("gpu_{hw.id}_pcie_{network.io.direction}_megabytes_per_second", _MB, Fold.RATE),)),
-    MetricSpec("otel_forge.gpu.throttle", G, "1", "nvidia", GPU_ATTRIBUTES + ("otel_forge.gpu.throttle.reason",),
-               "1 while a clock throttle reason is active, else 0.",
-               (K("gpu_{hw.id}_throttle_{otel_forge.gpu.throttle.reason}"),)),
-    MetricSpec("otel_forge.gpu.xid.errors", C, "{event}", "nvidia", GPU_ATTRIBUTES + ("otel_forge.gpu.xid",),
-               "XID error events, by XID code.",
-               (K("gpu_{hw.id}_xid_errors", fold=Fold.SINCE_START),)),
+          (K("gpu_{hw.id}_status_ok", where=_where({"hw.state": "ok"})),), mig=True),
+    *_gpu("hw.gpu.io", C, "By", ("otel_forge.gpu.link", "network.io.direction"),
+          "Bytes over each GPU link (`otel_forge.gpu.link` pcie: NVML's throughput, sampled each read, times the "
+          "time between reads; nvlink: NVML's counter over all links; xgmi: amdsmi's counters over all links).",
+          (K("gpu_{hw.id}_{otel_forge.gpu.link}_{network.io.direction}_megabytes_per_second", _MB, Fold.RATE),)),
+    *_gpu("otel_forge.gpu.throttle", G, "1", ("otel_forge.gpu.throttle.reason",),
+          "1 while a clock throttle reason is active, else 0 (NVIDIA's clock-event reasons; AMD's violation "
+          "flags: ppt_power, socket_thermal, prochot_thermal, vr_thermal, hbm_thermal).",
+          (K("gpu_{hw.id}_throttle_{otel_forge.gpu.throttle.reason}"),)),
+    _nvidia("otel_forge.gpu.violation.time", C, "s", ("otel_forge.gpu.violation",),
+            "Time the clocks were held below application clocks by the power or the thermal policy "
+            "(`otel_forge.gpu.violation`)."),
+    _nvidia("otel_forge.gpu.xid.errors", C, "{event}", ("otel_forge.gpu.xid",), "XID error events, by XID code.",
+            (K("gpu_{hw.id}_xid_errors", fold=Fold.SINCE_START),)),
+    _nvidia("otel_forge.gpu.nvlink.errors", C, "{error}", ("error.type",),
+            "NVLink errors over all links since the driver loaded (`error.type` crc_flit, crc_data, replay, "
+            "recovery)."),
+    *_gpu("otel_forge.gpu.pcie.replays", C, "{replay}", (),
+          "PCIe replays (retransmitted packets) since the driver loaded: a growing count is a bad link or riser."),
+    _nvidia("otel_forge.gpu.memory.remapped_rows", C, "{row}", ("error.type",),
+            "Memory rows remapped to spares, by the error that caused it (corrected, uncorrected)."),
+    _nvidia("otel_forge.gpu.memory.remap.pending", G, "1", (),
+            "1 while a row remapping waits for a GPU reset, else 0.",
+            (K("gpu_{hw.id}_row_remap_pending"),)),
+    _nvidia("otel_forge.gpu.memory.remap.failed", G, "1", (),
+            "1 once a row remapping failed (no spare row left: the GPU needs service), else 0.",
+            (K("gpu_{hw.id}_row_remap_failure"),)),
+    *_gpu("otel_forge.gpu.memory.retired_pages", C, "{page}", ("error.type",),
+          "Memory pages retired (NVIDIA: by the error that caused it, corrected or uncorrected; AMD: its bad "
+          "pages reserved)."),
+    *_gpu("otel_forge.gpu.memory.retirement.pending", G, "1", (),
+          "1 while a page retirement waits for a GPU reset (or a driver reload), else 0."),
     *_gpu("otel_forge.gpu.process.memory.usage", U, "By", (), "GPU memory used by the monitored process tree.",
           (K("gpu_{hw.id}_process_memory_megabytes", _MB),)),
     # self-telemetry

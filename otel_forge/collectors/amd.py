@@ -6,6 +6,13 @@ map onto them as: unsupported (the field is switched off for that GPU) for
 ``hw.status`` failed from then on) for ``_NOT_FOUND``, ``_DRIVER_NOT_LOADED`` and
 ``_AMDGPU_RESTART_ERR``; any other error skips the field for this read.
 
+Beyond what NVIDIA also gives through its own calls: memory (VRAM/HBM) temperature, XGMI traffic
+and the PCIe replay count from one ``amdsmi_get_gpu_metrics_info`` (the firmware's metrics table:
+XGMI as KB read and written since the driver loaded, summed over the links), the violation flags
+(``amdsmi_get_violation_status``, MI300 and later) as throttle reasons, deferred ECC errors and
+the bad (retired) pages. NVLink-only readings (row remapping, violation time) have no amdsmi
+counterpart and are absent.
+
 amdsmi reports a member it cannot read as "N/A" (or as the maximum of its integer type); such a
 value is simply not reported. ``import amdsmi`` without libamd_smi.so prints to stdout and raises
 ``KeyError``: the import runs with stdout silenced, at the Python and the file-descriptor level.
@@ -34,6 +41,15 @@ _UNSUPPORTED_CODES = frozenset({2, 3, 10})  # NOT_SUPPORTED, NOT_YET_IMPLEMENTED
 _LOST_CODES = frozenset({31, 34, 54})  # NOT_FOUND, DRIVER_NOT_LOADED, AMDGPU_RESTART_ERR
 _NOT_AVAILABLE = frozenset({0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF})  # what a 32/64-bit member holds when unsupported
 _POWER_LIMIT_MICROWATTS_ABOVE = 100_000  # no GPU has a 100 kW limit: a larger number is in uW
+_KB = 1024  # the metrics table's XGMI counters are in KB
+# otel_forge.gpu.throttle.reason -> amdsmi_get_violation_status's flag.
+_VIOLATION_FLAGS = (
+    ("ppt_power", "active_ppt_pwr"),
+    ("socket_thermal", "active_socket_thrm"),
+    ("prochot_thermal", "active_prochot_thrm"),
+    ("vr_thermal", "active_vr_thrm"),
+    ("hbm_thermal", "active_hbm_thrm"),
+)
 
 
 class AmdCollector(GpuCollector):
@@ -49,9 +65,13 @@ class AmdCollector(GpuCollector):
         "energy",
         "temperature_edge",
         "temperature_hotspot",
+        "temperature_memory",
         "clock_sm",
         "clock_memory",
         "ecc",
+        "gpu_metrics",
+        "violation",
+        "bad_pages",
         "process_memory",
     )
 
@@ -164,6 +184,9 @@ class AmdCollector(GpuCollector):
     def _read_temperature_hotspot(self, handle: Any) -> list[Row]:
         return self._temperature(handle, "HOTSPOT", "hotspot")
 
+    def _read_temperature_memory(self, handle: Any) -> list[Row]:
+        return self._temperature(handle, "VRAM", "memory")
+
     def _temperature(self, handle: Any, sensor: str, location: str) -> list[Row]:
         amdsmi = self._amdsmi
         celsius = _number(
@@ -195,6 +218,31 @@ class AmdCollector(GpuCollector):
         return [
             ("hw.errors", _number(counts.get("correctable_count")), {"error.type": "corrected"}),
             ("hw.errors", _number(counts.get("uncorrectable_count")), {"error.type": "uncorrected"}),
+            ("hw.errors", _number(counts.get("deferred_count")), {"error.type": "deferred"}),
+        ]
+
+    def _read_gpu_metrics(self, handle: Any) -> list[Row]:
+        metrics = self._amdsmi.amdsmi_get_gpu_metrics_info(handle)
+        rows: list[Row] = [("otel_forge.gpu.pcie.replays", _number(metrics.get("pcie_replay_count_acc")), {})]
+        for key, direction in (("xgmi_write_data_acc", "transmit"), ("xgmi_read_data_acc", "receive")):
+            kilobytes = _sum(metrics.get(key))
+            bytes_total = kilobytes * _KB if kilobytes is not None else None
+            rows.append(("hw.gpu.io", bytes_total, {"otel_forge.gpu.link": "xgmi", "network.io.direction": direction}))
+        return rows
+
+    def _read_violation(self, handle: Any) -> list[Row]:
+        status = self._amdsmi.amdsmi_get_violation_status(handle)
+        return [
+            ("otel_forge.gpu.throttle", _flag(status.get(flag)), {"otel_forge.gpu.throttle.reason": reason})
+            for reason, flag in _VIOLATION_FLAGS
+        ]
+
+    def _read_bad_pages(self, handle: Any) -> list[Row]:
+        # Retired ("reserved") pages, and those waiting for a reset to be ("pending").
+        statuses = [str(page.get("status", "")).upper() for page in self._amdsmi.amdsmi_get_gpu_bad_page_info(handle)]
+        return [
+            ("otel_forge.gpu.memory.retired_pages", statuses.count("RESERVED"), {}),
+            ("otel_forge.gpu.memory.retirement.pending", 1 if "PENDING" in statuses else 0, {}),
         ]
 
     def _read_process_memory(self, handle: Any) -> list[Row]:
@@ -316,6 +364,19 @@ def _number(value: Any) -> float | None:
     if isinstance(value, int) and value in _NOT_AVAILABLE:
         return None
     return value
+
+
+def _sum(values: Any) -> float | None:
+    """The sum of a per-link list, its unreadable members left out; None when none is readable."""
+    numbers = [number for number in map(_number, values) if number is not None] if isinstance(values, list) else []
+    return sum(numbers) if numbers else None
+
+
+def _flag(value: Any) -> int | None:
+    """A bool amdsmi gives as True/False (or 0/1) as 1/0; None for "N/A"."""
+    if isinstance(value, bool) or value in (0, 1):
+        return int(value)
+    return None
 
 
 def _ratio(percent: Any) -> float | None:

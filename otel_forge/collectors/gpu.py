@@ -13,6 +13,13 @@ own: starting and shutting down its library, opening the GPUs present, the field
 - ``Failure.OTHER``: any other error skips the field for this read, warned at most once a minute
   per field.
 
+A reader that reads several fields in one library call (NVML's ``nvmlDeviceGetFieldValues``)
+returns a ``FieldBatch``: rows and errors per field, so that each field of the batch falls under
+the rules above on its own (NotSupported for memory temperature switches off only that).
+
+A MIG instance is a device of its own (``Gpu.parent`` is its GPU): ``hw.id`` ``<gpu>_mig<instance>``,
+``hw.parent`` the GPU's index; only the vendor's ``MIG_FIELDS`` are read for it.
+
 Besides its fields' rows, every GPU reports ``hw.status`` (``ok`` / ``failed``) on every read and,
 when a read has both its power draw and its enforced limit, ``otel_forge.gpu.power.utilization``.
 """
@@ -29,14 +36,24 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from otel_forge.collectors.base import CollectorUnavailable, HardwareCollector, Readings
-from otel_forge.collectors.gpu_selection import select_gpus
+from otel_forge.collectors.gpu_selection import DeviceKey, select_gpus
 from otel_forge.collectors.process import ProcessTree
 from otel_forge.config import ForgeConfig
 from otel_forge.ratelimit import RateLimitedLogger
 
 # One reading of a field: (metric name, value, attributes beyond the GPU's own).
 Row = tuple[str, float | None, dict[str, str]]
-FieldReader = Callable[[Any], list[Row]]
+
+
+@dataclass
+class FieldBatch:
+    """What one library call that reads several fields gives: each field's rows, or its error."""
+
+    rows: dict[str, list[Row]] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
+
+
+FieldReader = Callable[[Any], "list[Row] | FieldBatch"]
 
 _Collector = TypeVar("_Collector", bound="GpuCollector")
 
@@ -63,22 +80,36 @@ class Gpu:
     # semconv's hw.model, hw.serial_number, hw.driver_version, hw.firmware_version: those the library gave.
     identity: dict[str, str] = field(default_factory=dict)
     unsupported: set[str] = field(default_factory=set)
+    # A MIG instance: the GPU it is carved from, and its GPU instance id there.
+    parent: Gpu | None = None
+    instance: int | None = None
     attributes: dict[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
+        mig = (
+            {}
+            if self.parent is None
+            else {"hw.parent": str(self.parent.index), "otel_forge.gpu.mig.instance": str(self.instance)}
+        )
         self.attributes = {
-            "hw.id": str(self.index),
+            "hw.id": str(self.key),
             "hw.name": self.name,
             "hw.vendor": self.vendor,
             "hw.type": "gpu",
             **{key: value for key, value in self.identity.items() if value},
             "otel_forge.gpu.uuid": self.uuid,
             "otel_forge.gpu.pci_bus_id": self.pci_bus_id,
+            **mig,
         }
+
+    @property
+    def key(self) -> DeviceKey:
+        """The index of a whole GPU; ``<gpu>_mig<instance>`` for a MIG instance (its ``hw.id``)."""
+        return self.index if self.parent is None else f"{self.parent.index}_mig{self.instance}"
 
     def describe(self) -> str:
         """One line for ``otel-forge doctor``: identity, then failed and switched-off fields."""
-        line = " ".join(filter(None, (f"gpu {self.index}:", self.name, self.uuid, self.pci_bus_id)))
+        line = " ".join(filter(None, (f"gpu {self.key}:", self.name, self.uuid, self.pci_bus_id)))
         if self.lost:
             line += " (failed)"
         if self.unsupported:
@@ -91,8 +122,9 @@ class GpuCollector(HardwareCollector):
 
     A subclass sets ``name``, ``logger`` (its module's: every message of the collector goes
     there), ``visible_env`` (the vendor's visibility variables, for ``gpus=visible``) and
-    ``FIELDS``, defines ``_read_<field>(handle) -> list[Row]`` for each field (called in
-    ``FIELDS`` order, under the collector's lock), and implements the hooks ``_start_library``,
+    ``FIELDS`` (and ``MIG_FIELDS``, those read for a MIG instance), defines
+    ``_read_<field>(handle) -> list[Row] | FieldBatch`` for each field (called in ``FIELDS`` order,
+    under the collector's lock), and implements the hooks ``_start_library``,
     ``_open_gpus``, ``_shutdown_library`` and ``_failure``.
 
     ``create`` starts the library, opens the GPUs, keeps those the ``gpus`` setting selects and
@@ -103,6 +135,7 @@ class GpuCollector(HardwareCollector):
     """
 
     FIELDS: ClassVar[tuple[str, ...]]
+    MIG_FIELDS: ClassVar[tuple[str, ...]] = ()
     visible_env: ClassVar[tuple[str, ...]]
     logger: ClassVar[logging.Logger]
 
@@ -168,9 +201,9 @@ class GpuCollector(HardwareCollector):
                     self._read_gpu(gpu, readings)
                 _add_status(gpu, readings)
 
-    def sample_field(self, index: int, field_name: str) -> list[Row]:
+    def sample_field(self, index: int, field_name: str) -> list[Row] | FieldBatch:
         """One raw read of one field of one GPU, errors raised as the library raises them (for diagnostics)."""
-        gpu = next(gpu for gpu in self._gpus if gpu.index == index)
+        gpu = next(gpu for gpu in self._gpus if gpu.index == index and gpu.parent is None)
         with self._lock:
             self._pids = None
             return self._readers[field_name](gpu.handle)
@@ -190,7 +223,7 @@ class GpuCollector(HardwareCollector):
     def _read_gpu(self, gpu: Gpu, readings: Readings) -> None:
         rows: list[Row] = []
         for name, reader in self._readers.items():
-            if name not in gpu.unsupported:
+            if name not in gpu.unsupported and (gpu.parent is None or name in self.MIG_FIELDS):
                 rows += self._read_field(gpu, name, reader)
                 if gpu.lost:
                     return  # lost during this read: only hw.status from now on
@@ -199,25 +232,33 @@ class GpuCollector(HardwareCollector):
 
     def _read_field(self, gpu: Gpu, name: str, reader: FieldReader) -> list[Row]:
         try:
-            return reader(gpu.handle)
+            result = reader(gpu.handle)
         except Exception as error:  # noqa: BLE001 - classified; at worst it costs that field, this read
-            failure = self._failure(error)
-            if failure is Failure.UNSUPPORTED:
-                gpu.unsupported.add(name)
-                self.logger.debug(
-                    "GPU %d: %s not supported (%s); no longer read", gpu.index, name, self._error_text(error)
-                )
-            elif failure is Failure.LOST:
-                gpu.lost = True
-                self.logger.warning(
-                    "GPU %d (%s) is lost: %s; it reports hw.status failed from now on",
-                    gpu.index,
-                    gpu.uuid,
-                    self._error_text(error),
-                )
-            else:
-                self._warnings.warning(name, "GPU %d: reading %s failed: %s", gpu.index, name, self._error_text(error))
-        return []
+            self._field_failed(gpu, name, error)
+            return []
+        if isinstance(result, list):
+            return result
+        # A batch: each of its fields fails alone; one already switched off stays off, silently.
+        for field_name, field_error in result.errors.items():
+            if field_name not in gpu.unsupported:
+                self._field_failed(gpu, field_name, field_error)
+        return [row for field_name, rows in result.rows.items() if field_name not in gpu.unsupported for row in rows]
+
+    def _field_failed(self, gpu: Gpu, name: str, error: Exception) -> None:
+        failure = self._failure(error)
+        if failure is Failure.UNSUPPORTED:
+            gpu.unsupported.add(name)
+            self.logger.debug("GPU %s: %s not supported (%s); no longer read", gpu.key, name, self._error_text(error))
+        elif failure is Failure.LOST:
+            gpu.lost = True
+            self.logger.warning(
+                "GPU %s (%s) is lost: %s; it reports hw.status failed from now on",
+                gpu.key,
+                gpu.uuid,
+                self._error_text(error),
+            )
+        else:
+            self._warnings.warning(name, "GPU %s: reading %s failed: %s", gpu.key, name, self._error_text(error))
 
     def _monitored_pids(self) -> set[int]:
         """The pids of the monitored process tree, walked at most once per read."""
@@ -229,15 +270,23 @@ class GpuCollector(HardwareCollector):
 
     @classmethod
     def _select(cls, present: list[Gpu], config: ForgeConfig) -> list[Gpu]:
-        """The GPUs of ``present`` that ``config.gpus`` selects, in the order it names them."""
+        """The GPUs of ``present`` that ``config.gpus`` selects, in the order it names them.
+
+        A selected GPU brings its MIG instances (right after it); a MIG UUID selects only that instance.
+        """
         try:
-            wanted = select_gpus(config.gpus, [(gpu.index, gpu.uuid) for gpu in present], cls.visible_env)
+            wanted = select_gpus(config.gpus, [(gpu.key, gpu.uuid) for gpu in present], cls.visible_env)
         except ValueError as error:
             raise CollectorUnavailable(f"GPU selection: {error}") from None
         if not wanted:
             raise CollectorUnavailable(f"no GPU selected (gpus={config.gpus!r})")
-        by_index = {gpu.index: gpu for gpu in present}
-        return [by_index[index] for index in wanted]
+        by_key = {gpu.key: gpu for gpu in present}
+        selected: list[Gpu] = []
+        for key in wanted:
+            gpu = by_key[key]
+            children = [child for child in present if child.parent is gpu] if gpu.parent is None else []
+            selected += [device for device in (gpu, *children) if all(device is not kept for kept in selected)]
+        return selected
 
     @classmethod
     def _process_tree(cls, config: ForgeConfig) -> ProcessTree | None:

@@ -4,6 +4,10 @@
 runtime does (CUDA_VISIBLE_DEVICES for NVIDIA; ROCR_VISIBLE_DEVICES, then HIP_VISIBLE_DEVICES
 for AMD); anything else is a comma-separated list of indices and UUIDs. Pure: no library calls.
 
+A device is a whole GPU (its key is its index) or a MIG instance (its key is its ``hw.id``, e.g.
+``0_mig1``, and its UUID ``MIG-...``, as CUDA_VISIBLE_DEVICES names it). An index selects only a
+whole GPU; a ``MIG-`` UUID only a MIG instance; a GPU UUID (with or without ``GPU-``) only a GPU.
+
 Two caveats of ``visible``, both from the runtimes rather than from us: CUDA numbers devices
 fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` while NVML numbers them in PCI order, so
 index entries are only exact with that setting (UUIDs always are); and a negative index (the
@@ -18,13 +22,14 @@ from collections.abc import Mapping, Sequence
 NVIDIA_VISIBLE_ENV = ("CUDA_VISIBLE_DEVICES",)
 AMD_VISIBLE_ENV = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
-Device = tuple[int, str]  # (index, uuid)
+DeviceKey = int | str  # a GPU's index, or a MIG instance's hw.id
+Device = tuple[DeviceKey, str]  # (key, uuid)
 
 
 def select_gpus(
     spec: str, devices: Sequence[Device], visible_env_vars: Sequence[str], environ: Mapping[str, str] | None = None
-) -> list[int]:
-    """The indices of ``devices`` that ``spec`` selects, in the order it names them.
+) -> list[DeviceKey]:
+    """The keys of ``devices`` that ``spec`` selects, in the order it names them.
 
     Raises ``ValueError`` naming the entry when an index or UUID matches no device (or a UUID
     prefix matches several).
@@ -41,8 +46,8 @@ def select_gpus(
     return _resolve(text, devices, f"gpus={spec!r}", stop_at_negative=False)
 
 
-def _resolve(text: str, devices: Sequence[Device], source: str, stop_at_negative: bool) -> list[int]:
-    selected: list[int] = []
+def _resolve(text: str, devices: Sequence[Device], source: str, stop_at_negative: bool) -> list[DeviceKey]:
+    selected: list[DeviceKey] = []
     for entry in (part.strip() for part in text.split(",")):
         if not entry:
             continue
@@ -54,10 +59,10 @@ def _resolve(text: str, devices: Sequence[Device], source: str, stop_at_negative
     return selected
 
 
-def _match(entry: str, devices: Sequence[Device], source: str) -> int:
+def _match(entry: str, devices: Sequence[Device], source: str) -> DeviceKey:
     if _is_int(entry):
         wanted = int(entry)
-        if any(index == wanted for index, _ in devices):
+        if any(isinstance(index, int) and index == wanted for index, _ in devices):
             return wanted
         raise ValueError(f"no GPU with index {entry} ({source}; present: {_present(devices)})")
     key = _uuid_key(entry)
@@ -70,7 +75,10 @@ def _match(entry: str, devices: Sequence[Device], source: str) -> int:
 
 
 def _uuid_key(uuid: str) -> str:
-    """UUIDs compare without case and without the ``GPU-`` prefix ROCm and CUDA spell differently."""
+    """UUIDs compare without case and without the ``GPU-`` prefix ROCm and CUDA spell differently.
+
+    ``MIG-`` stays: a bare UUID prefix must not pick a MIG instance instead of its GPU.
+    """
     lowered = uuid.strip().lower()
     return lowered[4:] if lowered.startswith("gpu-") else lowered
 

@@ -11,6 +11,17 @@ them per (GPU, XID code); ``read`` reports the cumulative counts.
 
 NVML gives PCIe traffic only as a throughput (KiB/s over 20 ms); semconv's ``hw.gpu.io`` is a byte
 counter, so each read adds the throughput times the time since the previous read (trapezoids).
+
+Everything NVML has a field id for (energy, ECC totals, memory temperature, NVLink traffic and
+error counters, PCIe replays, row remapping, retired pages, power and thermal violation time) is
+read in ONE ``nvmlDeviceGetFieldValues`` call per GPU per read (``_BATCH``); each entry carries its
+own status, so each of those fields is switched off or skipped on its own. A read of a whole GPU
+is 14 NVML calls: that one, utilization, encoder, decoder, memory, power, power limit,
+temperature, two clocks, two PCIe throughputs, clock-event reasons and compute processes.
+
+MIG: a GPU in MIG mode is read as a whole (power, temperature, NVLink, ...) and each of its MIG
+instances as a device of its own (memory; utilization where NVML gives it, which it does not on
+today's drivers: switched off then). MIG instances are enumerated once, when the GPUs are opened.
 """
 
 from __future__ import annotations
@@ -20,10 +31,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from otel_forge.collectors.base import CollectorUnavailable, Readings
-from otel_forge.collectors.gpu import Failure, Gpu, GpuCollector, Row
+from otel_forge.collectors.gpu import Failure, FieldBatch, Gpu, GpuCollector, Row
 from otel_forge.collectors.gpu_selection import NVIDIA_VISIBLE_ENV
 from otel_forge.collectors.process import ProcessTree
 from otel_forge.ratelimit import RateLimitedLogger
@@ -56,6 +68,78 @@ XID_WAIT_MS = 500  # the event thread notices close() within this
 
 _PCIE_COUNTERS = (("NVML_PCIE_UTIL_TX_BYTES", "transmit"), ("NVML_PCIE_UTIL_RX_BYTES", "receive"))
 
+# NVLink throughput counters: a scope of UINT_MAX asks for the sum over the GPU's links.
+_ALL_LINKS = 0xFFFFFFFF
+_KIB = 1024
+_NS = 1e-9
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One field id of the ``nvmlDeviceGetFieldValues`` batch and the reading it becomes."""
+
+    field: str  # the name it is switched off / warned under (several entries may share one)
+    field_id: str  # pynvml's NVML_FI_* constant
+    metric: str
+    attributes: tuple[tuple[str, str], ...] = ()
+    scale: float = 1.0
+    scope: int = 0
+
+
+def _entries(
+    field: str, metric: str, ids: dict[str, dict[str, str]], scale: float = 1.0, scope: int = 0
+) -> list[BatchEntry]:
+    """The entries of one field: NVML_FI_* id -> the attributes of its reading."""
+    return [BatchEntry(field, field_id, metric, tuple(attrs.items()), scale, scope) for field_id, attrs in ids.items()]
+
+
+def _by_error_type(**ids: str) -> dict[str, dict[str, str]]:
+    return {field_id: {"error.type": error_type} for field_id, error_type in ids.items()}
+
+
+# fmt: off
+_BATCH = (
+    *_entries("energy", "hw.energy", {"NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": {}}, scale=1e-3),  # mJ
+    *_entries("ecc", "hw.errors", _by_error_type(NVML_FI_DEV_ECC_SBE_VOL_TOTAL="corrected",
+                                                 NVML_FI_DEV_ECC_DBE_VOL_TOTAL="uncorrected")),
+    *_entries("memory_temperature", "hw.temperature", {"NVML_FI_DEV_MEMORY_TEMP": {"hw.sensor_location": "memory"}}),
+    *_entries("nvlink_io", "hw.gpu.io", {
+        "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX": {"otel_forge.gpu.link": "nvlink", "network.io.direction": "transmit"},
+        "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX": {"otel_forge.gpu.link": "nvlink", "network.io.direction": "receive"},
+    }, scale=_KIB, scope=_ALL_LINKS),  # KiB since the driver loaded, all links
+    *_entries("nvlink_errors", "otel_forge.gpu.nvlink.errors", _by_error_type(
+        NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL="crc_flit",
+        NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL="crc_data",
+        NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL="replay",
+        NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL="recovery")),
+    *_entries("pcie_replays", "otel_forge.gpu.pcie.replays", {"NVML_FI_DEV_PCIE_REPLAY_COUNTER": {}}),
+    *_entries("row_remapping", "otel_forge.gpu.memory.remapped_rows", _by_error_type(
+        NVML_FI_DEV_REMAPPED_COR="corrected", NVML_FI_DEV_REMAPPED_UNC="uncorrected")),
+    *_entries("row_remapping", "otel_forge.gpu.memory.remap.pending", {"NVML_FI_DEV_REMAPPED_PENDING": {}}),
+    *_entries("row_remapping", "otel_forge.gpu.memory.remap.failed", {"NVML_FI_DEV_REMAPPED_FAILURE": {}}),
+    *_entries("retired_pages", "otel_forge.gpu.memory.retired_pages", _by_error_type(
+        NVML_FI_DEV_RETIRED_SBE="corrected", NVML_FI_DEV_RETIRED_DBE="uncorrected")),
+    *_entries("retired_pages", "otel_forge.gpu.memory.retirement.pending", {"NVML_FI_DEV_RETIRED_PENDING": {}}),
+    # Time the clocks were held down by the power / thermal policy, in ns (as nvmlDeviceGetViolationStatus,
+    # which NVML deprecates for these ids).
+    *_entries("violation", "otel_forge.gpu.violation.time", {
+        "NVML_FI_DEV_PERF_POLICY_POWER": {"otel_forge.gpu.violation": "power"},
+        "NVML_FI_DEV_PERF_POLICY_THERMAL": {"otel_forge.gpu.violation": "thermal"},
+    }, scale=_NS),
+)
+# fmt: on
+
+# c_nvmlValue_t's member for each NVML_VALUE_TYPE_*.
+_VALUE_MEMBERS = {
+    "NVML_VALUE_TYPE_DOUBLE": "dVal",
+    "NVML_VALUE_TYPE_UNSIGNED_INT": "uiVal",
+    "NVML_VALUE_TYPE_UNSIGNED_LONG": "ulVal",
+    "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": "ullVal",
+    "NVML_VALUE_TYPE_SIGNED_LONG_LONG": "sllVal",
+    "NVML_VALUE_TYPE_SIGNED_INT": "siVal",
+    "NVML_VALUE_TYPE_UNSIGNED_SHORT": "usVal",
+}
+
 
 class ByteCounter:
     """Bytes per device, from throughput readings: each adds the mean throughput since the last
@@ -82,18 +166,20 @@ class NvidiaCollector(GpuCollector):
     visible_env = NVIDIA_VISIBLE_ENV
     FIELDS = (
         "utilization",
+        "encoder",
+        "decoder",
         "memory",
         "power",
         "power_limit",
-        "energy",
         "temperature",
         "clock_sm",
         "clock_memory",
         "pcie",
-        "ecc",
         "throttle",
         "process_memory",
+        "field_values",  # the batch: energy, ecc, memory_temperature, nvlink_*, pcie_replays, ...
     )
+    MIG_FIELDS = ("utilization", "memory")
 
     def __init__(self, nvml: Any, gpus: list[Gpu], tree: ProcessTree | None) -> None:
         super().__init__(nvml, gpus, tree)
@@ -104,8 +190,14 @@ class NvidiaCollector(GpuCollector):
             getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
             or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
         )
-        self._xid = XidWatcher(nvml, [gpu for gpu in gpus if not gpu.lost], self._warnings)
+        self._xid = XidWatcher(nvml, [gpu for gpu in gpus if not gpu.lost and gpu.parent is None], self._warnings)
         self._pcie = {direction: ByteCounter() for _, direction in _PCIE_COUNTERS}
+        # The batch's request: resolved once (a pynvml without an id leaves that entry out).
+        self._batch = [entry for entry in _BATCH if hasattr(nvml, entry.field_id)]
+        self._batch_ids = [(getattr(nvml, entry.field_id), entry.scope) for entry in self._batch]
+        self._value_members = {
+            getattr(nvml, name): member for name, member in _VALUE_MEMBERS.items() if hasattr(nvml, name)
+        }
 
     @property
     def _nvml(self) -> Any:
@@ -118,7 +210,7 @@ class NvidiaCollector(GpuCollector):
 
     def read(self, readings: Readings) -> None:
         super().read(readings)
-        by_index = {gpu.index: gpu for gpu in self._gpus}
+        by_index = {gpu.index: gpu for gpu in self._gpus if gpu.parent is None}
         for (index, code), count in sorted(self._xid.counts().items()):
             readings.add(
                 "otel_forge.gpu.xid.errors", count, {**by_index[index].attributes, "otel_forge.gpu.xid": str(code)}
@@ -154,7 +246,10 @@ class NvidiaCollector(GpuCollector):
     def _open_gpus(nvml: Any) -> list[Gpu]:
         count = nvml.nvmlDeviceGetCount()
         driver = _optional(nvml, nvml.nvmlSystemGetDriverVersion)
-        present = [gpu for gpu in (_open_gpu(nvml, index, driver) for index in range(count)) if gpu is not None]
+        present: list[Gpu] = []
+        for gpu in (_open_gpu(nvml, index, driver) for index in range(count)):
+            if gpu is not None:
+                present += [gpu, *_open_mig_instances(nvml, gpu)]
         if not present:
             raise CollectorUnavailable("NVML found no GPUs" if count == 0 else "no GPU could be opened")
         return present
@@ -182,6 +277,14 @@ class NvidiaCollector(GpuCollector):
             ("otel_forge.gpu.memory.activity", rates.memory / 100, {}),
         ]
 
+    def _read_encoder(self, handle: Any) -> list[Row]:
+        utilization, _sampling_period_us = self._nvml.nvmlDeviceGetEncoderUtilization(handle)
+        return [("hw.gpu.utilization", utilization / 100, {"hw.gpu.task": "encoder"})]
+
+    def _read_decoder(self, handle: Any) -> list[Row]:
+        utilization, _sampling_period_us = self._nvml.nvmlDeviceGetDecoderUtilization(handle)
+        return [("hw.gpu.utilization", utilization / 100, {"hw.gpu.task": "decoder"})]
+
     def _read_memory(self, handle: Any) -> list[Row]:
         memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
         utilization = memory.used / memory.total if memory.total else None
@@ -196,9 +299,6 @@ class NvidiaCollector(GpuCollector):
 
     def _read_power_limit(self, handle: Any) -> list[Row]:
         return [("otel_forge.gpu.power.limit", self._nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000, {})]
-
-    def _read_energy(self, handle: Any) -> list[Row]:
-        return [("hw.energy", self._nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000, {})]  # mJ
 
     def _read_temperature(self, handle: Any) -> list[Row]:
         celsius = self._nvml.nvmlDeviceGetTemperature(handle, self._nvml.NVML_TEMPERATURE_GPU)
@@ -220,22 +320,8 @@ class NvidiaCollector(GpuCollector):
         for counter, direction in _PCIE_COUNTERS:
             bytes_per_s = self._nvml.nvmlDeviceGetPcieThroughput(handle, getattr(self._nvml, counter)) * 1024
             total = self._pcie[direction].add(_handle_key(handle), bytes_per_s, time.monotonic())
-            rows.append(("hw.gpu.io", total, {"network.io.direction": direction}))
+            rows.append(("hw.gpu.io", total, {"otel_forge.gpu.link": "pcie", "network.io.direction": direction}))
         return rows
-
-    def _read_ecc(self, handle: Any) -> list[Row]:
-        nvml = self._nvml
-        return [
-            (
-                "hw.errors",
-                nvml.nvmlDeviceGetTotalEccErrors(handle, error_type, nvml.NVML_VOLATILE_ECC),
-                {"error.type": label},
-            )
-            for error_type, label in (
-                (nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, "corrected"),
-                (nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, "uncorrected"),
-            )
-        ]
 
     def _read_throttle(self, handle: Any) -> list[Row]:
         try:
@@ -256,6 +342,22 @@ class NvidiaCollector(GpuCollector):
         pids = self._monitored_pids()
         used = sum(process.usedGpuMemory or 0 for process in processes if process.pid in pids)
         return [("otel_forge.gpu.process.memory.usage", used, {})]
+
+    def _read_field_values(self, handle: Any) -> FieldBatch:
+        values = self._nvml.nvmlDeviceGetFieldValues(handle, self._batch_ids)
+        batch = FieldBatch()
+        for entry, value in zip(self._batch, values, strict=True):
+            if value.nvmlReturn != self._nvml.NVML_SUCCESS:
+                batch.errors.setdefault(entry.field, self._nvml.NVMLError(value.nvmlReturn))
+                continue
+            number = self._field_number(value)
+            row = (entry.metric, None if number is None else number * entry.scale, dict(entry.attributes))
+            batch.rows.setdefault(entry.field, []).append(row)
+        return batch
+
+    def _field_number(self, value: Any) -> float | None:
+        member = self._value_members.get(value.valueType)
+        return None if member is None else float(getattr(value.value, member))
 
 
 class XidWatcher:
@@ -375,6 +477,47 @@ def _open_gpu(nvml: Any, index: int, driver: str) -> Gpu | None:
     }
     bus_id = _optional(nvml, lambda: nvml.nvmlDeviceGetPciInfo(handle).busId)
     return Gpu("NVIDIA", index, handle, name, uuid, bus_id, identity=identity)
+
+
+def _open_mig_instances(nvml: Any, gpu: Gpu) -> list[Gpu]:
+    """The MIG instances of ``gpu`` when it is in MIG mode (none otherwise, or when NVML cannot say)."""
+    if gpu.lost:
+        return []
+    try:
+        current_mode, _pending_mode = nvml.nvmlDeviceGetMigMode(gpu.handle)
+        if current_mode != nvml.NVML_DEVICE_MIG_ENABLE:
+            return []
+        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(gpu.handle)
+    except nvml.NVMLError as error:  # NotSupported: a GPU without MIG
+        _logger.debug("GPU %d: no MIG (%s)", gpu.index, error)
+        return []
+    instances = []
+    for slot in range(slots):
+        instance = _open_mig_instance(nvml, gpu, slot)
+        if instance is not None:
+            instances.append(instance)
+    return instances
+
+
+def _open_mig_instance(nvml: Any, gpu: Gpu, slot: int) -> Gpu | None:
+    try:
+        handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu.handle, slot)
+    except nvml.NVMLError_NotFound:
+        return None  # an empty slot
+    except nvml.NVMLError as error:
+        _logger.warning("GPU %d: MIG device %d cannot be opened (%s); it is not monitored", gpu.index, slot, error)
+        return None
+    try:
+        uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        instance = nvml.nvmlDeviceGetGpuInstanceId(handle)
+    except nvml.NVMLError as error:
+        _logger.warning("GPU %d: MIG device %d cannot be opened (%s); it is not monitored", gpu.index, slot, error)
+        return None
+    # Its name carries the profile ("NVIDIA H100 80GB HBM3 MIG 1g.10gb").
+    name = _optional(nvml, nvml.nvmlDeviceGetName, handle) or gpu.name
+    return Gpu(
+        "NVIDIA", gpu.index, handle, name, uuid, gpu.pci_bus_id, identity=gpu.identity, parent=gpu, instance=instance
+    )
 
 
 # --- small helpers ---------------------------------------------------------------------------

@@ -52,7 +52,9 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
     assert set(readings.metrics()) == set(SPECS)
     for metric in readings.metrics():
         for attributes, _ in readings.get(metric):
-            assert set(attributes) == set(SPECS[metric].attributes), metric
+            # amdsmi's bad pages carry no cause: retired pages have no error.type on AMD
+            unknown_cause = {"error.type"} if metric == "otel_forge.gpu.memory.retired_pages" else set()
+            assert set(attributes) == set(SPECS[metric].attributes) - unknown_cause, metric
     for metric in SPECS:
         assert set(by_gpu(readings, metric)) == {"0", "1", "2", "3"}, metric
 
@@ -120,8 +122,8 @@ def test_unsupported_field_is_switched_off_for_that_gpu_only(caplog: pytest.LogC
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     with opened({"count": 4, "not_supported": {"1": ["temperature_edge"]}}) as (amdsmi, collector):
         reads = [read(collector) for _ in range(3)]
-        assert amdsmi.calls("amdsmi_get_temp_metric", 1) == 1 + 3  # edge once, hotspot every read
-        assert amdsmi.calls("amdsmi_get_temp_metric", 0) == 2 * 3
+        assert amdsmi.calls("amdsmi_get_temp_metric", 1) == 1 + 3 + 3  # edge once, hotspot and memory every read
+        assert amdsmi.calls("amdsmi_get_temp_metric", 0) == 3 * 3
         assert "not supported: temperature_edge" in collector.describe()[1]
     for readings in reads:
         assert set(by_gpu(readings, "hw.temperature", **{"hw.sensor_location": "edge"})) == {"0", "2", "3"}
@@ -235,3 +237,48 @@ def test_vendor_keys_of_a_shared_scenario_apply_to_their_fake_only() -> None:
         assert amdsmi is None
         with pytest.raises(CollectorUnavailable, match="KeyError"):
             AmdCollector.create(ForgeConfig.resolve(environ={}))
+
+
+# --- what AMD gives of the GPU-depth readings (issue 14) ---------------------------------------------
+
+
+def test_memory_temperature_xgmi_traffic_replays_violations_and_bad_pages() -> None:
+    scenario = {
+        "count": 2,
+        "violations": {"0": ["ppt_pwr"]},
+        "bad_pages": {"0": {"reserved": 2, "pending": 1}},
+        "sequences": {"0": {"temperature_vram": [77], "xgmi_read": [3000], "xgmi_write": [1000], "pcie_replays": [9]}},
+    }
+    with opened(scenario) as (_, collector):
+        readings = read(collector)
+    assert by_gpu(readings, "hw.temperature", **{"hw.sensor_location": "memory"})["0"] == 77
+    xgmi = {"otel_forge.gpu.link": "xgmi"}
+    assert by_gpu(readings, "hw.gpu.io", **xgmi, **{"network.io.direction": "receive"})["0"] == 3000 * 1024
+    assert by_gpu(readings, "hw.gpu.io", **xgmi, **{"network.io.direction": "transmit"})["0"] == 1000 * 1024
+    assert by_gpu(readings, "otel_forge.gpu.pcie.replays")["0"] == 9
+    reasons = {a["otel_forge.gpu.throttle.reason"]: v for a, v in readings.get("otel_forge.gpu.throttle") if a["hw.id"] == "0"}
+    assert reasons == {"ppt_power": 1, "socket_thermal": 0, "prochot_thermal": 0, "vr_thermal": 0, "hbm_thermal": 0}
+    assert by_gpu(readings, "otel_forge.gpu.memory.retired_pages") == {"0": 2, "1": 0}
+    assert by_gpu(readings, "otel_forge.gpu.memory.retirement.pending") == {"0": 1, "1": 0}
+    assert by_gpu(readings, "hw.errors", **{"error.type": "deferred"}) == {"0": 0, "1": 0}
+    # NVML-only readings are absent on AMD
+    for metric in ("otel_forge.gpu.memory.remap.failed", "otel_forge.gpu.violation.time", "otel_forge.gpu.nvlink.errors"):
+        assert readings.get(metric) == [], metric
+
+
+def test_a_gpu_without_xgmi_or_violation_status_leaves_those_out_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    with opened({"count": 2, "no_xgmi": True, "not_supported": {"1": ["violation"]}}) as (amdsmi, collector):
+        readings = [read(collector) for _ in range(3)][-1]
+        assert amdsmi.calls("amdsmi_get_violation_status", 1) == 1
+    assert readings.get("hw.gpu.io") == []
+    assert set(by_gpu(readings, "otel_forge.gpu.throttle")) == {"0"}
+    assert set(by_gpu(readings, "otel_forge.gpu.pcie.replays")) == {"0", "1"}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_hot_amd_gpu_shows_thermal_violations() -> None:
+    with opened({"count": 1, "hot": True}) as (_, collector):
+        readings = read(collector)
+    active = {a["otel_forge.gpu.throttle.reason"] for a, v in readings.get("otel_forge.gpu.throttle") if v}
+    assert active == {"socket_thermal", "hbm_thermal"}

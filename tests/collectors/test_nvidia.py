@@ -19,7 +19,7 @@ from otel_forge.collectors import nvidia
 from otel_forge.collectors.base import CollectorUnavailable
 from otel_forge.collectors.nvidia import NvidiaCollector
 from otel_forge.config import ForgeConfig
-from otel_forge.names import METRICS
+from otel_forge.names import METRICS, MIG_ATTRIBUTES
 
 LOGGER = "otel_forge.collectors.nvidia"
 SPECS = {spec.name: spec for spec in METRICS if spec.source == "nvidia"}
@@ -69,6 +69,25 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
                 "pcie_rx": [3000],
                 "ecc_corrected": [5],
                 "ecc_uncorrected": [1],
+                "encoder": [7],
+                "decoder": [42],
+                "memory_temperature": [71],
+                "nvlink_tx": [3 * MiB],
+                "nvlink_rx": [5 * MiB],
+                "nvlink_crc_flit": [4],
+                "nvlink_crc_data": [3],
+                "nvlink_replay": [2],
+                "nvlink_recovery": [1],
+                "pcie_replays": [17],
+                "remapped_corrected": [6],
+                "remapped_uncorrected": [2],
+                "remap_pending": [1],
+                "remap_failure": [0],
+                "retired_sbe": [3],
+                "retired_dbe": [1],
+                "retired_pending": [1],
+                "power_violation": [2_500_000_000],
+                "thermal_violation": [500_000_000],
             }
         },
     }
@@ -77,8 +96,8 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
 
     assert set(readings.metrics()) == set(SPECS) - {"otel_forge.gpu.xid.errors"}  # no XID event yet
     for metric in readings.metrics():  # attribute keys exactly as names.py declares them
-        for attributes, _ in readings.get(metric):
-            assert set(attributes) == set(SPECS[metric].attributes), metric
+        for attributes, _ in readings.get(metric):  # a whole GPU: no MIG attribute
+            assert set(attributes) == set(SPECS[metric].attributes) - set(MIG_ATTRIBUTES), metric
     for metric in ("hw.gpu.utilization", "hw.gpu.memory.usage", "hw.power", "hw.energy", "hw.temperature"):
         assert set(by_gpu(readings, metric)) == {"0", "1", "2", "3"}, metric
 
@@ -91,7 +110,7 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
     assert gpu0["hw.model"] == "NVIDIA H100 80GB HBM3" and gpu0["hw.serial_number"] == "1654922000000"
     assert gpu0["hw.driver_version"] == "999.99-fake" and gpu0["hw.firmware_version"] == "96.00.89.00.01"
     expected = {
-        ("hw.gpu.utilization", ()): 0.30,
+        ("hw.gpu.utilization", (("hw.gpu.task", "general"),)): 0.30,
         ("otel_forge.gpu.memory.activity", ()): 0.12,
         ("hw.gpu.memory.usage", ()): 20 * 1024 * MiB,
         ("hw.gpu.memory.limit", ()): 80 * 1024 * MiB,
@@ -103,29 +122,50 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
         ("hw.temperature", (("hw.sensor_location", "gpu"),)): 61,
         ("otel_forge.gpu.clock.frequency", (("otel_forge.gpu.clock", "sm"),)): 1980e6,
         ("otel_forge.gpu.clock.frequency", (("otel_forge.gpu.clock", "memory"),)): 2619e6,
-        ("hw.gpu.io", (("network.io.direction", "transmit"),)): 0,  # a byte counter: 0 at the first read
-        ("hw.gpu.io", (("network.io.direction", "receive"),)): 0,
+        # PCIe: a byte counter from throughputs, 0 at the first read; NVLink: NVML's KiB counters
+        ("hw.gpu.io", (("otel_forge.gpu.link", "pcie"), ("network.io.direction", "transmit"))): 0,
+        ("hw.gpu.io", (("otel_forge.gpu.link", "pcie"), ("network.io.direction", "receive"))): 0,
+        ("hw.gpu.io", (("otel_forge.gpu.link", "nvlink"), ("network.io.direction", "transmit"))): 3 * 1024 * MiB,
+        ("hw.gpu.io", (("otel_forge.gpu.link", "nvlink"), ("network.io.direction", "receive"))): 5 * 1024 * MiB,
         ("hw.errors", (("error.type", "corrected"),)): 5,
         ("hw.errors", (("error.type", "uncorrected"),)): 1,
+        ("hw.gpu.utilization", (("hw.gpu.task", "encoder"),)): 0.07,
+        ("hw.gpu.utilization", (("hw.gpu.task", "decoder"),)): 0.42,
+        ("hw.temperature", (("hw.sensor_location", "memory"),)): 71,
+        ("otel_forge.gpu.nvlink.errors", (("error.type", "crc_flit"),)): 4,
+        ("otel_forge.gpu.nvlink.errors", (("error.type", "crc_data"),)): 3,
+        ("otel_forge.gpu.nvlink.errors", (("error.type", "replay"),)): 2,
+        ("otel_forge.gpu.nvlink.errors", (("error.type", "recovery"),)): 1,
+        ("otel_forge.gpu.pcie.replays", ()): 17,
+        ("otel_forge.gpu.memory.remapped_rows", (("error.type", "corrected"),)): 6,
+        ("otel_forge.gpu.memory.remapped_rows", (("error.type", "uncorrected"),)): 2,
+        ("otel_forge.gpu.memory.remap.pending", ()): 1,
+        ("otel_forge.gpu.memory.remap.failed", ()): 0,
+        ("otel_forge.gpu.memory.retired_pages", (("error.type", "corrected"),)): 3,
+        ("otel_forge.gpu.memory.retired_pages", (("error.type", "uncorrected"),)): 1,
+        ("otel_forge.gpu.memory.retirement.pending", ()): 1,
+        ("otel_forge.gpu.violation.time", (("otel_forge.gpu.violation", "power"),)): 2.5,
+        ("otel_forge.gpu.violation.time", (("otel_forge.gpu.violation", "thermal"),)): 0.5,
         ("otel_forge.gpu.process.memory.usage", ()): 0,
         ("hw.status", (("hw.state", "ok"),)): 1,
         ("hw.status", (("hw.state", "failed"),)): 0,
     }
     for (metric, attributes), value in expected.items():
         assert by_gpu(readings, metric, **dict(attributes))["0"] == pytest.approx(value), (metric, attributes)
-    assert by_gpu(readings, "hw.gpu.utilization")["0"] == 0.30
-    assert {a["hw.gpu.task"] for a, _ in readings.get("hw.gpu.utilization")} == {"general"}
+    assert by_gpu(readings, "hw.gpu.utilization", **{"hw.gpu.task": "general"})["0"] == 0.30
+    assert {a["hw.gpu.task"] for a, _ in readings.get("hw.gpu.utilization")} == {"general", "encoder", "decoder"}
 
 
 def test_pcie_bytes_add_the_mean_throughput_times_the_time_between_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter([100.0, 100.0, 102.0, 102.0, 112.0, 112.0])  # tx, rx at each of three reads
     monkeypatch.setattr(nvidia.time, "monotonic", lambda: next(clock))
     scenario = {"count": 1, "sequences": {"0": {"pcie_tx": [1000, 3000, 3000], "pcie_rx": [0, 0, 500]}}}
+    pcie = {"otel_forge.gpu.link": "pcie"}
     with opened(scenario, gpus="all") as (_, collector):
         totals = [
             (
-                by_gpu(readings, "hw.gpu.io", **{"network.io.direction": "transmit"})["0"],
-                by_gpu(readings, "hw.gpu.io", **{"network.io.direction": "receive"})["0"],
+                by_gpu(readings, "hw.gpu.io", **pcie, **{"network.io.direction": "transmit"})["0"],
+                by_gpu(readings, "hw.gpu.io", **pcie, **{"network.io.direction": "receive"})["0"],
             )
             for readings in (read(collector), read(collector), read(collector))
         ]
@@ -140,26 +180,66 @@ def test_a_board_without_a_serial_number_leaves_the_attribute_out() -> None:
     assert serials == {"0": "1654922000000", "1": None}
 
 
-def test_one_read_calls_each_nvml_function_once_per_gpu() -> None:
+# NVML calls per whole GPU per read, as the README states: each one once, but the clocks (sm, memory)
+# and the PCIe throughput (transmit, receive) twice; every field-id reading is in the one batch.
+CALLS_PER_GPU = {
+    "nvmlDeviceGetUtilizationRates": 1,
+    "nvmlDeviceGetEncoderUtilization": 1,
+    "nvmlDeviceGetDecoderUtilization": 1,
+    "nvmlDeviceGetMemoryInfo": 1,
+    "nvmlDeviceGetPowerUsage": 1,
+    "nvmlDeviceGetEnforcedPowerLimit": 1,
+    "nvmlDeviceGetTemperature": 1,
+    "nvmlDeviceGetClockInfo": 2,
+    "nvmlDeviceGetPcieThroughput": 2,
+    "nvmlDeviceGetCurrentClocksEventReasons": 1,
+    "nvmlDeviceGetComputeRunningProcesses": 1,
+    "nvmlDeviceGetFieldValues": 1,
+}
+
+
+def test_one_read_is_14_nvml_calls_per_gpu_every_field_id_in_one_batch() -> None:
     with opened({"count": 4}) as (nvml, collector):
+        read(collector)  # the first read: nothing switched off yet either way
         nvml.reset_counts()
         read(collector)
-        for function in (
-            "nvmlDeviceGetUtilizationRates",
-            "nvmlDeviceGetMemoryInfo",
-            "nvmlDeviceGetPowerUsage",
-            "nvmlDeviceGetTotalEnergyConsumption",
-            "nvmlDeviceGetComputeRunningProcesses",
-            "nvmlDeviceGetCurrentClocksEventReasons",
-        ):
-            assert nvml.calls(function) == 4, function
-        assert nvml.calls("nvmlDeviceGetClockInfo") == 8  # sm and memory
-        assert nvml.calls("nvmlDeviceGetPcieThroughput") == 8  # transmit and receive
+        counts = nvml.call_counts()
+    assert sum(CALLS_PER_GPU.values()) == 14
+    for gpu in range(4):
+        assert {function: n for (function, index), n in counts.items() if index == gpu} == CALLS_PER_GPU, gpu
+    assert {function for function, index in counts if index is None} <= {"nvmlEventSetWait_v2"}  # the XID thread
+    for function in ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetTotalEccErrors"):
+        assert nvml.calls(function) == 0, function  # in the batch
+
+
+def test_the_batch_asks_for_every_field_id_once_and_nvlink_over_all_links() -> None:
+    with fake_nvml({"count": 1}) as nvml:
+        asked: list[list] = []
+        real_call = nvml.nvmlDeviceGetFieldValues
+
+        def spy(handle: Any, field_ids: list) -> Any:
+            asked.append(list(field_ids))
+            return real_call(handle, field_ids)
+
+        nvml.nvmlDeviceGetFieldValues = spy
+        try:
+            collector = NvidiaCollector.create(ForgeConfig.resolve(environ={}))
+            try:
+                read(collector)
+            finally:
+                collector.close()
+        finally:
+            nvml.nvmlDeviceGetFieldValues = real_call
+    ((ids,),) = [asked]
+    assert len({field_id for field_id, _ in ids}) == len(ids) == 20
+    scopes = dict(ids)
+    assert scopes[nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX] == 0xFFFFFFFF
+    assert scopes[nvml.NVML_FI_DEV_MEMORY_TEMP] == 0
 
 
 def test_values_follow_the_scenario_sequence_read_after_read() -> None:
     with opened({"count": 1, "sequences": {"0": {"utilization": [10, 20, 30]}}}) as (_, collector):
-        seen = [by_gpu(read(collector), "hw.gpu.utilization")["0"] for _ in range(4)]
+        seen = [by_gpu(read(collector), "hw.gpu.utilization", **{"hw.gpu.task": "general"})["0"] for _ in range(4)]
     assert seen == pytest.approx([0.1, 0.2, 0.3, 0.1])
 
 
@@ -220,7 +300,8 @@ def test_other_errors_skip_the_field_this_read_and_warn_once_a_minute(caplog: py
         reads = [read(collector) for _ in range(3)]
         assert nvml.calls("nvmlDeviceGetTemperature", 0) == 3  # not switched off: tried every read
     for readings in reads:
-        assert set(by_gpu(readings, "hw.temperature")) == {"1"}
+        assert set(by_gpu(readings, "hw.temperature", **{"hw.sensor_location": "gpu"})) == {"1"}
+        assert set(by_gpu(readings, "hw.temperature", **{"hw.sensor_location": "memory"})) == {"0", "1"}
         assert by_gpu(readings, "hw.status", **{"hw.state": "ok"})["0"] == 1
     assert len(messages(caplog, logging.WARNING, "reading temperature failed")) == 1
 
@@ -413,3 +494,172 @@ def test_process_memory_of_a_vanished_pid_is_not_reported_but_the_rest_is() -> N
         assert nvml.calls("nvmlDeviceGetComputeRunningProcesses") == 0
     assert readings.get("otel_forge.gpu.process.memory.usage") == []
     assert by_gpu(readings, "hw.power") == {"0": pytest.approx(100.0)}
+
+
+# --- the field-values batch: each field on its own --------------------------------------------------
+
+
+def test_a_batch_field_not_supported_on_one_gpu_is_absent_there_only_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    with opened({"count": 3, "not_supported": {"1": ["memory_temperature", "nvlink_io"]}}) as (nvml, collector):
+        reads = [read(collector) for _ in range(3)]
+        assert nvml.calls("nvmlDeviceGetFieldValues", 1) == 3  # the batch goes on for the rest
+        assert "not supported: memory_temperature, nvlink_io" in collector.describe()[1]
+    memory = {"hw.sensor_location": "memory"}
+    for readings in reads:
+        assert set(by_gpu(readings, "hw.temperature", **memory)) == {"0", "2"}
+        assert set(by_gpu(readings, "hw.gpu.io", **{"otel_forge.gpu.link": "nvlink"})) == {"0", "2"}
+        assert set(by_gpu(readings, "otel_forge.gpu.pcie.replays")) == {"0", "1", "2"}  # its other fields go on
+        assert set(by_gpu(readings, "hw.energy")) == {"0", "1", "2"}
+    assert len(messages(caplog, logging.DEBUG, "GPU 1: memory_temperature not supported")) == 1
+    assert len(messages(caplog, logging.DEBUG, "GPU 1: nvlink_io not supported")) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_pcie_only_board_has_no_nvlink_readings_and_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    with opened({"count": 2, "no_nvlink": True}) as (_, collector):
+        readings = [read(collector) for _ in range(2)][-1]
+    assert readings.get("otel_forge.gpu.nvlink.errors") == []
+    assert {a["otel_forge.gpu.link"] for a, _ in readings.get("hw.gpu.io")} == {"pcie"}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_error_in_one_batch_entry_skips_that_field_this_read_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    with opened({"count": 2, "errors": {"0": {"row_remapping": "Unknown"}}}) as (_, collector):
+        reads = [read(collector) for _ in range(3)]
+        assert "not supported" not in collector.describe()[0]  # not switched off
+    for readings in reads:
+        assert set(by_gpu(readings, "otel_forge.gpu.memory.remap.failed")) == {"1"}
+        assert set(by_gpu(readings, "hw.temperature", **{"hw.sensor_location": "memory"})) == {"0", "1"}
+    assert len(messages(caplog, logging.WARNING, "GPU 0: reading row_remapping failed")) == 1
+
+
+def test_the_whole_batch_unsupported_switches_off_its_fields_only() -> None:
+    with opened({"count": 1, "not_supported": {"0": ["field_values"]}}) as (nvml, collector):
+        readings = [read(collector) for _ in range(2)][-1]
+        assert nvml.calls("nvmlDeviceGetFieldValues") == 1
+    assert readings.get("hw.energy") == [] and readings.get("otel_forge.gpu.pcie.replays") == []
+    assert by_gpu(readings, "hw.power") == {"0": pytest.approx(105.0)}
+
+
+def test_a_gpu_lost_mid_run_stops_its_batch_and_reports_failed(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    with opened({"count": 2}) as (nvml, collector):
+        before = read(collector)
+        nvml.lose_gpu(1)
+        during, after = read(collector), read(collector)
+        assert nvml.calls("nvmlDeviceGetFieldValues", 1) == 1  # only the read before the loss got that far
+    assert set(by_gpu(before, "otel_forge.gpu.memory.remap.failed")) == {"0", "1"}
+    for readings in (during, after):
+        assert by_gpu(readings, "hw.status", **{"hw.state": "failed"}) == {"0": 0, "1": 1}
+        for metric in readings.metrics():
+            if metric != "hw.status":
+                assert "1" not in by_gpu(readings, metric), metric
+    assert len(messages(caplog, logging.WARNING, "GPU 1 (")) == 1
+
+
+def test_degraded_memory_and_links_show_in_the_readings() -> None:
+    with opened({"count": 1, "degraded": True}) as (_, collector):
+        first, second = read(collector), read(collector)
+    assert by_gpu(second, "otel_forge.gpu.memory.remap.failed") == {"0": 1}
+    assert by_gpu(second, "otel_forge.gpu.memory.remap.pending") == {"0": 1}
+    assert by_gpu(second, "otel_forge.gpu.pcie.replays")["0"] > by_gpu(first, "otel_forge.gpu.pcie.replays")["0"]
+    crc = {"error.type": "crc_flit"}
+    assert by_gpu(second, "otel_forge.gpu.nvlink.errors", **crc)["0"] > 0
+
+
+# --- MIG -----------------------------------------------------------------------------------------------
+
+MIG = {"count": 2, "mig": {"0": ["1g.10gb", "3g.40gb"]}}
+MIG_UUID = "MIG-3c4d0002-0000-4000-8000-000000000002"  # GPU 0's second instance (GPU instance 2)
+
+
+def test_each_mig_instance_is_a_device_with_its_gpu_as_parent() -> None:
+    with opened(MIG) as (_, collector):
+        assert [gpu.key for gpu in collector.gpus] == [0, "0_mig1", "0_mig2", 1]
+        readings = read(collector)
+    limits = by_gpu(readings, "hw.gpu.memory.limit")
+    assert limits == {"0": 80 * 1024 * MiB, "0_mig1": 10 * 1024 * MiB, "0_mig2": 40 * 1024 * MiB, "1": 80 * 1024 * MiB}
+    instance = next(a for a, _ in readings.get("hw.gpu.memory.usage") if a["hw.id"] == "0_mig2")
+    assert instance["hw.parent"] == "0" and instance["otel_forge.gpu.mig.instance"] == "2"
+    assert instance["otel_forge.gpu.uuid"] == MIG_UUID
+    assert instance["hw.name"] == "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
+    for metric in readings.metrics():  # a MIG instance: memory and status; no whole-GPU reading
+        for attributes, _ in readings.get(metric):
+            if "hw.parent" in attributes:
+                assert metric in {"hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.memory.utilization",
+                                  "hw.status"}, metric
+                assert set(attributes) <= set(SPECS[metric].attributes), metric
+    assert "0_mig1" not in by_gpu(readings, "hw.power") and "0" in by_gpu(readings, "hw.power")
+
+
+def test_mig_utilization_is_read_where_nvml_gives_it() -> None:
+    with opened({**MIG, "mig_utilization": True, "sequences": {"0_mig1": {"utilization": [55]}}}) as (_, collector):
+        readings = read(collector)
+    assert by_gpu(readings, "hw.gpu.utilization", **{"hw.gpu.task": "general"})["0_mig1"] == pytest.approx(0.55)
+
+
+def test_mig_utilization_not_supported_is_switched_off_for_the_instances(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    with opened(MIG) as (nvml, collector):
+        read(collector)
+        nvml.reset_counts()
+        read(collector)
+        assert nvml.calls(None, "0_mig1") == 1  # memory only, from now on
+        assert "not supported: utilization" in collector.describe()[1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_mig_instances_are_enumerated_once_not_per_read() -> None:
+    with opened(MIG) as (nvml, collector):
+        nvml.reset_counts()
+        read(collector)
+        read(collector)
+        assert nvml.calls("nvmlDeviceGetMigMode") == 0
+        assert nvml.calls("nvmlDeviceGetMigDeviceHandleByIndex") == 0
+
+
+@pytest.mark.parametrize(
+    ("gpus", "selected"),
+    [
+        (MIG_UUID, ["0_mig2"]),
+        (MIG_UUID.lower(), ["0_mig2"]),
+        ("MIG-3c4d0001", ["0_mig1"]),  # a prefix, as CUDA takes one
+        ("0", [0, "0_mig1", "0_mig2"]),  # a GPU brings its instances
+        ("GPU-1a2b0000", [0, "0_mig1", "0_mig2"]),
+        (f"1,{MIG_UUID}", [1, "0_mig2"]),
+    ],
+)
+def test_gpus_setting_understands_mig_uuids(gpus: str, selected: list) -> None:
+    with opened(MIG, gpus=gpus) as (_, collector):
+        assert [gpu.key for gpu in collector.gpus] == selected
+        assert set(by_gpu(read(collector), "hw.status")) == {str(key) for key in selected}
+
+
+def test_cuda_visible_devices_naming_a_mig_instance_selects_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", MIG_UUID)
+    with opened(MIG, gpus="visible") as (_, collector):
+        assert [gpu.key for gpu in collector.gpus] == ["0_mig2"]
+        assert collector.xid_watched == []  # XID events are a whole GPU's
+
+
+def test_a_mig_uuid_that_matches_nothing_is_unavailable() -> None:
+    with fake_nvml(MIG) as nvml:
+        with pytest.raises(CollectorUnavailable, match="no GPU with UUID MIG-ffff"):
+            NvidiaCollector.create(ForgeConfig.resolve(environ={}, gpus="MIG-ffff"))
+        assert nvml.initialized() == 0
+
+
+def test_a_mig_instance_of_a_lost_gpu_reports_failed() -> None:
+    with opened(MIG) as (nvml, collector):
+        read(collector)
+        nvml.lose_gpu(0)
+        readings = read(collector)
+    failed = by_gpu(readings, "hw.status", **{"hw.state": "failed"})
+    assert failed == {"0": 1, "0_mig1": 1, "0_mig2": 1, "1": 0}

@@ -59,4 +59,5 @@ class FakeState:
             n = self.ticks[(key, gpu.index)]
             self.ticks[(key, gpu.index)] += 1
         sequence = self.scenario.get("sequences", {}).get(str(gpu.index), {}).get(key)
-        return sequence[n % len(sequence)] if sequence else default(n, gpu.index)
+        # default() takes a number: a device keyed by text (a MIG instance) gives its ``ordinal``.
+        return sequence[n % len(sequence)] if sequence else default(n, getattr(gpu, "ordinal", gpu.index))

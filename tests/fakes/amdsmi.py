@@ -33,6 +33,13 @@ optional; GPU keys are indices as strings):
   energy (J), temperature_edge temperature_hotspot (C), gfx_clock mem_clock (MHz),
   ecc_correctable ecc_uncorrectable.
 - ``processes``: {"0": [["self", 1048576]]} (pid, VRAM bytes); "self"/"parent" as in the pynvml fake.
+- more value keys: temperature_vram (C, the memory sensor), xgmi_read xgmi_write (KB since
+  init, over all links: the fake has 8 links, the first holding the total), pcie_replays.
+- ``no_xgmi``: true: the metrics table's XGMI members are "N/A" (a GPU without XGMI).
+- ``violations``: {"0": ["ppt_pwr"]} the active violation flags (``active_<name>``); with ``hot``
+  the socket and HBM thermal ones are active. Fields for not_supported/errors: gpu_metrics
+  violation bad_pages.
+- ``bad_pages``: {"0": {"reserved": 2, "pending": 1}} bad page records by status.
 - ``power_limit_uw``: true: ``power_limit`` in microwatts, as some ROCm 7 releases report it.
 - ``legacy_energy_key``: true: ``amdsmi_get_energy_count`` returns the old "power" key.
 
@@ -437,6 +444,66 @@ def amdsmi_get_gpu_total_ecc_count(handle: Any) -> dict[str, int]:
         "uncorrectable_count": int(_value(gpu, "ecc_uncorrectable", lambda n, i: 0)),
         "deferred_count": 0,
     }
+
+
+_XGMI_LINKS = 8
+_MAX_UINT64 = 0xFFFFFFFFFFFFFFFF
+
+
+def amdsmi_get_gpu_metrics_info(handle: Any) -> dict[str, Any]:
+    """The firmware metrics table, as amdsmi returns it: a subset of its keys, "N/A" where unsupported."""
+    gpu = _call("amdsmi_get_gpu_metrics_info", handle, "gpu_metrics")
+    read = int(_value(gpu, "xgmi_read", lambda n, i: n * (30_000 + 1000 * i)))
+    write = int(_value(gpu, "xgmi_write", lambda n, i: n * (20_000 + 1000 * i)))
+    no_xgmi = _state.scenario.get("no_xgmi")
+    return {
+        "temperature_edge": _NA,
+        "temperature_hotspot": 60,
+        "temperature_mem": 50,
+        "average_gfx_activity": _NA,
+        "average_umc_activity": _NA,
+        "current_socket_power": 300,
+        "energy_accumulator": _NA,
+        "pcie_replay_count_acc": int(_value(gpu, "pcie_replays", lambda n, i: 0)),
+        "pcie_replay_rover_count_acc": 0,
+        "pcie_nak_sent_count_acc": 0,
+        "pcie_nak_rcvd_count_acc": 0,
+        "xgmi_link_width": 16,
+        "xgmi_link_speed": 32,
+        "xgmi_read_data_acc": _NA if no_xgmi else [read] + [0] * (_XGMI_LINKS - 2) + [_MAX_UINT64],
+        "xgmi_write_data_acc": _NA if no_xgmi else [write] + [0] * (_XGMI_LINKS - 2) + [_MAX_UINT64],
+        "throttle_status": _NA,
+        "indep_throttle_status": _NA,
+    }
+
+
+def amdsmi_get_violation_status(handle: Any) -> dict[str, Any]:
+    gpu = _call("amdsmi_get_violation_status", handle, "violation")
+    active = set(_state.scenario.get("violations", {}).get(str(gpu.index), ()))
+    if _state.scenario.get("hot"):
+        active |= {"socket_thrm", "hbm_thrm"}
+    names = ("prochot_thrm", "ppt_pwr", "socket_thrm", "vr_thrm", "hbm_thrm", "gfx_clk_below_host_limit")
+    status: dict[str, Any] = {"reference_timestamp": 1_700_000_000_000_000, "violation_timestamp": 0, "acc_counter": 0}
+    for name in names:
+        status[f"acc_{name}"] = 0
+        status[f"per_{name}"] = 100 if name in active else 0
+        status[f"active_{name}"] = name in active
+    return status
+
+
+def amdsmi_get_gpu_bad_page_info(handle: Any) -> list[dict[str, Any]]:
+    gpu = _call("amdsmi_get_gpu_bad_page_info", handle, "bad_pages")
+    counts = _state.scenario.get("bad_pages", {}).get(str(gpu.index), {})
+    statuses = [status.upper() for status, count in counts.items() for _ in range(int(count))]
+    return [
+        {"value": index, "page_address": 0x1000 * (index + 1), "page_size": 4096, "status": status}
+        for index, status in enumerate(statuses)
+    ]
+
+
+def amdsmi_get_gpu_pci_replay_counter(handle: Any) -> int:
+    gpu = _call("amdsmi_get_gpu_pci_replay_counter", handle, "pcie_replays")
+    return int(_value(gpu, "pcie_replays", lambda n, i: 0))
 
 
 def amdsmi_get_gpu_process_list(handle: Any) -> list[dict[str, Any]]:

@@ -22,16 +22,31 @@ this fake only (over the top-level ones), and ``"nvidia": false`` means no NVIDI
   ``nvmlDeviceGetSerial`` (consumer boards have no serial number).
 - ``library_missing`` / ``driver_not_loaded``: ``nvmlInit`` raises LibraryNotFound / DriverNotLoaded.
 - ``not_supported``: {"1": ["power", ...]} fields (or function names) raising NotSupported.
-  Fields: utilization memory power power_limit energy temperature clock pcie ecc throttle
-  processes events.
+  Fields: utilization encoder decoder memory power power_limit energy temperature clock pcie ecc
+  throttle processes events, and the field-id groups memory_temperature nvlink_io nvlink_errors
+  pcie_replays row_remapping retired_pages violation: in ``nvmlDeviceGetFieldValues`` a field
+  unsupported (or in ``errors``) sets that entry's ``nvmlReturn``, as NVML does, and the call
+  succeeds; ``field_values`` (or the function name) fails the whole call.
 - ``errors``: {"0": {"power": "Unknown"}} field or function -> NVMLError_<name> raised every call.
 - ``lost``: ["3"] GPUs lost from the start; ``lost_after_reads``: {"2": 3} a GPU that answers 3
   calls of each function, then raises GpuIsLost for everything.
 - ``sequences``: {"0": {"utilization": [10, 20, 30]}} values returned in turn (cycling), per value
   key: utilization memory_activity (%), memory_used memory_total (bytes), power power_limit (W),
   energy (J), temperature (C), sm_clock memory_clock (MHz), pcie_tx pcie_rx (KB/s),
-  ecc_corrected ecc_uncorrected, throttle (bitmask). Without one, values change
-  deterministically with the number of reads.
+  ecc_corrected ecc_uncorrected, throttle (bitmask), encoder decoder (%), memory_temperature (C),
+  nvlink_tx nvlink_rx (KiB since init), nvlink_crc_flit nvlink_crc_data nvlink_replay
+  nvlink_recovery pcie_replays remapped_corrected remapped_uncorrected remap_pending
+  remap_failure retired_sbe retired_dbe retired_pending, power_violation thermal_violation (ns).
+  Without one, values change deterministically with the number of reads.
+- ``degraded``: true: memory going bad and links erring: PCIe replays and NVLink CRC errors grow,
+  an uncorrectable row remap happened, another waits (pending), remapping failed.
+- ``mig``: {"0": ["1g.10gb", "3g.40gb"]} GPU 0 is in MIG mode with these instances (GPU instance
+  ids 1, 2, ... in slots 0, 1, ...), each a device of its own: UUID ``MIG-...``, name
+  "<GPU name> MIG <profile>", its own memory; ``nvmlDeviceGetUtilizationRates`` on it raises
+  NotSupported (as today's drivers do) unless ``mig_utilization`` is true. Scenario keys of an
+  instance are "<gpu>_mig<id>" ({"sequences": {"0_mig1": {"memory_used": [...]}}}); its calls are
+  counted under that key.
+- ``no_nvlink``: true: the NVLink fields are NotSupported everywhere (a PCIe-only board).
 - ``processes``: {"0": [["self", 1048576], [1234, null]]} compute processes (pid, used bytes);
   "self" is the pid of the process calling NVML, "parent" its parent.
 - ``xid_events``: [[0, 79], ...] XID events delivered by ``nvmlEventSetWait_v2`` after init.
@@ -49,6 +64,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 from _fakegpu import FakeState, load_scenario
@@ -93,14 +109,20 @@ NVMLError = _real.NVMLError
 # field -> the NVML functions it covers (not_supported / errors accept either).
 _FIELDS = {
     "utilization": ("nvmlDeviceGetUtilizationRates",),
+    "encoder": ("nvmlDeviceGetEncoderUtilization",),
+    "decoder": ("nvmlDeviceGetDecoderUtilization",),
+    "field_values": ("nvmlDeviceGetFieldValues",),
     "memory": ("nvmlDeviceGetMemoryInfo",),
     "power": ("nvmlDeviceGetPowerUsage",),
     "power_limit": ("nvmlDeviceGetEnforcedPowerLimit",),
     "energy": ("nvmlDeviceGetTotalEnergyConsumption",),
-    "temperature": ("nvmlDeviceGetTemperature",),
+    "temperature": ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"),
     "clock": ("nvmlDeviceGetClockInfo",),
     "pcie": ("nvmlDeviceGetPcieThroughput",),
     "ecc": ("nvmlDeviceGetTotalEccErrors",),
+    "row_remapping": ("nvmlDeviceGetRemappedRows",),
+    "retired_pages": ("nvmlDeviceGetRetiredPages", "nvmlDeviceGetRetiredPagesPendingStatus"),
+    "violation": ("nvmlDeviceGetViolationStatus",),
     "throttle": ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
     "processes": ("nvmlDeviceGetComputeRunningProcesses",),
     "events": ("nvmlDeviceRegisterEvents",),
@@ -108,21 +130,56 @@ _FIELDS = {
 _FIELD_OF = {function: name for name, functions in _FIELDS.items() for function in functions}
 _GIB = 1024**3
 _THERMAL = _real.nvmlClocksEventReasonSwThermalSlowdown | _real.nvmlClocksEventReasonHwThermalSlowdown
+_SAMPLING_PERIOD_US = 167_000
+_MAX_MIG_DEVICES = 7
+nvmlTemperature_v1 = _real.nvmlTemperature_v1
 
 
 class _Device:
     def __init__(self, index: int, scenario: dict) -> None:
-        self.index = index
+        self.index: int | str = index  # a MIG instance's is "<gpu>_mig<id>"
         self.struct = _real.struct_c_nvmlDevice_t()  # the handle points at it: a real device handle
         self.name = scenario.get("name", "NVIDIA H100 80GB HBM3")
         self.uuid = f"GPU-{0x1A2B0000 + index:08x}-0000-4000-8000-{index:012x}"
         self.pci_bus_id = f"00000000:{0x17 + 0x10 * index:02X}:00.0"
         self.lost = str(index) in {str(i) for i in scenario.get("lost", ())}
         self.lost_after = scenario.get("lost_after_reads", {}).get(str(index))
+        self.parent: _Device | None = None
+        self.mig: list[_Device] = [
+            _MigDevice(self, gpu_instance, profile, scenario)
+            for gpu_instance, profile in enumerate(scenario.get("mig", {}).get(str(index), ()), start=1)
+        ]
 
     @property
     def handle(self) -> Any:
         return ctypes.pointer(self.struct)
+
+
+class _MigDevice(_Device):
+    """A MIG instance of ``parent``: its own handle, UUID and memory (the profile's size)."""
+
+    def __init__(self, parent: _Device, gpu_instance: int, profile: str, scenario: dict) -> None:
+        self.index = f"{parent.index}_mig{gpu_instance}"
+        self.struct = _real.struct_c_nvmlDevice_t()
+        self.name = f"{parent.name} MIG {profile}"
+        number = int(str(parent.index)) * 16 + gpu_instance
+        self.uuid = f"MIG-{0x3C4D0000 + number:08x}-0000-4000-8000-{number:012x}"
+        self.pci_bus_id = parent.pci_bus_id
+        self.parent = parent
+        self.gpu_instance = gpu_instance
+        self.ordinal = number  # what the default values are computed from
+        self.memory_total = int(profile.split(".")[-1].removesuffix("gb")) * _GIB
+        self.mig = []
+        self.lost_after = None
+
+    @property  # type: ignore[override]
+    def lost(self) -> bool:
+        return self.parent is not None and self.parent.lost
+
+    @lost.setter
+    def lost(self, value: bool) -> None:
+        if self.parent is not None and value:
+            self.parent.lost = True
 
 
 class _State(FakeState):
@@ -270,14 +327,27 @@ def nvmlDeviceGetPciInfo(handle: Any) -> Any:
 
 def nvmlDeviceGetUtilizationRates(handle: Any) -> Any:
     device = _call("nvmlDeviceGetUtilizationRates", handle)
+    if device.parent is not None and not _state.scenario.get("mig_utilization"):
+        raise _real.NVMLError_NotSupported()  # what today's drivers answer for a MIG instance
     gpu = _value(device, "utilization", lambda n, i: (10 * i + 7 * n) % 101)
     memory = _value(device, "memory_activity", lambda n, i: (5 * i + 3 * n) % 101)
     return _real.c_nvmlUtilization_t(gpu=int(gpu), memory=int(memory))
 
 
+def nvmlDeviceGetEncoderUtilization(handle: Any) -> list[int]:
+    device = _call("nvmlDeviceGetEncoderUtilization", handle)
+    return [int(_value(device, "encoder", lambda n, i: 0)), _SAMPLING_PERIOD_US]
+
+
+def nvmlDeviceGetDecoderUtilization(handle: Any) -> list[int]:
+    device = _call("nvmlDeviceGetDecoderUtilization", handle)
+    return [int(_value(device, "decoder", lambda n, i: (3 * n + i) % 20)), _SAMPLING_PERIOD_US]
+
+
 def nvmlDeviceGetMemoryInfo(handle: Any, version: Any = None) -> Any:
     device = _call("nvmlDeviceGetMemoryInfo", handle)
-    total = int(_value(device, "memory_total", lambda n, i: 80 * _GIB))
+    size = device.memory_total if isinstance(device, _MigDevice) else 80 * _GIB
+    total = int(_value(device, "memory_total", lambda n, i: size))
     used = int(_value(device, "memory_used", lambda n, i: total * ((20 + 5 * i + n) % 90) // 100))
     return _real.c_nvmlMemory_t(total=total, free=total - used, used=used)
 
@@ -303,6 +373,14 @@ def nvmlDeviceGetTemperature(handle: Any, sensor: int) -> int:
     return int(_value(device, "temperature", lambda n, i: (88 if hot else 40) + i + n % 5))
 
 
+def nvmlDeviceGetTemperatureV(handle: Any, sensor: int, version: int = nvmlTemperature_v1) -> int:
+    if version != nvmlTemperature_v1:
+        raise _real.NVMLError(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    device = _call("nvmlDeviceGetTemperatureV", handle, sensor)
+    hot = _state.scenario.get("hot")
+    return int(_value(device, "temperature", lambda n, i: (88 if hot else 40) + i + n % 5))
+
+
 def nvmlDeviceGetClockInfo(handle: Any, clock_type: int) -> int:
     device = _call("nvmlDeviceGetClockInfo", handle, clock_type)
     if clock_type == _real.NVML_CLOCK_MEM:
@@ -322,6 +400,70 @@ def nvmlDeviceGetTotalEccErrors(handle: Any, error_type: int, counter_type: int)
     if error_type == _real.NVML_MEMORY_ERROR_TYPE_CORRECTED:
         return int(_value(device, "ecc_corrected", lambda n, i: n // 3))
     return int(_value(device, "ecc_uncorrected", lambda n, i: 0))
+
+
+def nvmlDeviceGetRemappedRows(handle: Any) -> tuple[int, int, int, int]:
+    """(corrRows, uncRows, isPending, failureOccurred), as nvidia-ml-py returns them."""
+    device = _call("nvmlDeviceGetRemappedRows", handle)
+    return tuple(int(_FIELD_VALUES[field_id][1](device)) for field_id in _REMAP_IDS)  # type: ignore[return-value]
+
+
+def nvmlDeviceGetRetiredPages(handle: Any, source_filter: int) -> list[int]:
+    device = _call("nvmlDeviceGetRetiredPages", handle, source_filter)
+    single = source_filter == _real.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
+    count = int(_FIELD_VALUES[_real.NVML_FI_DEV_RETIRED_SBE if single else _real.NVML_FI_DEV_RETIRED_DBE][1](device))
+    return [0x1000 * (page + 1) for page in range(count)]
+
+
+def nvmlDeviceGetRetiredPagesPendingStatus(handle: Any) -> int:
+    device = _call("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+    return int(_FIELD_VALUES[_real.NVML_FI_DEV_RETIRED_PENDING][1](device))
+
+
+def nvmlDeviceGetViolationStatus(handle: Any, perf_policy_type: int) -> Any:
+    device = _call("nvmlDeviceGetViolationStatus", handle, perf_policy_type)
+    field_id = {
+        _real.NVML_PERF_POLICY_POWER: _real.NVML_FI_DEV_PERF_POLICY_POWER,
+        _real.NVML_PERF_POLICY_THERMAL: _real.NVML_FI_DEV_PERF_POLICY_THERMAL,
+    }.get(perf_policy_type)
+    if field_id is None:
+        raise _real.NVMLError_NotSupported()
+    return _real.c_nvmlViolationTime_t(
+        referenceTime=int(time.time() * 1_000_000), violationTime=int(_FIELD_VALUES[field_id][1](device))
+    )
+
+
+def nvmlDeviceGetFieldValues(handle: Any, fieldIds: list) -> Any:  # noqa: N803 - nvidia-ml-py's name
+    """An array of c_nvmlFieldValue_t, one per requested id (or (id, scopeId)): each with its own nvmlReturn."""
+    device = _call("nvmlDeviceGetFieldValues", handle)
+    values = (_real.c_nvmlFieldValue_t * len(fieldIds))()
+    for value, requested in zip(values, fieldIds):
+        field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
+        value.fieldId, value.scopeId = field_id, scope
+        value.timestamp = int(time.time() * 1_000_000)
+        value.nvmlReturn = _field_return(device, field_id)
+        if value.nvmlReturn == _real.NVML_SUCCESS:
+            value_type, read = _FIELD_VALUES[field_id]
+            value.valueType = value_type
+            setattr(value.value, _MEMBER[value_type], read(device))
+    return values
+
+
+def _field_return(device: _Device, field_id: int) -> int:
+    """The nvmlReturn of one entry: NotSupported for an id the fake does not simulate or a MIG
+    instance asks for, else as the scenario says for the id's field."""
+    if field_id not in _FIELD_VALUES or device.parent is not None:
+        return _real.NVML_ERROR_NOT_SUPPORTED
+    field = _FIELD_OF_ID[field_id]
+    gpu_key = str(device.index)
+    if field in _state.scenario.get("not_supported", {}).get(gpu_key, ()) or (
+        field in ("nvlink_io", "nvlink_errors") and _state.scenario.get("no_nvlink")
+    ):
+        return _real.NVML_ERROR_NOT_SUPPORTED
+    error_name = _state.scenario.get("errors", {}).get(gpu_key, {}).get(field)
+    if error_name:
+        return getattr(_real, f"NVMLError_{error_name}")().value
+    return _real.NVML_SUCCESS
 
 
 def nvmlDeviceGetCurrentClocksEventReasons(handle: Any) -> int:
@@ -351,6 +493,57 @@ def nvmlDeviceGetComputeRunningProcesses(handle: Any) -> list:
         )
         for pid, used in _state.scenario.get("processes", {}).get(str(device.index), ())
     ]
+
+
+# --- MIG ---------------------------------------------------------------------------------------
+
+
+def nvmlDeviceGetMigMode(handle: Any) -> list[int]:
+    """[current, pending]: enabled on the GPUs the scenario gives MIG instances."""
+    device = _call("nvmlDeviceGetMigMode", handle)
+    if device.parent is not None:
+        raise _real.NVMLError_InvalidArgument()
+    mode = _real.NVML_DEVICE_MIG_ENABLE if device.mig else _real.NVML_DEVICE_MIG_DISABLE
+    return [mode, mode]
+
+
+def nvmlDeviceGetMaxMigDeviceCount(handle: Any) -> int:
+    device = _call("nvmlDeviceGetMaxMigDeviceCount", handle)
+    return _MAX_MIG_DEVICES if device.mig else 0
+
+
+def nvmlDeviceGetMigDeviceHandleByIndex(handle: Any, index: int) -> Any:
+    device = _call("nvmlDeviceGetMigDeviceHandleByIndex", handle, index)
+    if not device.mig or not 0 <= index < _MAX_MIG_DEVICES:
+        raise _real.NVMLError_InvalidArgument()
+    if index >= len(device.mig):
+        raise _real.NVMLError_NotFound()  # an empty slot
+    return device.mig[index].handle
+
+
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice: Any) -> Any:  # noqa: N803 - nvidia-ml-py's name
+    device = _call("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", migDevice)
+    if device.parent is None:
+        raise _real.NVMLError_InvalidArgument()
+    return device.parent.handle
+
+
+def nvmlDeviceIsMigDeviceHandle(handle: Any) -> int:
+    return int(_call("nvmlDeviceIsMigDeviceHandle", handle).parent is not None)
+
+
+def nvmlDeviceGetGpuInstanceId(handle: Any) -> int:
+    device = _call("nvmlDeviceGetGpuInstanceId", handle)
+    if not isinstance(device, _MigDevice):
+        raise _real.NVMLError_InvalidArgument()
+    return device.gpu_instance
+
+
+def nvmlDeviceGetComputeInstanceId(handle: Any) -> int:
+    device = _call("nvmlDeviceGetComputeInstanceId", handle)
+    if not isinstance(device, _MigDevice):
+        raise _real.NVMLError_InvalidArgument()
+    return 0
 
 
 # --- events ------------------------------------------------------------------------------------
@@ -451,7 +644,7 @@ def _call(function: str, handle: Any, variant: Any = None) -> _Device:
 
 def _device(handle: Any) -> _Device:
     address = _address(handle)
-    for device in _state.devices:
+    for device in (device for gpu in _state.devices for device in (gpu, *gpu.mig)):
         if ctypes.addressof(device.struct) == address:
             return device
     raise _real.NVMLError_InvalidArgument()
@@ -462,3 +655,85 @@ def _address(pointer: Any) -> int:
         return ctypes.cast(pointer, ctypes.c_void_p).value or 0
     except (TypeError, ctypes.ArgumentError):
         raise _real.NVMLError_InvalidArgument() from None
+
+
+# --- field values (nvmlDeviceGetFieldValues) ---------------------------------------------------------
+
+
+def _degraded() -> bool:
+    return bool(_state.scenario.get("degraded"))
+
+
+def _counter(key: str, default: Any) -> Any:
+    """A reader of scenario value ``key`` (``default(n, index)`` without a sequence)."""
+    return lambda device: _value(device, key, default)
+
+
+_ULL, _UINT = _real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, _real.NVML_VALUE_TYPE_UNSIGNED_INT
+_MEMBER = {_ULL: "ullVal", _UINT: "uiVal"}
+# field id -> (value type, reader of one value for a device), as NVML types each field.
+_FIELD_VALUES: dict[int, tuple[int, Any]] = {
+    _real.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: (
+        _ULL,
+        lambda device: int(_value(device, "energy", lambda n, i: 10_000 + n * (100 + 10 * i)) * 1000),  # mJ
+    ),
+    _real.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: (_ULL, _counter("ecc_corrected", lambda n, i: n // 3)),
+    _real.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: (_ULL, _counter("ecc_uncorrected", lambda n, i: 0)),
+    _real.NVML_FI_DEV_MEMORY_TEMP: (
+        _UINT,
+        _counter("memory_temperature", lambda n, i: (92 if _state.scenario.get("hot") else 48) + i + n % 3),
+    ),
+    # KiB since the driver loaded, over all links.
+    _real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: (_ULL, _counter("nvlink_tx", lambda n, i: n * (50_000 + 1000 * i))),
+    _real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: (_ULL, _counter("nvlink_rx", lambda n, i: n * (40_000 + 1000 * i))),
+    _real.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: (
+        _ULL,
+        _counter("nvlink_crc_flit", lambda n, i: 2 * n if _degraded() else 0),
+    ),
+    _real.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: (
+        _ULL,
+        _counter("nvlink_crc_data", lambda n, i: n if _degraded() else 0),
+    ),
+    _real.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: (_ULL, _counter("nvlink_replay", lambda n, i: 0)),
+    _real.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: (_ULL, _counter("nvlink_recovery", lambda n, i: 0)),
+    _real.NVML_FI_DEV_PCIE_REPLAY_COUNTER: (_UINT, _counter("pcie_replays", lambda n, i: 25 * n if _degraded() else 0)),
+    _real.NVML_FI_DEV_REMAPPED_COR: (_UINT, _counter("remapped_corrected", lambda n, i: 0)),
+    _real.NVML_FI_DEV_REMAPPED_UNC: (_UINT, _counter("remapped_uncorrected", lambda n, i: 1 if _degraded() else 0)),
+    _real.NVML_FI_DEV_REMAPPED_PENDING: (_UINT, _counter("remap_pending", lambda n, i: 1 if _degraded() else 0)),
+    _real.NVML_FI_DEV_REMAPPED_FAILURE: (_UINT, _counter("remap_failure", lambda n, i: 1 if _degraded() else 0)),
+    _real.NVML_FI_DEV_RETIRED_SBE: (_ULL, _counter("retired_sbe", lambda n, i: 0)),
+    _real.NVML_FI_DEV_RETIRED_DBE: (_ULL, _counter("retired_dbe", lambda n, i: 0)),
+    _real.NVML_FI_DEV_RETIRED_PENDING: (_UINT, _counter("retired_pending", lambda n, i: 0)),
+    # ns the clocks were held down, since the driver loaded.
+    _real.NVML_FI_DEV_PERF_POLICY_POWER: (_ULL, _counter("power_violation", lambda n, i: n * 1_000_000)),
+    _real.NVML_FI_DEV_PERF_POLICY_THERMAL: (
+        _ULL,
+        _counter("thermal_violation", lambda n, i: n * 400_000_000 if _state.scenario.get("hot") else 0),
+    ),
+}
+_REMAP_IDS = (
+    _real.NVML_FI_DEV_REMAPPED_COR,
+    _real.NVML_FI_DEV_REMAPPED_UNC,
+    _real.NVML_FI_DEV_REMAPPED_PENDING,
+    _real.NVML_FI_DEV_REMAPPED_FAILURE,
+)
+# field id -> the scenario's field name (not_supported / errors).
+_FIELD_OF_ID = {
+    _real.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: "energy",
+    _real.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: "ecc",
+    _real.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: "ecc",
+    _real.NVML_FI_DEV_MEMORY_TEMP: "memory_temperature",
+    _real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: "nvlink_io",
+    _real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: "nvlink_io",
+    _real.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: "nvlink_errors",
+    _real.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: "nvlink_errors",
+    _real.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: "nvlink_errors",
+    _real.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: "nvlink_errors",
+    _real.NVML_FI_DEV_PCIE_REPLAY_COUNTER: "pcie_replays",
+    **{field_id: "row_remapping" for field_id in _REMAP_IDS},
+    _real.NVML_FI_DEV_RETIRED_SBE: "retired_pages",
+    _real.NVML_FI_DEV_RETIRED_DBE: "retired_pages",
+    _real.NVML_FI_DEV_RETIRED_PENDING: "retired_pages",
+    _real.NVML_FI_DEV_PERF_POLICY_POWER: "violation",
+    _real.NVML_FI_DEV_PERF_POLICY_THERMAL: "violation",
+}

@@ -185,6 +185,51 @@ def test_a_gpu_temperature_key_is_one_sensor_never_a_sum_of_sensors() -> None:
     assert temperatures and set(temperatures.values()) <= {45.0, 60.0}, temperatures
 
 
+def test_gpu_depth_keys_memory_temperature_links_and_row_remapping() -> None:
+    gpu0 = {**GPU, "hw.id": "0"}
+    mig = {**GPU, "hw.id": "0_mig1", "hw.parent": "0", "otel_forge.gpu.mig.instance": "1"}
+    values = values_of(
+        gauge(
+            "hw.temperature",
+            [({**gpu0, "hw.sensor_location": "gpu"}, 61.0), ({**gpu0, "hw.sensor_location": "memory"}, 71.0)],
+            unit="Cel",
+        ),
+        gauge(
+            "hw.gpu.utilization",
+            [({**gpu0, "hw.gpu.task": "general"}, 0.5), ({**gpu0, "hw.gpu.task": "decoder"}, 0.25)],
+        ),
+        counter("hw.gpu.memory.usage", [(mig, 2_000_000_000)]),
+        gauge("otel_forge.gpu.memory.remap.failed", [(gpu0, 1)]),
+        gauge("otel_forge.gpu.memory.remap.pending", [(gpu0, 0)]),
+    )
+    assert values["system/node_0/gpu_0_temperature_celsius"] == 61.0
+    assert values["system/node_0/gpu_0_memory_temperature_celsius"] == 71.0
+    assert values["system/node_0/gpu_0_utilization_percentage"] == pytest.approx(50.0)  # the decoder is not added
+    assert values["system/node_0/gpu_0_mig1_memory_usage_megabytes"] == pytest.approx(2000.0)
+    assert values["system/node_0/gpu_0_row_remap_failure"] == 1.0
+    assert values["system/node_0/gpu_0_row_remap_pending"] == 0.0
+
+
+def test_link_traffic_keys_are_rates_per_link_and_direction() -> None:
+    gpu0 = {**GPU, "hw.id": "0"}
+    keys = sample_of(
+        counter(
+            "hw.gpu.io",
+            [
+                ({**gpu0, "otel_forge.gpu.link": link, "network.io.direction": direction}, 1e9)
+                for link in ("pcie", "nvlink")
+                for direction in ("transmit", "receive")
+            ],
+            unit="By",
+        )
+    )
+    assert {key: fold for key, (fold, _) in keys.items()} == {
+        f"system/node_0/gpu_0_{link}_{direction}_megabytes_per_second": Fold.RATE
+        for link in ("pcie", "nvlink")
+        for direction in ("transmit", "receive")
+    }
+
+
 def test_no_node_prefix_is_mlflows_plain_system_prefix() -> None:
     values = values_of(gauge("otel_forge.cpu.utilization", [({}, 0.1)]), prefix=system_prefix(None))
 
