@@ -73,6 +73,11 @@ MEM_USED = 'system_memory_state="used"'
 GPU_OK = 'hw_state="ok"'
 NOT_IDLE = 'otel_forge_gpu_throttle_reason!="gpu_idle"'
 SM_CLOCK = 'otel_forge_gpu_clock="sm"'
+GENERAL = 'hw_gpu_task="general"'  # hw.gpu.utilization of the GPU itself, not its video encoder / decoder
+PCIE = 'otel_forge_gpu_link="pcie"'
+GPU_LINKS = 'otel_forge_gpu_link=~"nvlink|xgmi"'  # GPU-to-GPU links: NVIDIA's NVLink, AMD's XGMI
+MEMORY_SENSOR = 'hw_sensor_location="memory"'
+NOT_MEMORY_SENSOR = 'hw_sensor_location!="memory"'
 KNOWN_RUN = 'mlflow_experiment_id!=""'  # the run_info series written once the agent has read the run
 
 GPUS = (JOB, NODE, GPU)
@@ -583,7 +588,7 @@ def dashboard(
 
 
 def gpu_util(*m: str) -> str:
-    return sel("hw.gpu.utilization", *m)
+    return sel("hw.gpu.utilization", GENERAL, *m)
 
 
 def per_gpu(metric: str, *m: str, by: str = "") -> str:
@@ -591,10 +596,79 @@ def per_gpu(metric: str, *m: str, by: str = "") -> str:
     return f"max by (job, instance, hw_id{extra}) ({sel(metric, *m)})"
 
 
-NVLINK_NOTE = (
-    "PCIe only: otel_forge has no NVLink metric (NVML's NVLink counters are not collected), so "
-    "GPU-to-GPU traffic over NVLink does not appear here."
+PCIE_NOTE = "Host-to-GPU traffic over PCIe; GPU-to-GPU traffic over NVLink / XGMI has its own panel."
+LINKS_NOTE = "GPU-to-GPU traffic over NVLink (NVIDIA, all links summed) or XGMI (AMD). Empty on PCIe-only boards."
+REMAP_NOTE = (
+    "Memory rows remapped to spares (by the error that caused it), a remap waiting for a GPU reset (pending), "
+    "and a remap that failed (no spare left: the GPU needs service). "
 )
+
+
+def gpu_memory_and_link_panels(by: str, legend: str, width: int) -> list[Panel]:
+    """Memory temperature, GPU-to-GPU traffic, row remapping and PCIe replays: grouped by ``by``."""
+    return [
+        Panel(
+            "timeseries",
+            "GPU memory (HBM) temperature",
+            [Query(f"max by ({by}) ({sel('hw.temperature', *GPUS, MEMORY_SENSOR)})", legend)],
+            unit="celsius",
+            width=width,
+            description="The memory's own sensor (NVML's memory temperature, amdsmi's VRAM sensor).",
+        ),
+        Panel(
+            "timeseries",
+            "NVLink / XGMI throughput",
+            [
+                Query(
+                    f"sum by ({by}, network_io_direction) "
+                    f"(rate({sel('hw.gpu.io', *GPUS, GPU_LINKS)}[$__rate_interval]))",
+                    f"{legend} {{{{network_io_direction}}}}",
+                )
+            ],
+            unit="Bps",
+            min=0,
+            width=width,
+            description=LINKS_NOTE,
+        ),
+        Panel(
+            "timeseries",
+            "Row remapping",
+            [
+                Query(
+                    f"max by ({by}, error_type) ({sel('otel_forge.gpu.memory.remapped_rows', *GPUS)})",
+                    f"{legend} remapped {{{{error_type}}}}",
+                ),
+                Query(f"max by ({by}) ({sel('otel_forge.gpu.memory.remap.pending', *GPUS)})", f"{legend} pending"),
+                Query(f"max by ({by}) ({sel('otel_forge.gpu.memory.remap.failed', *GPUS)})", f"{legend} failed"),
+            ],
+            unit="short",
+            min=0,
+            width=width,
+            description=REMAP_NOTE + "Zero on a healthy GPU.",
+        ),
+        Panel(
+            "timeseries",
+            "PCIe replays and NVLink errors",
+            [
+                Query(
+                    f"sum by ({by}) (increase({sel('otel_forge.gpu.pcie.replays', *GPUS)}[$__rate_interval]))",
+                    f"{legend} PCIe replays",
+                ),
+                Query(
+                    f"sum by ({by}, error_type) "
+                    f"(increase({sel('otel_forge.gpu.nvlink.errors', *GPUS)}[$__rate_interval]))",
+                    f"{legend} NVLink {{{{error_type}}}}",
+                ),
+            ],
+            unit="short",
+            min=0,
+            width=width,
+            description="PCIe replays (retransmissions: a bad link or riser when they keep growing) and NVLink "
+            "errors per interval. " + ZERO_IS_NORMAL,
+        ),
+    ]
+
+
 ZERO_IS_NORMAL = "Empty or zero on a healthy machine."
 
 
@@ -918,7 +992,7 @@ def node_dashboard() -> dict[str, Any]:
                 Panel(
                     "timeseries",
                     "GPU utilization",
-                    [Query(per_gpu("hw.gpu.utilization", *GPUS), "GPU {{hw_id}}")],
+                    [Query(per_gpu("hw.gpu.utilization", *GPUS, GENERAL), "GPU {{hw_id}}")],
                     unit="percentunit",
                     min=0,
                     max=1,
@@ -1011,15 +1085,16 @@ def node_dashboard() -> dict[str, Any]:
                     [
                         Query(
                             f"max by (job, instance, hw_id, network_io_direction) "
-                            f"(rate({sel('hw.gpu.io', *GPUS)}[$__rate_interval]))",
+                            f"(rate({sel('hw.gpu.io', *GPUS, PCIE)}[$__rate_interval]))",
                             "GPU {{hw_id}} {{network_io_direction}}",
                         )
                     ],
                     unit="Bps",
                     min=0,
                     width=12,
-                    description=NVLINK_NOTE,
+                    description=PCIE_NOTE,
                 ),
+                *gpu_memory_and_link_panels("hw_id", "GPU {{hw_id}}", 12),
                 Panel(
                     "timeseries",
                     "ECC errors",
@@ -1140,7 +1215,9 @@ def node_dashboard() -> dict[str, Any]:
 def fleet_dashboard() -> dict[str, Any]:
     node_util = f"avg by (job, instance) ({gpu_util(*GPUS)})"
     node_util_range = f"avg by (job, instance) (avg_over_time({gpu_util(*GPUS)}[$__range]))"
-    temp_range = f"max by (job, instance, hw_id) (max_over_time({sel('hw.temperature', *GPUS)}[$__range]))"
+    temp_range = (
+        f"max by (job, instance, hw_id) (max_over_time({sel('hw.temperature', *GPUS, NOT_MEMORY_SENSOR)}[$__range]))"
+    )
     up = agent_up(*HOST)
     stragglers = (
         f"{node_util_range} < on (job) group_left () ($straggler_ratio * quantile by (job) (0.5, {node_util_range}))"
@@ -1280,7 +1357,12 @@ def fleet_dashboard() -> dict[str, Any]:
                 Panel(
                     "timeseries",
                     "Hottest GPUs",
-                    [Query(f"topk(5, {per_gpu('hw.temperature', *GPUS)})", "{{instance}} GPU {{hw_id}}")],
+                    [
+                        Query(
+                            f"topk(5, {per_gpu('hw.temperature', *GPUS, NOT_MEMORY_SENSOR)})",
+                            "{{instance}} GPU {{hw_id}}",
+                        )
+                    ],
                     unit="celsius",
                     width=12,
                 ),
@@ -1319,6 +1401,43 @@ def fleet_dashboard() -> dict[str, Any]:
                     width=24,
                     height=7,
                     description="Number of GPUs with each clock-throttle reason active (idle left out).",
+                ),
+            ],
+        ),
+        Row(
+            "GPU memory and links",
+            [
+                *gpu_memory_and_link_panels("job, instance", "{{instance}}", 12),
+                Panel(
+                    "table",
+                    "GPUs needing a reset or service",
+                    [
+                        Query(
+                            f"max by (job, instance, hw_id) ({sel('otel_forge.gpu.memory.remap.failed', *GPUS)}) > 0",
+                            instant=True,
+                            fmt="table",
+                        ),
+                        Query(
+                            f"max by (job, instance, hw_id) ({sel('otel_forge.gpu.memory.remap.pending', *GPUS)}) > 0",
+                            instant=True,
+                            fmt="table",
+                        ),
+                    ],
+                    unit="none",
+                    width=24,
+                    height=6,
+                    thresholds=[(None, "red")],
+                    transformations=table_of(
+                        2,
+                        rename={
+                            "instance": "node",
+                            "hw_id": "GPU",
+                            "Value #A": "remap failed",
+                            "Value #B": "remap pending",
+                        },
+                    ),
+                    description="GPUs whose row remapping failed (service the GPU) or waits for a reset (reset it "
+                    "when the job allows). " + ZERO_IS_NORMAL,
                 ),
             ],
         ),
@@ -1417,8 +1536,8 @@ def run_dashboard() -> dict[str, Any]:
     mlflow_run_url = "${tracking_uri}/#/experiments/${experiment}/runs/${run}"
     row_link = "${tracking_uri}/#/experiments/${__data.fields.mlflow_experiment_id}/runs/${__data.fields.mlflow_run_id}"
 
-    def gpus(metric: str, by: str = "") -> str:
-        return in_run(per_gpu(metric, *GPUS, by=by))
+    def gpus(metric: str, by: str = "", *matchers: str) -> str:
+        return in_run(per_gpu(metric, *GPUS, *matchers, by=by))
 
     def host(expr: str) -> str:
         return in_run(f"max by (job, instance) ({expr})")
@@ -1498,7 +1617,7 @@ def run_dashboard() -> dict[str, Any]:
                 Panel(
                     "heatmap",
                     "GPU utilization by node and GPU",
-                    [Query(gpus("hw.gpu.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                    [Query(gpus("hw.gpu.utilization", "", GENERAL), "{{otel_forge_node_id}} GPU {{hw_id}}")],
                     unit="percentunit",
                     width=24,
                     height=9,
@@ -1506,7 +1625,7 @@ def run_dashboard() -> dict[str, Any]:
                 Panel(
                     "timeseries",
                     "GPU utilization",
-                    [Query(gpus("hw.gpu.utilization"), "{{otel_forge_node_id}} GPU {{hw_id}}")],
+                    [Query(gpus("hw.gpu.utilization", "", GENERAL), "{{otel_forge_node_id}} GPU {{hw_id}}")],
                     unit="percentunit",
                     min=0,
                     max=1,
@@ -1568,7 +1687,7 @@ def run_dashboard() -> dict[str, Any]:
                         Query(
                             in_run(
                                 f"sum by (job, instance, network_io_direction) "
-                                f"(rate({sel('hw.gpu.io', *GPUS)}[$__rate_interval]))"
+                                f"(rate({sel('hw.gpu.io', *GPUS, PCIE)}[$__rate_interval]))"
                             ),
                             "{{otel_forge_node_id}} {{network_io_direction}}",
                         )
@@ -1576,7 +1695,7 @@ def run_dashboard() -> dict[str, Any]:
                     unit="Bps",
                     min=0,
                     width=12,
-                    description=NVLINK_NOTE,
+                    description=PCIE_NOTE,
                 ),
                 Panel(
                     "table",

@@ -33,6 +33,7 @@ SCENARIO = {
     "count": 2,
     "amd": False,
     "hot": True,
+    "degraded": True,  # row remapping failed and pending, PCIe replays growing
     "xid_events": [[0, 79]],
     "sequences": {"0": {"utilization": [95], "ecc_uncorrected": [2]}, "1": {"utilization": [0]}},
 }
@@ -46,6 +47,9 @@ WITNESSES = {
     "OtelForgeGpuXidError": "otel_forge_gpu_xid_errors_total",
     "OtelForgeGpuUncorrectableEccErrors": 'hw_errors_total{hw_type="gpu", error_type="uncorrected"}',
     "OtelForgeGpuLost": 'hw_status{hw_type="gpu", hw_state="failed"}',
+    "OtelForgeGpuRowRemapFailure": '{__name__=~"otel_forge_gpu_memory_remap_failed(_ratio)?"}',
+    "OtelForgeGpuRowRemapPending": '{__name__=~"otel_forge_gpu_memory_remap_pending(_ratio)?"}',
+    "OtelForgeGpuPcieReplaysGrowing": "otel_forge_gpu_pcie_replays_total",
     "OtelForgeGpuIdleDuringRun": "otel_forge_run_info == 1",
     "OtelForgeMlflowDeliverySpooling": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="spooled"}',
     "OtelForgeMlflowDeliveryDropping": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="dropped"}',
@@ -65,6 +69,9 @@ EXPECTED_FIRING = {
             "OtelForgeGpuXidError",
             "OtelForgeGpuUncorrectableEccErrors",
             "OtelForgeGpuIdleDuringRun",
+            "OtelForgeGpuRowRemapFailure",
+            "OtelForgeGpuRowRemapPending",
+            "OtelForgeGpuPcieReplaysGrowing",
         )
     ),
     ("OtelForgeAgentDown", "otel-forge"),

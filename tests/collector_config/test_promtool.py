@@ -32,7 +32,7 @@ def copy_config(tmp_path: Path) -> Path:
 def test_rules_pass():
     result = promtool("check", "rules", CONFIG_DIR / "alert-rules.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 11 rules found" in result.stdout
+    assert "SUCCESS: 14 rules found" in result.stdout
 
 
 def test_config_passes_with_its_rules():

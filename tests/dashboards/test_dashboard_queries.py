@@ -58,11 +58,13 @@ HEALTHY = {
         "1": {"utilization": [88, 92], "temperature": [62, 63], "ecc_corrected": [0]},
     },
 }
-# Idle GPUs, hot (thermal throttle bits set), ECC corrected errors growing (the fake's default), an XID 79.
+# Idle GPUs, hot (thermal throttle bits set), ECC corrected errors growing (the fake's default), an XID 79,
+# and degraded: row remapping failed and pending, PCIe replays and NVLink CRC errors growing.
 FAULTY = {
     "count": 2,
     "amd": False,
     "hot": True,
+    "degraded": True,
     "xid_events": [[1, 79]],
     "sequences": {"0": {"utilization": [10, 15]}, "1": {"utilization": [5, 12]}},
 }
@@ -280,9 +282,11 @@ FORMS = [DIRECT_JOB, COLLECTOR_JOB]
 def test_collector_form_is_what_the_dashboards_meet_through_a_collector(stack: Stack) -> None:
     """The second job really is in the Collector's naming, and the agents' own is not."""
     query = stack.prometheus.query
-    assert len(query(f'hw_gpu_utilization_ratio{{job="{COLLECTOR_JOB}"}}')) == 4
+    # 2 nodes x 2 GPUs, each its utilization (general) and its video encoder's and decoder's
+    assert len(query(f'hw_gpu_utilization_ratio{{job="{COLLECTOR_JOB}", hw_gpu_task="general"}}')) == 4
+    assert len(query(f'hw_gpu_utilization_ratio{{job="{COLLECTOR_JOB}"}}')) == 12
     assert query(f'hw_gpu_utilization{{job="{COLLECTOR_JOB}"}}') == []
-    assert len(query(f'hw_gpu_utilization{{job="{DIRECT_JOB}"}}')) == 4
+    assert len(query(f'hw_gpu_utilization{{job="{DIRECT_JOB}", hw_gpu_task="general"}}')) == 4
     assert query(f'{{__name__=~".+_ratio", job="{DIRECT_JOB}"}}') == []
     through = query(f'hw_power_watts{{job="{COLLECTOR_JOB}"}}')
     assert {series["metric"]["instance"] for series in through} == set(stack.instances[COLLECTOR_JOB].values())
