@@ -1,23 +1,15 @@
-"""What the benches share: percentiles, waiting, and the test suite's helpers.
-
-The benches start the same real servers as the tests (``mlflow_server``, ``proxy``, ``servers``,
-``hermetic``, ``gpu_fakes``): importing this module puts tests/ on ``sys.path`` (as pytest's
-``pythonpath`` does for the tests), so a bench imports them as the tests do.
+"""What the benches share: percentiles and waiting. The real servers they start are the tests' own
+(``testkit``: ``mlflow_server``, ``proxy``, ``servers``, ``hermetic``, ``gpu_fakes``); run a bench from
+the repository root as a module (``python -m bench.fleet``), and both import as they do in the tests.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-TESTS = str(REPO_ROOT / "tests")
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)
 
 
 def percentile(values: list[float], q: float) -> float:

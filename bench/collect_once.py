@@ -1,6 +1,6 @@
 """One SDK collect per interval, whatever the sinks and scrapers: the agent's CPU, and a scrape's CPU per series.
 
-Run:  python bench/collect_once.py [--seconds 20] [--interval 0.5] [--scrapes 200] [--json]
+Run:  python -m bench.collect_once [--seconds 20] [--interval 0.5] [--scrapes 200] [--json]
 
 Part 1, agent CPU per interval. An ``otel_forge.Agent`` runs in THIS process (collectors cpu, memory,
 disk, network, process; ``--interval`` s, default 0.5) once per configuration, each for ``--seconds``
@@ -81,13 +81,13 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _common import REPO_ROOT, wait_until
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
-from servers import free_port
 
+from bench._common import REPO_ROOT, wait_until
 from otel_forge.config import ForgeConfig
 from otel_forge.pipeline import Agent
 from otel_forge.pipeline.fanout import NonBlockingExporter
+from testkit.servers import free_port
 
 COLLECTORS = "cpu,memory,disk,network,process"
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
@@ -1046,7 +1046,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python " + shlex.join(["bench/collect_once.py", *(sys.argv[1:] if argv is None else argv)])
+    command = "python " + shlex.join(["-m", "bench.collect_once", *(sys.argv[1:] if argv is None else argv)])
     info = machine()
     capture = LogCapture()
     logging.getLogger().addHandler(capture)

@@ -1,6 +1,6 @@
 """Fleet scale: what a job's nodes cost ONE tracking server, otel_forge's agent vs MLflow's own monitor.
 
-Run:  python bench/fleet.py [--nodes 16] [--fleet 2048] [--interval 0.5] [--seconds 60]
+Run:  python -m bench.fleet [--nodes 16] [--fleet 2048] [--interval 0.5] [--seconds 60]
                             [--backend sqlite|postgresql|both] [--anchor/--no-anchor] [--json]
       (~3.5 min at these defaults; --backend both about doubles it)
 
@@ -98,12 +98,13 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _common import REPO_ROOT, wait_until
-from gpu_fakes import fake_gpu_env
-from hermetic import hermetic_environ
-from mlflow_server import MlflowServer
-from proxy import MlflowProxy
-from servers import free_port
+
+from bench._common import REPO_ROOT, wait_until
+from testkit.gpu_fakes import fake_gpu_env
+from testkit.hermetic import hermetic_environ
+from testkit.mlflow_server import MlflowServer
+from testkit.proxy import MlflowProxy
+from testkit.servers import free_port
 
 DEFAULT_INTERVAL_S = 10.0  # otel_forge's and MLflow's default sampling interval
 MLFLOW_SAMPLES_BEFORE_LOGGING = 1  # MLflow's default, and what the anchor uses
@@ -933,7 +934,7 @@ def skipped(subject: str, backend: str, reason: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in ["bench/fleet.py", *sys.argv[1:]])
+    command = "python " + " ".join(shlex.quote(a) for a in ["-m", "bench.fleet", *sys.argv[1:]])
     # SIGTERM and Ctrl-C unwind through every finally, which stops what it started (even where the shell
     # that started the bench ignores SIGINT).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

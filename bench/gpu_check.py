@@ -1,7 +1,7 @@
 """Check the NVIDIA collector on a real GPU machine: every field on every GPU, its values, its cost.
 
-Run:  python bench/gpu_check.py [--reads 20]          (real pynvml; well under 2 minutes on 8 GPUs)
-      PYTHONPATH=tests/fakes python bench/gpu_check.py  (the fake pynvml, to check the script itself)
+Run:  python -m bench.gpu_check [--reads 20]          (real pynvml; well under 2 minutes on 8 GPUs)
+      PYTHONPATH=tests/fakes python -m bench.gpu_check  (the fake pynvml, to check the script itself)
 
 For each selected GPU (``OTEL_FORGE_GPUS`` applies) and each field the collector reads, it prints
 the values of the last read and the median latency of ``--reads`` reads of that field alone; then
@@ -23,10 +23,7 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout, uninstalled
 
 from otel_forge.collectors.base import CollectorUnavailable, Readings
 from otel_forge.collectors.nvidia import NvidiaCollector
@@ -52,9 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         _print_mig(collector)
         problems += _check_full_pass(collector)
         problems += _check_energy(collector)
-        problems += [
-            f"gpu {gpu.index}: XID events not registered" for gpu in whole_gpus if gpu.index not in collector.xid_watched
-        ]
+        unwatched = [gpu.index for gpu in whole_gpus if gpu.index not in collector.xid_watched]
+        problems += [f"gpu {index}: XID events not registered" for index in unwatched]
     finally:
         collector.close()
     print(f"\ntotal {time.monotonic() - started:.1f} s")
@@ -137,18 +133,18 @@ def _nvml_calls_per_gpu(collector: NvidiaCollector) -> tuple[float, dict[str, in
             if grown and function.startswith("nvmlDevice"):
                 by_function[function] = by_function.get(function, 0) + grown
     else:
-        resolve = pynvml._nvmlGetFunctionPointer  # noqa: SLF001 - the one door to every C call
+        resolve = pynvml._nvmlGetFunctionPointer  # the one door to every C call
 
         def counting(name: str) -> Any:
             if name.startswith("nvmlDevice"):
                 by_function[name] = by_function.get(name, 0) + 1
             return resolve(name)
 
-        pynvml._nvmlGetFunctionPointer = counting  # noqa: SLF001
+        pynvml._nvmlGetFunctionPointer = counting
         try:
             collector.read(Readings())
         finally:
-            pynvml._nvmlGetFunctionPointer = resolve  # noqa: SLF001
+            pynvml._nvmlGetFunctionPointer = resolve
     return sum(by_function.values()) / gpus, by_function
 
 

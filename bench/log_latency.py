@@ -1,7 +1,7 @@
 """Latency of one ``TrainingRun.log()`` call vs ``mlflow.log_metrics(synchronous=True/False)``,
 with a healthy tracking server and with a hung one (SIGSTOP).
 
-Run:  python bench/log_latency.py [--calls 10000] [--sync-calls 300] [--hung-sync-calls 2] [--json]
+Run:  python -m bench.log_latency [--calls 10000] [--sync-calls 300] [--hung-sync-calls 2] [--json]
 
 Setup: a private ``mlflow server`` (tests/mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker),
 ONE run opened by ``otel_forge.TrainingRun`` (``system_metrics=False``: only the training loop's calls are
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import percentile, wait_until
-from mlflow_server import MlflowServer
+from bench._common import percentile, wait_until
+from testkit.mlflow_server import MlflowServer
 
 
 @dataclass
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in ["bench/log_latency.py", *sys.argv[1:]])
+    command = "python " + " ".join(shlex.quote(a) for a in ["-m", "bench.log_latency", *sys.argv[1:]])
 
     # One attempt per call, a short timeout: a synchronous call to a hung server blocks this long.
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = f"{args.http_timeout:g}"

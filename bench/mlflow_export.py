@@ -1,7 +1,7 @@
 """System metrics into MLflow: otel_forge's ``MLflowMetricExporter`` vs the path of MLflow's own
 ``SystemMetricsMonitor``, against a real local tracking server, into ONE run.
 
-Run:  python bench/mlflow_export.py [--windows 100] [--interval 0.1] [--burst-windows 100]
+Run:  python -m bench.mlflow_export [--windows 100] [--interval 0.1] [--burst-windows 100]
                                     [--hung-seconds 60] [--json]
 
 Setup: a private ``mlflow server`` (tests/mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker) and,
@@ -67,17 +67,16 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _common import percentile, wait_until
-from mlflow_server import MlflowServer
-from proxy import MlflowProxy
 
-from otel_forge.config import ForgeConfig
-from otel_forge.mlflow.client import MLFLOW_DEFAULTS
+from bench._common import percentile, wait_until
+from otel_forge.config import MLFLOW_CLIENT_DEFAULTS, ForgeConfig
+from testkit.mlflow_server import MlflowServer
+from testkit.proxy import MlflowProxy
 
 OURS_COLLECTORS = ("cpu", "memory", "disk", "network")
 LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
-# otel_forge's bounded HTTP defaults (otel_forge/mlflow/client.py), for both subjects alike.
-HTTP_DEFAULTS = {name: value for name, value in MLFLOW_DEFAULTS.items() if name.startswith("MLFLOW_HTTP_")}
+# otel_forge's bounded HTTP defaults (otel_forge/config.py), for both subjects alike.
+HTTP_DEFAULTS = {name: value for name, value in MLFLOW_CLIENT_DEFAULTS.items() if name.startswith("MLFLOW_HTTP_")}
 GET_RUN = "/api/2.0/mlflow/runs/get"
 COUNTED_KEY = "system_memory_usage_megabytes"  # both subjects log it every window: steps are counted on it
 
@@ -464,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for ours' backlog")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in ["bench/mlflow_export.py", *sys.argv[1:]])
+    command = "python " + " ".join(shlex.quote(a) for a in ["-m", "bench.mlflow_export", *sys.argv[1:]])
 
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID", "OTEL_FORGE_NODE_ID"):
         os.environ.pop(name, None)

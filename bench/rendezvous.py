@@ -1,7 +1,7 @@
 """Rendezvous cost: how long the last node of a job takes to attach to the job's run, and how many
 tracking-server calls each node makes to get there, for 2, 8 and 32 simulated nodes.
 
-Run:  python bench/rendezvous.py [--nodes 2 8 32] [--json]
+Run:  python -m bench.rendezvous [--nodes 2 8 32] [--json]
 
 Setup: a private ``mlflow server`` (tests/mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker).
 Each simulated node is one process with SLURM's variables (job id and step shared, ``SLURM_PROCID`` =
@@ -32,9 +32,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _common import REPO_ROOT, percentile
-from mlflow_server import MlflowServer
-from proxy import MlflowProxy
+from bench._common import REPO_ROOT, percentile
+from testkit.mlflow_server import MlflowServer
+from testkit.proxy import MlflowProxy
 
 NODE = r"""
 import json, os, sys, time
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
-        f"`python bench/rendezvous.py --nodes {' '.join(map(str, args.nodes))}` "
+        f"`python -m bench.rendezvous --nodes {' '.join(map(str, args.nodes))}` "
         f"(anchor run grown to {args.keys_per_node} keys per node)",
         "",
         "| nodes | runs | last node attached (s) | rank 0 calls | calls per other node (mean / max) | "

@@ -1,6 +1,6 @@
 """CPU cost of one hardware sample: otel_forge vs MLflow's monitors vs OTel system-metrics vs raw psutil.
 
-Run:  python bench/sampling.py [--seconds 40] [--json] [--profile SUBJECT]
+Run:  python -m bench.sampling [--seconds 40] [--json] [--profile SUBJECT]
 
 What one "sample" is, per subject (CPU time of the calling thread, ``time.thread_time``: sleeping and
 other threads never count; every reader below collects synchronously in the calling thread):
@@ -66,7 +66,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
-from _common import percentile
+
+from bench._common import percentile
 
 HOST_COLLECTORS = ("cpu", "memory", "disk", "network", "process")
 INTERVAL_S = 10.0  # the fake clock's step: one sampling interval
@@ -563,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--profile", metavar="SUBJECT", help="cProfile one subject for --seconds instead")
     args = parser.parse_args(argv)
-    command = "python " + " ".join(shlex.quote(a) for a in ["bench/sampling.py", *sys.argv[1:]])
+    command = "python " + " ".join(shlex.quote(a) for a in ["-m", "bench.sampling", *sys.argv[1:]])
 
     closers: list[Callable[[], None]] = []
     subjects = build_subjects(closers)

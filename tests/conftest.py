@@ -4,8 +4,9 @@ the ``slow`` marker on every test that needs a server process."""
 from pathlib import Path
 
 import pytest
-from mlflow_server import MlflowServer
 from socket_io import socket_io  # noqa: F401 - a fixture for every test
+
+from testkit.mlflow_server import MlflowServer
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from gpu_fakes import fake_gpu_env
-from hermetic import hermetic_environ
+from testkit.gpu_fakes import fake_gpu_env
+from testkit.hermetic import hermetic_environ
 
 FORGE_RUN = [sys.executable, "-m", "otel_forge.cli", "run"]
 

@@ -12,8 +12,9 @@ import sys
 import uuid
 
 import psutil
-from hermetic import hermetic_environ
-from servers import wait_for
+
+from testkit.hermetic import hermetic_environ
+from testkit.servers import wait_for
 
 FORGE_RUN = [sys.executable, "-m", "otel_forge.cli", "run"]
 RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) ", re.MULTILINE)

@@ -23,7 +23,16 @@ from typing import Any
 
 import pytest
 import yaml
-from servers import PROMETHEUS_BINARY, PrometheusServer, fake_gpu_env, free_port, http_get, start_agent, wait_for
+
+from testkit.servers import (
+    PROMETHEUS_BINARY,
+    PrometheusServer,
+    fake_gpu_env,
+    free_port,
+    http_get,
+    start_agent,
+    wait_for,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "collector-config"
 RULES = CONFIG_DIR / "alert-rules.yml"

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from collector_helpers import by_gpu, messages, opened_with, read
-from gpu_fakes import fake_amdsmi
 
 from otel_forge.collectors.amd import AmdCollector
 from otel_forge.collectors.base import CollectorUnavailable
 from otel_forge.config import ForgeConfig
 from otel_forge.names import METRICS
+from testkit.gpu_fakes import fake_amdsmi
 
 LOGGER = "otel_forge.collectors.amd"
 SPECS = {spec.name: spec for spec in METRICS if spec.source == "amd"}
@@ -256,13 +256,15 @@ def test_memory_temperature_xgmi_traffic_replays_violations_and_bad_pages() -> N
     assert by_gpu(readings, "hw.gpu.io", **xgmi, **{"network.io.direction": "receive"})["0"] == 3000 * 1024
     assert by_gpu(readings, "hw.gpu.io", **xgmi, **{"network.io.direction": "transmit"})["0"] == 1000 * 1024
     assert by_gpu(readings, "otel_forge.gpu.pcie.replays")["0"] == 9
-    reasons = {a["otel_forge.gpu.throttle.reason"]: v for a, v in readings.get("otel_forge.gpu.throttle") if a["hw.id"] == "0"}
+    throttle = readings.get("otel_forge.gpu.throttle")
+    reasons = {a["otel_forge.gpu.throttle.reason"]: v for a, v in throttle if a["hw.id"] == "0"}
     assert reasons == {"ppt_power": 1, "socket_thermal": 0, "prochot_thermal": 0, "vr_thermal": 0, "hbm_thermal": 0}
     assert by_gpu(readings, "otel_forge.gpu.memory.retired_pages") == {"0": 2, "1": 0}
     assert by_gpu(readings, "otel_forge.gpu.memory.retirement.pending") == {"0": 1, "1": 0}
     assert by_gpu(readings, "hw.errors", **{"error.type": "deferred"}) == {"0": 0, "1": 0}
     # NVML-only readings are absent on AMD
-    for metric in ("otel_forge.gpu.memory.remap.failed", "otel_forge.gpu.violation.time", "otel_forge.gpu.nvlink.errors"):
+    nvml_only = ("otel_forge.gpu.memory.remap.failed", "otel_forge.gpu.violation.time", "otel_forge.gpu.nvlink.errors")
+    for metric in nvml_only:
         assert readings.get(metric) == [], metric
 
 

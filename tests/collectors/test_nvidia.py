@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 from collector_helpers import by_gpu, messages, opened_with, read
-from gpu_fakes import fake_nvml
 
 from otel_forge.collectors import nvidia
 from otel_forge.collectors.base import CollectorUnavailable
 from otel_forge.collectors.nvidia import NvidiaCollector
 from otel_forge.config import ForgeConfig
 from otel_forge.names import METRICS, MIG_ATTRIBUTES
+from testkit.gpu_fakes import fake_nvml
 
 LOGGER = "otel_forge.collectors.nvidia"
 SPECS = {spec.name: spec for spec in METRICS if spec.source == "nvidia"}
@@ -593,8 +593,12 @@ def test_each_mig_instance_is_a_device_with_its_gpu_as_parent() -> None:
     for metric in readings.metrics():  # a MIG instance: memory and status; no whole-GPU reading
         for attributes, _ in readings.get(metric):
             if "hw.parent" in attributes:
-                assert metric in {"hw.gpu.memory.usage", "hw.gpu.memory.limit", "hw.gpu.memory.utilization",
-                                  "hw.status"}, metric
+                assert metric in {
+                    "hw.gpu.memory.usage",
+                    "hw.gpu.memory.limit",
+                    "hw.gpu.memory.utilization",
+                    "hw.status",
+                }, metric
                 assert set(attributes) <= set(SPECS[metric].attributes), metric
     assert "0_mig1" not in by_gpu(readings, "hw.power") and "0" in by_gpu(readings, "hw.power")
 

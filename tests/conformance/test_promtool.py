@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import urllib.request
 
-from servers import fake_gpu_env, free_port, start_agent
+from testkit.servers import fake_gpu_env, free_port, start_agent
 
 # Counts named the semconv way; Prometheus reserves _count for histograms and summaries (README, Metrics).
 SEMCONV_STYLE_COUNTS = {

@@ -15,13 +15,13 @@ from enum import Enum
 from types import ModuleType
 
 import pytest
-from gpu_fakes import fake_amdsmi, fake_nvml
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.semconv import _incubating
 
 from otel_forge import ForgeConfig, instrument
 from otel_forge.names import METRICS, Kind
+from testkit.gpu_fakes import fake_amdsmi, fake_nvml
 
 OURS = "otel_forge."
 # Not semconv, on purpose: the OpenTelemetry Collector hostmetrics receiver's load-average names

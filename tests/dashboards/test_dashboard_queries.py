@@ -43,7 +43,16 @@ from grafana_queries import (
     targets,
     variables,
 )
-from servers import AgentProcess, PrometheusServer, fake_gpu_env, free_port, http_get, start_agent, start_prometheus
+
+from testkit.servers import (
+    AgentProcess,
+    PrometheusServer,
+    fake_gpu_env,
+    free_port,
+    http_get,
+    start_agent,
+    start_prometheus,
+)
 
 DIRECT_JOB = "otel-forge"
 COLLECTOR_JOB = "llm-pretrain"  # the agents' service.name: the job a Collector gives them

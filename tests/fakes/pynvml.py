@@ -437,7 +437,7 @@ def nvmlDeviceGetFieldValues(handle: Any, fieldIds: list) -> Any:  # noqa: N803 
     """An array of c_nvmlFieldValue_t, one per requested id (or (id, scopeId)): each with its own nvmlReturn."""
     device = _call("nvmlDeviceGetFieldValues", handle)
     values = (_real.c_nvmlFieldValue_t * len(fieldIds))()
-    for value, requested in zip(values, fieldIds):
+    for value, requested in zip(values, fieldIds, strict=True):
         field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
         value.fieldId, value.scopeId = field_id, scope
         value.timestamp = int(time.time() * 1_000_000)

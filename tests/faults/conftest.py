@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 from faultkit import HTTP_TIMEOUT_S, ExportRecorder, ThreadWatch
-from hermetic import apply_hermetic
-from mlflow_server import MlflowServer
 from socket_io import SocketIO
+
+from testkit.hermetic import apply_hermetic
+from testkit.mlflow_server import MlflowServer
 
 
 @pytest.fixture(autouse=True)

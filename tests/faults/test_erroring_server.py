@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 from faultkit import NODE, assert_every_window, create_run
-from proxy import MlflowProxy
-from servers import wait_for
 
 import otel_forge
+from testkit.proxy import MlflowProxy
+from testkit.servers import wait_for
 
 INTERVAL_S = 0.2
 

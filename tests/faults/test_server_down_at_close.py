@@ -11,10 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from hermetic import hermetic_environ
-
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
+from testkit.hermetic import hermetic_environ
 
 
 def _kept(caplog) -> tuple[str, str]:  # type: ignore[no-untyped-def]

@@ -12,11 +12,11 @@ import threading
 import time
 
 from faultkit import HTTP_TIMEOUT_S
-from hermetic import hermetic_environ
 from run_reading import anchor_history
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
+from testkit.hermetic import hermetic_environ
 
 HANG_S = 8.0  # otel-forge run's case: past its 2 s start wait
 JOB_START_HANG_S = 60.0  # the figure, for TrainingRun

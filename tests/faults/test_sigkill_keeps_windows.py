@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from hermetic import hermetic_environ
-from servers import wait_for
+from testkit.hermetic import hermetic_environ
+from testkit.servers import wait_for
 
 
 def test_windows_of_a_killed_run_survive_in_the_spool(pausable_server, tmp_path: Path) -> None:

@@ -19,16 +19,16 @@ from typing import Any
 
 import grpc
 import pytest
-from hermetic import apply_hermetic
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.sdk.version import __version__ as sdk_version
-from servers import AgentProcess, spawn_agent, wait_for
 
 from otel_forge import METRICS, Agent, ForgeConfig
 from otel_forge.names import Kind
 from otel_forge.node import NODE_ID_ATTRIBUTE
+from testkit.hermetic import apply_hermetic
+from testkit.servers import AgentProcess, spawn_agent, wait_for
 
 COLLECTORS = ("cpu", "memory", "disk", "network", "process")
 # Rows of the table that a machine may legitimately not report: per-CPU utilization is off by

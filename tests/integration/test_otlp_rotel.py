@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hermetic import hermetic_environ
-from servers import AgentProcess, free_port, spawn_agent, wait_for
+
+from testkit.hermetic import hermetic_environ
+from testkit.servers import AgentProcess, free_port, spawn_agent, wait_for
 
 rotel = pytest.importorskip("rotel")
 

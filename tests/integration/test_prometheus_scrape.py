@@ -8,7 +8,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from servers import AgentProcess, PrometheusServer, fake_gpu_env, free_port, start_agent, start_prometheus, wait_for
+
+from testkit.servers import (
+    AgentProcess,
+    PrometheusServer,
+    fake_gpu_env,
+    free_port,
+    start_agent,
+    start_prometheus,
+    wait_for,
+)
 
 SCRAPE_TIMEOUT_S = 15.0
 

@@ -11,8 +11,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from hermetic import apply_hermetic
-from proxy import MlflowProxy
+
+from testkit.hermetic import apply_hermetic
+from testkit.proxy import MlflowProxy
 
 
 @pytest.fixture(autouse=True)

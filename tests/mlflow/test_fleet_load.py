@@ -5,17 +5,20 @@ still spans the run)."""
 
 from __future__ import annotations
 
-import statistics
 import time
+from typing import Any
 
 from otel_points import gauge, metrics_data
-from proxy import GET_RUN, LOG_BATCH, Mode
-from servers import wait_for
 
 import otel_forge
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow import MLflowMetricExporter
 from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
+from testkit.proxy import GET_RUN, LOG_BATCH, Mode
+from testkit.servers import wait_for
+
+# A delivery waits on the monotonic clock for a time computed on the wall clock: a few ms of leeway.
+CLOCK_SLACK_S = 0.005
 
 
 def _steps(client, run_id: str, key: str) -> list[int]:  # type: ignore[no-untyped-def]
@@ -62,24 +65,36 @@ def test_nodes_started_together_deliver_spread_over_the_window(client, experimen
         )
         for i in range(nodes)
     ]
-    time.sleep(4.5 * window_s)
-    stopped_at = time.time()
-    for monitor in monitors:
-        monitor.stop()
+
+    def node_of(body: dict[str, Any]) -> str:
+        return body["metrics"][0]["key"].split("/")[1]
+
+    try:
+        wait_for(
+            lambda: len({node_of(body) for _, body in proxy.arrivals(LOG_BATCH)}) == nodes,
+            60,
+            0.1,
+            message="a window of every node",
+        )
+    finally:
+        stopped_at = time.time()  # the stop hurries what waits for its phase: only earlier arrivals count
+        for monitor in monitors:
+            monitor.stop()
 
     # A hash of the node id places each node's calls in the window: spread, not at its end.
     phases = {f"node_{i}": delivery_phase_s(f"node_{i}", window_s) for i in range(nodes)}
     quarters = [sum(1 for p in phases.values() if q * window_s / 4 <= p < (q + 1) * window_s / 4) for q in range(4)]
     assert min(quarters) >= 1 and max(quarters) <= nodes / 2, quarters
-    # Each node's log_batch arrives at its phase after the window's end (its timestamp).
+    # Each node's log_batch waits for its phase after the window's end (its timestamp), never less:
+    # the calls of nodes that sample together reach the server spread over the window. (How much later
+    # a loaded machine delivers is not asserted.)
     delays: dict[str, list[float]] = {}
     for arrived_at, body in proxy.arrivals(LOG_BATCH):
-        window_end_s = body["metrics"][0]["timestamp"] / 1000
-        if window_end_s + window_s < stopped_at:  # a window due before the stop (which hurries the rest)
-            delays.setdefault(body["metrics"][0]["key"].split("/")[1], []).append(arrived_at - window_end_s)
+        if arrived_at < stopped_at:
+            delays.setdefault(node_of(body), []).append(arrived_at - body["metrics"][0]["timestamp"] / 1000)
     assert len(delays) == nodes
     for node, seen in delays.items():
-        assert abs(statistics.median(seen) - phases[node]) < 0.25 * window_s, (node, seen, phases[node])
+        assert min(seen) >= phases[node] - CLOCK_SLACK_S, (node, seen, phases[node])
 
 
 def test_an_unchanged_value_is_sent_every_tenth_window(client, experiment_id, tmp_path):

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 from otel_points import as_named_points, counter, gauge, metrics_data
-from servers import wait_for
 
 import otel_forge.mlflow.worker as worker_module
 from otel_forge.mlflow.keys import KeyMapper, key_segment, sanitize_key, system_prefix
@@ -27,6 +26,7 @@ from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window, WindowFolder, delivery_phase_s
 from otel_forge.mlflow.worker import DeliveryWorker, Outcome
 from otel_forge.names import Fold
+from testkit.servers import wait_for
 
 PREFIX = "system/node_0/"
 GPU = {"hw.name": "NVIDIA H100 80GB HBM3", "hw.vendor": "NVIDIA", "hw.type": "gpu"}

@@ -8,10 +8,10 @@ import time
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from otel_points import gauge, metrics_data
-from proxy import LOG_BATCH, Mode
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow import MLflowMetricExporter
+from testkit.proxy import LOG_BATCH, Mode
 
 KEY = "system/node_0/cpu_utilization_percentage"
 

@@ -12,12 +12,11 @@ import sys
 import threading
 from pathlib import Path
 
-from hermetic import hermetic_environ
-from servers import free_port, wait_for
-
 import otel_forge
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import Window
+from testkit.hermetic import hermetic_environ
+from testkit.servers import free_port, wait_for
 
 NOWHERE = "http://127.0.0.1:{port}"  # a refused port: every delivery fails, windows spill
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from helpers import LAUNCH_TOML, git
-from hermetic import apply_hermetic
+
+from testkit.hermetic import apply_hermetic
 
 
 @pytest.fixture(autouse=True)

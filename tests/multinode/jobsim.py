@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hermetic import hermetic_environ
+from testkit.hermetic import hermetic_environ
 
 FORGE = [sys.executable, "-m", "otel_forge.cli"]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

@@ -11,9 +11,10 @@ import subprocess
 
 import pytest
 from helpers import contiguous, loss_steps, node_steps, task_environ, the_run, unique
-from hermetic import hermetic_environ
 from jobsim import FORGE, SCRIPTS
-from servers import free_port
+
+from testkit.hermetic import hermetic_environ
+from testkit.servers import free_port
 
 
 @pytest.mark.parametrize("spelling", ["dashes", "underscores"])

@@ -4,8 +4,9 @@ name per test (the client of the session server is tests/conftest.py's)."""
 from __future__ import annotations
 
 import pytest
-from hermetic import apply_hermetic
 from trun_helpers import unique
+
+from testkit.hermetic import apply_hermetic
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from proxy import MlflowProxy
-from servers import wait_for
-
 from otel_forge.mlflow.training.training_run import TrainingRun
+from testkit.proxy import MlflowProxy
+from testkit.servers import wait_for
 
 
 def _run(uri: str, experiment: str) -> TrainingRun:

@@ -6,11 +6,10 @@ import json
 import logging
 from pathlib import Path
 
-from proxy import LOG_BATCH, MlflowProxy
-from servers import wait_for
-
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
+from testkit.proxy import LOG_BATCH, MlflowProxy
+from testkit.servers import wait_for
 
 SECRET = "s3cret"
 

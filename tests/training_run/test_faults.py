@@ -10,14 +10,14 @@ import logging
 import time
 
 import pytest
-from hermetic import fail_fast_http
-from mlflow_server import MlflowServer
-from servers import wait_for
 from socket_io import SocketIO
 from trun_helpers import unique
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
+from testkit.hermetic import fail_fast_http
+from testkit.mlflow_server import MlflowServer
+from testkit.servers import wait_for
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import json
 import logging
 from pathlib import Path
 
-from proxy import MlflowProxy
-from servers import wait_for
 from trun_helpers import unique
 
 from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG, job_tag
 from otel_forge.mlflow.training.training_run import TrainingRun
 from otel_forge.node import NodeIdentity
+from testkit.proxy import MlflowProxy
+from testkit.servers import wait_for
 
 SLURM_NODE_1 = {
     "SLURM_PROCID": "2",

@@ -10,13 +10,13 @@ import textwrap
 import time
 
 import pytest
-from proxy import MlflowProxy, Mode
 from run_reading import anchor_steps
-from servers import wait_for
 from trun_helpers import popen_script, run_script
 
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
+from testkit.proxy import MlflowProxy, Mode
+from testkit.servers import wait_for
 
 LAZY_SCRIPT = """
 import json, sys, threading, time

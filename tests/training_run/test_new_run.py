@@ -12,11 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from proxy import LOG_BATCH, MlflowProxy
 from trun_helpers import unique
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
+from testkit.proxy import LOG_BATCH, MlflowProxy
 
 pydantic = pytest.importorskip("pydantic")  # mlflow depends on pydantic: it is installed with it
 

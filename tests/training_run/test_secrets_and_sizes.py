@@ -9,10 +9,9 @@ import json
 import time
 from pathlib import Path
 
-from servers import wait_for
-
 from otel_forge.mlflow.training.training_run import TrainingRun
 from otel_forge.scrub import SecretKeys, scrub
+from testkit.servers import wait_for
 
 SECRETS = ("hunter2", "sk-live-123", "tok-abc", "pw-in-url", "vault-9")
 LAUNCH = """\
@@ -98,10 +97,9 @@ def test_an_odd_value_costs_only_itself_and_a_big_config_is_recorded_whole(mlflo
     assert len(config_json) == 10_002 and config_json["layer_09999"] == {"width": 9999}
 
 
-def test_a_huge_config_value_never_holds_the_training_loop(mlflow_server, client, experiment):
+def test_a_huge_config_value_never_holds_the_training_loop(mlflow_server, client, experiment, socket_io):
     # 1 MiB in one value, with something secret-looking in it; the loop logs every 10 ms meanwhile.
     huge = ("token=abc " + "x" * 1000 + "\n") * 1000
-    gaps = []
     with TrainingRun(
         {"huge": huge, "lr": 0.1},
         tracking_uri=mlflow_server.uri,
@@ -109,16 +107,14 @@ def test_a_huge_config_value_never_holds_the_training_loop(mlflow_server, client
         system_metrics=False,
         launch_argv=["train.py"],
     ) as run:
-        last = time.perf_counter()
+        log = socket_io.watched(run.log)
         for step in range(300):
-            run.log({"loss": 1.0 / (step + 1)}, step)
+            log({"loss": 1.0 / (step + 1)}, step)
             time.sleep(0.01)
-            now = time.perf_counter()
-            gaps.append(now - last - 0.01)
-            last = now
         wait_for(lambda: run.run_id is not None, 30, 0.05)
-    print(f"\nworst extra gap of a 10 ms log() loop while a 1 MiB config value was recorded: {max(gaps) * 1000:.1f} ms")
-    assert sum(gap > 1.0 for gap in gaps) == 0, max(gaps)
+    # Recording the value (scrubbed, as a param and in config.json) is the worker's: no log() talked
+    # to the server on the loop's thread.
+    assert (socket_io.watched_calls, socket_io.operations) == (300, 0)
     params = client.get_run(run.run_id).data.params
     assert len(params["huge"]) == 6000 and "abc" not in params["huge"]
     assert len(client.get_metric_history(run.run_id, "loss")) == 300
@@ -126,12 +122,12 @@ def test_a_huge_config_value_never_holds_the_training_loop(mlflow_server, client
 
 def test_scrubbing_is_linear():
     # 25k -> 100k -> 400k characters: 4x the text costs about 4x, never 16x.
-    def cost(n: int) -> float:
+    def cost(n: int) -> float:  # this thread's CPU time: what other processes do does not count
         text = "a" * n + "://" + "b" * n
-        started = time.perf_counter()
+        started = time.thread_time()
         scrub(text)
         SecretKeys().redact_text(text)
-        return time.perf_counter() - started
+        return time.thread_time() - started
 
     small, large = min(cost(25_000) for _ in range(3)), min(cost(400_000) for _ in range(3))
     assert large / small < 40, (small, large)  # quadratic would be ~256

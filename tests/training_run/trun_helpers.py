@@ -9,7 +9,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from servers import REPO_ROOT
+from testkit.servers import REPO_ROOT
 
 
 def unique(prefix: str) -> str:

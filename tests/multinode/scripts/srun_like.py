@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..")]  # jobsim, and the helpers it uses
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..", "..")]  # jobsim, and testkit it uses
 
 from jobsim import Job  # noqa: E402
 

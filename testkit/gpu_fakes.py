@@ -2,7 +2,7 @@
 
 In-process::
 
-    from gpu_fakes import fake_nvml          # tests/ is on sys.path (tests/conftest.py)
+    from testkit.gpu_fakes import fake_nvml
 
     def test_something():
         with fake_nvml({"count": 4, "not_supported": {"1": ["power"]}}) as nvml:
@@ -10,7 +10,7 @@ In-process::
             ...
             assert nvml.calls("nvmlDeviceGetPowerUsage", 1) == 1
 
-In a subprocess (``otel-forge monitor``, ``bench/gpu_check.py``)::
+In a subprocess (``otel-forge monitor``, ``python -m bench.gpu_check``)::
 
     subprocess.run([...], env=fake_gpu_env({"count": 2}), ...)
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-FAKES_DIR = Path(__file__).resolve().parent / "fakes"
+FAKES_DIR = Path(__file__).resolve().parent.parent / "tests" / "fakes"
 SCENARIO_ENV = "OTEL_FORGE_FAKE_GPUS"
 
 

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from servers import free_port
+from testkit.servers import free_port
 
 
 class MlflowServer:

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import gpu_fakes
-from hermetic import hermetic_environ
+from testkit import gpu_fakes
+from testkit.hermetic import hermetic_environ
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_BINARY = "prometheus"

@@ -1,0 +1,1 @@
+"""The benches: run each from the repository root as a module, ``python -m bench.<name>``."""
