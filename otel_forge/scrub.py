@@ -42,10 +42,10 @@ _SECRETS = re.compile(
 )
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _WORD_SPLIT = re.compile(r"[^a-z0-9]+")
-# key = value, key: value, "key": "value" -- a key of at most 128 characters, so each position is
-# tried in bounded time.
+# key = value, key: value, "key": "value" -- a key of at most 128 characters that starts where a
+# word does: inside a long word no position is tried again, so a text costs time linear in its length.
 _ASSIGNMENT = re.compile(
-    r"""(?P<key>["']?[A-Za-z_][\w.\-]{0,127}["']?)(?P<sep>\s{0,16}[=:]\s{0,16})"""
+    r"""(?P<key>(?<![\w.\-])["']?[A-Za-z_][\w.\-]{0,127}["']?)(?P<sep>\s{0,16}[=:]\s{0,16})"""
     r"""(?P<value>"(?:[^"\\\n]|\\.){0,65536}"|'[^'\n]{0,65536}'|[^\s,#}\]\n]{1,65536})"""
 )
 

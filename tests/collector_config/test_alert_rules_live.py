@@ -300,7 +300,7 @@ def test_scenario_fires_the_expected_alerts(stack):
         interval_s=0.5,
         message=lambda: f"alerts {sorted(EXPECTED_FIRING)}; have {alert_summary(prometheus)}",
     )
-    assert not {name for name, _ in fired} & NEVER_FIRING, fired
+    assert not {name for name, _ in fired} & NEVER_FIRING, (sorted(fired), alert_summary(prometheus))
 
 
 def test_stalled_training_alert_names_the_run_and_the_idle_gpu(stack):

@@ -31,21 +31,21 @@ def _own_server(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator
         mlflow_server.kill()  # SIGCONT + SIGKILL: fast, and safe whatever state the tests left it in
 
 
-@pytest.fixture(scope="module")
-def _module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+@pytest.fixture(scope="session")
+def _killable_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
     yield from _own_server(tmp_path_factory, "faults-server")
 
 
 @pytest.fixture
-def server(_module_server: MlflowServer) -> Iterator[MlflowServer]:
+def server(_killable_server: MlflowServer) -> Iterator[MlflowServer]:
     """A tracking server the test may kill and restart (same port, same database), shared by the tests
-    of one module one after the other, each in a run of its own: a server start is 6-15 s on 2 cores.
+    that kill it, one after the other, each in a run of its own: a server start is 6-15 s on 2 cores.
     Whatever state a test leaves it in, the next one finds it up."""
-    _module_server.resume()
-    if not _module_server.healthy():
-        _module_server.kill()
-        _module_server.start()
-    yield _module_server
+    _killable_server.resume()
+    if not _killable_server.healthy():
+        _killable_server.kill()
+        _killable_server.start()
+    yield _killable_server
 
 
 @pytest.fixture(scope="session")
