@@ -32,6 +32,7 @@ import psutil
 import pytest
 from run_reading import anchor_steps
 
+from testkit.git_repo import commit_all, git
 from testkit.hermetic import hermetic_environ
 from testkit.servers import free_port
 
@@ -120,25 +121,6 @@ def children_of(client, run_id: str) -> list:  # type: ignore[no-untyped-def]
     return client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
 
 
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        [
-            "git",
-            "-c",
-            "user.name=otel-forge tests",
-            "-c",
-            "user.email=tests@example.invalid",
-            "-c",
-            "commit.gpgsign=false",
-            *args,
-        ],
-        cwd=repo,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-
-
 @dataclass
 class Launched:
     result: subprocess.CompletedProcess[str]
@@ -169,9 +151,7 @@ def git_repo(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     shutil.copy(SCRIPTS / "train_with_launch_config.py", repo / "train.py")
     (repo / "cfg.toml").write_text(LAUNCH_TOML)
     (repo / ".gitignore").write_text("__pycache__/\n")
-    git(repo, "init", "-q")
-    git(repo, "add", ".")
-    git(repo, "commit", "-q", "-m", "the training script")
+    commit_all(repo, "the training script")
     return repo
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCH_TOML, git
+from helpers import LAUNCH_TOML
 
+from testkit.git_repo import commit_all
 from testkit.hermetic import apply_hermetic
 
 
@@ -21,7 +22,5 @@ def job_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A committed repository holding the launch file the tasks name."""
     repo = tmp_path_factory.mktemp("job-repo")
     (repo / "cfg.toml").write_text(LAUNCH_TOML)
-    git(repo, "init", "-q")
-    git(repo, "add", ".")
-    git(repo, "commit", "-q", "-m", "the job")
+    commit_all(repo, "the job")
     return repo

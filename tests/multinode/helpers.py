@@ -4,7 +4,6 @@ experiment, a node's system steps."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,25 +18,6 @@ from otel_forge.node import host_node_id
 LAUNCH_TOML = "[optim]\nlr = 0.1\n"
 PARENT_TAG = "mlflow.parentRunId"
 JOB_KEY_TAG = "otel_forge.job.key"
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        [
-            "git",
-            "-c",
-            "user.name=otel-forge tests",
-            "-c",
-            "user.email=tests@example.invalid",
-            "-c",
-            "commit.gpgsign=false",
-            *args,
-        ],
-        cwd=repo,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
 
 
 def unique(name: str) -> str:

@@ -9,8 +9,10 @@ and git state in it. The job is real processes against the session's real ``mlfl
 from __future__ import annotations
 
 import pytest
-from helpers import JobResult, contiguous, git, loss_steps, node_steps, run_job, the_run
+from helpers import JobResult, contiguous, loss_steps, node_steps, run_job, the_run
 from jobsim import FORGE, TASK
+
+from testkit.git_repo import git
 
 PATTERNS = {
     # srun otel-forge run -- python train.py: one wrapper per task; CMD uses MLflow's own API.

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import logging
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from trun_helpers import unique
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
+from testkit.git_repo import commit_all
 from testkit.proxy import LOG_BATCH, MlflowProxy
 
 pydantic = pytest.importorskip("pydantic")  # mlflow depends on pydantic: it is installed with it
@@ -74,23 +74,10 @@ EXPECTED_CONFIG_JSON = {
 }
 
 
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false", *args],
-        cwd=repo,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-
-
 def _git_repo(path: Path) -> str:
     path.mkdir()
-    _git(path, "init", "-q")
     (path / "train.py").write_text("print('train')\n")
-    _git(path, "add", "train.py")
-    _git(path, "commit", "-q", "-m", "init")
-    return _git(path, "rev-parse", "HEAD")
+    return commit_all(path, "init")
 
 
 def _download(client, run_id: str, artifact: str, tmp_path: Path) -> str:
