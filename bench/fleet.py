@@ -5,11 +5,11 @@ Run:  python -m bench.fleet [--nodes 16] [--fleet 2048] [--interval 0.5] [--seco
       (~3.5 min at these defaults; --backend both about doubles it)
 
 Setup, per subject and backend (a fresh server and a fresh run each, so neither subject pays for the
-other's rows): a private ``mlflow server`` on 127.0.0.1 (sqlite: tests/mlflow_server.MlflowServer, one
+other's rows): a private ``mlflow server`` on 127.0.0.1 (sqlite: testkit.mlflow_server.MlflowServer, one
 worker; postgresql: a PostgreSQL cluster the bench starts with ``initdb``/``pg_ctl`` in a temp dir on a
 free 127.0.0.1 port, run as user ``postgres`` when the bench is root, a fresh database per subject,
 ``mlflow server --workers 4``), warmed up with a few calls into a throwaway run; one counting proxy in
-front of it (tests/proxy.MlflowProxy: forwards every request, keeps its path and JSON body); a run created
+front of it (testkit.proxy.MlflowProxy: forwards every request, keeps its path and JSON body); a run created
 with ``MlflowClient``; then K simulated nodes started together, each in its own process group:
 
 - ``otel_forge``: ``python -m otel_forge.cli monitor --run-id RUN --tracking-uri PROXY --node-id node_<i>
@@ -21,7 +21,7 @@ with ``MlflowClient``; then K simulated nodes started together, each in its own 
   process of its own, until SIGTERM, then ``finish()``.
 
 Every node: 8 fake NVIDIA GPUs (tests/fakes/pynvml.py through ``fake_gpu_env({"count": 8})``; MLflow's GPU
-monitor imports the same fake), a hermetic environment (tests/hermetic.py) plus SLURM's variables of a
+monitor imports the same fake), a hermetic environment (testkit/hermetic.py) plus SLURM's variables of a
 job of ``--fleet`` nodes (``SLURM_JOB_NUM_NODES``) in which it is node i, its spool in a temp dir.
 
 Time compression: both tools sample every 10 s by default and log one step per window, a window being
@@ -177,52 +177,6 @@ def cpu_delta_ms(after: dict[str, float], before: dict[str, float]) -> dict[str,
 
 
 @functools.cache
-def fleet_server_class() -> type:
-    """``MlflowServer`` (tests/mlflow_server.py) that also takes a backend store URI and a worker count."""
-    base = MlflowServer
-
-    class FleetServer(base):  # type: ignore[misc, valid-type]
-        def __init__(self, root: Path, backend_uri: str | None = None, workers: int = 1) -> None:
-            super().__init__(root)
-            self.backend_uri, self.workers = backend_uri, workers
-
-        def start(self, timeout_s: float = 120.0) -> Any:
-            if self.backend_uri is None and self.workers == 1:
-                return super().start(timeout_s)  # the test suite's server as it is
-            env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-            log = open(self.root / "server.log", "ab")  # noqa: SIM115 - the server's, closed with it
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "mlflow",
-                    "server",
-                    "--backend-store-uri",
-                    self.backend_uri or f"sqlite:///{self.db}",
-                    "--default-artifact-root",
-                    str(self.artifacts),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--workers",
-                    str(self.workers),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-            if not wait_until(lambda: self.process.poll() is not None or self.healthy(), timeout_s, 0.25):
-                self.kill()
-                raise RuntimeError("mlflow server did not answer /health in time")
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
-            return self
-
-    return FleetServer
-
-
 class Postgres:
     """A throwaway PostgreSQL cluster on 127.0.0.1 (as user ``postgres`` when the bench runs as root)."""
 
@@ -541,15 +495,14 @@ class BackendUnavailable(RuntimeError):
 
 
 def start_server(ctx: Context, backend: str, tmp: Path, subject: str) -> tuple[Any, CpuMeter]:
-    server_class = fleet_server_class()
     (tmp / "server").mkdir()
     if backend == "sqlite":
-        server = server_class(tmp / "server").start()
+        server = MlflowServer(tmp / "server").start()
         return server, CpuMeter(server.process.pid)
     assert ctx.postgres is not None
     try:
         uri = ctx.postgres.create_database(f"fleet_{subject}_{uuid.uuid4().hex[:8]}")
-        server = server_class(tmp / "server", backend_uri=uri, workers=4).start()
+        server = MlflowServer(tmp / "server", backend_uri=uri, workers=4).start()
     except Exception as error:  # the driver's own errors too: whatever it is, that backend is out
         raise BackendUnavailable(f"mlflow server on PostgreSQL did not start: {str(error).strip()[-500:]}") from error
     return server, CpuMeter(server.process.pid, ctx.postgres.pid)

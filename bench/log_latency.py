@@ -3,7 +3,7 @@ with a healthy tracking server and with a hung one (SIGSTOP).
 
 Run:  python -m bench.log_latency [--calls 10000] [--sync-calls 300] [--hung-sync-calls 2] [--json]
 
-Setup: a private ``mlflow server`` (tests/mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker),
+Setup: a private ``mlflow server`` (testkit.mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker),
 ONE run opened by ``otel_forge.TrainingRun`` (``system_metrics=False``: only the training loop's calls are
 measured). MLflow's fluent API attaches to the same run (``mlflow.start_run(run_id=...)``). Every subject
 logs the same two metrics per call (``loss``, ``lr``) at step = call index, under its own key prefix,

@@ -4,8 +4,8 @@
 Run:  python -m bench.mlflow_export [--windows 100] [--interval 0.1] [--burst-windows 100]
                                     [--hung-seconds 60] [--json]
 
-Setup: a private ``mlflow server`` (tests/mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker) and,
-in front of it, one counting HTTP proxy per subject (tests/proxy.MlflowProxy: forwards every
+Setup: a private ``mlflow server`` (testkit.mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker) and,
+in front of it, one counting HTTP proxy per subject (testkit.proxy.MlflowProxy: forwards every
 request to the real server and counts it by path), so the REST calls of each subject are counted apart.
 One run; otel_forge logs under ``system/ours/``, MLflow's path under ``system/mlflow/`` (node ids).
 

@@ -3,10 +3,10 @@ tracking-server calls each node makes to get there, for 2, 8 and 32 simulated no
 
 Run:  python -m bench.rendezvous [--nodes 2 8 32] [--json]
 
-Setup: a private ``mlflow server`` (tests/mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker).
+Setup: a private ``mlflow server`` (testkit.mlflow_server.MlflowServer: sqlite, 127.0.0.1, one worker).
 Each simulated node is one process with SLURM's variables (job id and step shared, ``SLURM_PROCID`` =
 node index, local rank 0) talking to the server through a counting proxy of its own
-(tests/proxy.MlflowProxy), so every node's calls are counted by REST path. Every process imports
+(testkit.proxy.MlflowProxy), so every node's calls are counted by REST path. Every process imports
 mlflow and otel_forge first, then waits on one start file, so the figures are the rendezvous's,
 not the imports': "attached" is the time from the start file to ``TrainingRun.start()`` returning
 with the run id (``system_metrics=False``: the node's exporter, which reads the run once to resume

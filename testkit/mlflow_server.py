@@ -1,4 +1,4 @@
-"""A real ``mlflow server`` for tests: sqlite backend, 127.0.0.1, a free port, one worker.
+"""A real ``mlflow server`` for tests: sqlite backend, 127.0.0.1, a free port, one worker (by default).
 
 ``MlflowServer`` can be stopped (SIGSTOP), resumed, killed and restarted on the same port and
 database, so tests can inject the faults a tracking server really has. As a context manager it is
@@ -19,10 +19,14 @@ from testkit.servers import free_port
 
 
 class MlflowServer:
-    def __init__(self, root: Path, port: int | None = None) -> None:
+    """``backend_uri``: another backend store (the fleet bench's PostgreSQL); default sqlite in ``root``."""
+
+    def __init__(self, root: Path, port: int | None = None, backend_uri: str | None = None, workers: int = 1) -> None:
         self.root = root
         self.port = port or free_port()
         self.db = root / "mlflow.db"
+        self.backend_uri = backend_uri or f"sqlite:///{self.db}"
+        self.workers = workers
         self.artifacts = root / "artifacts"
         self.process: subprocess.Popen | None = None
 
@@ -40,7 +44,7 @@ class MlflowServer:
                 "mlflow",
                 "server",
                 "--backend-store-uri",
-                f"sqlite:///{self.db}",
+                self.backend_uri,
                 "--default-artifact-root",
                 str(self.artifacts),
                 "--host",
@@ -48,7 +52,7 @@ class MlflowServer:
                 "--port",
                 str(self.port),
                 "--workers",
-                "1",
+                str(self.workers),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

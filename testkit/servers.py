@@ -350,7 +350,7 @@ class AgentProcess:
 
 
 def agent_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a spawned agent: the hermetic one (tests/hermetic.py), plus ``env``.
+    """The environment of a spawned agent: the hermetic one (testkit/hermetic.py), plus ``env``.
 
     A ``PYTHONPATH`` in ``env`` is put in front of the inherited one.
     """

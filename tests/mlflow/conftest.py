@@ -1,5 +1,5 @@
-"""Fixtures of the MLflow tests: a hermetic environment (tests/hermetic.py), a fresh experiment per
-test, and the proxy in front of the session's real server (tests/proxy.py).
+"""Fixtures of the MLflow tests: a hermetic environment (testkit/hermetic.py), a fresh experiment per
+test, and the proxy in front of the session's real server (testkit/proxy.py).
 
 tests/mlflow has no ``__init__.py`` on purpose: ``import mlflow`` must find the real package, and
 the helpers here are imported as plain modules (``from otel_points import gauge``).

@@ -4,7 +4,7 @@ run, a failing and a slow server, the spool left at close and its replay, severa
 and compatibility with MLflow's own ``SystemMetricsMonitor``.
 
 GPUs are the fake NVML (tests/fakes/pynvml.py); requests are counted by a proxy in front of the
-real server (tests/proxy.py). Nothing of MLflow is mocked.
+real server (testkit/proxy.py). Nothing of MLflow is mocked.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fixtures for the TrainingRun tests: isolation of the env (tests/hermetic.py), a fresh experiment
+"""Fixtures for the TrainingRun tests: isolation of the env (testkit/hermetic.py), a fresh experiment
 name per test (the client of the session server is tests/conftest.py's)."""
 
 from __future__ import annotations

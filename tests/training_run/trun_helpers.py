@@ -1,5 +1,5 @@
 """Helpers for the TrainingRun tests against a real ``mlflow server``: unique names, and Python
-snippets run in a subprocess of their own (the proxy is tests/proxy.py, the waiting tests/servers.py)."""
+snippets run in a subprocess of their own (the proxy is testkit/proxy.py, the waiting testkit/servers.py)."""
 
 from __future__ import annotations
 
