@@ -101,6 +101,9 @@ class DeliveryWorker(Generic[T]):
         # Write-ahead: every item goes to the overflow (the spool) first and leaves it once
         # delivered, so nothing is lost if the process dies; memory only when the spool refuses.
         self._write_ahead = write_ahead and overflow is not None
+        # Until the first call answers, waiting items are not counted as spooled: that call carries
+        # the deliverer's one-time start (importing MLflow, reading the run), not the server's state.
+        self._answered = False
         self._max_queue = max_queue
         self._call_deadline_s = call_deadline_s
         self._backoff = (backoff_initial_s, backoff_max_s)
@@ -136,7 +139,7 @@ class DeliveryWorker(Generic[T]):
             if self._write_ahead:
                 # Counted as spooled only when it has to wait behind others (the server is down or
                 # behind): a window written and sent at once is the healthy case.
-                waits = bool(len(self._overflow))  # type: ignore[arg-type]
+                waits = self._answered and bool(len(self._overflow))  # type: ignore[arg-type]
                 if self._overflow.append(item):  # type: ignore[union-attr]
                     self.stats.spooled += waits
                     self._cond.notify()
@@ -234,6 +237,8 @@ class DeliveryWorker(Generic[T]):
         backoff_s = self._backoff[0]
         while not self._abandon.is_set():
             error = self._call(item)
+            if not self._answered:
+                self._first_answer(error)
             if error is None:
                 self.stats.delivered += 1
                 self._pop(item)
@@ -262,6 +267,14 @@ class DeliveryWorker(Generic[T]):
                 backoff_s = self._backoff[0]
                 continue
             backoff_s = min(backoff_s * 2, self._backoff[1])
+
+    def _first_answer(self, error: BaseException | None) -> None:
+        """The first call has answered: from now on a waiting item is spooled; if it failed, so
+        are the items that waited behind it."""
+        with self._cond:
+            self._answered = True
+            if error is not None and self._write_ahead:
+                self.stats.spooled += max(len(self._overflow) - 1, 0)  # type: ignore[arg-type]
 
     def _stop(self, error: BaseException) -> None:
         _logger.warning("%s: delivery stopped: %s", self.name, scrub(str(error)))

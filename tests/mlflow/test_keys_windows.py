@@ -503,6 +503,63 @@ def test_worker_spills_to_the_spool_when_the_queue_is_full_and_keeps_order(tmp_p
     assert len(spool) == 0
 
 
+def _write_ahead_worker(tmp_path: Path, deliver) -> DeliveryWorker[Window]:
+    spool = WindowSpool(tmp_path / "spool", max_bytes=1 << 20)
+    return DeliveryWorker(
+        deliver, name="write-ahead", overflow=spool, write_ahead=True, backoff_initial_s=0.01, backoff_max_s=0.01
+    )
+
+
+def test_windows_behind_a_slow_first_call_are_not_spooled_but_behind_a_later_one_are(tmp_path: Path) -> None:
+    # The first call carries the deliverer's own start (importing MLflow, reading the run): windows
+    # that wait for it say nothing of the server, so the spooling alert must not count them.
+    gates = [threading.Event(), threading.Event()]
+    delivered: list[int] = []
+
+    def deliver(item: Window) -> None:
+        if item.index in (0, 5):
+            gates[item.index // 5].wait()
+        delivered.append(item.index)
+
+    worker = _write_ahead_worker(tmp_path, deliver)
+    try:
+        for i in range(5):
+            worker.submit(window(i))
+        gates[0].set()
+        wait_for(lambda: worker.pending() == 0, 5, 0.01)
+        assert worker.stats.spooled == 0
+        for i in range(5, 8):  # 5 is slow: 6 and 7 wait behind a server that answered before
+            worker.submit(window(i))
+        assert worker.stats.spooled == 2
+    finally:
+        gates[1].set()
+        assert worker.close(5) == 0
+    assert delivered == list(range(8))
+
+
+def test_windows_behind_a_first_call_that_fails_are_spooled(tmp_path: Path) -> None:
+    release = threading.Event()
+    calls: list[int] = []
+
+    def deliver(item: Window) -> None:
+        calls.append(item.index)
+        if len(calls) == 1:
+            release.wait()
+            raise ConnectionError("the tracking server is down")
+
+    worker = _write_ahead_worker(tmp_path, deliver)
+    try:
+        for i in range(4):
+            worker.submit(window(i))
+        assert worker.stats.spooled == 0
+        release.set()
+        wait_for(lambda: worker.stats.retried == 1, 5, 0.01)
+        assert worker.stats.spooled == 3  # 1, 2 and 3 wait behind a failure
+    finally:
+        assert worker.close(5) == 0
+    assert calls == [0, 0, 1, 2, 3]
+
+
 def test_a_hung_deliver_costs_one_thread_and_a_warning_never_the_caller(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.worker")
     release = threading.Event()
