@@ -224,12 +224,34 @@ def test_a_body_is_exactly_prometheus_clients_encoding_as_negotiated():
     assert b'hw_gpu_memory_usage_bytes{_lives="y",_reserved="x",a_b="z",hw_id="GPU-0"' in body
 
 
-def test_a_scraper_keeps_its_connection_and_shutdown_closes_it():
+def test_label_keys_are_sanitised_once_per_process_not_once_per_point_and_collect():
+    import opentelemetry.exporter.prometheus as otel_prometheus
+
+    keys = {"hw.id": "GPU-0", "9lives": "y", "a:b": "z"}
+    _rendering_of(keys).body(PROMETHEUS_2_ACCEPT, None)  # every key of these points seen once
+    sanitize = otel_prometheus.sanitize_attribute
+    misses = sanitize.cache_info().misses
+    for _ in range(5):
+        _rendering_of(keys).body(PROMETHEUS_2_ACCEPT, None)
+    assert sanitize.cache_info().misses == misses
+    assert sanitize("9lives") == sanitize.__wrapped__("9lives") == "_lives"
+
+
+def test_a_scraper_keeps_its_connection_and_shutdown_closes_it(monkeypatch):
     import http.client
+    import socketserver
 
     config = ForgeConfig.resolve(
         environ={}, prometheus_host="127.0.0.1", prometheus_port=0, sampling_interval_s=0.2, collectors="memory"
     )
+    writes = []
+    write = socketserver._SocketWriter.write
+
+    def counted(self, data):
+        writes.append(len(data))
+        return write(self, data)
+
+    monkeypatch.setattr(socketserver._SocketWriter, "write", counted)
     before = {t.ident for t in threading.enumerate()}
     agent = Agent(config).start()
     port = int(agent.endpoints[0].split()[-1].rsplit(":", 1)[1].split("/")[0])
@@ -242,6 +264,9 @@ def test_a_scraper_keeps_its_connection_and_shutdown_closes_it():
         response.read()
         sockets.append(connection.sock)
     assert sockets[0] is not None and len(set(map(id, sockets))) == 1  # one connection for every scrape
+    # One write a scrape: headers and body split in two writes wait out the scraper's delayed ACK
+    # (Nagle's algorithm holds the second), ~40 ms a scrape.
+    assert len(writes) == 3, writes
     agent.shutdown(timeout_s=2)
     left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert left == [], left  # the kept-alive connection's handler thread ended with the agent
