@@ -224,16 +224,19 @@ def test_a_body_is_exactly_prometheus_clients_encoding_as_negotiated():
     assert b'hw_gpu_memory_usage_bytes{_lives="y",_reserved="x",a_b="z",hw_id="GPU-0"' in body
 
 
-def test_label_keys_are_sanitised_once_per_process_not_once_per_point_and_collect():
+def test_names_units_and_label_keys_are_mapped_once_per_process_not_once_per_collect():
     import opentelemetry.exporter.prometheus as otel_prometheus
 
+    from otel_forge.pipeline.prometheus_endpoint import _NAME_MAPPINGS
+
     keys = {"hw.id": "GPU-0", "9lives": "y", "a:b": "z"}
-    _rendering_of(keys).body(PROMETHEUS_2_ACCEPT, None)  # every key of these points seen once
-    sanitize = otel_prometheus.sanitize_attribute
-    misses = sanitize.cache_info().misses
+    _rendering_of(keys).body(PROMETHEUS_2_ACCEPT, None)  # every name of these metrics seen once
+    mappings = [getattr(otel_prometheus, name) for name in _NAME_MAPPINGS]
+    misses = [mapping.cache_info().misses for mapping in mappings]
     for _ in range(5):
         _rendering_of(keys).body(PROMETHEUS_2_ACCEPT, None)
-    assert sanitize.cache_info().misses == misses
+    assert [mapping.cache_info().misses for mapping in mappings] == misses
+    sanitize = otel_prometheus.sanitize_attribute
     assert sanitize("9lives") == sanitize.__wrapped__("9lives") == "_lives"
 
 
