@@ -1,15 +1,19 @@
 """One SDK collect per interval, whatever the sinks and scrapers: the agent's CPU, and a scrape's CPU per series.
 
-Run:  python -m bench.collect_once [--seconds 20] [--interval 0.5] [--scrapes 200] [--json]
+Run:  python -m bench.collect_once [--rounds 3] [--seconds 10] [--interval 0.5] [--scrapes 200] [--json]
 
 Part 1, agent CPU per interval. An ``otel_forge.Agent`` runs in THIS process (collectors cpu, memory,
 disk, network, process; ``--interval`` s, default 0.5) once per configuration, each for ``--seconds``
-of reader ticks (default 20 s = 40 intervals). Measured: this process's CPU time
-(``time.process_time``: every thread, the reader's, the sinks', the ``/metrics`` server's) over a window
-that starts and ends on a tick of the agent's periodic reader (the bench wraps ``agent.fan_out.export``
-to be woken by each tick; its main thread sleeps otherwise), divided by the ticks in the window. The
-reader's timer waits one interval after each collect, so the "period" column is the interval plus the
-collect time. Everything else the bench starts runs in other processes, so it is not measured:
+of reader ticks (default 10 s = 20 intervals); the configurations run in turn, ``--rounds`` times
+(default 3), and each row gives the median round (the ratio: the median of each round's ratio to that
+round's OTLP alone) with the lowest and highest: a drift of the machine's speed reaches every
+configuration of a round alike, where one long run per configuration let it reach one alone. Measured:
+this process's CPU time (``time.process_time``: every thread, the reader's, the sinks', the
+``/metrics`` server's) over a window that starts and ends on a tick of the agent's periodic reader (the
+bench wraps ``agent.fan_out.export`` to be woken by each tick; its main thread sleeps otherwise),
+divided by the ticks in the window. The reader's timer waits one interval after each collect, so the
+"period" column is the interval plus the collect time. Everything else the bench starts runs in other
+processes, so it is not measured:
 
 - sink 1, OTLP: ``http/protobuf`` to a receiver subprocess on 127.0.0.1 that answers every POST with 200,
   an empty body and ``application/x-protobuf`` (an empty ``ExportMetricsServiceResponse``; the OTLP HTTP
@@ -29,7 +33,7 @@ collect time. Everything else the bench starts runs in other processes, so it is
 wraps it), i.e. every collect of every reader, including any a scrape would trigger: 1.00 is the goal.
 It also checks that over each agent's whole life every SDK collect went through the fan-out
 (``agent.fan_out.exports``), that every counting sink got every collect, and that every OTLP export
-succeeded and reached the receiver. Configurations run one after the other, after an unreported warm-up
+succeeded and reached the receiver, in every round. Rounds run one after the other, after an unreported warm-up
 run (Prometheus + 3 sinks + 1 scraper, ``--warmup-seconds``, default 5): without it the process's first
 agent measured ~10% more CPU than the same configuration run later, which inflated the OTLP-alone
 baseline. "x OTLP alone" divides by the first configuration.
@@ -50,10 +54,11 @@ the bench checks the body did not change across the scrapes), so the row is the 
 HTTP + bytes encoded once per collect and format. Two derived rows add what a scrape costs when it is
 the first after a new collect (Prometheus's typical case: scrape interval >= sampling interval), from
 an in-process agent (Prometheus only, ``max_age_s`` 0.001 so each collect re-reads the hardware),
-``--fresh-rounds`` rounds timed with ``time.process_time``: "+ translation + encoding" adds the
-``PrometheusRendering.export`` of one collect's data plus the text encoding; "+ SDK collect" adds the
-whole collect (hardware read, callbacks, aggregation, translation) instead: what the per-reader design
-did on every scrape, and what node_exporter does on every scrape.
+``--fresh-rounds`` rounds timed with ``time.process_time``: "+ translation + encoding" adds the first
+text body of a collect (the translation of its data to Prometheus families and their encoding, which
+happen at the first scrape after it); "+ the whole SDK collect" adds the collect itself too (hardware
+read, callbacks, aggregation): what the per-reader design did on every scrape, and what node_exporter
+does on every scrape.
 
 The "previous design" figures are from issue 11, measured before this change (constants).
 """
@@ -68,6 +73,7 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -535,15 +541,37 @@ def agent_part(args: argparse.Namespace, processes: Processes, sdk: SdkCollects)
     if args.warmup_seconds > 0:  # the process's first agent costs ~10% more: warm every path, unreported
         print(f"part 1: warm-up, {cases[4].label} ({args.warmup_seconds:g} s)", file=sys.stderr, flush=True)
         run_case(cases[4], args, receiver, processes, sdk, args.warmup_seconds)
-    rows = []
-    for case in cases:
-        print(f"part 1: {case.label} ({args.seconds:g} s)", file=sys.stderr, flush=True)
-        rows.append(run_case(case, args, receiver, processes, sdk, args.seconds))
-    base = rows[0]["cpu_ms_per_interval"]
-    for row in rows:
-        row["ratio_vs_otlp"] = row["cpu_ms_per_interval"] / base
+    rounds = []
+    for index in range(args.rounds):
+        rows = []
+        for case in cases:
+            print(f"part 1, round {index + 1}: {case.label} ({args.seconds:g} s)", file=sys.stderr, flush=True)
+            rows.append(run_case(case, args, receiver, processes, sdk, args.seconds))
+        for row in rows:
+            row["ratio_vs_otlp"] = row["cpu_ms_per_interval"] / rows[0]["cpu_ms_per_interval"]
+        rounds.append(rows)
     receiver.spawned.stop()
-    return rows
+    return [median_round([rows[i] for rows in rounds]) for i in range(len(cases))]
+
+
+# Per-interval figures of a configuration: its row gives their median over the rounds.
+MEDIAN_FIELDS = (
+    "cpu_ms_per_interval",
+    "ratio_vs_otlp",
+    "period_ms",
+    "sdk_collects_per_interval",
+    "otlp_ok_per_interval",
+    "scrapes_per_interval",
+    "encodings_per_interval",
+)
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's row: the medians of its rounds, the ratio's range, and every round."""
+    row = {**rounds[0], **{name: statistics.median(r[name] for r in rounds) for name in MEDIAN_FIELDS}}
+    ratios = [r["ratio_vs_otlp"] for r in rounds]
+    row.update(ratio_min=min(ratios), ratio_max=max(ratios), rounds=rounds)
+    return row
 
 
 # --- part 2: scrape CPU per series -------------------------------------------------------------------
@@ -662,8 +690,8 @@ def node_exporter_scrapes(args: argparse.Namespace, processes: Processes) -> dic
 
 
 def fresh_collect_cost(rounds: int) -> dict[str, Any]:
-    """In this process: per round, one whole agent collect (+ translation) and one text encoding; then
-    the translation alone of one collect's data, as many times."""
+    """In this process, per round: one whole agent collect, then the first text body of it (its
+    translation to Prometheus families and their encoding)."""
     config = ForgeConfig.resolve(
         environ={},
         prometheus_host="127.0.0.1",
@@ -675,18 +703,10 @@ def fresh_collect_cost(rounds: int) -> dict[str, Any]:
     agent = Agent(config).start()
     try:
         rendering = agent.fan_out.sinks[0]  # type: ignore[union-attr]
-        seen: list[MetricsData] = []
-        export = rendering.export
-
-        def keep(data: MetricsData, *args: Any, **kwargs: Any) -> MetricExportResult:
-            seen.append(data)
-            return export(data, *args, **kwargs)
-
-        rendering.export = keep
         for _ in range(3):
             rendering.collect_now()
             rendering.body(TEXT_ACCEPT, None)
-        collect_s = encode_s = 0.0
+        collect_s = render_s = 0.0
         encodings0 = rendering.encodings
         for _ in range(rounds):
             started = time.process_time()
@@ -694,20 +714,14 @@ def fresh_collect_cost(rounds: int) -> dict[str, Any]:
             middle = time.process_time()
             rendering.body(TEXT_ACCEPT, None)
             collect_s += middle - started
-            encode_s += time.process_time() - middle
+            render_s += time.process_time() - middle
         encoded = rendering.encodings - encodings0
-        data = seen[-1]
-        started = time.process_time()
-        for _ in range(rounds):
-            export(data)
-        translate_s = time.process_time() - started
     finally:
         agent.shutdown()
     return {
         "rounds": rounds,
-        "collect_and_translate_us": collect_s * 1e6 / rounds,
-        "encode_text_us": encode_s * 1e6 / rounds,
-        "translate_us": translate_s * 1e6 / rounds,
+        "collect_us": collect_s * 1e6 / rounds,
+        "render_text_us": render_s * 1e6 / rounds,
         "encodings_per_round": encoded / rounds,
     }
 
@@ -733,13 +747,13 @@ def scrape_part(args: argparse.Namespace, processes: Processes) -> dict[str, Any
             "key": "ours-text-new-collect",
             "label": "otel_forge, text, first scrape after a collect: cached + translation + encoding (derived)",
             "series": series,
-            "us_per_scrape": http_us + fresh["translate_us"] + fresh["encode_text_us"],
+            "us_per_scrape": http_us + fresh["render_text_us"],
         },
         {
             "key": "ours-text-with-collect",
             "label": "otel_forge, text, + the whole SDK collect (derived)",
             "series": series,
-            "us_per_scrape": http_us + fresh["collect_and_translate_us"] + fresh["encode_text_us"],
+            "us_per_scrape": http_us + fresh["collect_us"] + fresh["render_text_us"],
         },
     ]
     if node is not None:
@@ -798,6 +812,7 @@ def summarize(
     logs: list[str],
 ) -> dict[str, Any]:
     by_key = {row["key"]: row for row in agent_rows}
+    every_round = [r for row in agent_rows for r in row["rounds"]]
     goal_row = by_key["prom-2"]  # the issue's measurement: 2 scrapers, as an HA pair of Prometheus
     ours_text = next(r for r in scrapes["rows"] if r["key"] == "ours-text")
     info["loadavg_end"] = os.getloadavg()
@@ -806,6 +821,7 @@ def summarize(
         "machine": info,
         "settings": {
             "seconds": args.seconds,
+            "rounds": args.rounds,
             "interval_s": args.interval,
             "scrapes": args.scrapes,
             "scrape_period_s": args.scrape_period or 1.5 * args.interval,
@@ -821,15 +837,15 @@ def summarize(
         "verdicts": {
             "cpu_ratio": goal_row["ratio_vs_otlp"],
             "cpu_ratio_met": goal_row["ratio_vs_otlp"] <= GOALS["cpu_ratio"],
-            "one_collect_per_interval": all(abs(r["sdk_collects_per_interval"] - 1) < 1e-9 for r in agent_rows),
-            "all_collects_through_fan_out": all(r["sdk_collects"] == r["fan_out_exports"] for r in agent_rows),
+            "one_collect_per_interval": all(abs(r["sdk_collects_per_interval"] - 1) < 1e-9 for r in every_round),
+            "all_collects_through_fan_out": all(r["sdk_collects"] == r["fan_out_exports"] for r in every_round),
             "scrape_ratio": ours_text["ratio_vs_node_exporter"],
             "scrape_ratio_met": (
                 ours_text["ratio_vs_node_exporter"] <= GOALS["scrape_ratio"]
                 if ours_text["ratio_vs_node_exporter"] is not None
                 else None
             ),
-            "prometheus_translation_ms_per_interval": (
+            "prometheus_unscraped_ms_per_interval": (
                 by_key["prom-0"]["cpu_ms_per_interval"] - by_key["otlp+mlflow+user"]["cpu_ms_per_interval"]
             ),
         },
@@ -844,10 +860,14 @@ def met(value: bool | None) -> str:
 def render_agent(result: dict[str, Any]) -> list[str]:
     s, v = result["settings"], result["verdicts"]
     lines = [
-        f"### Agent CPU per interval ({s['interval_s']:g} s interval, {s['seconds']:g} s per configuration)",
+        (
+            f"### Agent CPU per interval ({s['interval_s']:g} s interval, {s['seconds']:g} s per configuration "
+            f"and round, median of {s['rounds']} rounds)"
+        ),
         "",
         (
-            "| configuration | push sinks | scrapers (period) | CPU ms/interval | x OTLP alone | SDK collects/interval "
+            "| configuration | push sinks | scrapers (period) | CPU ms/interval | x OTLP alone (rounds' range) "
+            "| SDK collects/interval "
             "| OTLP exports OK/interval | scrapes/interval | encodings/interval | period ms |"
         ),
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -857,7 +877,8 @@ def render_agent(result: dict[str, Any]) -> list[str]:
         scrapers += "" if r["prometheus"] else ", Prometheus off"
         lines.append(
             f"| {r['label']} | {r['push_sinks']} | {scrapers} | {r['cpu_ms_per_interval']:.2f} "
-            f"| {r['ratio_vs_otlp']:.2f} | {r['sdk_collects_per_interval']:.2f} "
+            f"| {r['ratio_vs_otlp']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
+            f"| {r['sdk_collects_per_interval']:.2f} "
             f"| {r['otlp_ok_per_interval']:.2f} | {r['scrapes_per_interval']:.2f} "
             f"| {r['encodings_per_interval']:.2f} | {r['period_ms']:.0f} |"
         )
@@ -873,9 +894,9 @@ def render_agent(result: dict[str, Any]) -> list[str]:
         "",
         (
             f"One SDK collect per interval in every configuration: {'yes' if v['one_collect_per_interval'] else 'NO'}; "
-            f"every SDK collect went through the fan-out: {'yes' if v['all_collects_through_fan_out'] else 'NO'}. "
-            f"Prometheus translation per collect (Prometheus, 0 scrapers minus the same sinks without it): "
-            f"{v['prometheus_translation_ms_per_interval']:.2f} ms."
+            f"every SDK collect went through the fan-out: {'yes' if v['all_collects_through_fan_out'] else 'NO'} "
+            f"(every round). Prometheus on but not scraped (0 scrapers minus the same sinks without it): "
+            f"{v['prometheus_unscraped_ms_per_interval']:+.2f} ms/interval; nothing is rendered until a scrape asks."
         ),
     ]
     return lines
@@ -931,9 +952,8 @@ def render_notes(result: dict[str, Any]) -> list[str]:
             f"{'YES, figures include it' if sc['ours']['collect_during_scrapes'] else 'no'}."
         ),
         (
-            f"In-process rounds ({fresh['rounds']}): SDK collect + translation "
-            f"{fresh['collect_and_translate_us']:.0f} µs, "
-            f"translation alone {fresh['translate_us']:.0f} µs, text encoding {fresh['encode_text_us']:.0f} µs "
+            f"In-process rounds ({fresh['rounds']}): SDK collect {fresh['collect_us']:.0f} µs, its first "
+            f"text body (translation + encoding) {fresh['render_text_us']:.0f} µs "
             f"({fresh['encodings_per_round']:.2f} encodings/round)."
         ),
         (
@@ -1007,7 +1027,10 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="seconds measured per configuration (default 20)")
+    parser.add_argument(
+        "--seconds", type=float, default=10.0, help="seconds measured per configuration and round (default 10)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every configuration, in turn (default 3)")
     parser.add_argument("--interval", type=float, default=0.5, help="the agent's sampling interval, s (default 0.5)")
     parser.add_argument("--scrapes", type=int, default=200, help="scrapes per endpoint in part 2 (default 200)")
     parser.add_argument(
