@@ -28,6 +28,11 @@ from testkit.hermetic import hermetic_environ
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_BINARY = "prometheus"
+# Prometheus's own scrape Accept header (scrape/scrape.go, 2.x): OpenMetrics preferred.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 T = TypeVar("T")
 

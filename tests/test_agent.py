@@ -7,7 +7,7 @@ import urllib.request
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 
 from otel_forge import Agent, ForgeConfig
-from testkit.servers import wait_for
+from testkit.servers import PROMETHEUS_ACCEPT, wait_for
 
 
 class CountingExporter(MetricExporter):
@@ -182,64 +182,6 @@ def test_an_otlp_exporter_set_to_delta_keeps_a_reader_of_its_own(monkeypatch):
         assert [type(s).__name__ for s in agent.fan_out.sinks] == ["PrometheusRendering", "OTLPMetricExporter"]
 
 
-PROMETHEUS_2_ACCEPT = (
-    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-)
-
-
-def _rendering_of(attributes: dict[str, str]):
-    """A PrometheusRendering holding one collect of a gauge and a counter with these attributes."""
-    from opentelemetry.metrics import Observation
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-
-    from otel_forge.pipeline.prometheus_endpoint import PrometheusRendering
-
-    reader = InMemoryMetricReader()
-    meter = MeterProvider(metric_readers=[reader]).get_meter("otel_forge")
-    meter.create_observable_gauge("hw.gpu.memory.usage", [lambda _: [Observation(1.5, attributes)]], unit="By")
-    meter.create_counter("system.network.io", unit="By").add(7, {"network.io.direction": 'tx "a"\n'})
-    rendering = PrometheusRendering()
-    rendering.export(reader.get_metrics_data())
-    return rendering
-
-
-def test_a_body_is_exactly_prometheus_clients_encoding_as_negotiated():
-    from prometheus_client.exposition import choose_encoder
-
-    # Attribute keys that prometheus_client's escapings treat differently, were they not translated first.
-    for attributes in ({"hw.id": "GPU-0"}, {"__reserved": "x", "9lives": "y", "a:b": "z", "hw.id": "GPU-0"}):
-        for accept in (
-            PROMETHEUS_2_ACCEPT,
-            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
-            "text/plain;version=0.0.4",
-            "",
-        ):
-            rendering = _rendering_of(attributes)
-            body, headers = rendering.body(accept, None)
-            encoder, content_type = choose_encoder(accept)
-            assert body == encoder(rendering._latest), (attributes, accept)
-            assert headers == [("Content-Type", content_type)]
-    assert b'hw_gpu_memory_usage_bytes{_lives="y",_reserved="x",a_b="z",hw_id="GPU-0"' in body
-
-
-def test_names_units_and_label_keys_are_mapped_once_per_process_not_once_per_collect():
-    import opentelemetry.exporter.prometheus as otel_prometheus
-
-    from otel_forge.pipeline.prometheus_endpoint import _NAME_MAPPINGS
-
-    keys = {"hw.id": "GPU-0", "9lives": "y", "a:b": "z"}
-    _rendering_of(keys).body(PROMETHEUS_2_ACCEPT, None)  # every name of these metrics seen once
-    mappings = [getattr(otel_prometheus, name) for name in _NAME_MAPPINGS]
-    misses = [mapping.cache_info().misses for mapping in mappings]
-    for _ in range(5):
-        _rendering_of(keys).body(PROMETHEUS_2_ACCEPT, None)
-    assert [mapping.cache_info().misses for mapping in mappings] == misses
-    sanitize = otel_prometheus.sanitize_attribute
-    assert sanitize("9lives") == sanitize.__wrapped__("9lives") == "_lives"
-
-
 def test_a_scraper_keeps_its_connection_and_shutdown_closes_it(monkeypatch):
     import http.client
     import socketserver
@@ -261,7 +203,7 @@ def test_a_scraper_keeps_its_connection_and_shutdown_closes_it(monkeypatch):
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     sockets = []
     for _ in range(3):
-        connection.request("GET", "/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT, "Accept-Encoding": "gzip"})
+        connection.request("GET", "/metrics", headers={"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"})
         response = connection.getresponse()
         assert response.status == 200 and response.getheader("Content-Encoding") == "gzip"
         response.read()

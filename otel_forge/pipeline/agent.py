@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
 
     from otel_forge.pipeline.fanout import FanOutExporter
-    from otel_forge.pipeline.prometheus_endpoint import PrometheusEndpoint, PrometheusRendering
+    from otel_forge.pipeline.prometheus_endpoint import PrometheusEndpoint
+    from otel_forge.pipeline.prometheus_rendering import PrometheusRendering
 
 _logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Agent:
         self.endpoints = []
         rendering = None
         if self.config.prometheus:
-            from otel_forge.pipeline.prometheus_endpoint import PrometheusRendering
+            from otel_forge.pipeline.prometheus_rendering import PrometheusRendering
 
             rendering = PrometheusRendering()
             self._prometheus = serve_prometheus(self.config, rendering)
