@@ -547,10 +547,10 @@ def agent_part(args: argparse.Namespace, processes: Processes, sdk: SdkCollects)
             row["ratio_vs_otlp"] = row["cpu_ms_per_interval"] / rows[0]["cpu_ms_per_interval"]
         rounds.append(rows)
     receiver.spawned.stop()
-    rows = [median_round([rows[i] for rows in rounds]) for i in range(len(cases))]
-    for row in rows:  # the median configuration against the median OTLP alone: one noisy baseline weighs less
-        row["ratio_vs_otlp"] = row["cpu_ms_per_interval"] / rows[0]["cpu_ms_per_interval"]
-    return rows
+    merged = [median_round(list(case_rounds)) for case_rounds in zip(*rounds, strict=True)]
+    for row in merged:  # the median configuration against the median OTLP alone: one noisy baseline weighs less
+        row["ratio_vs_otlp"] = row["cpu_ms_per_interval"] / merged[0]["cpu_ms_per_interval"]
+    return merged
 
 
 # Per-interval figures of a configuration: its row gives their median over the rounds.

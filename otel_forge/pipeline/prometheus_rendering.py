@@ -19,7 +19,6 @@ import gzip
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import opentelemetry.exporter.prometheus as otel_prometheus
@@ -52,11 +51,10 @@ class _Families:
 
 @dataclass
 class _Rendered(_Families):
-    """One collect: its data, translated to families at the first scrape that needs them, and the
+    """One collect: its data until the first scrape that needs them translates it to families, and the
     bodies made from them so far, by (content type, gzip)."""
 
     data: MetricsData | None = None
-    translated: bool = False
     bodies: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
 
@@ -78,8 +76,8 @@ def _cheapest(encoder: Encoder) -> Encoder:
     one ``_``: no ``:``, no leading ``__``), which that escaping leaves as they are, and so does
     allow-utf-8's plain pass over them: the same bytes, cheaper.
     """
-    if isinstance(encoder, partial) and encoder.keywords.get("escaping") == openmetrics.UNDERSCORES:
-        return partial(encoder, escaping=openmetrics.ALLOWUTF8)
+    if isinstance(encoder, functools.partial) and encoder.keywords.get("escaping") == openmetrics.UNDERSCORES:
+        return functools.partial(encoder, escaping=openmetrics.ALLOWUTF8)
     return encoder
 
 
@@ -157,10 +155,9 @@ class PrometheusRendering(NonBlockingExporter):
         return body, headers
 
     def _translate(self, rendered: _Rendered) -> None:
-        if not rendered.translated and rendered.data is not None:
+        if rendered.data is not None:
             self._translation.add_metrics_data(rendered.data)
             rendered.families, rendered.data = list(self._translation.collect()), None
-            rendered.translated = True
             self.renderings += 1
 
     def _first(self) -> _Rendered:
