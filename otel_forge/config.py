@@ -533,22 +533,18 @@ def env_name(setting: str) -> str:
     return SETTINGS_BY_NAME[setting].env[0]
 
 
-# What `otel-forge run` hands its command besides settings: the run it opened in this attempt of
-# the job, or the one it was asked to resume (LAUNCHER_OPENS, with a job key, while the server has
-# not answered yet): the command's TrainingRun logs into it, the runs MLflow's own API starts nest
-# under it (mlflow/training/run_context.py).
+# What `otel-forge run` hands its command besides settings (mlflow/training/launched_run.py writes
+# and reads them): the job's run, or LAUNCHER_OPENS while the server has not answered yet (the
+# command finds it by job key); the runs the command's MLflow calls open after the first nest under
+# it (mlflow/training/run_context.py).
 LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
 LAUNCHER_OPENS = "pending"
 # That run again if the launcher described it just now (the command's TrainingRun adds its config).
 DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
 # The node the launcher samples already (NodeIdentity.sampling_key): the command's TrainingRun does not.
 SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
-
-
-def launched_run_id(environ: Mapping[str, str] | None = None) -> str | None:
-    """The run ``otel-forge run`` opened for this process; None outside one or while it is still opening."""
-    run_id = (os.environ if environ is None else environ).get(LAUNCHED_RUN_ENV, "").strip()
-    return run_id if run_id and run_id != LAUNCHER_OPENS else None
+# MLflow's own sampler, which stands down where otel_forge samples the run's node.
+MLFLOW_SYSTEM_METRICS_VAR = "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"
 
 
 # Variables of the libraries underneath: theirs, not settings of ours, but named here too, so every

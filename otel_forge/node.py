@@ -30,6 +30,12 @@ _MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 _MPI_JOB_VARS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")
 # torchrun's rendezvous id; "none" is torchrun's default, shared by every job that did not set one.
 _TORCHRUN_UNSET_RUN_ID = "none"
+# torchrun's attempt, in its workers: this attempt's restart count (0 first), and the most it makes.
+TORCHRUN_RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
+TORCHRUN_MAX_RESTARTS_VAR = "TORCHELASTIC_MAX_RESTARTS"
+# A SLURM array task: the array's job id and this task's index (each task has a job id of its own).
+SLURM_ARRAY_JOB_VAR = "SLURM_ARRAY_JOB_ID"
+SLURM_ARRAY_TASK_VAR = "SLURM_ARRAY_TASK_ID"
 
 NODE_ID_ATTRIBUTE = "otel_forge.node.id"
 UNKNOWN = "none"
@@ -92,6 +98,50 @@ def job_key(environ: Mapping[str, str]) -> tuple[str | None, str]:
     if mpi := _first(environ, _MPI_JOB_VARS):
         return f"mpi-{mpi[1]}", f"launcher {mpi[0]}"
     return None, UNKNOWN
+
+
+def job_label(environ: Mapping[str, str] | None = None) -> str | None:
+    """A short name of the job for people (a default run name): ``slurm-1234_5`` for task 5 of
+    array job 1234 (SLURM's own spelling), ``slurm-1234``, ``torchrun-<rendezvous id>``; None
+    outside a launcher that names its job."""
+    environ = os.environ if environ is None else environ
+    array = _first(environ, (SLURM_ARRAY_JOB_VAR,))
+    task = _first(environ, (SLURM_ARRAY_TASK_VAR,))
+    if array and task:
+        return f"slurm-{array[1]}_{task[1]}"
+    if slurm := _first(environ, ("SLURM_JOB_ID", "SLURM_JOBID")):
+        return f"slurm-{slurm[1]}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id != _TORCHRUN_UNSET_RUN_ID:
+        return f"torchrun-{run_id}"
+    return None
+
+
+@dataclass(frozen=True)
+class TorchrunAttempt:
+    """Which attempt of a torchrun job this worker belongs to (``--max-restarts``)."""
+
+    restart_count: int
+    max_restarts: int
+
+    @property
+    def restarts_remain(self) -> bool:
+        """torchrun restarts every worker once one fails: an end now is not the job's end."""
+        return self.restart_count < self.max_restarts
+
+    @property
+    def is_retry(self) -> bool:
+        """A later attempt: it logs its steps again (from 0, or from its checkpoint)."""
+        return self.restart_count > 0
+
+
+def torchrun_attempt(environ: Mapping[str, str] | None = None) -> TorchrunAttempt | None:
+    """The torchrun attempt of this process, or None outside a torchrun worker."""
+    environ = os.environ if environ is None else environ
+    count = _first_int(environ, (TORCHRUN_RESTART_COUNT_VAR,))
+    if count is None:
+        return None
+    return TorchrunAttempt(count, _first_int(environ, (TORCHRUN_MAX_RESTARTS_VAR,)) or 0)
 
 
 @dataclass(frozen=True)

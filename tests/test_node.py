@@ -1,7 +1,10 @@
 from pathlib import Path
 
+import pytest
+
 from otel_forge.config import ForgeConfig
-from otel_forge.node import NODE_ID_ATTRIBUTE, NodeIdentity, build_resource
+from otel_forge.mlflow.training.run_metadata import job_tags, node_host_tags
+from otel_forge.node import NODE_ID_ATTRIBUTE, NodeIdentity, build_resource, job_label, torchrun_attempt
 
 
 def test_plain_process_has_no_node_id_and_runs_the_agent():
@@ -112,3 +115,47 @@ def test_mpi_across_hosts_names_the_node_by_its_host(monkeypatch):
 def test_node_id_source_names_the_launcher_variable():
     node = NodeIdentity.detect(environ={"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"})
     assert (node.node_id, node.node_id_source) == ("node_1", "launcher GROUP_RANK")
+
+
+@pytest.mark.parametrize(
+    ("environ", "label"),
+    [
+        ({"SLURM_JOB_ID": "1239", "SLURM_ARRAY_JOB_ID": "1234", "SLURM_ARRAY_TASK_ID": "5"}, "slurm-1234_5"),
+        ({"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0"}, "slurm-1234"),
+        ({"SLURM_JOBID": "77"}, "slurm-77"),
+        ({"TORCHELASTIC_RUN_ID": "exp7", "TORCHELASTIC_RESTART_COUNT": "1"}, "torchrun-exp7"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, None),  # torchrun's default: every job's
+        ({"PMIX_NAMESPACE": "prterun-a-1@1"}, None),
+        ({}, None),
+    ],
+)
+def test_job_label_names_the_job_for_people(environ, label):
+    assert job_label(environ) == label
+
+
+def test_torchrun_attempt_says_whether_restarts_remain_and_whether_this_is_a_retry():
+    first = torchrun_attempt({"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "1"})
+    last = torchrun_attempt({"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "1"})
+    no_restarts = torchrun_attempt({"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"})
+    assert first is not None and first.restarts_remain and not first.is_retry
+    assert last is not None and not last.restarts_remain and last.is_retry
+    assert no_restarts is not None and not no_restarts.restarts_remain
+    assert torchrun_attempt({"SLURM_RESTART_COUNT": "2"}) is None
+
+
+def test_job_tags_record_the_slurm_array_requeues_torchrun_restarts_and_the_nodes_host():
+    environ = {
+        "SLURM_JOB_ID": "1239",
+        "SLURM_ARRAY_JOB_ID": "1234",
+        "SLURM_ARRAY_TASK_ID": "5",
+        "SLURM_RESTART_COUNT": "2",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+    }
+    tags = job_tags(8, 2, environ, node_id="node_1")
+    assert tags["otel_forge.slurm.array_job_id"] == "1234"
+    assert tags["otel_forge.slurm.array_task_id"] == "5"
+    assert tags["otel_forge.slurm.restart_count"] == "2"
+    assert tags["otel_forge.torchrun.restart_count"] == "1"
+    assert tags["otel_forge.node.node_1.host"] == tags["host"]
+    assert not any(key.startswith(("otel_forge.slurm.", "otel_forge.torchrun.")) for key in job_tags(1, 1, {}))
+    assert node_host_tags("gpu-07", "gpu-07.cluster") == {"otel_forge.node.gpu-07.host": "gpu-07.cluster"}

@@ -1,16 +1,14 @@
 """``otel-forge run [options] -- CMD ...``: CMD inside an MLflow run, its node sampled meanwhile.
 
-The run is opened first. CMD inherits ``OTEL_FORGE_LAUNCHED_RUN_ID`` (the run), ``MLFLOW_TRACKING_URI``
-and ``MLFLOW_EXPERIMENT_ID``, and launchers pass them on to other nodes. ``TrainingRun`` in CMD logs
-into that run itself. The runs MLflow starts in CMD (``mlflow.start_run()``, autologging, or the run
-a plain ``mlflow.log_metric`` starts) nest under it, as children (``mlflow.parentRunId``, set by
-``otel_forge.mlflow.training.run_context``): the launched run holds the system metrics, the launch config, git
-state and command; the script's own runs are inside it. CMD never inherits ``MLFLOW_RUN_ID``, not even
-the user's: MLflow would resume our run at CMD's first ``start_run()``, end it when that run ends,
-and start every later run unrelated to it. Under a launcher every task's ``otel-forge run`` finds the
-job's one run by the job key (``TrainingRun``'s rendezvous). SIGINT/SIGTERM are forwarded; processes
-CMD leaves behind are stopped; the run ends FINISHED, FAILED or KILLED from CMD's exit, and
-``otel-forge`` exits with CMD's code.
+The run is opened first and handed to CMD (``LaunchedRun``: ``MLFLOW_RUN_ID``, the tracking URI, the
+experiment), which launchers pass on to other nodes. The first run CMD's code opens is that run: a
+plain ``mlflow.log_metric``, ``mlflow.start_run()``, HF's ``MLflowCallback`` or autolog's first fit
+resume it, so the loss lands beside ``system/...``; the runs it opens after that nest under it
+(``run_context``); CMD's ``TrainingRun`` logs into it. Whatever CMD's code does to the run's status
+(MLflow ends its run FINISHED at exit), the run ends FINISHED, FAILED or KILLED from CMD's exit, after
+CMD, and ``otel-forge`` exits with CMD's code. Under a launcher every task's ``otel-forge run`` finds
+the job's one run by the job key (``TrainingRun``'s rendezvous). SIGINT/SIGTERM are forwarded;
+processes CMD leaves behind are stopped. MLflow's own system-metrics logging stands down in CMD.
 
 The run's ``mlflow.source.name`` is the first Python file on CMD's command line, as typed (the name
 MLflow gives the runs that script starts), else CMD's program; ``otel_forge.command`` has all of it.
@@ -34,15 +32,13 @@ from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, st
 from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.config import (
-    DESCRIBE_RUN_ENV,
-    LAUNCHED_RUN_ENV,
-    LAUNCHER_OPENS,
-    SAMPLED_NODE_ENV,
+    MLFLOW_SYSTEM_METRICS_VAR,
     ConfigError,
     ForgeConfig,
     env_name,
     local_store_problem,
 )
+from otel_forge.mlflow.training.launched_run import LaunchedRun
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub
 
@@ -109,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             f"invalid run_id (from {source}): {training_run.open_error}; --create-if-missing starts a new run instead"
         )
     env = _cmd_environ(args.child_environ, training_run, node, live)
+    env.update(launch.cmd_environ(node))  # the workers name this node as we do
     if signals.received:
         training_run.close("KILLED")
         return 128 + signals.received[0]
@@ -142,12 +139,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _training_run(args: argparse.Namespace, command: list[str], config: ForgeConfig, node: NodeIdentity) -> Any:
+    from otel_forge.mlflow.training.run_description import source_name
     from otel_forge.mlflow.training.run_metadata import launch_config_path, load_launch_config
     from otel_forge.mlflow.training.training_run import TrainingRun
 
     launch_file = launch_config_path(["otel-forge", *command])
     tags = {
-        SOURCE_NAME_TAG: scrub(_source_name(command)),
+        SOURCE_NAME_TAG: scrub(source_name(command) or command[0]),
         **_tags(args.tag),
         "otel_forge.command": scrub(" ".join(command)),
     }
@@ -171,29 +169,23 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
     return training_run
 
 
-def _source_name(command: list[str]) -> str:
-    """What the job runs, for ``mlflow.source.name``: the first Python file on CMD's command line, as
-    typed (``python train.py``, ``torchrun ... train.py``), else CMD's program (``./train.sh``)."""
-    for word in command:
-        if word.endswith(".py") and os.path.isfile(word):
-            return word
-    return command[0]
-
-
 def _cmd_environ(environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool) -> dict[str, str]:
     """CMD's environment: the run (or how to find it once open) and who samples its node."""
     # Never another store behind the user's back: CMD talks to ours, whether the run is open or not.
     env = {**environ, env_name("tracking_uri"): training_run.tracking_uri}
     if live or training_run.open_error is None:
-        # MLflow resumes MLFLOW_RUN_ID at CMD's first start_run() and ends it with that run: CMD's runs
-        # nest under ours through OTEL_FORGE_LAUNCHED_RUN_ID instead (otel_forge.mlflow.training.run_context).
+        # The user's MLFLOW_RUN_ID is the run we opened (resumed); nothing else may stand for it.
         env.pop(env_name("run_id"), None)
     if live:
-        env.update(_run_environ(training_run, node))
+        handed = _launched_run(training_run, node)
         _announce(training_run)
     elif training_run.open_error is None:
-        env.update(_pending_run_environ(training_run, training_run.requested_run_id))
+        handed = _pending_run(training_run, node)
         training_run.on_open.append(lambda: _announce(training_run))
+    else:
+        return env
+    env.update(handed.environ())
+    _stand_down_mlflow_sampler(env, handed)
     return env
 
 
@@ -209,22 +201,33 @@ def _end(training_run: Any, status: str, watchdog: Watchdog | None, stopping: th
         watchdog.hand_over(status)
 
 
-def _run_environ(training_run: Any, node: NodeIdentity) -> dict[str, str]:
-    """What CMD inherits: the run (its TrainingRun logs into it, MLflow's runs nest under it) and who
-    samples this node."""
+def _launched_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
+    """The open run: CMD's first MLflow run resumes it, its TrainingRun logs into it, and this node
+    is sampled by this process or its sibling task's otel-forge."""
+    return LaunchedRun(
+        run_id=training_run.run_id,
+        tracking_uri=training_run.tracking_uri,
+        experiment_id=training_run.experiment_id,
+        sampled_node=node.sampling_key,
+        described=training_run.described,
+    )
 
-    run_id = training_run.run_id
-    env = {
-        env_name("tracking_uri"): training_run.tracking_uri,
-        LAUNCHED_RUN_ENV: run_id,
-        # This node's local rank 0 samples it: this process, or its sibling task's otel-forge.
-        SAMPLED_NODE_ENV: node.sampling_key,
-    }
-    if training_run.experiment_id is not None:
-        env[env_name("experiment_id")] = training_run.experiment_id
-    if training_run.described:
-        env[DESCRIBE_RUN_ENV] = run_id
-    return env
+
+def _stand_down_mlflow_sampler(env: dict[str, str], handed: LaunchedRun) -> None:
+    """One sampler per node: MLflow's own (``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING``) would sample the
+    node a second time into the same run."""
+    from otel_forge.mlflow.system_metrics.one_sampler import mlflow_sampling_enabled
+
+    if not mlflow_sampling_enabled(env):
+        return
+    env[MLFLOW_SYSTEM_METRICS_VAR] = "false"
+    run = handed.run_id or "(when it opens)"
+    print(
+        f"otel-forge: MLflow's own system-metrics logging ({MLFLOW_SYSTEM_METRICS_VAR}) is off in CMD: "
+        f"otel-forge samples this node into run {run}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class _NodeSampling:
@@ -256,30 +259,28 @@ def _announce(training_run: Any) -> None:
     )
 
 
-def _pending_run_environ(training_run: Any, run_id: str | None) -> dict[str, str]:
+def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
     """The server did not answer in time: CMD starts, and finds the run once it opens, by its id
     when one was given, else by a job key under which we publish the run we open.
 
-    Without an id, the runs MLflow starts in CMD are not nested under ours (CMD starts before its id
-    exists; they land in its experiment); with one, they nest under it as under an open run.
+    Without an id, the runs MLflow starts in CMD are not the job's run (CMD starts before its id
+    exists; they land in its experiment); with one, CMD's first run resumes it as under an open run.
     """
-
-    if run_id is not None:
-        return {LAUNCHED_RUN_ENV: run_id}
+    if (run_id := training_run.requested_run_id) is not None:
+        return LaunchedRun(run_id=run_id, tracking_uri=training_run.tracking_uri)
     key = training_run.node.job_key or f"otel-forge-{uuid.uuid4().hex}"
     training_run.adopt_job_key(key, "otel-forge run (the server did not answer in time)")
     _logger.warning(
         "MLflow: the run is not open yet; CMD starts now and finds it by job key %s once the tracking server answers",
         key,
     )
-
-    experiment = training_run.experiment
-    return {
-        env_name("job_id"): key,
-        LAUNCHED_RUN_ENV: LAUNCHER_OPENS,
-        SAMPLED_NODE_ENV: training_run.node.sampling_key,  # we sample the node once the run opens
-        env_name("experiment_id" if experiment.isdigit() else "experiment_name"): experiment,
-    }
+    return LaunchedRun(
+        run_id=None,
+        tracking_uri=training_run.tracking_uri,
+        experiment=training_run.experiment,
+        job_key=key,
+        sampled_node=node.sampling_key,  # we sample the node once the run opens
+    )
 
 
 def _start_system_metrics(config: Any, tracking_uri: str, pid: int, run_id: str | None, node: NodeIdentity) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -32,6 +33,12 @@ def sanitize_key(key: str) -> str:
 def key_segment(value: object) -> str:
     """An attribute value as one key segment: ``/`` -> ``root``, ``/mnt/data`` -> ``mnt_data``."""
     return _path_segment(_NOT_IN_SEGMENT.sub("_", str(value)).strip("_") or "root")
+
+
+def node_host_tags(node_id: str, hostname: str | None = None) -> dict[str, str]:
+    """``otel_forge.node.<node id>.host``: which host a ``system/<node id>/`` prefix samples (a
+    ``node_0`` says nothing of it). Written once per node, by the node's agent."""
+    return {f"otel_forge.node.{key_segment(node_id)}.host": hostname or socket.gethostname()}
 
 
 def system_prefix(node_id: str | None) -> str:

@@ -17,7 +17,7 @@ from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.client import RunInfo, classify
-from otel_forge.mlflow.keys import KeyMapper, key_segment, system_prefix
+from otel_forge.mlflow.keys import KeyMapper, key_segment, node_host_tags, system_prefix
 from otel_forge.mlflow.spool_files import default_spool_root
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
@@ -82,7 +82,9 @@ class MLflowMetricExporter(NonBlockingExporter):
                 "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None,
             },
         )
-        self.window_logger = WindowLogger(run_id, tracking_uri, prefix)
+        # Which host the node's prefix samples, in the node's first call (node_0 says nothing of it).
+        host_tags = node_host_tags(node_id) if node_id else {}
+        self.window_logger = WindowLogger(run_id, tracking_uri, prefix, tags=host_tags)
         self.window_logger.on_first_step.append(lambda step: self.spool.update_header(first_step=step))
         self.worker: DeliveryWorker[Window] = DeliveryWorker(
             self.window_logger,

@@ -3,26 +3,65 @@
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, RunInfoCollector
-from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.client import RunInfo
+from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run_id
 from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
+from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError
 
 _logger = logging.getLogger(__name__)
 
+WATCH_INTERVAL_S = 0.5  # looks at MLflow's in-memory active runs only
 
-def _active_run() -> tuple[str, str]:
+
+def _fluent_tracking_uri() -> str:
     import mlflow
 
-    run = mlflow.active_run()
-    if run is None:
-        raise ConfigError("invalid run_id (from default): no run id given and no active MLflow run")
-    return run.info.run_id, mlflow.get_tracking_uri()
+    return str(mlflow.get_tracking_uri())
+
+
+class FluentRunWatch:
+    """Waits, without I/O, for the run a framework opens through MLflow's fluent API on any thread
+    (HF's callback opens its run inside ``trainer.train()``), and hands it to ``on_run`` once."""
+
+    def __init__(self, on_run: Callable[[str], None], interval_s: float = WATCH_INTERVAL_S) -> None:
+        self._on_run = on_run
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._found = False
+        self._ended_before: set[str] = set()
+        self._thread = threading.Thread(target=self._watch, name="otel-forge-run-watch", daemon=True)
+
+    def start(self) -> None:
+        self._ended_before = fluent_ended_run_ids()
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._interval_s) and not self._look():
+            pass
+
+    def _look(self) -> bool:
+        # A short fit may open and end its run between two looks: a run ended since we started counts.
+        run_id = fluent_run_id() or next(iter(fluent_ended_run_ids() - self._ended_before), None)
+        if run_id is not None and not self._found:
+            self._found = True
+            self._on_run(run_id)
+        return self._found
+
+    def stop(self) -> None:
+        """Stop watching, after a last look: a run opened since the last one still gets the windows."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._look()
 
 
 class SystemMetricsMonitor:
@@ -39,6 +78,7 @@ class SystemMetricsMonitor:
         self._run_pending = run_pending
         self.exporter: MLflowMetricExporter | None = None
         self.agent: Agent | None = None
+        self._watch: FluentRunWatch | None = None
 
     @property
     def run_id(self) -> str | None:
@@ -48,8 +88,16 @@ class SystemMetricsMonitor:
         if self.agent is not None or not self.node.runs_agent:
             return self
         if self.config.run_id is None and not self._run_pending:
-            run_id, tracking_uri = _active_run()
-            self.config = self.config.replace(run_id=run_id, tracking_uri=self.config.tracking_uri or tracking_uri)
+            if (run_id := fluent_run_id()) is not None:
+                self.config = self.config.replace(run_id=run_id, tracking_uri=self._tracking_uri())
+            else:
+                # No run yet: sampling starts now, the windows wait for the run the code opens.
+                self._run_pending = True
+                self._watch = FluentRunWatch(self._run_opened)
+                _logger.info(
+                    "no MLflow run is open yet: node %s is sampled into the first one this process opens",
+                    self.node.node_id or self.node.hostname,
+                )
         self.exporter = self._exporter()
         self.agent = self._agent(self.exporter)
         try:
@@ -60,7 +108,24 @@ class SystemMetricsMonitor:
             self.config = self.config.replace(prometheus=False)
             self.agent = self._agent(self.exporter)
             self.agent.start()
+        if self.config.run_id is not None:
+            stand_down_mlflow_sampler(self.config.run_id)
+        if self._watch is not None:
+            self._watch.start()
         return self
+
+    def _tracking_uri(self) -> str:
+        return self.config.tracking_uri or _fluent_tracking_uri()
+
+    def _run_opened(self, run_id: str) -> None:
+        """On the watch's thread: the code opened its run; the windows sampled so far go to it."""
+        if self.exporter is not None and self.config.tracking_uri is None:
+            self.exporter.window_logger.tracking_uri = _fluent_tracking_uri()
+        self.attach(run_id)
+        stand_down_mlflow_sampler(run_id)
+        _logger.info(
+            "MLflow run %s opened: node %s is sampled into it", run_id, self.node.node_id or self.node.hostname
+        )
 
     def _exporter(self) -> MLflowMetricExporter:
         c = self.config
@@ -101,6 +166,8 @@ class SystemMetricsMonitor:
         return self.agent.absent_collectors if self.agent else {}
 
     def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self.agent is not None:
             self.agent.shutdown(timeout_s=self.config.drain_deadline_s + 5)
             self.agent = None
@@ -123,7 +190,8 @@ def monitor(
     config: ForgeConfig | None = None,
     **settings: Any,
 ) -> SystemMetricsMonitor:
-    """Sample this node into an MLflow run (default: MLflow's active run) and start at once.
+    """Sample this node into an MLflow run and start at once: ``run_id``, else ``MLFLOW_RUN_ID``, else
+    MLflow's active run, else the first run this process opens (``trainer.train()`` opens its own).
 
     Use as ``with otel_forge.monitor(): ...`` or keep the handle and call ``stop()``. Other
     ``ForgeConfig`` fields may be passed as keywords (``stats=`` is ``mlflow_stats``).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from otel_forge.mlflow.client import (
@@ -42,9 +43,16 @@ class WindowLogger:
     """
 
     def __init__(
-        self, run_id: str | None, tracking_uri: str | None, prefix: str, first_step: int | None = None
+        self,
+        run_id: str | None,
+        tracking_uri: str | None,
+        prefix: str,
+        first_step: int | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> None:
         self.run_id = run_id
+        self._tags = dict(tags or {})  # sent with the first window of each run
+        self._tagged_run: str | None = None
         self.tracking_uri = tracking_uri
         self.prefix = prefix
         self.first_step = first_step
@@ -91,5 +99,9 @@ class WindowLogger:
             return
         step = first_step + window.index
         metrics = [metric(key, value, window.timestamp_ms, step) for key, value in window.values]
+        run_tag = import_mlflow().entities.RunTag
+        tags = [run_tag(k, v) for k, v in self._tags.items()] if self._tagged_run != self.run_id else []
         for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH], synchronous=True)
+            chunk = metrics[start : start + MAX_METRICS_PER_BATCH]
+            client.log_batch(self.run_id, metrics=chunk, tags=tags if start == 0 else [], synchronous=True)
+        self._tagged_run = self.run_id

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, classify, import_mlflow
 from otel_forge.mlflow.training.metric_buffer import MetricBuffer, MetricRow
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.worker import Outcome
+from otel_forge.node import torchrun_attempt
 from otel_forge.scrub import error_line
 
 
@@ -16,7 +17,8 @@ class MetricFlush:
 
     The worker retries the same object after a transient failure, so it keeps the batch it took;
     a batch the server refuses is split to drop only the values it refuses (``on_refused``).
-    ``on_done`` follows a delivered batch.
+    ``on_done`` follows a delivered batch. Steps a resumed run holds already are skipped, except
+    in a later torchrun attempt (``--max-restarts``): it logs its steps again, and they are the job's.
     """
 
     def __init__(
@@ -25,17 +27,20 @@ class MetricFlush:
         buffer: MetricBuffer,
         on_refused: Callable[[MetricRow, str], None],
         on_done: Callable[[], None],
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         self._live_run = live_run
         self._buffer = buffer
         self._on_refused = on_refused
         self._on_done = on_done
         self._batch: list[MetricRow] | None = None
+        attempt = torchrun_attempt(environ)
+        self._keeps_logged_steps = attempt is not None and attempt.is_retry
 
     def __call__(self) -> None:
         run = self._live_run()
         if self._batch is None:
-            after_step = -1 if run.last_step is None else run.last_step
+            after_step = -1 if run.last_step is None or self._keeps_logged_steps else run.last_step
             self._batch = self._buffer.take(MAX_METRICS_PER_BATCH, after_step)
         self._send(run, self._batch)
         self._buffer.delivered()

@@ -4,25 +4,55 @@ A process that does not finish ends the run FAILED or KILLED and tags the job
 (``otel_forge.job.outcome``) and its node (``otel_forge.outcome.<node>``); global rank 0 ends it
 FINISHED only when no process of the job has tagged it otherwise (the tag survives a status that
 a script's own ``mlflow.end_run`` rewrote). A new attempt of the job (a requeue) clears them.
+
+A torchrun worker that ends while torchrun has restarts left (``--max-restarts``) is not the job's
+end: torchrun stops every worker (SIGTERM) once one fails, and starts them all again. It tags
+nothing; the final attempt decides.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 from otel_forge.mlflow.client import import_mlflow
 from otel_forge.mlflow.keys import key_segment
-from otel_forge.node import NodeIdentity
+from otel_forge.mlflow.training.run_metadata import TORCHRUN_RESTART_TAG, attempt_tags
+from otel_forge.node import NodeIdentity, torchrun_attempt
+
+_logger = logging.getLogger(__name__)
 
 OUTCOME_TAG_PREFIX = "otel_forge.outcome."  # + node: how that node's process ended, when not FINISHED
 JOB_OUTCOME_TAG = "otel_forge.job.outcome"  # FAILED or KILLED once any process of the job ended so
 
 
 def end_run(
-    client: Any, run_id: str, experiment_id: str | None, status: str, node: NodeIdentity, detail: str | None = None
+    client: Any,
+    run_id: str,
+    experiment_id: str | None,
+    status: str,
+    node: NodeIdentity,
+    detail: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> None:
-    """End the run as this process of the job ended: ``status`` FINISHED, FAILED or KILLED."""
-    if status != "FINISHED":
+    """End the run as this process of the job ended: ``status`` FINISHED, FAILED or KILLED.
+
+    ``environ``: this process's variables (default ``os.environ``), which say its torchrun attempt.
+    """
+    attempt = torchrun_attempt(environ)
+    if status != "FINISHED" and attempt is not None and attempt.restarts_remain:
+        # The status is set all the same, no tag: a job cancelled now must not stay RUNNING, and
+        # the next attempt runs the run again (and ends it as the job ends).
+        _logger.info(
+            "rank %s ended %s in torchrun attempt %d of %d: torchrun restarts the job, its final attempt decides",
+            node.rank,
+            status,
+            attempt.restart_count + 1,
+            attempt.max_restarts + 1,
+        )
+        client.set_terminated(run_id, status)
+    elif status != "FINISHED":
         run_tag = import_mlflow().entities.RunTag
         name = node.node_id or (f"rank_{node.rank}" if node.rank is not None else "node")
         what = f"{status} (rank {node.rank}{', ' + detail if detail else ''})"
@@ -33,6 +63,9 @@ def end_run(
         )
         client.set_terminated(run_id, status)
     elif node.is_global_zero and experiment_id is not None:
+        if attempt is not None and attempt.is_retry:
+            # The run was described in the first attempt: the attempt that finished says which it was.
+            client.set_tag(run_id, TORCHRUN_RESTART_TAG, str(attempt.restart_count), synchronous=True)
         client.set_terminated(run_id, job_outcome(client, run_id, experiment_id) or status)
 
 
@@ -44,10 +77,14 @@ def job_outcome(client: Any, run_id: str, experiment_id: str) -> str | None:
     return found[0].data.tags.get(JOB_OUTCOME_TAG) if found else None
 
 
-def begin_attempt(client: Any, run: Any) -> None:
-    """A new attempt of the job (a requeue, a run made beforehand): running again, and its outcome
-    is this attempt's, not the last one's."""
+def begin_attempt(client: Any, run: Any, environ: Mapping[str, str] | None = None) -> None:
+    """A new attempt of the job (a requeue, a torchrun restart, a run made beforehand): running
+    again, its outcome this attempt's, not the last one's, and which attempt it is (tags)."""
     if run.info.status != "RUNNING":
         client.update_run(run.info.run_id, status="RUNNING")
     for tag in [t for t in run.data.tags if t == JOB_OUTCOME_TAG or t.startswith(OUTCOME_TAG_PREFIX)]:
         client.delete_tag(run.info.run_id, tag)
+    tags = {key: value for key, value in attempt_tags(environ).items() if run.data.tags.get(key) != value}
+    if tags:
+        run_tag = import_mlflow().entities.RunTag
+        client.log_batch(run.info.run_id, tags=[run_tag(k, v) for k, v in tags.items()], synchronous=True)

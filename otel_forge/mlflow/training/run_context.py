@@ -1,13 +1,12 @@
-"""The runs a command under ``otel-forge run`` starts itself nest under the run otel-forge opened.
+"""The runs a job's code opens after its first nest under the job's run.
 
-MLflow loads ``LaunchedRunContext`` through its ``mlflow.run_context_provider`` entry point and asks
-it for tags whenever ``mlflow.start_run()`` creates a run (also for ``mlflow.autolog``'s runs): under
-``otel-forge run`` it adds ``mlflow.parentRunId`` = the launched run. MLflow applies the caller's own
-tags after every provider's, so ``start_run(nested=True)`` inside the user's run keeps its parent.
-
-``otel-forge run`` hands the launched run to its command as ``OTEL_FORGE_LAUNCHED_RUN_ID`` and not as
-``MLFLOW_RUN_ID``: MLflow would resume that run at the command's first ``start_run()``, end it at that
-run's end, and make every later run an unrelated one.
+The first run the code opens *is* the job's run: ``MLFLOW_RUN_ID`` (``launched_run``) makes MLflow
+resume it. MLflow consumes that variable there, so the next ``mlflow.start_run()`` (a second fit, a
+sweep's trial) would make an unrelated run. MLflow loads ``LaunchedRunContext`` through its
+``mlflow.run_context_provider`` entry point and asks it for tags whenever a run is created with
+none active (also for ``mlflow.autolog``'s runs): it adds ``mlflow.parentRunId`` = the job's run.
+MLflow applies the caller's own tags after every provider's, so ``start_run(nested=True)`` inside
+the user's run keeps its parent.
 
 MLflow imports this module while it is importing itself: it must never raise, and imports nothing
 of MLflow but the base class.
@@ -16,11 +15,11 @@ of MLflow but the base class.
 from __future__ import annotations
 
 import logging
-import os
+from typing import Any
 
 from mlflow.tracking.context.abstract_context import RunContextProvider
 
-from otel_forge.config import LAUNCHED_RUN_ENV, LAUNCHER_OPENS, launched_run_id
+from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
 
 _logger = logging.getLogger(__name__)
 
@@ -52,7 +51,19 @@ class LaunchedRunContext(RunContextProvider):
         return {PARENT_RUN_TAG: run_id} if run_id is not None else {}
 
     def _say_pending(self) -> None:
-        if self._pending_said or os.environ.get(LAUNCHED_RUN_ENV) != LAUNCHER_OPENS:
+        launched = LaunchedRun.from_environ()
+        if self._pending_said or launched is None or not launched.pending:
             return
         self._pending_said = True
         _logger.debug("otel-forge run is still opening its run: runs started now are not nested under it")
+
+
+def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[str, str]]:
+    """(run id, experiment name) of the runs nested under ``run_id`` in another experiment than
+    its own: a framework that picks its own experiment (Lightning's ``MLFlowLogger``: ``lightning_logs``)
+    put part of the job where the job's run page does not show it."""
+    others = {e.experiment_id: e.name for e in client.search_experiments() if e.experiment_id != experiment_id}
+    if not others:
+        return []
+    nested = f"tags.`{PARENT_RUN_TAG}` = '{run_id}'"
+    return [(run.info.run_id, others[run.info.experiment_id]) for run in client.search_runs(list(others), nested)]

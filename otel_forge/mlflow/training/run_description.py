@@ -3,8 +3,10 @@ caller's), the launch file, the config as an artifact and as params. Secrets are
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import context_tags
@@ -22,7 +24,7 @@ from otel_forge.mlflow.training.run_metadata import (
     redact,
 )
 from otel_forge.mlflow.training.training_spool import Record
-from otel_forge.node import NodeIdentity
+from otel_forge.node import NodeIdentity, job_label
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import REDACTED, SecretKeys, scrub
 
@@ -54,6 +56,12 @@ class RunDescription:
             records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
         return records
 
+    def default_run_name(self, node: NodeIdentity) -> str | None:
+        """What ran, and which job: ``train`` for ``python train.py``, ``train-slurm-1234_5`` for an
+        array task of a SLURM job (None, MLflow's random name, when neither is known)."""
+        names = [name for name in (script_stem(self.launch_argv), job_label()) if name]
+        return "-".join(names) or None
+
     def creation_tags(self, job_key: str | None) -> dict[str, str]:
         """A new run's tags: MLflow's context tags, as ``mlflow.start_run`` resolves them, under ours
         (the job key, the caller's). Ours are set again by the tags record, which adds git state."""
@@ -63,7 +71,12 @@ class RunDescription:
         return {key: scrub(str(value)) for key, value in context_tags(ours).items()}
 
     def _run_tags(self, node: NodeIdentity) -> dict[str, str]:
-        tags = {**job_tags(node.world_size, node.node_count), **git_tags(), DESCRIBED_TAG: "true", **self._own_tags()}
+        tags = {
+            **job_tags(node.world_size, node.node_count, node_id=node.node_id),
+            **git_tags(),
+            DESCRIBED_TAG: "true",
+            **self._own_tags(),
+        }
         return {key: scrub(str(value)) for key, value in tags.items()}
 
     def _own_tags(self) -> dict[str, str]:
@@ -83,3 +96,19 @@ class RunDescription:
                 continue
             kept[name] = value
         return kept
+
+
+def source_name(command: Sequence[str]) -> str | None:
+    """What a command runs, as typed: its first Python file (``python train.py``, ``torchrun ...
+    train.py``), else its program (``./train.sh``); None for ``python -c`` and the like."""
+    for word in command:
+        if word.endswith(".py") and os.path.isfile(word):
+            return word
+    return command[0] if command and not command[0].startswith("-") else None
+
+
+def script_stem(argv: Sequence[str]) -> str | None:
+    """``train`` for ``train.py ...`` or ``otel-forge python train.py ...``."""
+    command = argv[1:] if argv[:1] == ["otel-forge"] else argv
+    source = source_name(command)
+    return Path(source).stem if source else None

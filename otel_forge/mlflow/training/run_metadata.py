@@ -19,6 +19,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from otel_forge.mlflow.keys import node_host_tags
+from otel_forge.node import (
+    SLURM_ARRAY_JOB_VAR,
+    SLURM_ARRAY_TASK_VAR,
+    TORCHRUN_RESTART_COUNT_VAR,
+)
 from otel_forge.scrub import REDACTED, SecretKeys, scrub
 
 _logger = logging.getLogger(__name__)
@@ -32,6 +38,13 @@ NOTE_TAG = "mlflow.note.content"
 DESCRIBED_TAG = "otel_forge.described"
 # How many values log() or the server refused (each warned): the count a user finds on the run.
 REJECTED_TAG = "otel_forge.log.rejected"
+# The launcher's word on the job, as tags: its place in a SLURM array, which attempt this is.
+SLURM_ARRAY_JOB_TAG = "otel_forge.slurm.array_job_id"
+SLURM_ARRAY_TASK_TAG = "otel_forge.slurm.array_task_id"
+SLURM_RESTART_TAG = "otel_forge.slurm.restart_count"  # how many times SLURM requeued the job
+TORCHRUN_RESTART_TAG = "otel_forge.torchrun.restart_count"  # the attempt of torchrun --max-restarts
+_ARRAY_TAGS = ((SLURM_ARRAY_JOB_VAR, SLURM_ARRAY_JOB_TAG), (SLURM_ARRAY_TASK_VAR, SLURM_ARRAY_TASK_TAG))
+_ATTEMPT_TAGS = (("SLURM_RESTART_COUNT", SLURM_RESTART_TAG), (TORCHRUN_RESTART_COUNT_VAR, TORCHRUN_RESTART_TAG))
 PARAM_VALUE_MAX_CHARS = 6000  # MLflow's limit for a param value
 PARAMS_PER_BATCH = 100
 # A config text value past this is cut, with a marker, before anything else reads it.
@@ -169,17 +182,36 @@ def git_tags(cwd: str | None = None) -> dict[str, str]:
 
 
 def job_tags(
-    world_size: int | None, node_count: int | None, environ: Mapping[str, str] | None = None
+    world_size: int | None,
+    node_count: int | None,
+    environ: Mapping[str, str] | None = None,
+    node_id: str | None = None,
 ) -> dict[str, str]:
+    """The job's tags as the process describing the run sees it: its host (and, with ``node_id``,
+    which node that host is), the job's size, the launcher's ids and attempt counts."""
     environ = os.environ if environ is None else environ
     tags = {"host": socket.gethostname()}
+    if node_id is not None:
+        tags.update(node_host_tags(node_id))
     if environ.get("SLURM_JOB_ID"):
         tags["slurm_job_id"] = environ["SLURM_JOB_ID"]
+    tags.update(_from_environ(environ, _ARRAY_TAGS))
+    tags.update(attempt_tags(environ))
     if world_size is not None:
         tags["world_size"] = str(world_size)
     if node_count is not None:
         tags["node_count"] = str(node_count)
     return tags
+
+
+def attempt_tags(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Which attempt of the job this is: SLURM's requeue count, torchrun's restart count (a new
+    attempt sets them again: a resumed run is not described twice)."""
+    return _from_environ(os.environ if environ is None else environ, _ATTEMPT_TAGS)
+
+
+def _from_environ(environ: Mapping[str, str], pairs: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    return {tag: value for variable, tag in pairs if (value := environ.get(variable, "").strip())}
 
 
 def launch_config_path(argv: Sequence[str]) -> Path | None:

@@ -9,6 +9,7 @@ so ``log()`` only enqueues. Constructing a ``TrainingRun`` does no I/O: the firs
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -19,15 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_forge.config import (
-    DESCRIBE_RUN_ENV,
-    LAUNCHED_RUN_ENV,
-    LAUNCHER_OPENS,
-    SAMPLED_NODE_ENV,
-    ConfigError,
-    ForgeConfig,
-    launched_run_id,
-)
+from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.client import (
     RunGone,
     RunInfo,
@@ -36,10 +29,13 @@ from otel_forge.mlflow.client import (
     make_client,
     run_gone,
 )
+from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.spool_files import default_spool_root
+from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.training.checkpoints import find_or_create_external_model
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers
+from otel_forge.mlflow.training.launched_run import LaunchedRun, make_process_run
 from otel_forge.mlflow.training.metric_buffer import MAX_KEY_CHARS, MetricBuffer, MetricRow, checked_step, checked_value
 from otel_forge.mlflow.training.metric_flush import MetricFlush
 from otel_forge.mlflow.training.outcome import begin_attempt, end_run
@@ -125,7 +121,9 @@ class TrainingRun:
         self.tracking_uri = tracking_uri or self.forge_config.tracking_uri or embedded_tracking_uri()
         self.experiment = self._experiment(experiment)
         self.run_name = run_name
-        self.requested_run_id = run_id or self.forge_config.run_id or launched_run_id()
+        launched = LaunchedRun.from_environ()
+        self._handed = launched.run_id if launched is not None else None
+        self.requested_run_id = run_id or self.forge_config.run_id or self._handed
         self.system_metrics = system_metrics
         self.register_checkpoints = register_checkpoints
         self.launch_argv = list(sys.argv if launch_argv is None else launch_argv)
@@ -148,11 +146,13 @@ class TrainingRun:
         self._pending_records: list[Record] = []  # describing the run, not delivered yet
         self._outage_at_open = False  # closed while the server never answered the open
         # A run `otel-forge run` opened for this process is this attempt's, not a requeued one.
-        self._launched = bool(self.requested_run_id) and self.requested_run_id == os.environ.get(LAUNCHED_RUN_ENV)
-        self._describe_launched = self._launched and self.requested_run_id == os.environ.get(DESCRIBE_RUN_ENV)
+        self._launched = bool(self.requested_run_id) and self.requested_run_id == self._handed
+        self._describe_launched = self._launched and launched is not None and launched.described
         # `otel-forge run` is still opening the run (the server was late): find it by key, never make one.
-        self._launcher_opens = not self.requested_run_id and os.environ.get(LAUNCHED_RUN_ENV) == LAUNCHER_OPENS
-        self._node_sampled_by_launcher = os.environ.get(SAMPLED_NODE_ENV) == self.node.sampling_key
+        self._launcher_opens = not self.requested_run_id and launched is not None and launched.pending
+        self._node_sampled_by_launcher = launched is not None and launched.sampled_node == self.node.sampling_key
+        self._restore_environ: Callable[[], None] | None = None  # once the run is this process's
+        self._script_run_id: str | None = None  # the MLflow run the script had open when we started
         self.described = False
         self.ended = False  # the run's end was recorded by close()
         self._warnings = RateLimitedLogger(_logger)
@@ -215,6 +215,10 @@ class TrainingRun:
         with self._lock:
             if self._opening is not None or self._closed:
                 return
+            if self.requested_run_id is None and not self._launcher_opens:
+                # `with mlflow.start_run(): with TrainingRun(): ...`: the script's run is the job's;
+                # the script ends it.
+                self.requested_run_id = self._script_run_id = fluent_run_id()
             self._owner = RunOwner("mlflow-run-owner")
             self._owner.submit(self._start_sampling)  # from the moment the run is entered
             self._opening = self._owner.submit(self._open)
@@ -264,8 +268,15 @@ class TrainingRun:
         if run is None:
             return None
         self._run = run
+        # The process's MLflow calls (HF's callback, autolog, mlflow.log_metric) open this run.
+        self._restore_environ = make_process_run(run.run_id)
+        if self.system_metrics:
+            stand_down_mlflow_sampler(run.run_id)
         if self._owns_run and (self._describe_launched or not run.described):
             self._record_new_run(run)
+        if self._owns_run and self.run_name and run.resumed and run.run_name != self.run_name:
+            # The script names the job's run, as mlflow.start_run(run_name=...) resuming it would.
+            self._submit(lambda: run.client.update_run(run.run_id, name=self.run_name))
         _logger.info(
             "MLflow run %s (%s) in experiment %s at %s",
             run.run_id,
@@ -396,7 +407,9 @@ class TrainingRun:
 
     def _create(self, client: Any, experiment_id: str) -> OpenRun:
         created = client.create_run(
-            experiment_id, run_name=self.run_name, tags=self._description.creation_tags(self.node.job_key)
+            experiment_id,
+            run_name=self.run_name or self._description.default_run_name(self.node),
+            tags=self._description.creation_tags(self.node.job_key),
         )
         return OpenRun(created.info.run_id, created.info.run_name, experiment_id, self.experiment, False, None, client)
 
@@ -592,6 +605,7 @@ class TrainingRun:
                 return
             self._closed = True
         self._exit_handlers.remove()
+        self._leave_process()
         deadline = time.monotonic() + self.forge_config.drain_deadline_s + _END_RESERVE_S
 
         def left(reserve_s: float = 0.0) -> float:
@@ -618,6 +632,13 @@ class TrainingRun:
                 self.rejected,
                 REJECTED_TAG,
             )
+
+    def _leave_process(self) -> None:
+        """The process's MLflow calls no longer open this run, and MLflow does not end it at exit."""
+        if self._restore_environ is not None:
+            self._restore_environ()
+        if self._run is not None and self._owns_run and self._run.run_id != self._script_run_id:
+            forget_fluent_run(self._run.run_id)
 
     def _record_rejected(self, follow_up: bool = False) -> None:
         """Once closing and no flush is left (a flush may still find values the server refuses):
@@ -702,23 +723,51 @@ class TrainingRun:
         assert self._owner is not None
         run = self._run
         if run is not None:
+            deadline_s = min(self._deadlines[1], timeout_s)
             try:
                 self._owner.call(
-                    lambda: end_run(run.client, run.run_id, run.experiment_id, status, self.node),
-                    min(self._deadlines[1], timeout_s),
+                    lambda: end_run(run.client, run.run_id, run.experiment_id, status, self.node), deadline_s
                 )
                 self.ended = True
             except Exception as error:  # noqa: BLE001 - the run end is best effort too
                 _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status, error_line(error))
+            if self.ended:
+                with contextlib.suppress(Exception):  # a look for the user's sake, never the run's end
+                    self._owner.call(lambda: self._warn_runs_elsewhere(run), deadline_s)
         self._owner.close()
 
+    def _warn_runs_elsewhere(self, run: OpenRun) -> None:
+        if not self._owns_run or run.experiment_id is None:
+            return
+        from otel_forge.mlflow.training.run_context import runs_elsewhere
+
+        try:
+            elsewhere = runs_elsewhere(run.client, run.run_id, run.experiment_id)
+        except Exception as error:  # noqa: BLE001 - a look for the user's sake, after the run's end
+            _logger.debug("MLflow: the job's runs in other experiments not looked for: %s", error_line(error))
+            return
+        for run_id, experiment in elsewhere:
+            _logger.warning(
+                "MLflow: run %s of this job is in experiment %s, not beside run %s in %s: give the "
+                "framework the job's run (Lightning: MLFlowLogger(run_id=otel_forge.job_run_id()))",
+                run_id,
+                experiment,
+                run.run_id,
+                run.experiment,
+            )
+
     def __enter__(self) -> TrainingRun:
-        # Entering opens the run in the background: every rank finds it and its node is sampled.
-        self._begin_opening()
+        """Open the run: every rank finds it and its node is sampled. Rank 0 waits for it a while
+        (``start_wait_s``, as ``otel-forge run`` does before CMD), so that the run a framework opens
+        inside the block (HF's callback, autolog) is this one; past that it goes on opening."""
+        if self._owns_run and not self._launcher_opens:
+            self.start(self.forge_config.start_wait_s)
+        else:
+            self._begin_opening()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, *rest: object) -> None:
+        if exc_type is None or (issubclass(exc_type, SystemExit) and getattr(error, "code", 1) in (0, None)):
             self.close("FINISHED")
         else:
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")

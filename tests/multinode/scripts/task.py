@@ -3,7 +3,9 @@
 Its rank and node come from the harness's arguments (each launcher names them differently).
 ``--fail-node N --exit-code C``: the tasks of node N exit C. ``--orphan-s S``: leave behind a child
 that resumes the run with ``mlflow.start_run()`` and exits S seconds later (MLflow's atexit ends
-the run FINISHED then).
+the run FINISHED then). ``--fail-first-attempt R``: under torchrun ``--max-restarts``, rank R exits 1
+half way through the first attempt only; ``--log-attempt``: each step also logs ``attempt`` (torchrun's
+restart count), so what a retry logged can be told apart.
 """
 
 from __future__ import annotations
@@ -37,18 +39,25 @@ def main() -> int:
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--raise-on-node", type=int, help="node N's tasks raise inside the TrainingRun")
     parser.add_argument("--orphan-s", type=float)
+    parser.add_argument("--fail-first-attempt", type=int, metavar="RANK")
+    parser.add_argument("--log-attempt", action="store_true")
     parser.add_argument("launch_config", nargs="?")
     args = parser.parse_args()
     per_node = {int(node): float(s) for node, s in (item.split(":") for item in args.node_seconds)}
     seconds = per_node.get(args.node, args.seconds)
     steps = range(args.first_step, args.first_step + args.steps)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    fails_now = args.fail_first_attempt == args.rank and attempt == 0
     if args.api == "trainingrun":
         from otel_forge import TrainingRun
 
         with TrainingRun(config={"lr": 0.1, "model": {"dim": 8}}) as run:
             for step in steps:
-                run.log({"loss": 1.0 / (step + 1)}, step)
+                values = {"loss": 1.0 / (step + 1), **({"attempt": attempt} if args.log_attempt else {})}
+                run.log(values, step)
                 time.sleep(seconds / args.steps)
+                if fails_now and step == args.first_step + args.steps // 2:
+                    sys.exit(1)
             if args.raise_on_node == args.node:
                 raise RuntimeError(f"node {args.node} diverged")
     elif args.api == "mlflow" and args.rank == 0:

@@ -1,0 +1,113 @@
+"""What ``otel-forge run`` hands its command, and what a ``TrainingRun`` makes its process's run:
+written and read here only, as one typed record.
+
+The run is handed as MLflow hands a run to a command itself (``mlflow run``): ``MLFLOW_RUN_ID``, so
+the first run the command opens, whatever opens it (``mlflow.log_metric``, ``mlflow.start_run()``,
+HF's ``MLflowCallback``, a flavour's autolog), resumes it and logs beside ``system/...``. MLflow
+consumes that variable at that first ``start_run``; ``OTEL_FORGE_LAUNCHED_RUN_ID`` stays, so the
+runs opened after it nest under it (``run_context``), and the command's ``TrainingRun`` finds it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+
+from otel_forge.config import (
+    DESCRIBE_RUN_ENV,
+    LAUNCHED_RUN_ENV,
+    LAUNCHER_OPENS,
+    SAMPLED_NODE_ENV,
+    env_name,
+)
+from otel_forge.mlflow.fluent_runs import fluent_run_id
+
+
+@dataclass(frozen=True)
+class LaunchedRun:
+    """The job's run as a parent process hands it to its command.
+
+    ``run_id`` None: the launcher is still opening it (the tracking server was late); the command
+    finds it by ``job_key`` in ``experiment`` once it opens.
+    """
+
+    run_id: str | None
+    tracking_uri: str | None = None
+    experiment_id: str | None = None
+    experiment: str | None = None  # by name, when no id is known yet
+    job_key: str | None = None
+    sampled_node: str | None = None  # NodeIdentity.sampling_key of the node the launcher samples
+    described: bool = False  # the launcher recorded config, git and command just now
+
+    @property
+    def pending(self) -> bool:
+        return self.run_id is None
+
+    def environ(self) -> dict[str, str]:
+        """The variables the command inherits."""
+        env = {LAUNCHED_RUN_ENV: self.run_id or LAUNCHER_OPENS}
+        if self.run_id is not None:
+            env[env_name("run_id")] = self.run_id
+        if self.tracking_uri is not None:
+            env[env_name("tracking_uri")] = self.tracking_uri
+        if self.experiment_id is not None:
+            env[env_name("experiment_id")] = self.experiment_id
+        elif self.experiment is not None:
+            env[env_name("experiment_id" if self.experiment.isdigit() else "experiment_name")] = self.experiment
+        if self.job_key is not None:
+            env[env_name("job_id")] = self.job_key
+        if self.sampled_node is not None:
+            env[SAMPLED_NODE_ENV] = self.sampled_node
+        if self.described and self.run_id is not None:
+            env[DESCRIBE_RUN_ENV] = self.run_id
+        return env
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchedRun | None:
+        """The run this process was handed; None outside ``otel-forge run`` (or a ``TrainingRun``)."""
+        environ = os.environ if environ is None else environ
+        handed = environ.get(LAUNCHED_RUN_ENV, "").strip()
+        if not handed:
+            return None
+        run_id = None if handed == LAUNCHER_OPENS else handed
+        return cls(
+            run_id=run_id,
+            tracking_uri=environ.get(env_name("tracking_uri")),
+            experiment_id=environ.get(env_name("experiment_id")),
+            job_key=environ.get(env_name("job_id")),
+            sampled_node=environ.get(SAMPLED_NODE_ENV),
+            described=run_id is not None and environ.get(DESCRIBE_RUN_ENV) == run_id,
+        )
+
+
+def launched_run_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job's run handed to this process; None outside one or while it is still opening."""
+    launched = LaunchedRun.from_environ(environ)
+    return launched.run_id if launched is not None else None
+
+
+def make_process_run(run_id: str, environ: MutableMapping[str, str] | None = None) -> Callable[[], None]:
+    """Make ``run_id`` the run this process's MLflow calls open: the next ``mlflow.start_run()``
+    with none active (a plain ``mlflow.log_metric``, HF's callback, autolog) resumes it, the ones
+    after nest under it. Returns what puts the variables back as they were.
+
+    ``MLFLOW_RUN_ID`` is set only while no MLflow run was started in this process: after one, the
+    next ``start_run`` nests rather than resumes, as under ``otel-forge run``.
+    """
+    environ = os.environ if environ is None else environ
+    wanted = {LAUNCHED_RUN_ENV: run_id}
+    if fluent_run_id() is None:
+        wanted[env_name("run_id")] = run_id
+    before = {name: environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        environ.setdefault(name, value)
+
+    def restore() -> None:
+        for name, value in before.items():
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = value
+
+    return restore

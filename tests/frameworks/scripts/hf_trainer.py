@@ -1,0 +1,68 @@
+"""A Hugging Face ``Trainer(report_to=["mlflow"])`` job on a tiny model built from its config (no hub
+download), random data, CPU. HF's ``MLflowCallback`` opens (or resumes) the run inside ``train()``.
+
+    python hf_trainer.py plain [--exit N]   trainer.train(), as a user's script
+    python hf_trainer.py trainingrun        inside ``with otel_forge.TrainingRun(run_name=...)``
+    python hf_trainer.py monitor            inside ``with otel_forge.monitor()``
+    python hf_trainer.py raise              trainer.train(), then an exception
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+STEPS = 6
+
+
+class RandomSequences(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        return {"input_ids": torch.randint(0, 32, (8,), generator=generator), "labels": torch.tensor(index % 2)}
+
+
+def train() -> None:
+    config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir,
+            max_steps=STEPS,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            report_to=["mlflow"],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=RandomSequences()).train()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["plain", "trainingrun", "monitor", "raise"])
+    parser.add_argument("--exit", type=int, default=0)
+    args = parser.parse_args()
+    import otel_forge
+
+    around: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if args.mode == "trainingrun":
+        around = otel_forge.TrainingRun(run_name="hf-in-code", config={"model": "tiny-bert"})
+    elif args.mode == "monitor":
+        around = otel_forge.monitor(prometheus=False)
+    with around:
+        train()
+        if args.mode == "raise":
+            raise RuntimeError("after training")
+    return args.exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())
