@@ -510,8 +510,9 @@ SETTINGS: tuple[Setting, ...] = (
         ("OTEL_FORGE_START_WAIT",),
         _float_within(0.0, 3_600.0, " s"),
         15.0,
-        "How long `otel-forge run` waits for the tracking server before starting CMD; the run goes on "
-        "opening in the background, and CMD finds it by a job key.",
+        "How long `otel-forge run` waits for the tracking server before starting CMD, and entering a "
+        "`TrainingRun` before its block runs (so the run a framework opens in it is this one); the run "
+        "goes on opening in the background, and CMD finds it by a job key.",
     ),
     Setting(
         "drain_deadline_s",

@@ -26,7 +26,16 @@ def client(mlflow_server):
 
 # The inner loop (`./run-tests -m "not slow"`, under a minute): what needs no server process. Slow:
 # every test that starts or uses a real server (MLflow, Prometheus, an agent or CMD subprocess).
-_SLOW_FOLDERS = {"cli_run", "collector_config", "dashboards", "faults", "integration", "multinode", "training_run"}
+_SLOW_FOLDERS = {
+    "cli_run",
+    "frameworks",
+    "collector_config",
+    "dashboards",
+    "faults",
+    "integration",
+    "multinode",
+    "training_run",
+}
 _SLOW_FIXTURES = {"mlflow_server", "client"}
 
 

@@ -130,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         stop_leftovers(keep={watchdog.pid} if watchdog else ())
     finally:
         if (monitor := sampling.monitor) is not None:
+            if monitor.exporter is not None and (key := training_run.node.job_key) is not None:
+                # The server may never answer before we end: the windows wait for the job's run.
+                monitor.exporter.keep_for_job_run(training_run.experiment, key)
             # Its last windows drain while the run's own calls do: one drain deadline for both.
             stopping = threading.Thread(target=monitor.stop, name="otel-forge-monitor-stop", daemon=True)
             stopping.start()

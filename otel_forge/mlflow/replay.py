@@ -102,7 +102,8 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     spool = WindowSpool.open(path)
     header = spool.header
     uri = tracking_uri or header.get("tracking_uri")
-    run_id, prefix = header["run_id"], header["prefix"]
+    run_id, prefix = header["run_id"] or _job_run_id(make_client(uri), header), header["prefix"]
+    spool.update_header(run_id=run_id)
     first_step = header.get("first_step")
     if first_step is None:
         # The exporter never reached the server: continue after what the node has in the run.
@@ -117,6 +118,18 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     if not spool.set_aside:
         spool.remove_if_empty()
     return ReplayResult(delivered, len(spool), run_id, spool.set_aside)
+
+
+def _job_run_id(client: Any, header: dict[str, Any]) -> str:
+    """The run of windows sampled before their job's run opened: the one the job key names."""
+    job_run = header.get("job_run") or {}
+    experiment, key = job_run.get("experiment"), job_run.get("job_key")
+    if not (experiment and key):
+        raise LookupError("the spool names no run (its run never opened)")
+    run_id = published_run_id(find_experiment(client, experiment), key)
+    if run_id is None:
+        raise LookupError(f"job {key} has no run in experiment {experiment} yet: replay the job's run spool first")
+    return str(run_id)
 
 
 __all__ = ["ReplayResult", "RunGone", "replay", "replay_spool", "replay_training"]

@@ -185,22 +185,15 @@ def test_plain_mlflow_script_exits_0_and_the_run_is_finished(plain_run, client) 
     assert run.info.status == "FINISHED"
     assert "mlflow.parentRunId" not in run.data.tags
     assert client.get_experiment(run.info.experiment_id).name == plain_run.experiment
-    # The launched run and, inside it, the one run MLflow started for CMD's mlflow.log_* calls.
-    children = children_of(client, plain_run.run_id)
+    # One run: the one CMD's mlflow.log_* calls opened is the launched run.
     runs = client.search_runs([run.info.experiment_id])
-    assert sorted(r.info.run_id for r in runs) == sorted([plain_run.run_id, *(c.info.run_id for c in children)])
-    assert len(children) == 1, [r.data.tags for r in runs]
+    assert [r.info.run_id for r in runs] == [plain_run.run_id], [r.data.tags for r in runs]
 
 
-def test_plain_mlflow_script_metrics_land_in_its_child_run_system_metrics_in_the_launched_run(
-    plain_run, client
-) -> None:
-    [child] = children_of(client, plain_run.run_id)
-    assert steps_of(client, child.info.run_id, "loss") == list(range(20))
-    assert child.data.params["steps"] == "20"  # CMD's own mlflow.log_param
-    assert not [key for key in child.data.metrics if key.startswith("system/")]
+def test_plain_mlflow_script_metrics_land_beside_the_system_metrics(plain_run, client) -> None:
     run = client.get_run(plain_run.run_id)
-    assert "loss" not in run.data.metrics
+    assert steps_of(client, plain_run.run_id, "loss") == list(range(20))
+    assert run.data.params["steps"] == "20"  # CMD's own mlflow.log_param
     system = [key for key in run.data.metrics if key.startswith("system/")]
     assert "system/cpu_utilization_percentage" in system, sorted(run.data.metrics)
     assert "system/system_memory_usage_megabytes" in system
@@ -221,16 +214,14 @@ def test_plain_mlflow_script_run_has_git_state_command_and_tags(plain_run, clien
     assert tags["host"] == socket.gethostname()
 
 
-def test_plain_mlflow_script_run_has_mlflows_context_tags_and_its_child_the_same(plain_run, client) -> None:
+def test_plain_mlflow_script_run_has_mlflows_context_tags(plain_run, client) -> None:
     tags = client.get_run(plain_run.run_id).data.tags
     assert tags["mlflow.user"] == getpass.getuser()
     assert tags["mlflow.source.type"] == "LOCAL"
     # The script CMD runs, as typed, not otel-forge's own entry point.
     assert tags["mlflow.source.name"] == "train.py"
-    [child] = children_of(client, plain_run.run_id)
-    # train.py runs the example through runpy, which sets sys.argv[0], the name MLflow gives the child.
-    assert child.data.tags["mlflow.source.name"] == str(plain_run.cwd / "train_plain_mlflow.py")
-    assert child.data.tags["mlflow.user"] == tags["mlflow.user"]
+    # Named after what ran, not a random pair of words.
+    assert client.get_run(plain_run.run_id).info.run_name == "train"
 
 
 def test_plain_mlflow_script_run_has_the_launch_config_as_artifact_and_params(plain_run, client, tmp_path) -> None:
@@ -269,9 +260,9 @@ def test_exit_code_3_fails_the_run_and_otel_forge_exits_3(mlflow_server, git_rep
     assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
     run_id = run_id_of(result.stdout)
+    # MLflow ends the run CMD resumed FINISHED at CMD's exit; the job's exit code decides after it.
     assert client.get_run(run_id).info.status == "FAILED"
-    [child] = children_of(client, run_id)
-    assert steps_of(client, child.info.run_id, "loss") == [0, 1]
+    assert steps_of(client, run_id, "loss") == [0, 1]
 
 
 def test_a_healthy_run_writes_nothing_to_stderr(mlflow_server, tmp_path) -> None:
@@ -496,8 +487,8 @@ def test_cmd_sees_the_launched_run_tracking_uri_and_experiment_id(mlflow_server,
     run_id = run_id_of(result.stdout)
     run = client.get_run(run_id)
     assert env["OTEL_FORGE_LAUNCHED_RUN_ID"] == run_id
-    # Not MLFLOW_RUN_ID: MLflow would resume the launched run at CMD's first start_run() and end it there.
-    assert env["MLFLOW_RUN_ID"] is None
+    # MLflow resumes it at CMD's first start_run(): the first run CMD opens is the launched run.
+    assert env["MLFLOW_RUN_ID"] == run_id
     assert env["MLFLOW_TRACKING_URI"] == mlflow_server.uri
     assert env["MLFLOW_EXPERIMENT_ID"] == run.info.experiment_id
     assert client.get_experiment(run.info.experiment_id).name == experiment
@@ -506,7 +497,7 @@ def test_cmd_sees_the_launched_run_tracking_uri_and_experiment_id(mlflow_server,
     assert env["MLFLOW_HTTP_REQUEST_TIMEOUT"] is None
 
 
-def test_cmd_does_not_inherit_the_users_mlflow_run_id_but_the_run_it_names(mlflow_server, client, tmp_path) -> None:
+def test_cmd_inherits_the_users_mlflow_run_id_as_the_resumed_run(mlflow_server, client, tmp_path) -> None:
     seen = tmp_path / "env.json"
     experiment_id = client.create_experiment(unique("user-run-id"))
     given = client.create_run(experiment_id).info.run_id
@@ -529,12 +520,12 @@ def test_cmd_does_not_inherit_the_users_mlflow_run_id_but_the_run_it_names(mlflo
     assert result.returncode == 0, result.stderr
     assert run_id_of(result.stdout) == given  # otel-forge resumed it
     env = json.loads(seen.read_text())
-    assert env["MLFLOW_RUN_ID"] is None
+    assert env["MLFLOW_RUN_ID"] == given
     assert env["OTEL_FORGE_LAUNCHED_RUN_ID"] == given
     assert env["MLFLOW_EXPERIMENT_ID"] == experiment_id
 
 
-# --- the runs CMD starts itself: children of the launched run ------------------------------------
+# --- the runs CMD starts itself: the first is the launched run, the others its children -----------
 
 ALPHAS = {"0.1", "1.0", "10.0"}
 
@@ -569,7 +560,8 @@ def start_run_job(mlflow_server, tmp_path_factory) -> Launched:  # type: ignore[
 
 
 def _assert_one_job_with_its_fits(client, job: Launched) -> list:  # type: ignore[no-untyped-def]
-    """One run without a parent (the launched one, FINISHED, sampled) and three fits inside it."""
+    """One run without a parent (the launched one, FINISHED, sampled, holding the first fit) and
+    the two other fits inside it."""
     assert job.result.returncode == 0, job.result.stderr
     assert "Traceback" not in job.result.stderr
     experiment_id = client.get_experiment_by_name(job.experiment).experiment_id
@@ -579,27 +571,29 @@ def _assert_one_job_with_its_fits(client, job: Launched) -> list:  # type: ignor
     [launched] = top
     assert launched.info.status == "FINISHED"
     assert "system/cpu_utilization_percentage" in launched.data.metrics
-    fits = children_of(client, job.run_id)
-    assert len(fits) == 3, [r.data.tags for r in runs]
-    assert {fit.data.params["alpha"] for fit in fits} == ALPHAS
+    assert launched.data.params["alpha"] == "0.1"  # the first fit, beside the system metrics
+    fits = [fit for fit in children_of(client, job.run_id) if "alpha" in fit.data.params]
+    assert len(fits) == 2, [r.data.tags for r in runs]
+    assert {fit.data.params["alpha"] for fit in fits} == ALPHAS - {"0.1"}
     assert {fit.info.status for fit in fits} == {"FINISHED"}
     return runs
 
 
-def test_sklearn_autolog_three_fits_are_three_children_of_the_launched_run(autolog_job, client) -> None:
+def test_sklearn_autolog_first_fit_is_the_launched_run_the_next_two_its_children(autolog_job, client) -> None:
     runs = _assert_one_job_with_its_fits(client, autolog_job)
-    assert len(runs) == 4
-    for fit in children_of(client, autolog_job.run_id):
+    assert len(runs) == 3
+    for fit in runs:
         assert fit.data.params["fit_intercept"] == "True"  # autolog's, from the estimator
         assert fit.data.tags["estimator_name"] == "Ridge"
 
 
-def test_start_run_per_fit_makes_three_children_and_a_nested_run_keeps_its_own_parent(start_run_job, client) -> None:
+def test_start_run_per_fit_first_fit_is_the_launched_run_and_a_nested_run_keeps_its_parent(
+    start_run_job, client
+) -> None:
     runs = _assert_one_job_with_its_fits(client, start_run_job)
     [nested] = [r for r in runs if r.info.run_name == "nested-in-first-fit"]
-    first_fit = {fit.data.params["alpha"]: fit for fit in children_of(client, start_run_job.run_id)}["0.1"]
-    assert nested.data.tags["mlflow.parentRunId"] == first_fit.info.run_id
-    assert len(runs) == 5
+    assert nested.data.tags["mlflow.parentRunId"] == start_run_job.run_id
+    assert len(runs) == 4
 
 
 def test_a_tag_given_to_otel_forge_wins_over_mlflows_context_tag(start_run_job, client) -> None:

@@ -107,10 +107,17 @@ def test_entering_opens_the_run_without_a_log(mlflow_server, client, experiment)
 
 
 def test_a_loop_that_ends_before_its_run_opens_keeps_the_nodes_windows(mlflow_server, client, experiment):
-    # A slow server (every call 0.5 s): the run opens after the loop ended. The windows sampled
-    # meanwhile wait for it, and close() lets it open before stopping the sampling.
+    # A slow server (every call 0.5 s), and entering does not wait for it (start_wait_s=0): the run
+    # opens after the loop ended. The windows sampled meanwhile wait for it, and close() lets it open
+    # before stopping the sampling.
     config = ForgeConfig.resolve(
-        environ={}, sampling_interval_s=0.1, samples_per_window=1, collectors=["cpu"], prometheus=False, spool_dir=None
+        environ={},
+        sampling_interval_s=0.1,
+        samples_per_window=1,
+        collectors=["cpu"],
+        prometheus=False,
+        spool_dir=None,
+        start_wait_s=0.0,
     )
     with MlflowProxy(mlflow_server.uri) as proxy:
         proxy.set_mode(Mode.DELAY, delay_s=0.5)

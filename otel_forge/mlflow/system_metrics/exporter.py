@@ -97,6 +97,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             due=lambda window: window.timestamp_ms / 1000 + self.delivery_phase_s,
         )
         self._shut_down = False
+        self._job_run: dict[str, str] | None = None  # how replay finds the run, if it never opens here
         self._writer_lock: NodeWriterLock | None = None
         self.standing_down = False
         if run_id is not None:
@@ -131,6 +132,11 @@ class MLflowMetricExporter(NonBlockingExporter):
         )
         return False
 
+    def keep_for_job_run(self, experiment: str, job_key: str) -> None:
+        """Should the run never open here, keep the windows at shutdown for the run the job key names
+        (``otel-forge replay`` finds it once the job's run is replayed), rather than discard them."""
+        self._job_run = {"experiment": experiment, "job_key": job_key}
+
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object) -> MetricExportResult:
         if self._shut_down or self.worker.stopped:
             return MetricExportResult.FAILURE
@@ -162,7 +168,9 @@ class MLflowMetricExporter(NonBlockingExporter):
         self._submit(self._folder.flush())
         if self.run_id is None or self.standing_down:
             self.worker.close(0.0)
-            if (discarded := self.spool.discard()) and self.run_id is None:
+            if self.run_id is None and self._job_run is not None:
+                self._keep_for_job_run(self._job_run)
+            elif (discarded := self.spool.discard()) and self.run_id is None:
                 _logger.warning("%d system-metrics window(s) discarded: the run never opened", discarded)
             return
         timeout_s = kwargs.get("timeout", timeout_millis)  # the SDK passes `timeout` (ms left)
@@ -170,6 +178,20 @@ class MLflowMetricExporter(NonBlockingExporter):
         self._report_leftovers(left)
         if self._writer_lock is not None:
             self._writer_lock.release()
+
+    def _keep_for_job_run(self, job_run: dict[str, str]) -> None:
+        if not (kept := len(self.spool)):
+            self.spool.remove_if_empty()
+            return
+        self.spool.update_header(job_run=job_run)
+        _logger.warning(
+            "%d system-metrics window(s) were not delivered: the run of job %s never opened; they are "
+            "kept in %s. Deliver them after the job's run with: otel-forge replay %s",
+            kept,
+            job_run["job_key"],
+            self.spool.path,
+            self.spool.path,
+        )
 
     def _report_leftovers(self, left: int) -> None:
         if self.worker.stopped:

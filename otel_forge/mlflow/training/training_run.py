@@ -274,9 +274,10 @@ class TrainingRun:
             stand_down_mlflow_sampler(run.run_id)
         if self._owns_run and (self._describe_launched or not run.described):
             self._record_new_run(run)
-        if self._owns_run and self.run_name and run.resumed and run.run_name != self.run_name:
-            # The script names the job's run, as mlflow.start_run(run_name=...) resuming it would.
+        if self._owns_run and self._launched and self.run_name and run.run_name != self.run_name:
+            # The script names the run `otel-forge run` opened for it, as mlflow.start_run(run_name=...) would.
             self._submit(lambda: run.client.update_run(run.run_id, name=self.run_name))
+            run.run_name = self.run_name
         _logger.info(
             "MLflow run %s (%s) in experiment %s at %s",
             run.run_id,
@@ -680,17 +681,17 @@ class TrainingRun:
         }
         if run is not None:
             header.update(run_id=run.run_id, experiment_id=run.experiment_id)
-        elif (
-            self._owns_run
-            and not self._launcher_opens
-            and (self._outage_at_open or (self._opening is not None and not self._opening.done()))
+        elif self._owns_run and (
+            self._outage_at_open
+            or (self._opening is not None and not self._opening.done())
+            or (self._launcher_opens and self.node.job_key is not None)
         ):
             # The server never answered while the job ran: replay opens the run as we would have.
             header.update(
                 run_id=None,
                 open={
                     "experiment": self.experiment,
-                    "run_name": self.run_name,
+                    "run_name": self.run_name or self._description.default_run_name(self.node),
                     "run_id": self.requested_run_id,
                     "job_key": self.node.job_key,
                     "tags": self._description.creation_tags(self.node.job_key),
@@ -760,7 +761,7 @@ class TrainingRun:
         """Open the run: every rank finds it and its node is sampled. Rank 0 waits for it a while
         (``start_wait_s``, as ``otel-forge run`` does before CMD), so that the run a framework opens
         inside the block (HF's callback, autolog) is this one; past that it goes on opening."""
-        if self._owns_run and not self._launcher_opens:
+        if self._owns_run and not self._launcher_opens and self.forge_config.start_wait_s > 0:
             self.start(self.forge_config.start_wait_s)
         else:
             self._begin_opening()

@@ -3,9 +3,10 @@
     python sklearn_fits.py autolog      mlflow.sklearn.autolog(): MLflow starts and ends a run per fit
     python sklearn_fits.py start_run    `with mlflow.start_run():` per fit, its alpha logged by hand;
                                         inside the first, a `start_run(nested=True)` run
+    python sklearn_fits.py trainingrun  autolog's fits inside `with otel_forge.TrainingRun()`
 
-Under ``otel-forge run`` each fit's run must be a child of the launched run (the nested one a child
-of the first fit's run), none of them the launched run itself.
+Under ``otel-forge run`` (or in a ``TrainingRun``) the first fit's run is the job's run, the others
+its children.
 """
 
 from __future__ import annotations
@@ -45,5 +46,12 @@ def start_run_per_fit() -> None:
                     mlflow.log_param("inner", "yes")
 
 
+def autolog_in_trainingrun() -> None:
+    import otel_forge
+
+    with otel_forge.TrainingRun(run_name="ridge-in-code"):
+        autolog()
+
+
 if __name__ == "__main__":
-    {"autolog": autolog, "start_run": start_run_per_fit}[sys.argv[1]]()
+    {"autolog": autolog, "start_run": start_run_per_fit, "trainingrun": autolog_in_trainingrun}[sys.argv[1]]()

@@ -5,6 +5,8 @@ download), random data, CPU. HF's ``MLflowCallback`` opens (or resumes) the run 
     python hf_trainer.py trainingrun        inside ``with otel_forge.TrainingRun(run_name=...)``
     python hf_trainer.py monitor            inside ``with otel_forge.monitor()``
     python hf_trainer.py raise              trainer.train(), then an exception
+
+``--step-sleep S`` makes each step last S seconds more and print ``step N`` (a job to signal mid-way).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import argparse
 import contextlib
 import sys
 import tempfile
+import time
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
 STEPS = 6
 
@@ -29,7 +32,16 @@ class RandomSequences(torch.utils.data.Dataset):
         return {"input_ids": torch.randint(0, 32, (8,), generator=generator), "labels": torch.tensor(index % 2)}
 
 
-def train() -> None:
+class SlowSteps(TrainerCallback):
+    def __init__(self, sleep_s: float) -> None:
+        self.sleep_s = sleep_s
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        print(f"step {state.global_step}", flush=True)
+        time.sleep(self.sleep_s)
+
+
+def train(step_sleep_s: float) -> None:
     config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     with tempfile.TemporaryDirectory() as output_dir:
         args = TrainingArguments(
@@ -42,13 +54,16 @@ def train() -> None:
             use_cpu=True,
             disable_tqdm=True,
         )
-        Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=RandomSequences()).train()
+        callbacks = [SlowSteps(step_sleep_s)] if step_sleep_s else []
+        model = BertForSequenceClassification(config)
+        Trainer(model=model, args=args, train_dataset=RandomSequences(), callbacks=callbacks).train()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["plain", "trainingrun", "monitor", "raise"])
     parser.add_argument("--exit", type=int, default=0)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
     import otel_forge
 
@@ -58,7 +73,7 @@ def main() -> int:
     elif args.mode == "monitor":
         around = otel_forge.monitor(prometheus=False)
     with around:
-        train()
+        train(args.step_sleep)
         if args.mode == "raise":
             raise RuntimeError("after training")
     return args.exit

@@ -1,0 +1,75 @@
+"""The tracking server never answers while an ``otel-forge run`` job runs (nothing listens at its
+address): the job runs and exits 0, and nothing it logged is lost. The launcher's run description,
+CMD's training values and the node's system windows stay in spools, each said in one line, and
+``otel-forge replay`` makes the one run of the job from them once a server answers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from run_reading import anchor_steps
+
+from otel_forge.mlflow.training.training_spool import is_training_spool
+from testkit.hermetic import hermetic_environ
+from testkit.servers import free_port
+
+STEPS = 20
+TRAIN = f"""
+import time
+from otel_forge import TrainingRun
+with TrainingRun(config={{"lr": 0.1}}) as run:
+    for step in range({STEPS}):
+        run.log({{"loss": 1.0 / (step + 1)}}, step)
+        time.sleep(0.1)
+"""
+
+
+def _forge(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "otel_forge.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_a_job_whose_server_never_answers_keeps_everything_for_replay(mlflow_server, client, tmp_path) -> None:
+    spool = tmp_path / "spool"
+    env = hermetic_environ(
+        {"OTEL_FORGE_SPOOL_DIR": str(spool), "OTEL_FORGE_START_WAIT": "1", "OTEL_FORGE_DRAIN_DEADLINE": "2"},
+        prefixes=("OTEL_", "MLFLOW_"),
+    )
+    experiment = f"never-answered-{uuid.uuid4().hex[:8]}"
+    down = f"http://127.0.0.1:{free_port()}"
+    options = ["--tracking-uri", down, "--experiment", experiment, "--no-prometheus", "--interval", "0.3"]
+    job = _forge("run", *options, "--", sys.executable, "-c", TRAIN, cwd=tmp_path, env=env)
+
+    assert job.returncode == 0, job.stderr
+    assert "Traceback" not in job.stderr
+    assert "discarded" not in job.stderr and "were not delivered: the run never opened" not in job.stderr, job.stderr
+    kept = sorted(path for path in spool.iterdir() if path.is_dir())
+    training = [path for path in kept if is_training_spool(path)]
+    windows = [path for path in kept if not is_training_spool(path)]
+    assert len(training) == 2 and len(windows) == 1, (kept, job.stderr)
+    for path in kept:  # each said in one line, with the command that delivers it
+        assert sum(f"otel-forge replay {path}" in line for line in job.stderr.splitlines()) == 1, job.stderr
+
+    # The job's run first (either training spool makes it, under the job key), then the windows.
+    for path in [*training, *windows]:
+        replayed = _forge("replay", str(path), "--tracking-uri", mlflow_server.uri, cwd=tmp_path, env=env)
+        assert replayed.returncode == 0, replayed.stderr
+
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1, [r.data.tags for r in runs]
+    run_id = runs[0].info.run_id
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(STEPS))
+    assert runs[0].data.params["lr"] == "0.1"
+    steps = anchor_steps(client, run_id)
+    assert len(steps) >= 3 and steps == list(range(len(steps))), steps
+    assert client.get_run(run_id).info.status == "FINISHED"

@@ -1,0 +1,324 @@
+"""One run per job, the one the code logs to, with the real frameworks users train with: HF
+``Trainer(report_to=["mlflow"])``, Lightning's ``MLFlowLogger``, scikit-learn autolog and a plain
+``mlflow.log_metric`` loop (tiny models built from configs, random data, CPU), each under
+``otel-forge run`` and in code (``TrainingRun`` / ``monitor()``), against the session's real
+``mlflow server``. What a user opens in MLflow: one top-level run holding the training metrics
+beside ``system/...``, later fits nested in it, the job's final status.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from run_reading import anchor_steps
+
+from testkit.hermetic import hermetic_environ
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SKLEARN_FITS = Path(__file__).resolve().parents[1] / "cli_run" / "scripts" / "sklearn_fits.py"
+FORGE_RUN = [sys.executable, "-m", "otel_forge.cli", "run"]
+RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) in experiment", re.MULTILINE)
+TIMEOUT_S = 180.0
+HF_STEPS = 6  # hf_trainer.py's max_steps
+
+pytest.importorskip("transformers")
+pytest.importorskip("lightning")
+
+
+@dataclass
+class Job:
+    result: subprocess.CompletedProcess[str]
+    experiment: str
+
+    @property
+    def run_id(self) -> str:
+        found = RUN_LINE.search(self.result.stdout)
+        assert found, f"no 'otel-forge: run' line:\n{self.result.stdout}\n{self.result.stderr}"
+        return found.group(1)
+
+
+def job_environ(tmp: Path, uri: str, experiment: str, **extra: str) -> dict[str, str]:
+    own = {
+        "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
+        "OTEL_FORGE_SAMPLING_INTERVAL": "0.3",
+        "OTEL_FORGE_PROMETHEUS": "false",
+        "MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_EXPERIMENT_NAME": experiment,
+        "TMPDIR": str(tmp),
+        "HF_HUB_OFFLINE": "1",
+    }
+    return hermetic_environ(own, prefixes=("OTEL_", "MLFLOW_"), **extra)
+
+
+def run_job(tmp: Path, uri: str, command: list[str], forge: bool, **extra: str) -> Job:
+    """``command`` under ``otel-forge run`` (``forge``) or alone (otel_forge in its code, if at all)."""
+    experiment = f"frameworks-{uuid.uuid4().hex[:8]}"
+    result = subprocess.run(
+        [*FORGE_RUN, "--", *command] if forge else command,
+        cwd=tmp,
+        env=job_environ(tmp, uri, experiment, **extra),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
+    return Job(result, experiment)
+
+
+def runs_of(client: Any, job: Job) -> list[Any]:
+    experiment = client.get_experiment_by_name(job.experiment)
+    assert experiment is not None, job.result.stderr
+    return client.search_runs([experiment.experiment_id])
+
+
+def the_one_run(client: Any, job: Job) -> Any:
+    """The job's one top-level run, asserted to hold training metrics and the node's system metrics."""
+    runs = runs_of(client, job)
+    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(top) == 1, [(r.info.run_name, r.data.tags.get("mlflow.parentRunId")) for r in runs]
+    [run] = top
+    keys = set(run.data.metrics)
+    assert any(k.startswith("system/") for k in keys), sorted(keys)
+    return run
+
+
+def steps(client: Any, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def python(script: Path, *args: str) -> list[str]:
+    return [sys.executable, str(script), *args]
+
+
+# --- HF Trainer --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_under_forge(mlflow_server, tmp_path_factory) -> Job:
+    return run_job(tmp_path_factory.mktemp("hf"), mlflow_server.uri, python(SCRIPTS / "hf_trainer.py", "plain"), True)
+
+
+def test_hf_trainer_under_otel_forge_run_logs_its_loss_beside_the_system_metrics(hf_under_forge, client) -> None:
+    assert hf_under_forge.result.returncode == 0, hf_under_forge.result.stderr
+    run = the_one_run(client, hf_under_forge)
+    assert run.info.run_id == hf_under_forge.run_id
+    assert run.info.status == "FINISHED"
+    assert steps(client, run.info.run_id, "loss") == list(range(1, HF_STEPS + 1))
+    assert "train_loss" in run.data.metrics
+    assert run.info.run_name == "hf_trainer"  # what ran, not a random pair of words
+    assert len(runs_of(client, hf_under_forge)) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "status"),
+    [(["plain", "--exit", "3"], 3, "FAILED"), (["raise"], 1, "FAILED")],
+    ids=["exit-3", "exception"],
+)
+def test_hf_trainer_job_that_fails_after_training_ends_its_one_run_failed(
+    mlflow_server, client, tmp_path, args, code, status
+) -> None:
+    # HF's callback ends the run FINISHED at the end of train(); the job's end decides after it.
+    job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "hf_trainer.py", *args), True)
+    assert job.result.returncode == code, job.result.stderr
+    run = the_one_run(client, job)
+    assert run.info.status == status
+    assert steps(client, run.info.run_id, "loss") == list(range(1, HF_STEPS + 1))
+
+
+def test_hf_trainer_stopped_by_sigterm_ends_its_one_run_killed(mlflow_server, client, tmp_path) -> None:
+    experiment = f"frameworks-{uuid.uuid4().hex[:8]}"
+    command = [*FORGE_RUN, "--", *python(SCRIPTS / "hf_trainer.py", "plain", "--step-sleep", "1")]
+    with open(tmp_path / "out.txt", "w") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=job_environ(tmp_path, mlflow_server.uri, experiment),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + TIMEOUT_S
+        while "step 3" not in (tmp_path / "out.txt").read_text():
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    job = Job(
+        subprocess.CompletedProcess(command, process.returncode, (tmp_path / "out.txt").read_text(), ""), experiment
+    )
+    run = the_one_run(client, job)
+    assert run.info.status == "KILLED"
+    assert steps(client, run.info.run_id, "loss")[:2] == [1, 2]
+
+
+def test_hf_resume_with_mlflow_run_id_continues_the_loss_and_the_system_steps_in_one_run(
+    hf_under_forge, mlflow_server, client, tmp_path
+) -> None:
+    first = hf_under_forge.run_id
+    windows_before = anchor_steps(client, first)
+    resumed = run_job(
+        tmp_path, mlflow_server.uri, python(SCRIPTS / "hf_trainer.py", "plain"), True, MLFLOW_RUN_ID=first
+    )
+    assert resumed.result.returncode == 0, resumed.result.stderr
+    assert resumed.run_id == first
+    history = steps(client, first, "loss")
+    assert history == sorted(list(range(1, HF_STEPS + 1)) * 2)  # both attempts' curves, in one run
+    windows = anchor_steps(client, first)
+    assert windows == list(range(len(windows))) and len(windows) > len(windows_before), windows
+    assert client.get_run(first).info.status == "FINISHED"
+    experiment_id = client.get_run(first).info.experiment_id
+    assert len(client.search_runs([experiment_id])) == 1
+
+
+def test_hf_trainer_in_a_trainingrun_logs_into_it(mlflow_server, client, tmp_path) -> None:
+    job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "hf_trainer.py", "trainingrun"), False)
+    assert job.result.returncode == 0, job.result.stderr
+    run = the_one_run(client, job)
+    assert run.info.run_name == "hf-in-code"  # the name the script gave
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model"] == "tiny-bert"  # TrainingRun's config, beside HF's own params
+    assert steps(client, run.info.run_id, "loss") == list(range(1, HF_STEPS + 1))
+    assert len(runs_of(client, job)) == 1
+
+
+def test_hf_trainer_in_monitor_samples_into_the_run_hf_opens(mlflow_server, client, tmp_path) -> None:
+    # monitor() is entered before HF opens its run (inside train()): no crash, the run gets the node.
+    job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "hf_trainer.py", "monitor"), False)
+    assert job.result.returncode == 0, job.result.stderr
+    assert "ConfigError" not in job.result.stderr
+    run = the_one_run(client, job)
+    assert steps(client, run.info.run_id, "loss") == list(range(1, HF_STEPS + 1))
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+
+
+# --- one sampler per node --------------------------------------------------------------------------
+
+
+def _points_per_step(client: Any, run_id: str, key: str) -> collections.Counter:
+    return collections.Counter(m.step for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.parametrize("forge", [True, False], ids=["otel-forge-run", "trainingrun"])
+def test_mlflows_own_sampler_stands_down_and_says_so(mlflow_server, client, tmp_path, forge) -> None:
+    mode = "plain" if forge else "trainingrun"
+    job = run_job(
+        tmp_path,
+        mlflow_server.uri,
+        python(SCRIPTS / "hf_trainer.py", mode, "--step-sleep", "0.5"),
+        forge,
+        MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING="true",
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
+    )
+    assert job.result.returncode == 0, job.result.stderr
+    said = [line for line in job.result.stderr.splitlines() if "MLflow's own system-metrics logging" in line]
+    assert len(said) == 1, job.result.stderr
+    run = the_one_run(client, job)
+    doubled = _points_per_step(client, run.info.run_id, "system/cpu_utilization_percentage")
+    assert [step for step, n in doubled.items() if n > 1] == [], doubled
+
+
+# --- Lightning -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("forge", [True, False], ids=["otel-forge-run", "trainingrun"])
+def test_lightning_with_the_job_run_line_logs_into_the_one_run(mlflow_server, client, tmp_path, forge) -> None:
+    script = python(SCRIPTS / "lightning_fit.py", "job-run")
+    command = script if forge else [sys.executable, "-c", _IN_TRAININGRUN.format(script=script[1:])]
+    job = run_job(tmp_path, mlflow_server.uri, command, forge)
+    assert job.result.returncode == 0, job.result.stderr
+    run = the_one_run(client, job)
+    assert run.info.status == "FINISHED"
+    assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 5
+    assert client.get_experiment_by_name("lightning_logs") is None or not client.search_runs(
+        [client.get_experiment_by_name("lightning_logs").experiment_id],
+        f"tags.mlflow.parentRunId = '{run.info.run_id}'",
+    )
+
+
+_IN_TRAININGRUN = """
+import runpy, sys
+import otel_forge
+sys.argv = {script!r}
+with otel_forge.TrainingRun():
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_lightning_default_logger_lands_elsewhere_and_the_job_says_so(mlflow_server, client, tmp_path) -> None:
+    job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "lightning_fit.py", "default"), True)
+    assert job.result.returncode == 0, job.result.stderr
+    warned = [line for line in job.result.stderr.splitlines() if "lightning_logs" in line and "job_run_id" in line]
+    assert len(warned) == 1, job.result.stderr
+    elsewhere = client.search_runs(
+        [client.get_experiment_by_name("lightning_logs").experiment_id],
+        f"tags.mlflow.parentRunId = '{job.run_id}'",
+    )
+    assert len(elsewhere) == 1
+
+
+# --- scikit-learn autolog and a plain mlflow.log_metric loop, in code ----------------------------
+
+
+def test_sklearn_autolog_in_a_trainingrun_first_fit_is_its_run_the_others_nested(
+    mlflow_server, client, tmp_path
+) -> None:
+    job = run_job(tmp_path, mlflow_server.uri, [sys.executable, str(SKLEARN_FITS), "trainingrun"], False)
+    assert job.result.returncode == 0, job.result.stderr
+    run = the_one_run(client, job)
+    assert run.info.run_name == "ridge-in-code"
+    assert run.data.params["alpha"] == "0.1"
+    nested = [r for r in runs_of(client, job) if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
+    assert sorted(r.data.params["alpha"] for r in nested) == ["1.0", "10.0"]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "status"),
+    [([], 0, "FINISHED"), (["--raise"], 1, "FAILED"), (["--sys-exit", "0"], 0, "FINISHED")],
+    ids=["success", "exception", "sys-exit-0"],
+)
+def test_plain_mlflow_loop_in_a_trainingrun_is_its_one_run_with_the_jobs_status(
+    mlflow_server, client, tmp_path, args, code, status
+) -> None:
+    # MLflow's exit handler would end the run FINISHED after an exception: the job's status stays.
+    job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "plain_mlflow.py", "--in-code", *args), False)
+    assert job.result.returncode == code, job.result.stderr
+    run = the_one_run(client, job)
+    assert run.info.status == status
+    assert run.info.run_name == "plain-in-code"
+    assert steps(client, run.info.run_id, "loss") == list(range(5))
+    assert len(runs_of(client, job)) == 1
+
+
+def test_plain_mlflow_loop_stopped_by_sigterm_under_otel_forge_run_is_killed(mlflow_server, client, tmp_path) -> None:
+    experiment = f"frameworks-{uuid.uuid4().hex[:8]}"
+    command = [*FORGE_RUN, "--", *python(SCRIPTS / "plain_mlflow.py", "--steps", "100", "--sleep", "0.2")]
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=job_environ(tmp_path, mlflow_server.uri, experiment),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("step 3"):
+            break
+    os.kill(process.pid, signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    run = the_one_run(client, Job(subprocess.CompletedProcess(command, process.returncode, stdout, stderr), experiment))
+    assert run.info.status == "KILLED"
+    assert steps(client, run.info.run_id, "loss")[:4] == [0, 1, 2, 3]
