@@ -207,10 +207,12 @@ def _end(training_run: Any, status: str, watchdog: Watchdog | None, stopping: th
 def _launched_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
     """The open run: CMD's first MLflow run resumes it, its TrainingRun logs into it, and this node
     is sampled by this process or its sibling task's otel-forge."""
+    entry = training_run.tracking_entry() or {}
     return LaunchedRun(
         run_id=training_run.run_id,
         tracking_uri=training_run.tracking_uri,
         experiment_id=training_run.experiment_id,
+        experiment=entry.get("experiment"),
         sampled_node=node.sampling_key,
         described=training_run.described,
     )

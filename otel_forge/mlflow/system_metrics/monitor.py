@@ -108,8 +108,6 @@ class SystemMetricsMonitor:
             self.config = self.config.replace(prometheus=False)
             self.agent = self._agent(self.exporter)
             self.agent.start()
-        if self.config.run_id is not None:
-            stand_down_mlflow_sampler(self.config.run_id)
         if self._watch is not None:
             self._watch.start()
         return self
@@ -210,4 +208,7 @@ def monitor(
     )
     explicit = {k: v for k, v in explicit.items() if v is not None}
     base = config or ForgeConfig.resolve()
-    return SystemMetricsMonitor(base.replace(**explicit) if explicit else base).start()
+    started = SystemMetricsMonitor(base.replace(**explicit) if explicit else base).start()
+    if started.run_id is not None:  # else once the code opens its run
+        stand_down_mlflow_sampler(started.run_id)
+    return started

@@ -101,7 +101,10 @@ class WindowLogger:
         metrics = [metric(key, value, window.timestamp_ms, step) for key, value in window.values]
         run_tag = import_mlflow().entities.RunTag
         tags = [run_tag(k, v) for k, v in self._tags.items()] if self._tagged_run != self.run_id else []
-        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        # The tags ride in the first call, in room its metrics leave: a call carries 1000 entries.
+        first = MAX_METRICS_PER_BATCH - len(tags)
+        client.log_batch(self.run_id, metrics=metrics[:first], tags=tags, synchronous=True)
+        for start in range(first, len(metrics), MAX_METRICS_PER_BATCH):
             chunk = metrics[start : start + MAX_METRICS_PER_BATCH]
-            client.log_batch(self.run_id, metrics=chunk, tags=tags if start == 0 else [], synchronous=True)
+            client.log_batch(self.run_id, metrics=chunk, synchronous=True)
         self._tagged_run = self.run_id

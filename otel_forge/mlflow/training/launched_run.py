@@ -35,7 +35,7 @@ class LaunchedRun:
     run_id: str | None
     tracking_uri: str | None = None
     experiment_id: str | None = None
-    experiment: str | None = None  # by name, when no id is known yet
+    experiment: str | None = None  # by name (or an id, while none is known yet)
     job_key: str | None = None
     sampled_node: str | None = None  # NodeIdentity.sampling_key of the node the launcher samples
     described: bool = False  # the launcher recorded config, git and command just now
@@ -53,8 +53,11 @@ class LaunchedRun:
             env[env_name("tracking_uri")] = self.tracking_uri
         if self.experiment_id is not None:
             env[env_name("experiment_id")] = self.experiment_id
-        elif self.experiment is not None:
-            env[env_name("experiment_id" if self.experiment.isdigit() else "experiment_name")] = self.experiment
+        if self.experiment is not None and not self.experiment.isdigit():
+            # HF's callback sets this experiment before it resumes the run: it must be the run's.
+            env[env_name("experiment_name")] = self.experiment
+        elif self.experiment is not None and self.experiment_id is None:
+            env[env_name("experiment_id")] = self.experiment
         if self.job_key is not None:
             env[env_name("job_id")] = self.job_key
         if self.sampled_node is not None:
