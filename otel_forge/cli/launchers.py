@@ -48,12 +48,14 @@ class Launch:
     """The launcher's view of this node: variables as its workers here will see them.
 
     ``workers_here``: the launcher starts its workers on this node (torchrun), so they must name
-    the node as this process does (``cmd_environ``).
+    the node as this process does (``cmd_environ``). ``rank_pending``: the node was not found to
+    host the rendezvous, yet may hold global rank 0: its workers' ranks tell (``RankZeroWatch``).
     """
 
     environ: dict[str, str] = field(default_factory=dict)
     host_named: bool = False
     workers_here: bool = False
+    rank_pending: bool = False  # whether this node holds global rank 0 is known only once its workers run
 
     def cmd_environ(self, node: NodeIdentity) -> dict[str, str]:
         """What CMD inherits so its workers on this node take this process's node id. Elastic
@@ -188,8 +190,10 @@ def _torchrun_launch(args: list[str]) -> Launch:
         return Launch(environ, workers_here=True)
     # Node ranks are handed out at rendezvous: the rendezvous host's node creates the run; any
     # other rank number (none is known yet) makes this node one that finds it.
-    environ["RANK"] = "0" if is_this_host(known.rdzv_endpoint or known.master_addr) else "-1"
-    return Launch(environ, host_named=True, workers_here=True)
+    here = is_this_host(known.rdzv_endpoint or known.master_addr)
+    environ["RANK"] = "0" if here else "-1"
+    # Not here by name or address may still be here (a service address, NAT): rank 0 once known.
+    return Launch(environ, host_named=True, workers_here=True, rank_pending=not here)
 
 
 def _before_script(args: list[str]) -> list[str]:

@@ -31,6 +31,7 @@ from typing import Any
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
 from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
+from otel_forge.cli.rank_watch import RankZeroWatch
 from otel_forge.config import (
     MLFLOW_SYSTEM_METRICS_VAR,
     ConfigError,
@@ -123,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
     sampling.cmd_started(child.pid)
+    if launch.rank_pending and training_run.run_id is None:
+        # Whether this node holds rank 0 is known once its workers run: if so, it makes the run.
+        rank_watch = RankZeroWatch(training_run.take_rank_zero).start()
+        training_run.on_open.append(rank_watch.stop)
     stopping: threading.Thread | None = None
     try:
         code = child.wait()
@@ -275,10 +280,8 @@ def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
         return LaunchedRun(run_id=run_id, tracking_uri=training_run.tracking_uri)
     key = training_run.node.job_key or f"otel-forge-{uuid.uuid4().hex}"
     training_run.adopt_job_key(key, "otel-forge run (the server did not answer in time)")
-    _logger.warning(
-        "MLflow: the run is not open yet; CMD starts now and finds it by job key %s once the tracking server answers",
-        key,
-    )
+    waits_for = "the tracking server answers" if node.is_global_zero else "the job's rank 0 opens it"
+    _logger.warning("MLflow: the run is not open yet; CMD starts now and finds it by job key %s once %s", key, waits_for)
     return LaunchedRun(
         run_id=None,
         tracking_uri=training_run.tracking_uri,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -77,3 +78,50 @@ def test_otel_forge_run_per_node_around_torchrun(spelling, mlflow_server, client
         steps = node_steps(client, run.info.run_id, name)
         assert len(steps) >= 3 and contiguous(steps), (name, steps, outputs)
     assert loss_steps(client, run) == list(range(10))
+
+
+def test_a_node_that_cannot_tell_it_hosts_the_rendezvous_opens_the_run_once_its_worker_is_rank_0(
+    mlflow_server, client, job_repo, tmp_path
+) -> None:
+    # 127.0.0.5 reaches this machine's c10d store (loopback), but is none of its interface addresses
+    # nor its name's: otel-forge cannot tell at start that this node hosts the rendezvous. Its
+    # worker's RANK=0 says it once torchrun has run the rendezvous: the job gets its run then.
+    torchrun = shutil.which("torchrun")
+    assert torchrun, "torchrun (pip install torch) is the launcher under test"
+    experiment = unique("torchrun-rank-pending")
+    argv = [
+        *FORGE,
+        "run",
+        "--",
+        torchrun,
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.5:{free_port()}",
+        "--rdzv-id",
+        unique("rdzv"),
+        "--rdzv-conf",
+        "last_call_timeout=1",
+        str(SCRIPTS / "task.py"),
+        "--api",
+        "trainingrun",
+        "--seconds",
+        "6",
+    ]
+    env = hermetic_environ({**task_environ(mlflow_server.uri, experiment, tmp_path), "OTEL_FORGE_START_WAIT": "2"})
+    result = subprocess.run(argv, cwd=job_repo, env=env, capture_output=True, text=True, timeout=180, check=False)
+
+    assert result.returncode == 0, result.stderr
+    run = the_run(client, experiment)
+    assert run.info.status == "FINISHED"
+    [node] = _node_prefixes(run)  # wrapper and worker: one node id
+    assert run.data.tags[f"otel_forge.node.{node}.host"] == socket.gethostname()
+    assert loss_steps(client, run) == list(range(10))
+
+
+def _node_prefixes(run) -> set[str]:  # type: ignore[no-untyped-def]
+    return {key.split("/")[1] for key in run.data.metrics if key.startswith("system/") and key.count("/") >= 2}

@@ -168,6 +168,7 @@ class TrainingRun:
         )
         self.open_error: BaseException | None = None  # why the run did not open, once it did not
         self._stopping = threading.Event()  # set when close() stops waiting for the run to open
+        self._wake = threading.Event()  # stops a wait for the job's run: closing, or rank 0 known
         self._created: OpenRun | None = None
         self.on_open: list[Callable[[], None]] = []  # called on the owner thread once the run is open
 
@@ -206,6 +207,15 @@ class TrainingRun:
                 "open", "MLflow: the run did not open within %.0f s; it goes on opening in the background", timeout_s
             )
             return False
+
+    def take_rank_zero(self) -> None:
+        """This process turned out to hold global rank 0 (known only once the launcher's rendezvous
+        is done): it makes the job's run, unless one is published by now."""
+        with self._lock:
+            if self._run is not None or self._closed:
+                return
+            self.node = dataclasses.replace(self.node, rank=0)
+        self._wake.set()
 
     def adopt_job_key(self, key: str, source: str) -> None:
         """Find or make the run by ``key`` from the next attempt on (one the caller shares)."""
@@ -364,11 +374,10 @@ class TrainingRun:
                 self._deadlines[0],
             )
 
-        found = wait_for_run(
-            client, self.experiment, key, self._stopping, late_after_s=self._deadlines[0], on_late=late
-        )
+        found = wait_for_run(client, self.experiment, key, self._wake, late_after_s=self._deadlines[0], on_late=late)
         if found is None:
-            return None
+            # Closing; or this process turned out to hold rank 0: it makes the run (or takes the published one).
+            return None if self._stopping.is_set() else self._find_or_create(client)
         _logger.info("job %s: found run %s after %d look(s)", key, found.run_id, found.polls)
         return OpenRun(found.run_id, None, found.experiment_id, self.experiment, True, None, client)
 
@@ -618,6 +627,7 @@ class TrainingRun:
             concurrent.futures.wait([self._opening], timeout=left(_END_RESERVE_S))
         stopping = _in_background(self._system_monitor.stop) if self._system_monitor is not None else None
         self._stopping.set()
+        self._wake.set()
         self._record_rejected()
         if self._worker is not None:
             self._worker.close(left(_END_RESERVE_S))
