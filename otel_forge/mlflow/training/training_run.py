@@ -22,12 +22,9 @@ from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.mlflow.client import (
-    RunGone,
     RunInfo,
     classify,
-    live_run,
     make_client,
-    run_gone,
 )
 from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.keys import key_segment, sanitize_key
@@ -35,20 +32,13 @@ from otel_forge.mlflow.spool_files import default_spool_root
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.training.checkpoints import find_or_create_external_model
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers
+from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, MissingRun
 from otel_forge.mlflow.training.launched_run import LaunchedRun, make_process_run
 from otel_forge.mlflow.training.metric_buffer import MAX_KEY_CHARS, MetricBuffer, MetricRow, checked_step, checked_value
 from otel_forge.mlflow.training.metric_flush import MetricFlush
-from otel_forge.mlflow.training.outcome import begin_attempt, end_run
-from otel_forge.mlflow.training.rendezvous import (
-    create_experiment,
-    find_experiment,
-    publish,
-    published_run_id,
-    wait_for_run,
-)
+from otel_forge.mlflow.training.outcome import end_run
 from otel_forge.mlflow.training.run_description import RunDescription
 from otel_forge.mlflow.training.run_metadata import (
-    DESCRIBED_TAG,
     REJECTED_TAG,
 )
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
@@ -169,7 +159,7 @@ class TrainingRun:
         self.open_error: BaseException | None = None  # why the run did not open, once it did not
         self._stopping = threading.Event()  # set when close() stops waiting for the run to open
         self._wake = threading.Event()  # stops a wait for the job's run: closing, or rank 0 known
-        self._created: OpenRun | None = None
+        self._finder: JobRunFinder | None = None  # once opening: the request is known then
         self.on_open: list[Callable[[], None]] = []  # called on the owner thread once the run is open
 
     # --- configuration (no I/O) -------------------------------------------------------------
@@ -229,6 +219,7 @@ class TrainingRun:
                 # `with mlflow.start_run(): with TrainingRun(): ...`: the script's run is the job's;
                 # the script ends it.
                 self.requested_run_id = self._script_run_id = fluent_run_id()
+            self._finder = self._finder_for()
             self._owner = RunOwner("mlflow-run-owner")
             self._owner.submit(self._start_sampling)  # from the moment the run is entered
             self._opening = self._owner.submit(self._open)
@@ -264,7 +255,7 @@ class TrainingRun:
         pause_s = _FIRST_OPEN_RETRY_S
         while True:
             try:
-                run = self._find_or_create(make_client(self.tracking_uri))
+                run = self._find_run(make_client(self.tracking_uri))
                 break
             except Exception as error:
                 if not self._transient(error):
@@ -301,6 +292,28 @@ class TrainingRun:
             callback()
         return run
 
+    def _find_run(self, client: Any) -> OpenRun | None:
+        assert self._finder is not None
+        run = self._finder.open(client)
+        if run is None and self._wake.is_set() and not self._stopping.is_set():
+            run = self._finder.open(client)  # this process turned out to hold rank 0
+        return run
+
+    def _finder_for(self) -> JobRunFinder:
+        request = JobRunRequest(
+            tracking_uri=self.tracking_uri,
+            experiment=self.experiment,
+            experiment_id=self.forge_config.experiment_id,
+            run_id=self.requested_run_id,
+            run_name=self.run_name,
+            launched=self._launched,
+            launcher_opens=self._launcher_opens,
+            create_if_missing=self._create_if_missing,
+            samples_node=self.system_metrics and self.node.runs_agent and not self._node_sampled_by_launcher,
+            late_after_s=self._deadlines[0],
+        )
+        return JobRunFinder(request, self._description, lambda: self.node, self._stopping, self._wake)
+
     def _transient(self, error: BaseException) -> bool:
         """An outage of a tracking server, worth waiting for; a local store's errors are not."""
         if isinstance(error, (MissingRun, ConfigError)) or classify(error) is not Outcome.RETRY:
@@ -320,108 +333,6 @@ class TrainingRun:
         self.open_error = error
         hint = f". {_DATABRICKS_AUTH_HINT}" if _is_databricks(self.tracking_uri) and _auth_error(error) else ""
         _logger.warning("MLflow logging disabled: %s%s", error_line(error), hint)
-
-    def _find_or_create(self, client: Any) -> OpenRun | None:
-        if not self._owns_run or self._launcher_opens:
-            if self.requested_run_id:
-                # Another rank never reads the run: its size must not cost every node.
-                return OpenRun(
-                    self.requested_run_id, None, self.forge_config.experiment_id, self.experiment, True, None, client
-                )
-            return self._find_job_run(client)
-        run = self._resume(client, self.requested_run_id) if self.requested_run_id else None
-        if run is not None:
-            return run
-        # No run id (or its run is gone): the job key's run, else a new one carrying the key.
-        key = self.node.job_key
-        experiment = find_experiment(client, self.experiment)
-        experiment_id = (
-            experiment.experiment_id if experiment is not None else create_experiment(client, self.experiment)
-        )
-        if key is not None and (published := published_run_id(experiment, key)) is not None:
-            run = self._resume(client, published)  # a requeued job continues its run
-        if run is None:
-            if self._stopping.is_set():  # closed meanwhile: close() keeps what waits, replay makes the run
-                raise RuntimeError("closed before the run was made")
-            # Kept across retries: a failure after the create must not create a second run.
-            run = self._created = self._created or self._create(client, experiment_id)
-        if (key := self.node.job_key) is not None:  # read again: `otel-forge run` may hand one out meanwhile
-            publish(client, experiment_id, key, run.run_id)
-        return run
-
-    def _find_job_run(self, client: Any) -> OpenRun | None:
-        key = self.node.job_key
-        wants_run = self.system_metrics and self.node.runs_agent and not self._node_sampled_by_launcher
-        if key is None:
-            if wants_run:
-                _logger.warning(
-                    "rank %s (node %s): no MLflow run to attach to, so this node is not sampled into "
-                    "MLflow; set MLFLOW_RUN_ID, or OTEL_FORGE_JOB_ID (--job-id) to the same value in "
-                    "every process of the job",
-                    self.node.rank,
-                    self.node.node_id or "-",
-                )
-            return None
-
-        def late() -> None:
-            _logger.warning(
-                "rank %s (node %s): rank 0 has published no run for job %s in experiment %s after "
-                "%.0f s; still looking. Check rank 0's log, or set MLFLOW_RUN_ID for every process",
-                self.node.rank,
-                self.node.node_id or "-",
-                key,
-                self.experiment,
-                self._deadlines[0],
-            )
-
-        found = wait_for_run(client, self.experiment, key, self._wake, late_after_s=self._deadlines[0], on_late=late)
-        if found is None:
-            # Closing; or this process turned out to hold rank 0: it makes the run (or takes the published one).
-            return None if self._stopping.is_set() else self._find_or_create(client)
-        _logger.info("job %s: found run %s after %d look(s)", key, found.run_id, found.polls)
-        return OpenRun(found.run_id, None, found.experiment_id, self.experiment, True, None, client)
-
-    def _resume(self, client: Any, run_id: str) -> OpenRun | None:
-        try:
-            run = live_run(client, run_id)
-        except Exception as error:
-            if not run_gone(error):
-                # Transient (server down, 5xx, timeout): a new run would fork the history.
-                raise
-            if not isinstance(error, RunGone) and not self._create_if_missing:
-                # Never existed: a mistyped id, not a run to replace.
-                raise MissingRun(
-                    f"run {run_id} does not exist at {uri_without_credentials(self.tracking_uri)}; "
-                    f"pass an existing run id, or ask to create one if missing"
-                ) from None
-            _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, error_line(error))
-            return None
-        if not self._launched:
-            begin_attempt(client, run)
-        training_steps = [
-            m.step
-            for m in run.data._metric_objs  # noqa: SLF001 - latest metrics with steps
-            if not m.key.startswith("system/")
-        ]
-        experiment = client.get_experiment(run.info.experiment_id)
-        return OpenRun(
-            run_id,
-            run.info.run_name,
-            run.info.experiment_id,
-            experiment.name,
-            True,
-            max(training_steps, default=None),
-            client,
-            described=DESCRIBED_TAG in run.data.tags,
-        )
-
-    def _create(self, client: Any, experiment_id: str) -> OpenRun:
-        created = client.create_run(
-            experiment_id,
-            run_name=self.run_name or self._description.default_run_name(self.node),
-            tags=self._description.creation_tags(self.node.job_key),
-        )
-        return OpenRun(created.info.run_id, created.info.run_name, experiment_id, self.experiment, False, None, client)
 
     def _start_sampling(self) -> None:
         """Local rank 0 samples its node from now on; the windows wait for the run to open."""
@@ -782,10 +693,6 @@ class TrainingRun:
             self.close("FINISHED")
         else:
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
-
-
-class MissingRun(LookupError):
-    """The run id names no run at all (deleted runs are replaced; a mistyped id is not)."""
 
 
 class _RunUnavailable(Exception):
