@@ -278,8 +278,10 @@ def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
     """
     if (run_id := training_run.requested_run_id) is not None:
         return LaunchedRun(run_id=run_id, tracking_uri=training_run.tracking_uri)
-    key = training_run.node.job_key or f"otel-forge-{uuid.uuid4().hex}"
-    training_run.adopt_job_key(key, "otel-forge run (the server did not answer in time)")
+    key = training_run.node.job_key
+    if key is None:
+        key = f"otel-forge-{uuid.uuid4().hex}"
+        training_run.adopt_job_key(key, "otel-forge run (the server did not answer in time)")
     waits_for = "the tracking server answers" if node.is_global_zero else "the job's rank 0 opens it"
     _logger.warning(
         "MLflow: the run is not open yet; CMD starts now and finds it by job key %s once %s", key, waits_for

@@ -228,6 +228,19 @@ def test_mlflows_own_sampler_stands_down_and_says_so(mlflow_server, client, tmp_
     assert [step for step, n in doubled.items() if n > 1] == [], doubled
 
 
+@pytest.mark.parametrize("forge", [True, False], ids=["otel-forge-run", "trainingrun"])
+def test_mlflows_monitor_asked_for_in_code_stands_down_and_says_so(mlflow_server, client, tmp_path, forge) -> None:
+    args = ["--steps", "20", "--sleep", "0.2", "--log-system-metrics", *([] if forge else ["--in-code"])]
+    job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "plain_mlflow.py", *args), forge)
+    assert job.result.returncode == 0, job.result.stderr
+    said = [line for line in job.result.stderr.splitlines() if "MLflow's own system-metrics monitor of run" in line]
+    assert len(said) == 1, job.result.stderr
+    run = the_one_run(client, job)
+    doubled = _points_per_step(client, run.info.run_id, "system/cpu_utilization_percentage")
+    assert [step for step, n in doubled.items() if n > 1] == [], doubled
+    assert steps(client, run.info.run_id, "loss") == list(range(20))
+
+
 # --- Lightning -----------------------------------------------------------------------------------
 
 

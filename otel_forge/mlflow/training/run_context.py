@@ -58,6 +58,20 @@ class LaunchedRunContext(RunContextProvider):
         _logger.debug("otel-forge run is still opening its run: runs started now are not nested under it")
 
 
+def _one_sampler_in_cmd() -> None:
+    """Under ``otel-forge run``, whose agent samples the node: MLflow's own monitor stands down in
+    CMD, also where its code asks for it (``start_run(log_system_metrics=True)``)."""
+    launched = LaunchedRun.from_environ()
+    if launched is not None and launched.run_id is not None and launched.sampled_node is not None:
+        from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
+
+        stand_down_mlflow_sampler(launched.run_id)
+
+
+# MLflow imports this module as it imports itself, in every process of the job that uses it.
+_one_sampler_in_cmd()
+
+
 def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[str, str]]:
     """(run id, experiment name) of the runs nested under ``run_id`` in another experiment than
     its own: a framework that picks its own experiment (Lightning's ``MLFlowLogger``: ``lightning_logs``)
