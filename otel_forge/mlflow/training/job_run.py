@@ -160,7 +160,7 @@ class JobRunFinder:
         r = self.request
         created = client.create_run(
             experiment_id,
-            run_name=r.run_name or self._description.default_run_name(node),
+            run_name=r.run_name or self._description.default_run_name(),
             tags=self._description.creation_tags(node.job_key),
         )
         return OpenRun(created.info.run_id, created.info.run_name, experiment_id, r.experiment, False, None, client)

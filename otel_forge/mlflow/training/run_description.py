@@ -56,7 +56,7 @@ class RunDescription:
             records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
         return records
 
-    def default_run_name(self, node: NodeIdentity) -> str | None:
+    def default_run_name(self) -> str | None:
         """What ran, and which job: ``train`` for ``python train.py``, ``train-slurm-1234_5`` for an
         array task of a SLURM job (None, MLflow's random name, when neither is known)."""
         names = [name for name in (script_stem(self.launch_argv), job_label()) if name]

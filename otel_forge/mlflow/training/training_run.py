@@ -612,7 +612,7 @@ class TrainingRun:
                 run_id=None,
                 open={
                     "experiment": self.experiment,
-                    "run_name": self.run_name or self._description.default_run_name(self.node),
+                    "run_name": self.run_name or self._description.default_run_name(),
                     "run_id": self.requested_run_id,
                     "job_key": self.node.job_key,
                     "tags": self._description.creation_tags(self.node.job_key),
