@@ -7,15 +7,17 @@ Each collect goes to the Prometheus endpoint's rendering, the OTLP exporter and 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from otel_forge.collectors import Collector, OpenedCollectors, open_collectors
 from otel_forge.config import ForgeConfig
+from otel_forge.forking import forked_from
 from otel_forge.node import NodeIdentity, build_resource
 from otel_forge.pipeline.instruments import INSTRUMENTATION_SCOPE, InstrumentSet
-from otel_forge.pipeline.provider import build_meter_provider
+from otel_forge.pipeline.provider import build_meter_provider, parent_only_reader
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
@@ -74,6 +76,7 @@ class Agent:
         self.endpoints: list[str] = []
         self._prometheus: PrometheusEndpoint | None = None
         self.fan_out: FanOutExporter | None = None  # the one collect's sinks
+        self._pid = os.getpid()
 
     @property
     def running(self) -> bool:
@@ -82,6 +85,7 @@ class Agent:
     def start(self) -> Agent:
         if self.running:
             return self
+        self._pid = os.getpid()
         if not self.node.runs_agent:
             _logger.info("local rank %s: the node's agent runs on local rank 0", self.node.local_rank)
             return self
@@ -105,8 +109,6 @@ class Agent:
     def _build_readers(self) -> list[MetricReader]:
         """One periodic reader whose one collect per interval goes to every sink (Prometheus's
         rendering, OTLP, MLflow, extra exporters); an OTLP exporter set to delta gets its own."""
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
         from otel_forge.pipeline.fanout import FanOutExporter, cumulative_only
 
         # Ours, not the SDK's reading of OTEL_METRIC_EXPORT_*: the settings table resolved those.
@@ -130,15 +132,13 @@ class Agent:
                 sinks.append(otlp)
             else:
                 readers.append(
-                    PeriodicExportingMetricReader(
-                        otlp, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms
-                    )
+                    parent_only_reader(otlp, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms)
                 )
             self.endpoints.append(f"otlp {self.config.otlp_protocol} {self.config.otlp_metrics_url}")
         sinks.extend(factory() for factory in self._extra_exporters)
         if sinks:
             self.fan_out = FanOutExporter(sinks)
-            reader = PeriodicExportingMetricReader(
+            reader = parent_only_reader(
                 self.fan_out, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms
             )
             if rendering is not None:
@@ -147,7 +147,10 @@ class Agent:
         return readers
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop readers (each exports one last time), free the port, close the collectors."""
+        """Stop readers (each exports one last time), free the port, close the collectors. In a
+        forked child, nothing: the agent is its parent's."""
+        if forked_from(self._pid):
+            return
         closing: threading.Thread | None = None
         if self._prometheus is not None:
             # Its serve loop notices shutdown only at its next 0.5 s poll: wait for it alongside.

@@ -37,3 +37,19 @@ def build_meter_provider(readers: Sequence[MetricReader], resource: Any = None) 
     return MeterProvider(
         metric_readers=readers, views=_no_exemplar_views(), exemplar_filter=AlwaysOffExemplarFilter(), **options
     )
+
+
+def parent_only_reader(exporter: Any, **options: Any) -> MetricReader:
+    """A ``PeriodicExportingMetricReader`` whose timer stays in the process that made it.
+
+    The SDK restarts a reader's timer thread in every forked child (``os.register_at_fork``): each
+    ``DataLoader`` worker would sample the node and export into the parent's run and spool. A
+    child owns none of the agent (``otel_forge.forking``): no thread there.
+    """
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    class _ParentOnlyReader(PeriodicExportingMetricReader):
+        def _at_fork_reinit(self) -> None:
+            pass
+
+    return _ParentOnlyReader(exporter, **options)

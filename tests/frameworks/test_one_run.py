@@ -297,8 +297,13 @@ def test_sklearn_autolog_in_a_trainingrun_first_fit_is_its_run_the_others_nested
 
 @pytest.mark.parametrize(
     ("args", "code", "status"),
-    [([], 0, "FINISHED"), (["--raise"], 1, "FAILED"), (["--sys-exit", "0"], 0, "FINISHED")],
-    ids=["success", "exception", "sys-exit-0"],
+    [
+        ([], 0, "FINISHED"),
+        (["--raise"], 1, "FAILED"),
+        (["--sys-exit", "0"], 0, "FINISHED"),
+        (["--sys-exit", "3"], 3, "FAILED"),
+    ],
+    ids=["success", "exception", "sys-exit-0", "sys-exit-3"],
 )
 def test_plain_mlflow_loop_in_a_trainingrun_is_its_one_run_with_the_jobs_status(
     mlflow_server, client, tmp_path, args, code, status

@@ -16,6 +16,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
 from otel_forge.config import ForgeConfig
+from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, node_host_tags, system_prefix
 from otel_forge.mlflow.spool_files import default_spool_root
@@ -97,6 +98,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             due=lambda window: window.timestamp_ms / 1000 + self.delivery_phase_s,
         )
         self._shut_down = False
+        self._pid = os.getpid()  # a forked child exports nothing of the parent's run
         self._job_run: dict[str, str] | None = None  # how replay finds the run, if it never opens here
         self._writer_lock: NodeWriterLock | None = None
         self.standing_down = False
@@ -138,6 +140,8 @@ class MLflowMetricExporter(NonBlockingExporter):
         self._job_run = {"experiment": experiment, "job_key": job_key}
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object) -> MetricExportResult:
+        if forked_from(self._pid):
+            return MetricExportResult.SUCCESS
         if self._shut_down or self.worker.stopped:
             return MetricExportResult.FAILURE
         if self.standing_down:
@@ -153,7 +157,7 @@ class MLflowMetricExporter(NonBlockingExporter):
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         """Close the open window (however few samples it has) and wait, at most ``timeout_millis``,
         until every window is delivered: True then, False on timeout or with no run to deliver to."""
-        if self._shut_down or self.standing_down:
+        if self._shut_down or self.standing_down or forked_from(self._pid):
             return not self._shut_down
         self._submit(self._folder.flush())
         if self.run_id is None:
@@ -162,7 +166,7 @@ class MLflowMetricExporter(NonBlockingExporter):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
         """Close the open window, deliver what is pending under the drain deadline, spool the rest."""
-        if self._shut_down:
+        if self._shut_down or forked_from(self._pid):
             return
         self._shut_down = True
         self._submit(self._folder.flush())

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, RunInfoCollector
 from otel_forge.config import ForgeConfig
+from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run_id
 from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
@@ -79,6 +81,7 @@ class SystemMetricsMonitor:
         self.exporter: MLflowMetricExporter | None = None
         self.agent: Agent | None = None
         self._watch: FluentRunWatch | None = None
+        self._pid = os.getpid()
 
     @property
     def run_id(self) -> str | None:
@@ -87,6 +90,7 @@ class SystemMetricsMonitor:
     def start(self) -> SystemMetricsMonitor:
         if self.agent is not None or not self.node.runs_agent:
             return self
+        self._pid = os.getpid()
         if self.config.run_id is None and not self._run_pending:
             if (run_id := fluent_run_id()) is not None:
                 self.config = self.config.replace(run_id=run_id, tracking_uri=self._tracking_uri())
@@ -164,6 +168,8 @@ class SystemMetricsMonitor:
         return self.agent.absent_collectors if self.agent else {}
 
     def stop(self) -> None:
+        if self.agent is not None and forked_from(self._pid):
+            return  # a forked child's copy: the parent's agent, the parent stops it
         if self._watch is not None:
             self._watch.stop()
         if self.agent is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import (
     RunInfo,
     classify,
@@ -120,6 +121,7 @@ class TrainingRun:
         self.node = node or NodeIdentity.from_config(self.forge_config)
         self._deadlines = (init_deadline_s, end_deadline_s)
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process that owns the run: a forked child logs and ends nothing
         self._owner: RunOwner | None = None
         self._opening: concurrent.futures.Future | None = None
         self._run: OpenRun | None = None
@@ -383,7 +385,7 @@ class TrainingRun:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Queue ``metrics`` at ``step`` and return at once. Steps a resumed run has are skipped."""
-        if self._closed or not self._owns_run:
+        if self._closed or not self._owns_run or forked_from(self._pid):
             return
         self._begin_opening()
         timestamp_ms = int(time.time() * 1000)  # fixed now: a retry resends identical metrics
@@ -480,7 +482,13 @@ class TrainingRun:
 
     def register_checkpoint(self, step: int, directory: str | os.PathLike[str]) -> None:
         """Register a committed checkpoint directory as an external logged model, on the worker."""
-        if not self.register_checkpoints or self._closed or not self._owns_run or step in self._model_ids:
+        if (
+            not self.register_checkpoints
+            or self._closed
+            or not self._owns_run
+            or step in self._model_ids
+            or forked_from(self._pid)
+        ):
             return
         self._begin_opening()
         path = Path(directory).absolute()
@@ -521,6 +529,8 @@ class TrainingRun:
         Bounded whatever the server does: the drain deadline plus a few seconds for the run's end
         (20 s at most by default, inside the 30 s that SLURM and Kubernetes give after SIGTERM).
         """
+        if forked_from(self._pid):
+            return  # a forked child's copy (a DataLoader worker leaving the block): the parent ends it
         with self._lock:
             if self._closed:
                 return
