@@ -107,11 +107,19 @@ def redact(data: Any, secret: SecretKeys, max_chars: int = CONFIG_VALUE_MAX_CHAR
     if isinstance(data, Mapping):
         return {key: REDACTED if secret(key) else redact(item, secret, max_chars) for key, item in data.items()}
     if isinstance(data, list):
-        return [redact(item, secret, max_chars) for item in data]
+        # ["--api-key", "v"]: the value after a flag that names a secret is one.
+        return [
+            REDACTED if index and _secret_flag(data[index - 1], secret) else redact(item, secret, max_chars)
+            for index, item in enumerate(data)
+        ]
     if isinstance(data, str):
         cut = data if len(data) <= max_chars else f"{data[:max_chars]}...[{len(data) - max_chars} more characters]"
         return scrub(cut)
     return data
+
+
+def _secret_flag(item: Any, secret: SecretKeys) -> bool:
+    return isinstance(item, str) and item.startswith("-") and "=" not in item and secret(item.lstrip("-"))
 
 
 def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[str, str]:
