@@ -111,16 +111,20 @@ def run(args: argparse.Namespace) -> int:
         training_run.close("KILLED")
         return 128 + signals.received[0]
     become_subreaper()
-    watchdog = (
-        Watchdog(training_run.run_id, training_run.tracking_uri, training_run.experiment_id, node, args.child_environ)
-        if live and training_run.run_id
-        else None
+    watchdogs = _RunWatchdog(
+        lambda: Watchdog(
+            training_run.run_id, training_run.tracking_uri, training_run.experiment_id, node, args.child_environ
+        )
     )
+    if live and training_run.run_id:
+        watchdogs.start()
+    else:  # a run that opens late is not left RUNNING if we die either
+        training_run.on_open.append(watchdogs.start)
     try:
         # preexec_fn with threads running: it only calls prctl, through a function resolved before the fork.
         child = subprocess.Popen(command, env=env, preexec_fn=dies_with_us())  # noqa: PLW1509
     except OSError as error:
-        _end(training_run, "FAILED", watchdog)
+        _end(training_run, "FAILED", watchdogs.finish())
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
     sampling.cmd_started(child.pid)
@@ -131,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     stopping: threading.Thread | None = None
     try:
         code = child.wait()
+        watchdog = watchdogs.finish()
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
         stop_leftovers(keep={watchdog.pid} if watchdog else ())
     finally:
@@ -238,6 +243,27 @@ def _stand_down_mlflow_sampler(env: dict[str, str], handed: LaunchedRun) -> None
         file=sys.stderr,
         flush=True,
     )
+
+
+class _RunWatchdog:
+    """The run's watchdog, started when the run is open (at once, or once it opens late), never
+    after the job's end began: one started then would outlive us and end the run KILLED."""
+
+    def __init__(self, make: Callable[[], Watchdog]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._watchdog: Watchdog | None = None
+        self._finished = False
+
+    def start(self) -> None:
+        with self._lock:
+            if not self._finished and self._watchdog is None:
+                self._watchdog = self._make()
+
+    def finish(self) -> Watchdog | None:
+        with self._lock:
+            self._finished = True
+            return self._watchdog
 
 
 class _NodeSampling:

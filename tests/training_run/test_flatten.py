@@ -5,17 +5,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import json
+import logging
 from pathlib import PurePosixPath
 
 import pytest
 
 from otel_forge.mlflow.training.run_metadata import (
+    LAUNCH_CONFIG_MAX_BYTES,
+    LAUNCH_CONFIG_MAX_VALUES,
     PARAM_VALUE_MAX_CHARS,
     PARAMS_PER_BATCH,
     batches,
     config_as_dict,
     flatten_params,
     launch_config_path,
+    launch_file_text,
+    load_launch_config,
 )
 
 
@@ -156,3 +162,34 @@ def test_launch_config_path(tmp_path, monkeypatch):
     assert launch_config_path(["cfg.toml"]) is None  # argv[0] is the program
     assert launch_config_path(["train.py", "missing.json"]) is None
     assert launch_config_path(["train.py", "notes.txt"]) is None
+
+
+def test_a_json_file_is_the_config_only_when_a_config_option_names_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("data.json", "run.json", "cfg.yaml"):
+        (tmp_path / name).write_text("{}\n")
+    assert launch_config_path(["train.py", "data.json"]) is None  # a data file
+    assert launch_config_path(["train.py", "data.json", "cfg.yaml"]) == tmp_path / "cfg.yaml"
+    for argv in (["--config", "run.json"], ["--config=run.json"], ["--cfg", "run.json"], ["config=run.json"]):
+        assert launch_config_path(["train.py", "data.json", *argv, "cfg.yaml"]) == tmp_path / "run.json", argv
+    assert launch_config_path(["train.py", "train.config=run.json"]) == tmp_path / "run.json"  # an override
+    assert launch_config_path(["train.py", "/srv/config/data.json"]) is None  # a path is no option
+
+
+def test_a_launch_file_past_its_limits_is_neither_parsed_nor_uploaded(tmp_path, caplog):
+    # An alias bomb: 10 levels of ten aliases each, 10**10 values once expanded, 1 KB of text.
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\n")
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps({f"k{i}": i for i in range(LAUNCH_CONFIG_MAX_VALUES + 1)}))
+    big = tmp_path / "big.toml"
+    big.write_text("a = 1\n" + "#" * LAUNCH_CONFIG_MAX_BYTES)
+    with caplog.at_level(logging.WARNING):
+        assert load_launch_config(bomb) is None and load_launch_config(many) is None
+        assert load_launch_config(big) is None and launch_file_text(big) is None
+    assert len([r for r in caplog.records if "not parsed" in r.getMessage()]) == 2
+    aliased = tmp_path / "aliased.yaml"
+    aliased.write_text("base: &base {lr: 0.1}\ntrain: *base\n")
+    assert load_launch_config(aliased) == {"base": {"lr": 0.1}, "train": {"lr": 0.1}}  # aliases are fine

@@ -21,6 +21,7 @@ from otel_forge.mlflow.training.run_metadata import (
     git_tags,
     job_tags,
     launch_config_path,
+    launch_file_text,
     redact,
 )
 from otel_forge.mlflow.training.training_spool import Record
@@ -47,9 +48,9 @@ class RunDescription:
         """Everything that describes the run (linear in the config's size): tags and the files
         first, since a large config's params take many calls (100 per call)."""
         records = [Record("tags", self._run_tags(node))]
-        if (launch_file := launch_config_path(self.launch_argv)) is not None:
-            text = self.secret.redact_text(launch_file.read_text(errors="replace"))
-            records.append(Record("text", {"name": launch_file.name, "data": text}))
+        launch_file = launch_config_path(self.launch_argv)
+        if launch_file is not None and (text := launch_file_text(launch_file)) is not None:
+            records.append(Record("text", {"name": launch_file.name, "data": self.secret.redact_text(text)}))
         if self.config is not None:
             plain = redact(config_as_dict(self.config), self.secret)
             records.append(Record("dict", {"name": CONFIG_ARTIFACT, "data": plain}))

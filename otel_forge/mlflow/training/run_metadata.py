@@ -49,7 +49,10 @@ PARAM_VALUE_MAX_CHARS = 6000  # MLflow's limit for a param value
 PARAMS_PER_BATCH = 100
 # A config text value past this is cut, with a marker, before anything else reads it.
 CONFIG_VALUE_MAX_CHARS = 64 * 1024
-LAUNCH_CONFIG_SUFFIXES = (".toml", ".yaml", ".yml", ".json")
+# A launch file past these is neither parsed nor uploaded (one warning): bounded time and memory.
+LAUNCH_CONFIG_MAX_BYTES = 4 * 1024 * 1024
+LAUNCH_CONFIG_MAX_VALUES = 100_000  # YAML aliases expanded
+LAUNCH_CONFIG_SUFFIXES = (".toml", ".yaml", ".yml", ".json")  # the first three also without a config option
 _GIT_TIMEOUT_S = 10.0
 _GIT_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
@@ -223,31 +226,114 @@ def _from_environ(environ: Mapping[str, str], pairs: tuple[tuple[str, str], ...]
 
 
 def launch_config_path(argv: Sequence[str]) -> Path | None:
-    """The first ``.toml`` / ``.yaml`` / ``.yml`` / ``.json`` file named on a command line."""
-    for arg in argv[1:]:
-        candidate = arg.split("=", 1)[-1]  # --config=train.toml
-        if candidate.lower().endswith(LAUNCH_CONFIG_SUFFIXES) and os.path.isfile(candidate):
+    """The launch config named on a command line, by a rule a user can predict:
+
+    1. the value of a config option: ``--config x.json``, ``--config=x.yaml``, ``--cfg``,
+       ``--config-file``, or a ``config=x.yaml`` / ``train.config=x.toml`` override;
+    2. else the first ``.toml`` / ``.yaml`` / ``.yml`` file named on it. A bare ``.json`` is
+       taken only by rule 1: it is as often a data file as a config.
+    """
+    args = list(argv[1:])
+    for index, arg in enumerate(args):
+        name, sep, value = arg.partition("=")
+        option, override = name.startswith("-"), bool(sep) and "/" not in name
+        if not (option or override) or not _names_config(name):
+            continue
+        if not sep:  # --config x.json: the next word
+            value = args[index + 1] if index + 1 < len(args) else ""
+        if value.lower().endswith(LAUNCH_CONFIG_SUFFIXES) and os.path.isfile(value):
+            return Path(value).absolute()
+    for arg in args:
+        candidate = arg.split("=", 1)[-1]
+        if candidate.lower().endswith(LAUNCH_CONFIG_SUFFIXES[:3]) and os.path.isfile(candidate):
             return Path(candidate).absolute()
     return None
 
 
-def load_launch_config(path: Path) -> Any:
-    """The launch file's content as data (TOML, YAML or JSON); None if it cannot be read."""
+def _names_config(name: str) -> bool:
+    """``--config``, ``--cfg``, ``--config-file``, ``config``, ``train.config``: it names the config."""
+    return bool({"config", "cfg", "conf"} & set(re.split(r"[^a-z]+", name.lower())))
+
+
+def launch_file_text(path: Path) -> str | None:
+    """The launch file's text, unless it is past ``LAUNCH_CONFIG_MAX_BYTES`` (said once): a data
+    file or a generated dump is no config to flatten into params, nor to upload."""
     try:
-        text = path.read_text()
-        suffix = path.suffix.lower()
-        if suffix == ".toml":
-            if sys.version_info >= (3, 11):
-                import tomllib
-            else:  # pragma: no cover - Python 3.10
-                import tomli as tomllib
+        size = path.stat().st_size
+        if size > LAUNCH_CONFIG_MAX_BYTES:
+            _logger.warning(
+                "launch config %s not read: %d bytes, past the %d read from a launch file",
+                path,
+                size,
+                LAUNCH_CONFIG_MAX_BYTES,
+            )
+            return None
+        return path.read_text(errors="replace")
+    except OSError as error:
+        _logger.warning("launch config %s not read: %s", path, error)
+        return None
 
-            return tomllib.loads(text)
-        if suffix == ".json":
-            return json.loads(text)
-        import yaml
 
-        return yaml.safe_load(text)
+def load_launch_config(path: Path) -> Any:
+    """The launch file's content as data (TOML, YAML or JSON); None if it cannot be read, or holds
+    more than ``LAUNCH_CONFIG_MAX_VALUES`` values once YAML's aliases are expanded (an alias bomb)."""
+    if (text := launch_file_text(path)) is None:
+        return None
+    try:
+        data = _parse(text, path.suffix.lower())
     except Exception as error:  # noqa: BLE001 - a config we cannot parse is uploaded as is, not flattened
         _logger.warning("launch config %s not parsed: %s", path, error)
         return None
+    if data is _TOO_MANY_VALUES or _values(data) > LAUNCH_CONFIG_MAX_VALUES:
+        _logger.warning(
+            "launch config %s not parsed: more than %d values once aliases are expanded", path, LAUNCH_CONFIG_MAX_VALUES
+        )
+        return None
+    return data
+
+
+_TOO_MANY_VALUES = object()
+
+
+def _parse(text: str, suffix: str) -> Any:
+    if suffix == ".toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            import tomli as tomllib
+
+        return tomllib.loads(text)
+    if suffix == ".json":
+        return json.loads(text)
+    import yaml
+
+    # Sized on the node graph first: an alias is one node there, its expansion is what flattening costs.
+    if _expanded_nodes(yaml.compose(text, Loader=yaml.SafeLoader), {}) > LAUNCH_CONFIG_MAX_VALUES:
+        return _TOO_MANY_VALUES
+    return yaml.safe_load(text)
+
+
+def _expanded_nodes(node: Any, sizes: dict[int, int]) -> int:
+    """How many nodes ``node`` stands for with every alias expanded; linear in the graph (memoised)."""
+    if node is None:
+        return 0
+    if id(node) in sizes:
+        return sizes[id(node)]
+    sizes[id(node)] = 0  # a cycle counts once
+    children = node.value if isinstance(node.value, list) else []
+    flat = [part for child in children for part in (child if isinstance(child, tuple) else (child,))]
+    sizes[id(node)] = size = min(1 + sum(_expanded_nodes(child, sizes) for child in flat), 2**62)
+    return size
+
+
+def _values(data: Any) -> int:
+    """How many values plain (parsed) data holds, at most LAUNCH_CONFIG_MAX_VALUES + 1 counted."""
+    count, stack = 0, [data]
+    while stack and count <= LAUNCH_CONFIG_MAX_VALUES:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
