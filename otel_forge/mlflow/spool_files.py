@@ -1,26 +1,52 @@
 """Where spools live and how their files are written: a directory per spool under one root,
 ``spool.json`` its header, each file written whole (temp file + rename) and readable by its owner
 only (spools may name hosts and runs). Shared by the system-metrics window spool and the training
-spool, which ``otel-forge replay`` and ``doctor`` read."""
+spool, which ``otel-forge replay`` and ``doctor`` read.
+
+Spool directories are private (``otel_forge.private_dirs``): each is created 0700 and checked to be
+the user's own and not a symlink, under a root that is the user's (or root's), not a symlink, and
+not world-writable unless sticky. A spool that fails the check raises ``NotPrivate`` (an
+``OSError``) from ``make_spool_dir`` and ``write_atomically``: the spools' existing "cannot write
+the spool" line says why, and nothing is written there.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+
+from otel_forge.private_dirs import check_base, open_private_file, private_dir
 
 HEADER = "spool.json"
 STATS = "stats.json"
 
 
 def default_spool_root() -> Path:
+    """In the user's cache, not ``$XDG_RUNTIME_DIR``: a spool must outlive a reboot to be replayed."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "otel-forge" / "spool"
 
 
+def make_spool_dir(path: Path) -> Path:
+    """Create (or check) the spool directory ``path`` and its root ``path.parent``, both private
+    enough (see the module's docstring); a missing root is created 0700."""
+    root = path.parent
+    if not os.path.lexists(root):
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process: checked next
+            os.mkdir(root, 0o700)
+    check_base(root)
+    return private_dir(path)
+
+
 def write_atomically(path: Path, text: str) -> None:
-    """Write whole or not at all: a crash loses at most the file being written."""
+    """Write whole or not at all: a crash loses at most the file being written. Only into a private
+    spool directory, and never through a symlink planted at the temporary file's name."""
+    make_spool_dir(path.parent)
     temporary = path.with_name(path.name + ".tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_private_file(temporary, os.O_WRONLY)
     with os.fdopen(fd, "w") as file:
+        file.truncate()  # the temporary of a write that crashed may be left longer than this one
         file.write(text)
     os.replace(temporary, path)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otel_forge.mlflow.spool_files import HEADER, STATS, write_atomically
+from otel_forge.mlflow.spool_files import HEADER, STATS, make_spool_dir, write_atomically
 from otel_forge.mlflow.system_metrics.windows import Window
 
 _logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class WindowSpool:
 
     def _write_window(self, sequence: int, text: str) -> None:
         if not self.path.is_dir():
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_spool_dir(self.path)  # never into a directory someone else owns or planted
             write_atomically(self.path / HEADER, json.dumps(self._header))
         write_atomically(self._file(sequence), text)
 
@@ -127,7 +127,7 @@ class WindowSpool:
             self._refuse(
                 "unwritable",
                 "cannot write the spool %s (%s): set OTEL_FORGE_SPOOL_DIR to a writable "
-                "directory; windows wait in memory only, and past that are dropped and counted",
+                "directory of your own; windows wait in memory only, and past that are dropped and counted",
                 self.path,
                 error.strerror or error,
             )

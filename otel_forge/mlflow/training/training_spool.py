@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, import_mlflow
-from otel_forge.mlflow.spool_files import HEADER, write_atomically
+from otel_forge.mlflow.spool_files import HEADER, make_spool_dir, write_atomically
 from otel_forge.mlflow.training.metric_buffer import MetricRow
 
 _logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class TrainingSpool:
     def keep(self, rows: Sequence[MetricRow], header: dict[str, Any], records: Sequence[Record] = ()) -> bool:
         """Write the records, the rows (in ``log_batch``-sized files) and the header; False if it cannot."""
         try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_spool_dir(self.path)
             if records:
                 write_atomically(self.path / RECORDS, json.dumps([dataclasses.asdict(r) for r in records]))
             for number, start in enumerate(range(0, len(rows), MAX_METRICS_PER_BATCH)):
