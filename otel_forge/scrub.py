@@ -174,7 +174,10 @@ def uri_without_credentials(uri: str) -> str:
     """The URI with its userinfo and secret-named query parameters removed (not masked): safe to
     store and to use again."""
     parts = urllib.parse.urlsplit(uri)
-    if parts.query and _QUERY_SECRET.search(f"?{parts.query}"):
+    secret_query = bool(parts.query) and _QUERY_SECRET.search(f"?{parts.query}") is not None
+    if parts.username is None and parts.password is None and not secret_query:
+        return uri  # as given: urlunsplit would turn sqlite:////abs into sqlite://abs
+    if secret_query:
         # A query parameter named like a secret (`?token=`) goes too.
         kept = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if not _QUERY_SECRET.search(f"?{k}=x")]
         parts = parts._replace(query=urllib.parse.urlencode(kept))
