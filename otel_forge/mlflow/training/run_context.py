@@ -24,6 +24,8 @@ from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
 _logger = logging.getLogger(__name__)
 
 PARENT_RUN_TAG = "mlflow.parentRunId"
+_RECENT_EXPERIMENTS = 20  # where a job's runs in other experiments are looked for, at its end
+_RUNS_NAMED = 10
 
 
 class LaunchedRunContext(RunContextProvider):
@@ -76,8 +78,12 @@ def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[s
     """(run id, experiment name) of the runs nested under ``run_id`` in another experiment than
     its own: a framework that picks its own experiment (Lightning's ``MLFlowLogger``: ``lightning_logs``)
     put part of the job where the job's run page does not show it."""
-    others = {e.experiment_id: e.name for e in client.search_experiments() if e.experiment_id != experiment_id}
+    # Bounded on a busy server: the experiments touched last (where the job's runs are), a few runs.
+    recent = client.search_experiments(max_results=_RECENT_EXPERIMENTS, order_by=["last_update_time DESC"])
+    others = {e.experiment_id: e.name for e in recent if e.experiment_id != experiment_id}
     if not others:
         return []
     nested = f"tags.`{PARENT_RUN_TAG}` = '{run_id}'"
-    return [(run.info.run_id, others[run.info.experiment_id]) for run in client.search_runs(list(others), nested)]
+    found = client.search_runs(list(others), nested, max_results=_RUNS_NAMED)
+    return [(run.info.run_id, others[run.info.experiment_id]) for run in found]
+

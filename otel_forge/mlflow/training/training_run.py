@@ -55,6 +55,7 @@ DEFAULT_EXPERIMENT = "otel-forge"
 MAX_PENDING_METRIC_VALUES = 200_000
 _MAX_REMEMBERED_KEYS = 10_000
 _END_RESERVE_S = 3.0  # of the close budget, kept for the call that ends the run
+_ELSEWHERE_WAIT_S = 5.0  # the look for the job's runs in other experiments, at most
 _FIRST_OPEN_RETRY_S, _MAX_OPEN_RETRY_S = 1.0, 10.0
 _DATABRICKS_AUTH_HINT = (
     "Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
@@ -663,9 +664,10 @@ class TrainingRun:
                 self.ended = True
             except Exception as error:  # noqa: BLE001 - the run end is best effort too
                 _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status, error_line(error))
-            if self.ended:
+            # Once per job, by whoever opened its run (not a process it was handed to), at a clean end.
+            if self.ended and status == "FINISHED" and not self._launched:
                 with contextlib.suppress(Exception):  # a look for the user's sake, never the run's end
-                    self._owner.call(lambda: self._warn_runs_elsewhere(run), deadline_s)
+                    self._owner.call(lambda: self._warn_runs_elsewhere(run), min(deadline_s, _ELSEWHERE_WAIT_S))
         self._owner.close()
 
     def _warn_runs_elsewhere(self, run: OpenRun) -> None:
