@@ -86,4 +86,3 @@ def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[s
     nested = f"tags.`{PARENT_RUN_TAG}` = '{run_id}'"
     found = client.search_runs(list(others), nested, max_results=_RUNS_NAMED)
     return [(run.info.run_id, others[run.info.experiment_id]) for run in found]
-
