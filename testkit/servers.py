@@ -372,10 +372,13 @@ def monitor_command(args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "otel_forge.cli", "monitor", *args]
 
 
-def spawn_agent(args: Sequence[str], env: Mapping[str, str] | None = None) -> AgentProcess:
-    """Start ``otel-forge monitor ARGS`` without waiting for anything."""
+def spawn_agent(args: Sequence[str], env: Mapping[str, str] | None = None, fd_limit: int | None = None) -> AgentProcess:
+    """Start ``otel-forge monitor ARGS`` without waiting for anything (under ``ulimit -n FD_LIMIT``)."""
+    command = monitor_command(args)
+    if fd_limit is not None:
+        command = ["bash", "-c", f'ulimit -n {fd_limit} && exec "$@"', "bash", *command]
     process = subprocess.Popen(
-        monitor_command(args),
+        command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -388,10 +391,13 @@ def spawn_agent(args: Sequence[str], env: Mapping[str, str] | None = None) -> Ag
 
 
 def start_agent(
-    args: Sequence[str], env: Mapping[str, str] | None = None, ready_timeout_s: float = 30.0
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    ready_timeout_s: float = 30.0,
+    fd_limit: int | None = None,
 ) -> AgentProcess:
     """Start ``otel-forge monitor ARGS``; return once it prints ``otel-forge: serving prometheus URL``."""
-    agent = spawn_agent(args, env)
+    agent = spawn_agent(args, env, fd_limit)
     try:
         agent.wait_serving(ready_timeout_s)
     except BaseException:

@@ -16,7 +16,7 @@ from testkit.servers import AgentProcess, agent_environment, free_port, monitor_
 USAGE_ERROR = 2
 RUN_TIMEOUT_S = 20.0
 # How long a test waits for the monitor to exit after a signal before it fails: a wait, not a
-# measure (it takes ~0.6 s on 2 cores, most of it the HTTP server loop's poll interval; -s prints it).
+# measure (it takes well under a second on 2 cores; -s prints it).
 STOP_WAIT_S = 30.0
 
 
