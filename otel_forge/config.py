@@ -499,6 +499,14 @@ SETTINGS: tuple[Setting, ...] = (
         "Windows held in memory before spilling to the spool.",
     ),
     Setting(
+        "flush_interval_s",
+        ("OTEL_FORGE_FLUSH_INTERVAL",),
+        _float_within(0.0, 3_600.0, " s"),
+        1.0,
+        "The training loop's metrics go to MLflow in one `log_batch` at most this often (0: after every "
+        "`log()`), sooner once 1,000 values wait; closing the run sends what waits at once.",
+    ),
+    Setting(
         "call_deadline_s",
         ("OTEL_FORGE_CALL_DEADLINE",),
         _deadline,
@@ -627,6 +635,7 @@ class ForgeConfig:
     spool_dir: str | None
     spool_max_bytes: int
     queue_size: int
+    flush_interval_s: float
     call_deadline_s: float
     start_wait_s: float
     drain_deadline_s: float

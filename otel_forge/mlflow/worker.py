@@ -166,12 +166,18 @@ class DeliveryWorker(Generic[T]):
         )
         return False
 
+    def nudge(self) -> None:
+        """The item waiting for its due time reads it again: it may have become due (a full batch)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def flush(self, timeout_s: float) -> bool:
         """Deliver what is pending now, not at its due time; True once all of it is delivered,
         False if ``timeout_s`` passes first (or delivery has stopped). Delivery goes on either way."""
         self._hurry.set()
         try:
             with self._cond:
+                self._cond.notify_all()  # an item waiting for its due time goes now
                 return self._cond.wait_for(lambda: self._stopped or not self.pending(), timeout_s) and not self._stopped
         finally:
             if not self._closing:
@@ -232,8 +238,8 @@ class DeliveryWorker(Generic[T]):
             self._cond.notify_all()  # flush() waits for the queue to empty
 
     def _deliver_until_done(self, item: T) -> None:
-        if self._due is not None and (wait_s := self._due(item) - time.time()) > 0:
-            self._hurry.wait(wait_s)
+        if self._due is not None:
+            self._wait_until_due(item)
         backoff_s = self._backoff[0]
         while not self._abandon.is_set():
             error = self._call(item)
@@ -267,6 +273,15 @@ class DeliveryWorker(Generic[T]):
                 backoff_s = self._backoff[0]
                 continue
             backoff_s = min(backoff_s * 2, self._backoff[1])
+
+    def _wait_until_due(self, item: T) -> None:
+        assert self._due is not None
+        with self._cond:
+            while not (self._hurry.is_set() or self._closing):
+                wait_s = self._due(item) - time.time()
+                if wait_s <= 0:
+                    return
+                self._cond.wait(wait_s)
 
     def _first_answer(self, error: BaseException | None) -> None:
         """The first call has answered: from now on a waiting item is spooled; if it failed, so

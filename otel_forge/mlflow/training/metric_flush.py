@@ -19,6 +19,7 @@ class MetricFlush:
     a batch the server refuses is split to drop only the values it refuses (``on_refused``).
     ``on_done`` follows a delivered batch. Steps a resumed run holds already are skipped, except
     in a later torchrun attempt (``--max-restarts``): it logs its steps again, and they are the job's.
+    ``due`` is the wall-clock time the worker sends it at (sooner when nudged or closing).
     """
 
     def __init__(
@@ -28,7 +29,9 @@ class MetricFlush:
         on_refused: Callable[[MetricRow, str], None],
         on_done: Callable[[], None],
         environ: Mapping[str, str] | None = None,
+        due: float = 0.0,
     ) -> None:
+        self._due = due
         self._live_run = live_run
         self._buffer = buffer
         self._on_refused = on_refused
@@ -36,6 +39,11 @@ class MetricFlush:
         self._batch: list[MetricRow] | None = None
         attempt = torchrun_attempt(environ)
         self._keeps_logged_steps = attempt is not None and attempt.is_retry
+
+    @property
+    def due(self) -> float:
+        """When the worker sends it: its due time, or now once a full batch waits."""
+        return 0.0 if self._batch is None and len(self._buffer) >= MAX_METRICS_PER_BATCH else self._due
 
     def __call__(self) -> None:
         run = self._live_run()

@@ -23,6 +23,7 @@ from typing import Any
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import (
+    MAX_METRICS_PER_BATCH,
     RunInfo,
     classify,
     make_client,
@@ -134,6 +135,7 @@ class TrainingRun:
         self._key_names: dict[Any, str | None] = {}
         self.rejected = 0  # metric values log() refused (bad step, key or value), each warned
         self._flush_pending = False
+        self._next_flush_at = 0.0  # wall-clock: a flush is due at most once per flush interval
         self._rejected_recorded = False
         self._rejected_warned = 0  # the count the last warning said
         self._pending_records: list[Record] = []  # describing the run, not delivered yet
@@ -232,6 +234,7 @@ class TrainingRun:
                 max_queue=self.forge_config.queue_size * 16,
                 call_deadline_s=self.forge_config.call_deadline_s,
                 classify=self._classify,
+                due=lambda call: getattr(call, "due", 0.0),
             )
             self._exit_handlers.install()
 
@@ -404,6 +407,9 @@ class TrainingRun:
             return
         with self._lock:
             if self._flush_pending:
+                waiting = len(self._metrics)
+                if waiting - len(values) < MAX_METRICS_PER_BATCH <= waiting and self._worker is not None:
+                    self._worker.nudge()  # a full batch: the waiting flush is due now
                 return
             self._flush_pending = True
         if not self._submit(self._metric_flush()):
@@ -442,7 +448,10 @@ class TrainingRun:
             self._rejected_warned = self.rejected
 
     def _metric_flush(self) -> MetricFlush:
-        return MetricFlush(self._live_run, self._metrics, self._refused, self._flush_done)
+        """The next flush: due one flush interval after the last one (sooner once a batch is full)."""
+        due = max(time.time(), self._next_flush_at)
+        self._next_flush_at = due + self.forge_config.flush_interval_s
+        return MetricFlush(self._live_run, self._metrics, self._refused, self._flush_done, due=due)
 
     def _refused(self, row: MetricRow, reason: str) -> None:
         self._reject(1, "metric %r at step %d refused by the server: %s", row[0], row[3], reason)
