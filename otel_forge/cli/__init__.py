@@ -56,12 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    # CMD of `otel-forge run` gets the environment as the user set it, not our defaults below.
-    child_environ = dict(os.environ)
-    args = build_parser().parse_args(argv)
-    args.child_environ = child_environ
-    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+def configure_process(verbose: int) -> None:
+    """Logging and MLflow's client as an otel-forge process (the CLI, the sampler) wants them."""
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
     logging.basicConfig(level=level, format="otel-forge: %(levelname)s %(name)s: %(message)s")
     # The OTel SDK logs a failed OTLP export every interval: once a minute is enough to be told.
     for handler in logging.getLogger().handlers:
@@ -69,10 +66,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The delivery worker retries with its own backoff; urllib3's per-attempt lines are noise, and
     # so are MLflow's own (its store's retries, its table creation): -v shows them.
     logging.getLogger("urllib3").setLevel(max(level, logging.ERROR))
-    if not args.verbose:
+    if not verbose:
         os.environ.setdefault(MLFLOW_LOGGING_LEVEL_VAR, "ERROR")  # read when mlflow is imported
     # In the agent's own process our worker does the retrying: one attempt per call.
     os.environ.setdefault(MLFLOW_RETRIES_VAR, "0")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # CMD of `otel-forge run` gets the environment as the user set it, not our defaults below.
+    child_environ = dict(os.environ)
+    args = build_parser().parse_args(argv)
+    args.child_environ = child_environ
+    configure_process(args.verbose)
     try:
         return args.run(args)
     except (ConfigError, EndpointError) as error:

@@ -32,6 +32,7 @@ from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.mlflow.spool_files import default_spool_root
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
+from otel_forge.mlflow.system_metrics.sampler_process import SamplerProcess
 from otel_forge.mlflow.training.checkpoints import find_or_create_external_model
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers
 from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, MissingRun
@@ -128,7 +129,7 @@ class TrainingRun:
         self._opening: concurrent.futures.Future | None = None
         self._run: OpenRun | None = None
         self._worker: DeliveryWorker[Callable[[], None]] | None = None
-        self._system_monitor: Any = None
+        self._system_monitor: SamplerProcess | None = None
         self._closed = False
         self._model_ids: dict[int, str] = {}
         self._metrics = MetricBuffer(MAX_PENDING_METRIC_VALUES)
@@ -341,16 +342,15 @@ class TrainingRun:
         _logger.warning("MLflow logging disabled: %s%s", error_line(error), hint)
 
     def _start_sampling(self) -> None:
-        """Local rank 0 samples its node from now on; the windows wait for the run to open."""
+        """Local rank 0 samples its node from now on, in a process of its own (the loop keeps the GIL);
+        the windows wait for the run to open."""
         if not self.system_metrics or not self.node.runs_agent or self._node_sampled_by_launcher:
             return  # under `otel-forge run` the launcher's agent samples this node already
         if not (self._owns_run or self.requested_run_id or self.node.job_key):
             return  # no run can be found: _find_job_run says so
-        from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
-
         config = self.forge_config.replace(run_id=None, tracking_uri=self.tracking_uri)
         try:
-            self._system_monitor = SystemMetricsMonitor(config, node=self.node, run_pending=True).start()
+            self._system_monitor = SamplerProcess(config, self.node).start()
         except Exception as error:  # noqa: BLE001 - the node's sampling must never cost the run
             _logger.warning("system metrics not sampled: %s", error_line(error))
 

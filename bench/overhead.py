@@ -1,0 +1,235 @@
+"""What monitoring costs the training loop: steps/s against a bare loop, the CPU the training process
+spends off the loop's thread, and the ``log-batch`` calls the server gets, for each way of monitoring.
+
+Run:  python -m bench.overhead [--rounds 3] [--seconds 10] [--gpus 8] [--json]
+
+Two loops, each in a fresh ``sys.executable`` process per measurement:
+
+- ``gil``: pure Python holding the GIL (~1 ms a step), the shape of a loop that launches GPU kernels;
+- ``torch``: a small MLP trained on CPU (torch, one intra-op thread).
+
+Both log the loss every 50 steps (about 20 values a second), except where the mode logs nothing.
+Modes: ``bare``; MLflow's own ``log_system_metrics=True`` (its sampler thread, nothing logged);
+MLflow's asynchronous logging (``log_metric(..., synchronous=False)``); ``TrainingRun`` sampling only,
+logging only, and both; and ``otel-forge run -- python LOOP`` (the loop logs through ``TrainingRun``;
+the node is sampled by the ``otel-forge run`` process, outside the training process). Every sampler runs
+at its default interval (10 s, MLflow's and ours) and sees ``--gpus`` fake NVIDIA GPUs (``tests/fakes``).
+
+Each measurement: the mode is set up (run opened, sampler started), the loop warms up ``--warmup``
+seconds, then runs ``--seconds``. Reported, as the median over ``--rounds`` interleaved rounds (every
+mode once per round, the order rotated): steps/s against the bare loop of the same round; the
+training process's background CPU per second (its CPU time minus the loop thread's, which a busy
+machine does not distort); ``log-batch`` requests per second the tracking server got in the window
+(counted by a proxy in front of a real ``mlflow server``, sqlite, one worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+LOG_EVERY = 50
+LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
+MODES = (
+    "bare",
+    "mlflow-system-metrics",
+    "mlflow-async",
+    "trainingrun-sampling",
+    "trainingrun-logging",
+    "trainingrun-both",
+    "otel-forge-run",
+)
+LOOPS = ("gil", "torch")
+
+Log = Callable[[float, int], None]
+
+
+# --- the training process ---------------------------------------------------------------------
+
+
+def _gil_step() -> Callable[[], float]:
+    def step() -> float:
+        total = 0
+        for i in range(35_000):
+            total += i * i
+        return total % 97 / 97
+
+    return step
+
+
+def _torch_step() -> Callable[[], float]:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    inputs, targets = torch.randn(128, 256), torch.randint(0, 10, (128,))
+
+    def step() -> float:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+
+    return step
+
+
+@contextlib.contextmanager
+def _monitoring(mode: str) -> Iterator[Log | None]:
+    """The mode set up around the loop: what the loop calls to log its loss (None: it logs nothing)."""
+    if mode == "bare":
+        yield None
+    elif mode.startswith("mlflow"):
+        import mlflow
+
+        with mlflow.start_run(log_system_metrics=mode == "mlflow-system-metrics"):
+            if mode == "mlflow-async":
+                yield lambda loss, step: mlflow.log_metric("loss", loss, step=step, synchronous=False)
+            else:
+                yield None
+            mlflow.flush_async_logging()
+    else:
+        from otel_forge import TrainingRun
+
+        with TrainingRun(system_metrics=mode in ("trainingrun-sampling", "trainingrun-both")) as run:
+            yield None if mode == "trainingrun-sampling" else (lambda loss, step: run.log({"loss": loss}, step=step))
+
+
+def measure(mode: str, loop: str, seconds: float, warmup_s: float) -> dict[str, float]:
+    """Run ``loop`` under ``mode`` in this process; what the window cost it."""
+    step = _gil_step() if loop == "gil" else _torch_step()
+    with _monitoring(mode) as log:
+        steps = 0
+        deadline = time.perf_counter() + warmup_s
+        while time.perf_counter() < deadline:
+            step()
+        started_at, cpu0, loop0, t0 = time.time(), time.process_time(), time.thread_time(), time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds:
+            loss = step()
+            steps += 1
+            if log is not None and steps % LOG_EVERY == 0:
+                log(loss, steps)
+        cpu, loop_cpu = time.process_time() - cpu0, time.thread_time() - loop0
+        ended_at = time.time()
+    return {
+        "steps_per_s": steps / elapsed,
+        "background_cpu_ms_per_s": (cpu - loop_cpu) / elapsed * 1000,
+        "logs_per_s": (steps // LOG_EVERY) / elapsed if log is not None else 0.0,
+        "started_at": started_at,
+        "ended_at": ended_at,
+    }
+
+
+# --- the driver -------------------------------------------------------------------------------
+
+
+def _child(mode: str, loop: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> dict[str, float]:
+    inner = [sys.executable, "-m", "bench.overhead", "--child", mode, loop, str(out)]
+    inner += ["--seconds", str(args.seconds), "--warmup", str(args.warmup)]
+    command = [sys.executable, "-m", "otel_forge.cli", "run", "--", *inner] if mode == "otel-forge-run" else inner
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    return json.loads(out.read_text())
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from bench._common import REPO_ROOT
+    from testkit.gpu_fakes import fake_gpu_env
+    from testkit.hermetic import hermetic_environ
+    from testkit.mlflow_server import MlflowServer
+    from testkit.proxy import MlflowProxy
+
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp, MlflowServer(Path(tmp)).start() as server:
+        with MlflowProxy(server.uri) as proxy:
+            env = fake_gpu_env({"count": args.gpus}, base=hermetic_environ())
+            env.update(
+                MLFLOW_TRACKING_URI=proxy.uri,
+                OTEL_FORGE_PROMETHEUS="false",
+                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env["PYTHONPATH"]]),
+            )
+            for round_index in range(args.rounds):
+                order = MODES[round_index % len(MODES) :] + MODES[: round_index % len(MODES)]
+                for loop in args.loops:
+                    for mode in order:
+                        result = _child(mode, loop, args, env, Path(tmp) / "result.json")
+                        window = [
+                            at
+                            for at, body in proxy.arrivals(LOG_BATCH)
+                            if result["started_at"] <= at <= result["ended_at"]
+                        ]
+                        result["log_batch_per_s"] = len(window) / (result["ended_at"] - result["started_at"])
+                        results.setdefault((loop, mode), []).append(result)
+                        print(
+                            f"round {round_index + 1} {loop} {mode}: {result['steps_per_s']:.0f} steps/s",
+                            file=sys.stderr,
+                        )
+    return _summary(results, args)
+
+
+def _summary(results: dict[tuple[str, str], list[dict[str, float]]], args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for (loop, mode), runs in results.items():
+        bare = results[(loop, "bare")]
+        loss = [1 - run["steps_per_s"] / base["steps_per_s"] for run, base in zip(runs, bare, strict=True)]
+        rows.append(
+            {
+                "loop": loop,
+                "mode": mode,
+                "steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
+                "steps_lost_pct": 100 * statistics.median(loss),
+                "background_cpu_ms_per_s": statistics.median(r["background_cpu_ms_per_s"] for r in runs),
+                "logs_per_s": statistics.median(r["logs_per_s"] for r in runs),
+                "log_batch_per_s": statistics.median(r["log_batch_per_s"] for r in runs),
+            }
+        )
+    return {"rounds": args.rounds, "seconds": args.seconds, "gpus": args.gpus, "rows": rows}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = [
+        f"{summary['rounds']} interleaved rounds of {summary['seconds']:g} s per mode and loop; medians. "
+        f"{summary['gpus']} fake GPUs; samplers at their default 10 s interval.",
+        "",
+        "| loop | mode | steps/s | steps/s lost vs bare | training process CPU off the loop | loss values logged/s | `log-batch`/s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in summary["rows"]:
+        lines.append(
+            f"| {row['loop']} | {row['mode']} | {row['steps_per_s']:.0f} | {row['steps_lost_pct']:+.1f}% "
+            f"| {row['background_cpu_ms_per_s']:.2f} ms/s | {row['logs_per_s']:.1f} | {row['log_batch_per_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per mode (default 10)")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of loop before measuring (default 3)")
+    parser.add_argument("--gpus", type=int, default=8, help="fake NVIDIA GPUs every sampler sees (default 8)")
+    parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS), help="loops to run (default both)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    parser.add_argument("--child", nargs=3, metavar=("MODE", "LOOP", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        mode, loop, out = args.child
+        Path(out).write_text(json.dumps(measure(mode, loop, args.seconds, args.warmup)))
+        return
+    summary = run_bench(args)
+    print(json.dumps(summary, indent=2) if args.json else markdown(summary))
+
+
+if __name__ == "__main__":
+    main()
