@@ -8,10 +8,11 @@ Two loops, each in a fresh ``sys.executable`` process per measurement:
 - ``gil``: pure Python holding the GIL (~1 ms a step), the shape of a loop that launches GPU kernels;
 - ``torch``: a small MLP trained on CPU (torch, one intra-op thread).
 
-Both log the loss every 50 steps (about 20 values a second), except where the mode logs nothing.
-Modes: ``bare``; MLflow's own ``log_system_metrics=True`` (its sampler thread, nothing logged);
-MLflow's asynchronous logging (``log_metric(..., synchronous=False)``); ``TrainingRun`` sampling only,
-logging only, and both; and ``otel-forge run -- python LOOP`` (the loop logs through ``TrainingRun``;
+Both log the loss every 50 steps (about 20 calls a second), except where the mode logs nothing; the
+``-wide`` modes log 500 values per call (about 10,000 values a second). Modes: ``bare``; MLflow's own
+``log_system_metrics=True`` (its sampler thread, nothing logged); MLflow's asynchronous logging
+(``log_metrics(..., synchronous=False)``); ``TrainingRun`` sampling only, logging only, and both; and
+``otel-forge run -- python LOOP`` (the loop logs through ``TrainingRun``;
 the node is sampled by the ``otel-forge run`` process, outside the training process). Every sampler runs
 at its default interval (10 s, MLflow's and ours) and sees ``--gpus`` fake NVIDIA GPUs (``tests/fakes``).
 
@@ -44,11 +45,14 @@ MODES = (
     "bare",
     "mlflow-system-metrics",
     "mlflow-async",
+    "mlflow-async-wide",
     "trainingrun-sampling",
     "trainingrun-logging",
+    "trainingrun-logging-wide",
     "trainingrun-both",
     "otel-forge-run",
 )
+WIDE_KEYS = 500  # values per call in the -wide modes: ~10,000 values a second
 LOOPS = ("gil", "torch")
 
 Log = Callable[[float, int], None]
@@ -95,8 +99,8 @@ def _monitoring(mode: str) -> Iterator[Log | None]:
         import mlflow
 
         with mlflow.start_run(log_system_metrics=mode == "mlflow-system-metrics"):
-            if mode == "mlflow-async":
-                yield lambda loss, step: mlflow.log_metric("loss", loss, step=step, synchronous=False)
+            if mode.startswith("mlflow-async"):
+                yield lambda loss, step: mlflow.log_metrics(_values(mode, loss), step=step, synchronous=False)
             else:
                 yield None
             mlflow.flush_async_logging()
@@ -104,7 +108,15 @@ def _monitoring(mode: str) -> Iterator[Log | None]:
         from otel_forge import TrainingRun
 
         with TrainingRun(system_metrics=mode in ("trainingrun-sampling", "trainingrun-both")) as run:
-            yield None if mode == "trainingrun-sampling" else (lambda loss, step: run.log({"loss": loss}, step=step))
+            yield (
+                None if mode == "trainingrun-sampling" else (lambda loss, step: run.log(_values(mode, loss), step=step))
+            )
+
+
+def _values(mode: str, loss: float) -> dict[str, float]:
+    if mode.endswith("-wide"):
+        return {f"layer{i}/grad_norm": loss for i in range(WIDE_KEYS)}
+    return {"loss": loss}
 
 
 def measure(mode: str, loop: str, seconds: float, warmup_s: float) -> dict[str, float]:
@@ -126,7 +138,7 @@ def measure(mode: str, loop: str, seconds: float, warmup_s: float) -> dict[str, 
     return {
         "steps_per_s": steps / elapsed,
         "background_cpu_ms_per_s": (cpu - loop_cpu) / elapsed * 1000,
-        "logs_per_s": (steps // LOG_EVERY) / elapsed if log is not None else 0.0,
+        "values_per_s": (steps // LOG_EVERY) * len(_values(mode, 0.0)) / elapsed if log is not None else 0.0,
         "started_at": started_at,
         "ended_at": ended_at,
     }
@@ -151,31 +163,34 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from testkit.proxy import MlflowProxy
 
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, MlflowServer(Path(tmp)).start() as server:
-        with MlflowProxy(server.uri) as proxy:
-            env = fake_gpu_env({"count": args.gpus}, base=hermetic_environ())
-            env.update(
-                MLFLOW_TRACKING_URI=proxy.uri,
-                OTEL_FORGE_PROMETHEUS="false",
-                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env["PYTHONPATH"]]),
-            )
-            for round_index in range(args.rounds):
-                order = MODES[round_index % len(MODES) :] + MODES[: round_index % len(MODES)]
-                for loop in args.loops:
-                    for mode in order:
-                        result = _child(mode, loop, args, env, Path(tmp) / "result.json")
-                        window = [
-                            at
-                            for at, body in proxy.arrivals(LOG_BATCH)
-                            if result["started_at"] <= at <= result["ended_at"]
-                        ]
-                        result["log_batch_per_s"] = len(window) / (result["ended_at"] - result["started_at"])
-                        results.setdefault((loop, mode), []).append(result)
-                        print(
-                            f"round {round_index + 1} {loop} {mode}: {result['steps_per_s']:.0f} steps/s",
-                            file=sys.stderr,
-                        )
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        MlflowServer(Path(tmp)).start() as server,
+        MlflowProxy(server.uri) as proxy,
+    ):
+        env = fake_gpu_env({"count": args.gpus}, base=hermetic_environ())
+        env.update(
+            MLFLOW_TRACKING_URI=proxy.uri,
+            OTEL_FORGE_PROMETHEUS="false",
+            PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env["PYTHONPATH"]]),
+        )
+        for round_index in range(args.rounds):
+            shift = round_index % len(args.modes)
+            for loop in args.loops:
+                for mode in [*args.modes[shift:], *args.modes[:shift]]:
+                    result = _child(mode, loop, args, env, Path(tmp) / "result.json")
+                    result["log_batch_per_s"] = _calls_per_s(proxy, result)
+                    results.setdefault((loop, mode), []).append(result)
+                    print(
+                        f"round {round_index + 1} {loop} {mode}: {result['steps_per_s']:.0f} steps/s", file=sys.stderr
+                    )
     return _summary(results, args)
+
+
+def _calls_per_s(proxy: Any, result: dict[str, float]) -> float:
+    """``log-batch`` requests per second the server got while the loop was measured."""
+    window = [at for at, _ in proxy.arrivals(LOG_BATCH) if result["started_at"] <= at <= result["ended_at"]]
+    return len(window) / (result["ended_at"] - result["started_at"])
 
 
 def _summary(results: dict[tuple[str, str], list[dict[str, float]]], args: argparse.Namespace) -> dict[str, Any]:
@@ -190,7 +205,7 @@ def _summary(results: dict[tuple[str, str], list[dict[str, float]]], args: argpa
                 "steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
                 "steps_lost_pct": 100 * statistics.median(loss),
                 "background_cpu_ms_per_s": statistics.median(r["background_cpu_ms_per_s"] for r in runs),
-                "logs_per_s": statistics.median(r["logs_per_s"] for r in runs),
+                "values_per_s": statistics.median(r["values_per_s"] for r in runs),
                 "log_batch_per_s": statistics.median(r["log_batch_per_s"] for r in runs),
             }
         )
@@ -202,15 +217,23 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{summary['rounds']} interleaved rounds of {summary['seconds']:g} s per mode and loop; medians. "
         f"{summary['gpus']} fake GPUs; samplers at their default 10 s interval.",
         "",
-        "| loop | mode | steps/s | steps/s lost vs bare | training process CPU off the loop | loss values logged/s | `log-batch`/s |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| loop | mode | steps/s | steps/s lost vs bare | training process CPU off the loop | values logged/s "
+        "| CPU per value | `log-batch`/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in summary["rows"]:
         lines.append(
             f"| {row['loop']} | {row['mode']} | {row['steps_per_s']:.0f} | {row['steps_lost_pct']:+.1f}% "
-            f"| {row['background_cpu_ms_per_s']:.2f} ms/s | {row['logs_per_s']:.1f} | {row['log_batch_per_s']:.2f} |"
+            f"| {row['background_cpu_ms_per_s']:.2f} ms/s | {row['values_per_s']:.0f} | {_per_value(row)} "
+            f"| {row['log_batch_per_s']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _per_value(row: dict[str, Any]) -> str:
+    if not row["values_per_s"]:
+        return ""
+    return f"{row['background_cpu_ms_per_s'] / row['values_per_s'] * 1000:.0f} µs"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of loop before measuring (default 3)")
     parser.add_argument("--gpus", type=int, default=8, help="fake NVIDIA GPUs every sampler sees (default 8)")
     parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS), help="loops to run (default both)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (default all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--child", nargs=3, metavar=("MODE", "LOOP", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -13,7 +13,7 @@ BENCHES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "bench")
 
 
 def test_the_benches_the_readme_names_are_found() -> None:
-    names = {"collect_once", "fleet", "gpu_check", "log_latency", "mlflow_export", "rendezvous", "sampling"}
+    names = {"collect_once", "fleet", "gpu_check", "log_latency", "mlflow_export", "overhead", "rendezvous", "sampling"}
     assert names <= set(BENCHES), BENCHES
 
 

@@ -1,0 +1,74 @@
+"""A ``TrainingRun`` samples its node in a child process: the training process runs no collector, no
+SDK reader and no MLflow window call (they took its GIL from the loop), and the child stops with the
+run, or by itself once the training process is gone, its windows delivered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import threading
+
+import psutil
+from trun_helpers import popen_script
+
+from otel_forge import ForgeConfig, TrainingRun
+from testkit.servers import wait_for
+
+CPU_KEY = "system/cpu_utilization_percentage"
+
+
+def _samplers(parent: psutil.Process) -> list[psutil.Process]:
+    return [child for child in parent.children() if "otel_forge.cli.sampler" in " ".join(child.cmdline())]
+
+
+def test_the_node_is_sampled_by_a_child_process_and_no_thread_of_the_training_process(
+    mlflow_server, client, experiment
+):
+    config = ForgeConfig.resolve(environ={}, sampling_interval_s=0.2, prometheus=False)
+    threads_before = {thread.ident for thread in threading.enumerate()}
+    with TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, forge_config=config) as run:
+        run.log({"loss": 1.0}, step=0)
+        wait_for(lambda: len(client.get_metric_history(run.run_id, CPU_KEY)) >= 2, 60, message="sampled windows")
+        [sampler] = _samplers(psutil.Process())
+        ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
+    # The run's owner, its delivery thread and the watch that stands MLflow's own sampler down (a look at
+    # a dict a second): no reader, collector or exporter thread.
+    assert set(ours) <= {"mlflow-run-owner", "mlflow-training-run-sender", "otel-forge-mlflow-sampler"}, ours
+    assert not sampler.is_running() or sampler.status() == psutil.STATUS_ZOMBIE  # stopped with the run
+    after_close = len(client.get_metric_history(run.run_id, CPU_KEY))
+    assert after_close >= 2
+    assert client.get_run(run.run_id).info.status == "FINISHED"
+
+
+KILLED_SCRIPT = """
+import os, sys, time
+import psutil
+from otel_forge import ForgeConfig, TrainingRun
+run = TrainingRun(tracking_uri={uri!r}, experiment={experiment!r},
+                  forge_config=ForgeConfig.resolve(sampling_interval_s=0.2, prometheus=False))
+run.start(timeout_s=30)
+run.log({{"loss": 1.0}}, step=0)
+time.sleep(3)
+[sampler] = [c for c in psutil.Process().children() if "otel_forge.cli.sampler" in " ".join(c.cmdline())]
+print(run.run_id, sampler.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sampler_whose_training_process_was_killed_delivers_its_windows_and_exits(mlflow_server, client, experiment):
+    script = textwrap.dedent(KILLED_SCRIPT.format(uri=mlflow_server.uri, experiment=experiment))
+    process = popen_script(script)
+    try:
+        run_id, sampler_pid = process.stdout.readline().split()
+        sampler = psutil.Process(int(sampler_pid))
+        windows_before = len(client.get_metric_history(run_id, CPU_KEY))
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+        sampler.wait(timeout=60)  # it notices its parent is gone, stops, delivers, exits
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stdout.close()
+        process.stderr.close()
+    assert len(client.get_metric_history(run_id, CPU_KEY)) > windows_before
