@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from importlib.metadata import version
 from typing import NoReturn
 
 from otel_forge.cli import doctor, monitor, replay, run
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Hardware metrics of a training machine, to MLflow, Prometheus and OpenTelemetry.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"otel-forge {version('otel-forge')}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in (run, monitor, doctor, replay):
         command.add_parser(commands)

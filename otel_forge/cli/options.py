@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from otel_forge.config import COLLECTOR_NAMES, ForgeConfig
+from otel_forge.config import SETTINGS_BY_NAME, ForgeConfig
 
 # flag -> ForgeConfig field; argparse stores each under the field's name.
 AGENT_FLAGS = {
@@ -25,12 +25,12 @@ AGENT_FLAGS = {
 }
 _HELP = {
     "--interval": "seconds between samples",
-    "--samples-per-window": "samples folded into one MLflow step",
-    "--prometheus-host": "address of the /metrics endpoint (default localhost)",
-    "--prometheus-port": "port of the /metrics endpoint (default 9464)",
+    "--samples-per-window": "samples folded into one MLflow step (default: 1, 3 or 6 by the job's node count)",
+    "--prometheus-host": "address of the /metrics endpoint",
+    "--prometheus-port": "port of the /metrics endpoint (0: a free one)",
     "--otlp-endpoint": "OTLP endpoint URL (enables OTLP export)",
     "--otlp-protocol": "grpc or http/protobuf",
-    "--collectors": f"comma-separated: {','.join(COLLECTOR_NAMES)}",
+    "--collectors": "collectors to run, comma-separated",
     "--gpus": "all, visible, or a list of GPU indices/UUIDs",
     "--node-id": "node id (default: from the launcher)",
     "--job-id": "job key shared by every process of the job (default: from the launcher)",
@@ -40,11 +40,14 @@ _HELP = {
 }
 
 
-def add_agent_options(parser: argparse.ArgumentParser) -> None:
+def add_agent_options(parser: argparse.ArgumentParser, help_overrides: dict[str, str] | None = None) -> None:
     group = parser.add_argument_group("agent options")
+    helps = {**_HELP, **(help_overrides or {})}
     for flag, field in AGENT_FLAGS.items():
         # Plain strings: ForgeConfig parses and validates them, naming the flag on error.
-        group.add_argument(flag, dest=field, metavar=field.split("_")[-1].upper(), help=_HELP[flag])
+        group.add_argument(
+            flag, dest=field, metavar=field.split("_")[-1].upper(), help=_with_default(helps[flag], field)
+        )
     group.add_argument(
         "--no-prometheus",
         dest="prometheus",
@@ -52,6 +55,15 @@ def add_agent_options(parser: argparse.ArgumentParser) -> None:
         const=False,
         help="do not serve a Prometheus endpoint",
     )
+
+
+def _with_default(text: str, field: str) -> str:
+    """The help, with the setting's default from the settings table (unless the text says it)."""
+    default = SETTINGS_BY_NAME[field].default
+    if "default" in text or default in (None, (), {}):
+        return text
+    shown = ",".join(default) if isinstance(default, tuple) else default
+    return f"{text} (default {shown})"
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ForgeConfig:

@@ -49,7 +49,21 @@ SOURCE_NAME_TAG = "mlflow.source.name"
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("run", help="run a training command inside an MLflow run")
+    parser = commands.add_parser(
+        "run",
+        help="run a training command inside an MLflow run",
+        description=(
+            "Open (or resume) an MLflow run, run CMD inside it and end the run with CMD's outcome. CMD's own "
+            "MLflow calls (HF Trainer, autolog, mlflow.log_metric, TrainingRun) log to that run; the node is "
+            "sampled into it as system/... metrics and served on /metrics while CMD runs."
+        ),
+        epilog=(
+            "example:\n"
+            "  otel-forge run --experiment llm -- python train.py --lr 3e-4\n"
+            "  torchrun --nnodes 2 --nproc-per-node 8 ... : otel-forge run -- python train.py  (one per node)"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--experiment", help="experiment name (default: MLFLOW_EXPERIMENT_NAME, else otel-forge)")
     parser.add_argument("--run-name", help="name of a new run")
     parser.add_argument("--description", help="run description (mlflow.note.content)")
@@ -59,7 +73,13 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="with --run-id / MLFLOW_RUN_ID: start a new run if that run does not exist",
     )
-    add_agent_options(parser)
+    add_agent_options(
+        parser,
+        {
+            "--run-id": "resume this MLflow run (default: MLFLOW_RUN_ID, else a new run)",
+            "--pid": "root of the monitored process tree (default: CMD)",
+        },
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     parser.set_defaults(run=run)
 

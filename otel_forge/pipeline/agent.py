@@ -33,6 +33,12 @@ _logger = logging.getLogger(__name__)
 ExporterFactory = Callable[[], "MetricExporter"]
 
 
+_PORT_FIX = (
+    "serve another port (--prometheus-port 0 or OTEL_EXPORTER_PROMETHEUS_PORT=0 picks a free one) or none "
+    "(--no-prometheus or OTEL_FORGE_PROMETHEUS=false)"
+)
+
+
 class EndpointError(OSError):
     """An endpoint could not be served (e.g. the Prometheus port is in use)."""
 
@@ -48,7 +54,7 @@ def serve_prometheus(config: ForgeConfig, rendering: PrometheusRendering) -> Pro
         raise EndpointError(
             f"cannot serve Prometheus on {where} "
             f"(prometheus_port from {config.source('prometheus_port')}): "
-            f"{error.strerror or error}"
+            f"{error.strerror or error}; {_PORT_FIX}"
         ) from None
 
 

@@ -81,7 +81,7 @@ def test_bad_value_is_one_line_and_exit_2(bad_args: list[str], named: str) -> No
     assert "serving" not in result.stdout
 
 
-def test_port_in_use_is_one_line_naming_the_port() -> None:
+def test_port_in_use_is_one_line_naming_the_port_and_the_fix() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -93,6 +93,7 @@ def test_port_in_use_is_one_line_naming_the_port() -> None:
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
     assert str(port) in lines[0], lines[0]
+    assert "--prometheus-port 0" in lines[0] and "--no-prometheus" in lines[0], lines[0]
     assert "Traceback" not in result.stderr
     assert "serving" not in result.stdout
 

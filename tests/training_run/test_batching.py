@@ -4,6 +4,7 @@ real MLflow server): each ``log-batch`` request with metrics is one call the tra
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from otel_forge import ForgeConfig, TrainingRun
@@ -52,7 +53,7 @@ def test_a_steady_20_values_a_second_is_one_log_batch_per_flush_interval(mlflow_
         run.close()
         batches = _metric_batches(proxy)
     # Never two calls within one interval (a slow machine only spaces them more); close adds one.
-    gaps = [later - earlier for (earlier, _), (later, _) in zip(before_close, before_close[1:])]
+    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(before_close)]
     assert all(gap >= 0.9 * flush_interval_s for gap in gaps), gaps
     assert len(batches) <= len(before_close) + 1
     assert sum(size for _, size in batches) == 60
