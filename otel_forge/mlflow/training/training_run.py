@@ -449,8 +449,9 @@ class TrainingRun:
 
     def _metric_flush(self) -> MetricFlush:
         """The next flush: due one flush interval after the last one (sooner once a batch is full)."""
-        due = max(time.time(), self._next_flush_at)
-        self._next_flush_at = due + self.forge_config.flush_interval_s
+        now, interval_s = time.time(), self.forge_config.flush_interval_s
+        due = min(max(now, self._next_flush_at), now + interval_s)  # a clock set back delays no flush more
+        self._next_flush_at = due + interval_s
         return MetricFlush(self._live_run, self._metrics, self._refused, self._flush_done, due=due)
 
     def _refused(self, row: MetricRow, reason: str) -> None:
