@@ -45,9 +45,13 @@ class ConnectionLimits:
     write_timeout_s: float = 30.0
     max_connections: int = 512
     fd_reserve: int = 64  # descriptors left for the collectors, the exporters and MLflow's client
+    # The listen backlog, which is also how many connections the loop accepts in one go before any is
+    # admitted (asyncio's accept loop): a burst may hold that many descriptors over the bound.
+    backlog: int = 64
 
     def connection_cap(self) -> int:
-        """``max_connections``, or what the fd limit leaves once the reserve and the fds in use are counted."""
+        """``max_connections``, or what the fd limit leaves once the fds in use, an accept burst and the
+        reserve are counted."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:
             return self.max_connections
@@ -55,7 +59,7 @@ class ConnectionLimits:
             in_use = len(os.listdir("/proc/self/fd"))
         except OSError:
             in_use = 0
-        return max(1, min(self.max_connections, soft - in_use - self.fd_reserve))
+        return max(1, min(self.max_connections, soft - in_use - self.backlog - self.fd_reserve))
 
 
 class _BadRequest(Exception):
@@ -217,11 +221,12 @@ class PrometheusEndpoint:
         """Bind ``host:port`` (0: a free port) and serve; raises OSError when it cannot bind."""
         limits = limits or ConnectionLimits()
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        sock = socket.create_server((host, port), family=family, backlog=128)
+        sock = socket.create_server((host, port), family=family, backlog=limits.backlog)
         server = _MetricsServer(rendering, limits, limits.connection_cap())
         loop = asyncio.new_event_loop()
         loop.set_exception_handler(_log_loop_error)
-        listener = loop.run_until_complete(asyncio.start_server(server.serve_connection, sock=sock, limit=_HEAD_LIMIT))
+        serving = asyncio.start_server(server.serve_connection, sock=sock, limit=_HEAD_LIMIT, backlog=limits.backlog)
+        listener = loop.run_until_complete(serving)
         thread = threading.Thread(target=loop.run_forever, name="otel-forge-prometheus", daemon=True)
         thread.start()
         bound_host, bound_port = str(sock.getsockname()[0]), sock.getsockname()[1]
