@@ -53,7 +53,7 @@ class MlflowKey:
     ``key`` may name attributes in braces (``gpu_{hw.id}_power_usage_watts``); ``where`` keeps
     only points whose attribute has one of the listed values, ``without`` only points lacking
     these attributes; points that map to the same key are summed
-    (``network_{network.io.direction}_megabytes`` adds up the interfaces).
+    (``network_{network.io.direction}_megabytes_per_second`` adds up the interfaces).
     """
 
     key: str
@@ -175,10 +175,15 @@ METRICS: tuple[MetricSpec, ...] = (
                (K("disk_{disk.io.direction}_operations_per_second", fold=Fold.RATE),)),
     # network
     MetricSpec("system.network.io", C, "By", "network", _NET, "Bytes per interface and direction.",
-               (K("network_{network.io.direction}_megabytes", _MB, Fold.SINCE_START),
-                K("network_{network.io.direction}_megabytes_per_second", _MB, Fold.RATE),
+               (K("network_{network.io.direction}_megabytes_per_second", _MB, Fold.RATE),
                 K("network_{network.interface.name}_{network.io.direction}_megabytes_per_second", _MB,
                   Fold.RATE))),
+    # MLflow's network_*_megabytes count every interface psutil lists (net_io_counters()'s totals), so
+    # ours do too; the per-interface series above keep to the interfaces traffic leaves the node by.
+    MetricSpec("otel_forge.network.io.all_interfaces", C, "By", "network", ("network.io.direction",),
+               "Bytes over every interface, loopback and virtual ones included, summed, by direction (what "
+               "MLflow's monitor counts as network traffic).",
+               (K("network_{network.io.direction}_megabytes", _MB, Fold.SINCE_START),)),
     MetricSpec("system.network.packet.count", C, "{packet}", "network", _NET,
                "Packets per interface and direction.",
                (K("network_{network.io.direction}_packets_per_second", fold=Fold.RATE),)),

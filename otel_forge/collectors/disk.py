@@ -63,6 +63,18 @@ def is_real_filesystem(fstype: str, mountpoint: str) -> bool:
     return fstype not in PSEUDO_FILESYSTEMS and not mountpoint.startswith(("/proc", "/sys", "/dev", "/run"))
 
 
+def filesystems_to_measure() -> list:
+    """psutil's real filesystems, with "/" first whatever it is: MLflow's monitor measures
+    ``disk_usage("/")``, and psutil's ``all=False`` leaves out a container's overlay root (overlay has
+    no device of its own). First, so a bind mount of the root's device listed before it cannot hide it."""
+    listed = psutil.disk_partitions(all=False)
+    roots = [p for p in listed if p.mountpoint == "/"]
+    if not roots:
+        # /proc/self/mounts lists what is mounted over "/" after what it hides: the last one is seen.
+        roots = [p for p in psutil.disk_partitions(all=True) if p.mountpoint == "/"][-1:]
+    return roots[-1:] + [p for p in listed if p.mountpoint != "/"]
+
+
 # Mounts rarely change; listing them costs half a read.
 _MOUNTS_MAX_AGE_S = 60.0
 
@@ -86,7 +98,7 @@ class DiskCollector(HardwareCollector):
         seen_devices: set[str] = set()
         now = time.monotonic()
         if now - self._partitions_at_s >= _MOUNTS_MAX_AGE_S:
-            self._partitions, self._partitions_at_s = psutil.disk_partitions(all=False), now
+            self._partitions, self._partitions_at_s = filesystems_to_measure(), now
         for partition in self._partitions:
             # Bind mounts repeat a device; report it once, at its first mountpoint.
             if not is_real_filesystem(partition.fstype, partition.mountpoint) or partition.device in seen_devices:

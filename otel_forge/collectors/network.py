@@ -1,4 +1,9 @@
-"""Network: bytes, packets, errors and drops per interface; loopback and virtual ones filtered."""
+"""Network: bytes, packets, errors and drops per interface; loopback and virtual ones filtered.
+
+Beside them, the bytes of every interface summed, loopback and virtual ones included: that is what
+MLflow's monitor counts (``psutil.net_io_counters()``) under ``network_*_megabytes``, and a key MLflow
+also writes keeps MLflow's meaning.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from otel_forge.config import ForgeConfig
 
 _VIRTUAL_PREFIXES = ("lo", "docker", "veth", "br-", "virbr", "cni", "flannel", "cali", "ifb", "tun", "tap")
 _SYSFS_VIRTUAL = "/sys/devices/virtual/net"
+_DIRECTIONS = ("receive", "transmit")
 
 
 def is_physical_interface(name: str) -> bool:
@@ -31,7 +37,11 @@ class NetworkCollector(HardwareCollector):
         return cls()
 
     def read(self, readings: Readings) -> None:
+        # One read for both: the per-interface series and the all-interface sum come from the same counters.
+        all_interfaces = dict.fromkeys(_DIRECTIONS, 0)
         for interface, io in psutil.net_io_counters(pernic=True, nowrap=True).items():
+            all_interfaces["receive"] += io.bytes_recv
+            all_interfaces["transmit"] += io.bytes_sent
             if not self._include_virtual and not is_physical_interface(interface):
                 continue
             for direction, nbytes, packets, errors, dropped in (
@@ -43,3 +53,5 @@ class NetworkCollector(HardwareCollector):
                 readings.add("system.network.packet.count", packets, attributes)
                 readings.add("system.network.errors", errors, attributes)
                 readings.add("system.network.packet.dropped", dropped, attributes)
+        for direction, nbytes in all_interfaces.items():
+            readings.add("otel_forge.network.io.all_interfaces", nbytes, {"network.io.direction": direction})

@@ -8,9 +8,10 @@ import time
 import psutil
 import pytest
 from collector_helpers import read
+from loopback import loopback_transfer
 
 from otel_forge.collectors.cpu import CpuCollector
-from otel_forge.collectors.disk import DiskCollector, is_real_filesystem
+from otel_forge.collectors.disk import DiskCollector, filesystems_to_measure, is_real_filesystem
 from otel_forge.collectors.memory import MemoryCollector
 from otel_forge.collectors.network import NetworkCollector, is_physical_interface
 from otel_forge.collectors.process import ProcessCollector, ProcessTree
@@ -92,6 +93,34 @@ def test_pseudo_filesystems_are_filtered():
     assert is_real_filesystem("xfs", "/data")
 
 
+# A Docker container's mount table: the root is an overlay, which psutil's all=False leaves out
+# ("nodev overlay"), and the host's disk is bind-mounted over a few files before it would come.
+_CONTAINER_FILESYSTEMS = "nodev\tsysfs\nnodev\ttmpfs\nnodev\tproc\nnodev\toverlay\n\text4\n"
+_CONTAINER_MOUNTS = """\
+overlay / overlay rw,relatime,lowerdir=/l,upperdir=/u,workdir=/w 0 0
+proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
+tmpfs /dev tmpfs rw,nosuid,size=65536k,mode=755 0 0
+/dev/sda1 /etc/resolv.conf ext4 rw,relatime 0 0
+/dev/sda1 /etc/hostname ext4 rw,relatime 0 0
+"""
+
+
+def test_the_root_filesystem_is_measured_when_it_is_a_container_overlay(tmp_path, monkeypatch):
+    """MLflow's disk_* keys are psutil.disk_usage("/"); ours must be there when "/" is an overlay too."""
+    (tmp_path / "self").mkdir()
+    (tmp_path / "filesystems").write_text(_CONTAINER_FILESYSTEMS)
+    (tmp_path / "self" / "mounts").write_text(_CONTAINER_MOUNTS)
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(tmp_path))
+    assert "/" not in {p.mountpoint for p in psutil.disk_partitions(all=False)}  # what psutil alone gives
+
+    measured = filesystems_to_measure()
+    assert [(p.mountpoint, p.fstype) for p in measured][:1] == [("/", "overlay")]
+    assert [p.mountpoint for p in measured[1:]] == ["/etc/resolv.conf", "/etc/hostname"]
+    readings = read(DiskCollector())
+    used = values(readings, "system.filesystem.usage", **{"system.filesystem.mountpoint": "/"})
+    assert used and used[0] > 0
+
+
 def test_disk_io_counters_are_monotonic(tmp_path):
     collector = DiskCollector()
     before = read(collector)
@@ -116,6 +145,25 @@ def test_network_filters_loopback_and_counts_monotonically():
     for attrs, value in second.get("system.network.io"):
         assert value >= before[tuple(sorted(attrs.items()))]
     assert {a["network.io.direction"] for a, _ in first.get("system.network.io")} <= {"receive", "transmit"}
+
+
+def test_the_all_interface_sum_is_psutils_total_and_sees_loopback_traffic():
+    """MLflow's network_*_megabytes are psutil.net_io_counters()'s totals: every interface, lo included."""
+    collector = NetworkCollector()
+    before_total = psutil.net_io_counters()
+    before = read(collector)
+    sent = loopback_transfer(8 << 20)
+    after = read(collector)
+    after_total = psutil.net_io_counters()
+    assert sent == 8 << 20
+    for direction, field in (("receive", "bytes_recv"), ("transmit", "bytes_sent")):
+        (first,) = values(before, "otel_forge.network.io.all_interfaces", **{"network.io.direction": direction})
+        (second,) = values(after, "otel_forge.network.io.all_interfaces", **{"network.io.direction": direction})
+        # Between psutil's own totals read just outside ours, and grown by at least the transfer.
+        assert getattr(before_total, field) <= first <= second <= getattr(after_total, field)
+        assert second - first >= sent
+    # The per-interface series still leave lo out.
+    assert "lo" not in {a["network.interface.name"] for a, _ in after.get("system.network.io")}
 
 
 def test_loopback_is_included_only_when_asked():

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loopback import loopback_transfer
 from opentelemetry.sdk.metrics.export import MetricExportResult
 from otel_points import gauge, metrics_data
 from run_reading import anchor_steps
@@ -597,10 +598,14 @@ TOLERANCES: dict[str, tuple[str, float]] = {
     "disk_usage_megabytes": ("relative", 0.01),
     "disk_available_megabytes": ("relative", 0.01),
 }
-# Not compared by value: MLflow counts every interface, loopback included (here: every HTTP call both
-# monitors make to the 127.0.0.1 server, and whatever else this machine does), we count physical
-# interfaces only. Both must be there, counted from each monitor's start (a non-negative total).
-SINCE_START_BY_DESIGN = ("network_receive_megabytes", "network_transmit_megabytes")
+# Since-start totals over every interface, loopback included, in both: compared at each run's last
+# step. Both monitors run across a loopback transfer of LOOPBACK_BYTES, so both must hold at least
+# that; beyond it they differ by the traffic in the moments only one of them counted (their starts
+# and last windows differ by up to a second; this machine's background loopback traffic, the HTTP
+# calls of both monitors included, is well under 1 MB/s).
+SINCE_START = ("network_receive_megabytes", "network_transmit_megabytes")
+LOOPBACK_BYTES = 64 << 20
+SINCE_START_TOLERANCE = ("absolute", 3.0)  # MB
 # GPU keys: the fake returns constant values, so both must agree up to MLflow's rounding of each
 # window mean to one decimal (0.05) (and float noise).
 GPU_TOLERANCE = ("absolute", 0.05 + 1e-9)
@@ -672,7 +677,9 @@ def test_every_key_mlflows_monitor_logs_is_in_ours_with_agreeing_values(
             run_id=run_b, tracking_uri=mlflow_server.uri, sampling_interval=0.2, samples_per_window=5, prometheus=False
         )
         theirs.start()
-        time.sleep(4.2)
+        time.sleep(1.2)
+        assert loopback_transfer(LOOPBACK_BYTES) == LOOPBACK_BYTES
+        time.sleep(3.0)
         theirs.finish()
         ours.stop()
         assert nvml.calls("nvmlDeviceGetUtilizationRates", 0) > 0
@@ -687,8 +694,13 @@ def test_every_key_mlflows_monitor_logs_is_in_ours_with_agreeing_values(
     for key in sorted(their_keys):
         name = key.removeprefix("system/")
         their_history, our_history = history(client, run_a, key), history(client, run_b, key)
-        if name in SINCE_START_BY_DESIGN:
-            assert min(m.value for m in our_history) >= 0, our_history
+        if name in SINCE_START:
+            theirs_last = max(their_history, key=lambda m: m.step).value
+            ours_last = max(our_history, key=lambda m: m.step).value
+            comparisons.append((name, theirs_last, ours_last))
+            floor = LOOPBACK_BYTES / 1e6
+            if min(theirs_last, ours_last) < floor or not _agrees(*SINCE_START_TOLERANCE, theirs_last, ours_last):
+                disagreements[name] = (theirs_last, ours_last, *SINCE_START_TOLERANCE, floor)
             continue
         kind, tolerance = _tolerance(name)
         theirs_value = statistics.fmean(m.value for m in their_history)

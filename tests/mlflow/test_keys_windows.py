@@ -100,38 +100,52 @@ def test_disk_usage_percentage_is_the_root_filesystem_and_mounts_get_their_own_k
     assert values["system/node_0/disk_mnt_data_usage_megabytes"] == pytest.approx(9_000.0)
 
 
-def _network(eth0_rx: float, eth1_rx: float, eth0_tx: float = 0.0) -> object:
-    return counter(
-        "system.network.io",
-        [
-            ({"network.interface.name": "eth0", "network.io.direction": "receive"}, eth0_rx),
-            ({"network.interface.name": "eth1", "network.io.direction": "receive"}, eth1_rx),
-            ({"network.interface.name": "eth0", "network.io.direction": "transmit"}, eth0_tx),
-        ],
-    )
+def _network(eth0_rx: float, eth1_rx: float, eth0_tx: float = 0.0, lo_rx: float = 0.0) -> list[object]:
+    """What the network collector reports: physical interfaces one by one, and every interface summed."""
+    return [
+        counter(
+            "system.network.io",
+            [
+                ({"network.interface.name": "eth0", "network.io.direction": "receive"}, eth0_rx),
+                ({"network.interface.name": "eth1", "network.io.direction": "receive"}, eth1_rx),
+                ({"network.interface.name": "eth0", "network.io.direction": "transmit"}, eth0_tx),
+            ],
+        ),
+        counter(
+            "otel_forge.network.io.all_interfaces",
+            [
+                ({"network.io.direction": "receive"}, eth0_rx + eth1_rx + lo_rx),
+                ({"network.io.direction": "transmit"}, eth0_tx + lo_rx),
+            ],
+        ),
+    ]
 
 
-def test_network_receive_megabytes_is_summed_over_interfaces_since_start() -> None:
+def test_network_megabytes_are_every_interface_since_start_as_mlflow_counts() -> None:
     mapper = KeyMapper(PREFIX)
     folder = WindowFolder(samples_per_window=2)
     samples = [
-        (_network(1e6, 3e6), 100.0),
-        (_network(2.5e6, 3.5e6), 101.0),  # window 0: +2 MB
-        (_network(3e6, 4e6), 102.0),
-        (_network(5e6, 6e6), 103.0),
-    ]  # window 1: +7 MB since start
-    windows = [folder.add(mapper.sample(as_named_points(metrics_data(m))), t) for m, t in samples]
+        (_network(1e6, 3e6, lo_rx=10e6), 100.0),
+        (_network(2.5e6, 3.5e6, lo_rx=10e6), 101.0),  # window 0: +2 MB
+        (_network(3e6, 4e6, lo_rx=12e6), 102.0),
+        (_network(5e6, 6e6, lo_rx=14e6), 103.0),
+    ]  # window 1: +7 MB since start over eth0 and eth1, +4 MB over lo
+    windows = [folder.add(mapper.sample(as_named_points(metrics_data(*m))), t) for m, t in samples]
 
     first, second = dict(windows[1].values), dict(windows[3].values)
     assert windows[0] is None and windows[2] is None
     key = "system/node_0/network_receive_megabytes"
-    fold, value = mapper.sample(as_named_points(metrics_data(_network(1e6, 3e6))))[key]
-    assert fold is Fold.SINCE_START and value == pytest.approx(4.0)  # eth0 + eth1, in MB
+    fold, value = mapper.sample(as_named_points(metrics_data(*_network(1e6, 3e6, lo_rx=10e6))))[key]
+    assert fold is Fold.SINCE_START and value == pytest.approx(14.0)  # eth0 + eth1 + lo, in MB
     assert first[key] == pytest.approx(2.0)
-    assert second[key] == pytest.approx(7.0)
+    assert second[key] == pytest.approx(11.0)  # lo's traffic counted, as psutil.net_io_counters() counts it
+    # Our own rates keep to the physical interfaces: eth0 + eth1 grew 2 MB in 1 s, then 5 MB over the next 2 s.
+    assert first["system/node_0/network_receive_megabytes_per_second"] == pytest.approx(2.0)
+    assert second["system/node_0/network_receive_megabytes_per_second"] == pytest.approx(2.5)
     # A per-interface rate: eth0 grew 1.5 MB in 1 s, then 2.5 MB over the next 2 s.
     assert first["system/node_0/network_eth0_receive_megabytes_per_second"] == pytest.approx(1.5)
     assert second["system/node_0/network_eth0_receive_megabytes_per_second"] == pytest.approx(1.25)
+    assert not any("_lo_" in k for k in second)
 
 
 def test_gpu_keys_carry_the_gpu_index() -> None:
