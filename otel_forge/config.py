@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import ipaddress
 import math
 import os
@@ -247,10 +248,28 @@ def _phrases(text: str) -> tuple[str, ...]:
     return tuple(phrase.strip() for phrase in text.split(",") if phrase.strip())
 
 
+# What MLflow's SQL store (sqlite:///mlflow.db, the default) needs beyond mlflow-skinny, the core
+# dependency; the [local] extra brings them with the full mlflow package.
+_SQL_STORE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+_SQL_STORE_MODULES = ("sqlalchemy", "alembic")
+LOCAL_EXTRA_INSTALL = "pip install 'otel-forge[local]'"
+
+
+def _missing_modules(names: tuple[str, ...]) -> list[str]:
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def local_store_problem(tracking_uri: str) -> str | None:
-    """Why a local sqlite store cannot be written, else None: found by opening the file for
-    appending (MLflow creates it anyway), since access checks do not see read-only mounts as root."""
+    """Why a database store cannot be written, else None. A lean install (mlflow-skinny) has no SQL
+    store: said in one line with the install that adds it, before MLflow's own error about a model
+    registry. A sqlite file is then opened for appending (MLflow creates it anyway), since access
+    checks do not see read-only mounts as root."""
     parsed = urllib.parse.urlsplit(tracking_uri)
+    if parsed.scheme.split("+")[0] in _SQL_STORE_SCHEMES and (missing := _missing_modules(_SQL_STORE_MODULES)):
+        return (
+            f"the MLflow store {parsed.scheme}:// is a database, and MLflow's SQL store is not installed "
+            f"(no {', '.join(missing)}: the lean otel-forge talks to a tracking server): {LOCAL_EXTRA_INSTALL}"
+        )
     if parsed.scheme != "sqlite" or parsed.path in ("", "/", "/:memory:"):
         return None
     path = Path(urllib.parse.unquote(parsed.path[1:]))
