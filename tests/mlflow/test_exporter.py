@@ -337,8 +337,9 @@ def test_a_node_whose_opener_knows_the_run_resumes_from_its_anchor_without_readi
     assert proxy.count(GET_RUN) == get_runs  # one key's history, never the whole run
     assert exporter.window_logger.first_step == 3
     assert steps_of(client, run_id, "system/node_0/cpu_utilization_percentage") == list(range(6))
-    # The constant total: sent at the start of each life only (and every tenth window, were there ten).
-    assert steps_of(client, run_id, "system/node_0/system_memory_total_megabytes") == [0, 3]
+    # The constant total: sent at the start and the end of each life only (and every tenth window,
+    # were there ten): a line, not a point.
+    assert steps_of(client, run_id, "system/node_0/system_memory_total_megabytes") == [0, 2, 3, 5]
 
 
 # --- a run deleted while exporting --------------------------------------------------------------
@@ -408,7 +409,8 @@ def test_windows_survive_a_failing_server_in_order(client, experiment_id, proxy,
     assert steps == list(range(len(steps))), steps
     assert len(steps) >= 12
     assert counts["retried"] >= 1 and counts["spooled"] >= 1 and counts["dropped"] == 0, counts
-    assert counts["pending"] == 0 and counts["delivered"] == len(steps), counts
+    # A delivery per step, and one more when the close sends what the last step held back.
+    assert counts["pending"] == 0 and counts["delivered"] in (len(steps), len(steps) + 1), counts
     assert not (tmp_path / "spool").exists() or not any((tmp_path / "spool").iterdir())
 
 

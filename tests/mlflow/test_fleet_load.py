@@ -117,16 +117,17 @@ def test_an_unchanged_value_is_sent_every_tenth_window(client, experiment_id, tm
     exporter.shutdown()
 
     assert _steps(client, run_id, "system/node_0/cpu_utilization_percentage") == list(range(25))
-    assert _steps(client, run_id, "system/node_0/system_memory_total_megabytes") == [0, 10, 20]
+    # ... and at the last window (24), whole: every line runs to the run's last step.
+    assert _steps(client, run_id, "system/node_0/system_memory_total_megabytes") == [0, 10, 20, 24]
     # Sent when it changed (12), then refreshed 10 windows after: a chart's line goes on.
-    assert _steps(client, run_id, "system/node_0/system_memory_usage_percentage") == [0, 10, 12, 22]
+    assert _steps(client, run_id, "system/node_0/system_memory_usage_percentage") == [0, 10, 12, 22, 24]
     values = [
         m.value
         for m in sorted(
             client.get_metric_history(run_id, "system/node_0/system_memory_usage_percentage"), key=lambda m: m.step
         )
     ]
-    assert values == [50.0, 50.0, 70.0, 70.0]
+    assert values == [50.0, 50.0, 70.0, 70.0, 70.0]
 
 
 def test_an_agent_told_the_experiment_never_reads_the_run(client, experiment_id, proxy, tmp_path):

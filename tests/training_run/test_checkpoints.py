@@ -78,7 +78,10 @@ def test_register_checkpoint_once_per_step(mlflow_server, client, experiment, tm
         )
     assert again == fields
     assert [m.model_id for m in _models(client, experiment_id, "ckpt-run-step-100")] == [fields["model_id"]]
-    assert len(_models(client, experiment_id, "ckpt-run-step-200")) == 1
+    (step_200,) = _models(client, experiment_id, "ckpt-run-step-200")
+    # Each the run's output at its step, once: the run page lists them under "Logged models".
+    outputs = client.get_run(run.run_id).outputs.model_outputs
+    assert sorted((o.step, o.model_id) for o in outputs) == [(100, fields["model_id"]), (200, step_200.model_id)]
 
 
 def test_checkpoints_off_by_default(mlflow_server, client, experiment, tmp_path):

@@ -39,7 +39,7 @@ class MLflowMetricExporter(NonBlockingExporter):
     ``samples_per_window`` exports make a window; its step is the window index after the node's
     last step in the run; its timestamp the window's end. Gauges are averaged (and ``<key>_max`` /
     ``<key>_min`` added as the ``mlflow_stats`` setting asks). A value that did not change since it
-    was last sent waits up to ``refresh_windows`` windows.
+    was last sent waits up to ``refresh_windows`` windows; the last window, at shutdown, sends all.
     Delivery is asynchronous and ordered, ``delivery_phase_s`` into the next window (nodes spread
     their calls over the window); windows wait in a spool directory that ``otel-forge replay`` can
     deliver later.
@@ -149,10 +149,18 @@ class MLflowMetricExporter(NonBlockingExporter):
         self._submit(self._folder.add(self._mapper.sample(_points(metrics_data)), time.time()))
         return MetricExportResult.SUCCESS
 
-    def _submit(self, window: Window | None) -> None:
-        """A closed window, with only its changed values, to the delivery worker."""
+    def _submit(self, window: Window | None, *, last: bool = False) -> None:
+        """A closed window to the delivery worker, with only its changed values (all of them if it is
+        the ``last``); before it, the held values of the keys it no longer has, at the step they were
+        last in. The ``last`` without a window: what the previous one held back."""
+        if window is not None and (ended := self._changed.ended(window)) is not None:
+            self.worker.submit(ended)
+        if last:
+            window = self._changed.close(window)
+        elif window is not None:
+            window = self._changed.keep(window)
         if window is not None:
-            self.worker.submit(self._changed.keep(window))
+            self.worker.submit(window)
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         """Close the open window (however few samples it has) and wait, at most ``timeout_millis``,
@@ -165,11 +173,12 @@ class MLflowMetricExporter(NonBlockingExporter):
         return self.worker.flush(timeout_millis / 1000)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
-        """Close the open window, deliver what is pending under the drain deadline, spool the rest."""
+        """Close the open window, whole (every chart ends at the last step), deliver what is pending
+        under the drain deadline, spool the rest."""
         if self._shut_down or forked_from(self._pid):
             return
         self._shut_down = True
-        self._submit(self._folder.flush())
+        self._submit(self._folder.flush(), last=True)
         if self.run_id is None or self.standing_down:
             self.worker.close(0.0)
             if self.run_id is None and self._job_run is not None:

@@ -4,6 +4,7 @@ sends (only the values that changed) and when (each node at its own phase of the
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from otel_forge.mlflow.keys import Sample
@@ -102,24 +103,56 @@ class ChangedValues:
     """Keeps, of each window, the values that changed since they were last sent: a memory total or a
     power limit is sent once, not every window. Every value is sent again after ``refresh_windows``
     windows, so a chart's line goes on. The anchor (the smallest key) is sent every window: it
-    counts the node's windows, and a resumed node finds its last step in that one key's history."""
+    counts the node's windows, and a resumed node finds its last step in that one key's history.
+    A key's first window sends it; its last sends it too (``ended``, ``close``): every key's chart
+    runs from its first step to its last, a line, never a lone point."""
 
     def __init__(self, refresh_windows: int) -> None:
         self.refresh_windows = refresh_windows
         self._sent: dict[str, tuple[float, int]] = {}  # key -> (value, window index) last sent
+        self._last: Window | None = None  # the last window kept, whole
 
-    def keep(self, window: Window) -> Window:
-        """``window`` with only the values to send."""
+    def keep(self, window: Window, *, whole: bool = False) -> Window:
+        """``window`` with only the values to send (all of them if ``whole``)."""
         if not window.values:
             return window
+        self._last = window
         anchor = min(key for key, _ in window.values)
         kept = []
         for key, value in window.values:
             sent = self._sent.get(key)
-            if key == anchor or sent is None or sent[0] != value or window.index - sent[1] >= self.refresh_windows:
+            if (
+                whole
+                or key == anchor
+                or sent is None
+                or sent[0] != value
+                or window.index - sent[1] >= self.refresh_windows
+            ):
                 kept.append((key, value))
                 self._sent[key] = (value, window.index)
         return Window(window.index, window.timestamp_ms, tuple(kept))
+
+    def ended(self, window: Window) -> Window | None:
+        """What the last window held back of the keys ``window`` no longer has, at the last window's
+        step: a key's line ends where the key did (a command's process keys, once it exits)."""
+        present = {key for key, _ in window.values}
+        return self._held_back(lambda key: key not in present)
+
+    def close(self, window: Window | None) -> Window | None:
+        """The close's values: ``window`` (the one the close completes) whole; without one, what the
+        last window held back, at its step (its other values are already sent). None: nothing to send."""
+        if window is not None:
+            return self.keep(window, whole=True)
+        return self._held_back(lambda key: True)
+
+    def _held_back(self, chosen: Callable[[str], bool]) -> Window | None:
+        last = self._last
+        if last is None:
+            return None
+        held = tuple((key, value) for key, value in last.values if chosen(key) and self._sent[key][1] != last.index)
+        for key, value in held:
+            self._sent[key] = (value, last.index)
+        return Window(last.index, last.timestamp_ms, held) if held else None
 
 
 def delivery_phase_s(node: str, window_s: float) -> float:

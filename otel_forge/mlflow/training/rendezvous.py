@@ -37,11 +37,17 @@ def find_experiment(client: Any, experiment: str) -> Any:
     return client.get_experiment_by_name(experiment)
 
 
+# The experiment kind MLflow's UI records when a user picks "Machine learning" for an experiment
+# (its value of the ``mlflow.experimentKind`` tag): a UI that goes by the kind opens the training
+# runs, not the GenAI pages. MLflow 3.17's UI goes by its own GenAI / Model training switch instead.
+EXPERIMENT_KIND_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def create_experiment(client: Any, name: str) -> str:
-    """Create experiment ``name``, or take the one another process of the job created between
-    our look and our create; its id."""
+    """Create experiment ``name``, of training runs, or take the one another process of the job
+    created between our look and our create; its id."""
     try:
-        return str(client.create_experiment(name))
+        return str(client.create_experiment(name, tags=EXPERIMENT_KIND_TAGS))
     except Exception as error:
         if str(getattr(error, "error_code", "")) != "RESOURCE_ALREADY_EXISTS":
             raise
