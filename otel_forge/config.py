@@ -132,6 +132,11 @@ def _host(text: str) -> str:
     return value
 
 
+# ``ForgeConfig.pid`` of an agent started before the process it monitors (``otel-forge run`` serves
+# /metrics before CMD starts): its process trees are empty until ``Agent.follow_process``.
+PID_NOT_STARTED = 0
+
+
 def _pid(text: str) -> int | None:
     if not text.strip():
         return None
@@ -571,6 +576,9 @@ LAUNCHER_OPENS = "pending"
 DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
 # The node the launcher samples already (NodeIdentity.sampling_key): the command's TrainingRun does not.
 SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
+# The spool directory the user was told of when the tracking server did not answer (`otel-forge run`
+# says it once, for itself and its command): what closing keeps there is not said again.
+TOLD_SPOOL_ENV = "OTEL_FORGE_TOLD_SPOOL"
 # MLflow's own sampler, which stands down where otel_forge samples the run's node.
 MLFLOW_SYSTEM_METRICS_VAR = "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"
 

@@ -23,6 +23,10 @@ class RateLimitedLogger:
 
     def warning(self, key: str, message: str, *args: object) -> bool:
         """Log ``message % args`` unless ``key`` was logged within the interval; True if logged."""
+        return self.log(logging.WARNING, key, message, *args)
+
+    def log(self, level: int, key: str, message: str, *args: object) -> bool:
+        """``warning`` at ``level``."""
         now = self._clock()
         with self._lock:
             last = self._last.get(key)
@@ -34,5 +38,5 @@ class RateLimitedLogger:
         if suppressed:
             message += " (%d similar warnings suppressed)"
             args = (*args, suppressed)
-        self._logger.warning(message, *args)
+        self._logger.log(level, message, *args)
         return True

@@ -84,7 +84,9 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
 
     root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
     found = []
-    for header in sorted(root.glob(f"*/{HEADER}")) if root.is_dir() else []:
+    # A spool, or one in a job's directory (`otel-forge run` keeps its job's spools together).
+    headers = sorted([*root.glob(f"*/{HEADER}"), *root.glob(f"*/*/{HEADER}")]) if root.is_dir() else []
+    for header in headers:
         directory = header.parent
         info = json.loads(header.read_text())
         stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}

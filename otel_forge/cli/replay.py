@@ -9,18 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.mlflow.spool_files import remove_if_empty
 from otel_forge.scrub import error_line
 
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser("replay", help="deliver what a spool directory keeps")
-    parser.add_argument("path", help="the spool directory named in the exporter's warning")
+    parser.add_argument("path", help="the spool directory otel-forge named (one spool, or a job's directory of spools)")
     parser.add_argument("--tracking-uri", help="tracking server (default: the one recorded, or MLFLOW_TRACKING_URI)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from otel_forge.mlflow.replay import replay
+    from otel_forge.mlflow.replay import spools_in
 
     path = Path(args.path)
     tracking_uri = ForgeConfig.resolve(
@@ -28,8 +29,21 @@ def run(args: argparse.Namespace) -> int:
     ).tracking_uri
     if not path.is_dir():
         raise ConfigError(f"invalid path (from PATH): {path} is not a directory")
+    spools = spools_in(path)
+    if not spools:
+        raise ConfigError(f"invalid path (from PATH): {path} holds no spool (nothing to deliver)")
+    for spool in spools:
+        if (code := _replay_one(spool, tracking_uri if args.tracking_uri else None)) != 0:
+            return code
+    remove_if_empty(path)  # a job's directory, all delivered
+    return 0
+
+
+def _replay_one(path: Path, tracking_uri: str | None) -> int:
+    from otel_forge.mlflow.replay import replay
+
     try:
-        result = replay(path, tracking_uri if args.tracking_uri else None)
+        result = replay(path, tracking_uri)
     except FileNotFoundError as error:
         raise ConfigError(f"invalid path (from PATH): {error}") from None
     except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays

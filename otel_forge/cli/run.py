@@ -17,6 +17,7 @@ MLflow gives the runs that script starts), else CMD's program; ``otel_forge.comm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -24,8 +25,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
@@ -34,14 +37,17 @@ from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.cli.rank_watch import RankZeroWatch
 from otel_forge.config import (
     MLFLOW_SYSTEM_METRICS_VAR,
+    PID_NOT_STARTED,
+    TOLD_SPOOL_ENV,
     ConfigError,
     ForgeConfig,
     env_name,
     local_store_problem,
 )
+from otel_forge.mlflow.spool_files import default_spool_root, kept_notice_level, remove_if_empty, told_spool
 from otel_forge.mlflow.training.launched_run import LaunchedRun
 from otel_forge.node import NodeIdentity
-from otel_forge.scrub import scrub
+from otel_forge.scrub import scrub, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
 
@@ -112,23 +118,26 @@ def run(args: argparse.Namespace) -> int:
     signals = SignalForwarder()
     launch = read_launch(command)
     node = NodeIdentity.from_config(config, {**os.environ, **launch.environ}, host_named=launch.host_named)
+    # What no server takes, from us and from CMD, is kept in one directory of this job.
+    spool = job_spool_dir(config)
+    config = config.replace(spool_dir=str(spool))
     training_run = _training_run(args, command, config, node)
-    # The node is sampled once the run is open and CMD runs, whichever comes last.
-    sampling = _NodeSampling(
-        lambda pid, run_id: _start_system_metrics(config, training_run.tracking_uri, pid, run_id, node)
-    )
+    # The node is served from now on (/metrics answers while the run opens); its process tree is
+    # CMD's once CMD runs, its windows go to the run once the run is open.
+    sampling = _NodeSampling(_start_system_metrics(config, training_run.tracking_uri, node))
     training_run.on_open.append(lambda: sampling.run_opened(training_run.run_id))
-    live = training_run.start(config.start_wait_s)
+    training_run.on_unanswered.append(lambda error: _say_unanswered(training_run, command, error))
+    live = training_run.start(training_run.start_wait_s)
     if isinstance(training_run.open_error, MissingRun):
-        training_run.close("FAILED")
+        _end_before_cmd(training_run, sampling, "FAILED")
         source = config.source("run_id")
         raise ConfigError(
             f"invalid run_id (from {source}): {training_run.open_error}; --create-if-missing starts a new run instead"
         )
-    env = _cmd_environ(args.child_environ, training_run, node, live)
+    env = _cmd_environ(args.child_environ, training_run, node, live, sampling)
     env.update(launch.cmd_environ(node))  # the workers name this node as we do
     if signals.received:
-        training_run.close("KILLED")
+        _end_before_cmd(training_run, sampling, "KILLED")
         return 128 + signals.received[0]
     become_subreaper()
     watchdogs = _RunWatchdog(
@@ -144,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         # preexec_fn with threads running: it only calls prctl, through a function resolved before the fork.
         child = subprocess.Popen(command, env=env, preexec_fn=dies_with_us())  # noqa: PLW1509
     except OSError as error:
+        sampling.stop()
         _end(training_run, "FAILED", watchdogs.finish())
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
@@ -168,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             stopping.start()
     status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
     _end(training_run, status, watchdog, stopping)
+    remove_if_empty(spool)
     return code if code >= 0 else 128 - code
 
 
@@ -202,19 +213,55 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
     return training_run
 
 
-def _cmd_environ(environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool) -> dict[str, str]:
+def job_spool_dir(config: ForgeConfig) -> Path:
+    """This job's directory in the spool root: one place, and one replay, for all it keeps."""
+    root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
+    return root / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def _say_unanswered(training_run: Any, command: list[str], error: BaseException) -> None:
+    """The one line an unreachable server costs: what happens, where it is kept, how to deliver it."""
+    from otel_forge.mlflow.client import unanswered_reason
+
+    spool = training_run.forge_config.spool_dir
+    told_spool(Path(spool))
+    print(
+        f"otel-forge: MLflow at {uri_without_credentials(training_run.tracking_uri)} does not answer: "
+        f"{unanswered_reason(error)}; {scrub(' '.join(command[:2]))} runs, everything is kept in {spool}, "
+        f"otel-forge replay {spool} delivers it",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _end_before_cmd(training_run: Any, sampling: _NodeSampling, status: str) -> None:
+    sampling.stop()
+    training_run.close(status)
+    remove_if_empty(Path(training_run.forge_config.spool_dir))
+
+
+def _cmd_environ(
+    environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool, sampling: _NodeSampling
+) -> dict[str, str]:
     """CMD's environment: the run (or how to find it once open) and who samples its node."""
-    # Never another store behind the user's back: CMD talks to ours, whether the run is open or not.
-    env = {**environ, env_name("tracking_uri"): training_run.tracking_uri}
+    # Never another store behind the user's back: CMD talks to ours, whether the run is open or not,
+    # and keeps what it cannot deliver beside what we keep.
+    env = {
+        **environ,
+        env_name("tracking_uri"): training_run.tracking_uri,
+        env_name("spool_dir"): training_run.forge_config.spool_dir,
+    }
+    if told := os.environ.get(TOLD_SPOOL_ENV):
+        env[TOLD_SPOOL_ENV] = told
     if live or training_run.open_error is None:
         # The user's MLFLOW_RUN_ID is the run we opened (resumed); nothing else may stand for it.
         env.pop(env_name("run_id"), None)
     if live:
         handed = _launched_run(training_run, node)
-        _announce(training_run)
+        _announce(training_run, sampling)
     elif training_run.open_error is None:
         handed = _pending_run(training_run, node)
-        training_run.on_open.append(lambda: _announce(training_run))
+        training_run.on_open.append(lambda: _announce(training_run, sampling))
     else:
         return env
     env.update(handed.environ())
@@ -287,32 +334,33 @@ class _RunWatchdog:
 
 
 class _NodeSampling:
-    """The node's agent, from the moment CMD runs (its pid roots the process tree); its windows go
-    to the run once the run is open (at once when the server answers at start, later else)."""
+    """The node's agent (None on a local rank that does not sample), from our start: CMD's pid roots
+    its process tree once CMD runs; its windows go to the run once the run is open."""
 
-    def __init__(self, start: Callable[[int, str | None], Any]) -> None:
-        self._start = start
-        self._lock = threading.Lock()
-        self._run_id: str | None = None
-        self.monitor: Any = None
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
 
     def cmd_started(self, pid: int) -> None:
-        with self._lock:
-            self.monitor = self._start(pid, self._run_id)
+        if self.monitor is not None:
+            self.monitor.follow_process(pid)
 
     def run_opened(self, run_id: str) -> None:
-        with self._lock:
-            self._run_id = run_id
-            if self.monitor is not None:
-                self.monitor.attach(run_id)
+        if self.monitor is not None:
+            self.monitor.attach(run_id)
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
 
 
-def _announce(training_run: Any) -> None:
+def _announce(training_run: Any, sampling: _NodeSampling) -> None:
     entry = training_run.tracking_entry() or {}
     print(
         f"otel-forge: run {entry.get('run_id')} in experiment {entry.get('experiment')} at {entry.get('tracking_uri')}",
         flush=True,
     )
+    if sampling.monitor is not None:
+        print(f"otel-forge: serving {sampling.monitor.mlflow_endpoint}", flush=True)
 
 
 def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
@@ -329,8 +377,11 @@ def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
         key = f"otel-forge-{uuid.uuid4().hex}"
         training_run.adopt_job_key(key, "otel-forge run (the server did not answer in time)")
     waits_for = "the tracking server answers" if node.is_global_zero else "the job's rank 0 opens it"
-    _logger.warning(
-        "MLflow: the run is not open yet; CMD starts now and finds it by job key %s once %s", key, waits_for
+    _logger.log(
+        kept_notice_level(Path(training_run.forge_config.spool_dir)),
+        "MLflow: the run is not open yet; CMD starts now and finds it by job key %s once %s",
+        key,
+        waits_for,
     )
     return LaunchedRun(
         run_id=None,
@@ -341,17 +392,17 @@ def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
     )
 
 
-def _start_system_metrics(config: Any, tracking_uri: str, pid: int, run_id: str | None, node: NodeIdentity) -> Any:
+def _start_system_metrics(config: ForgeConfig, tracking_uri: str, node: NodeIdentity) -> Any:
     from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
 
     if not node.runs_agent:
         _logger.info("local rank %s: local rank 0 samples node %s", node.local_rank, node.node_id or "-")
         return None
-    monitor = SystemMetricsMonitor(
-        config.replace(run_id=run_id, tracking_uri=tracking_uri, pid=pid), node=node, run_pending=run_id is None
-    )
+    # The process trees are empty until CMD runs (``follow_process``).
+    pending = dataclasses.replace(config.replace(run_id=None, tracking_uri=tracking_uri), pid=PID_NOT_STARTED)
+    monitor = SystemMetricsMonitor(pending, node=node, run_pending=True)
     monitor.start()
-    for endpoint in monitor.endpoints:
+    for endpoint in monitor.agent.endpoints if monitor.agent is not None else ():
         print(f"otel-forge: serving {endpoint}", flush=True)
     if not config.source("collectors").is_default:
         for name, reason in monitor.absent_collectors.items():

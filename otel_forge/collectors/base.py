@@ -65,6 +65,9 @@ class Collector(abc.ABC):
         """Lines for ``otel-forge doctor`` (e.g. one per GPU)."""
         return []
 
+    def follow_process(self, pid: int) -> None:  # noqa: B027 - only sources that read processes
+        """Read the process tree rooted at ``pid`` from now on (``otel-forge run``'s CMD, once it runs)."""
+
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release the source (threads, library handles). Called once."""
 

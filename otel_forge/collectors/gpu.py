@@ -29,7 +29,6 @@ from __future__ import annotations
 import abc
 import enum
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,6 +150,10 @@ class GpuCollector(HardwareCollector):
         if tree is None:
             for gpu in gpus:
                 gpu.unsupported.add("process_memory")
+
+    def follow_process(self, pid: int) -> None:
+        if self._tree is not None:
+            self._tree.follow(pid)
 
     # --- vendor hooks --------------------------------------------------------------------------
 
@@ -291,7 +294,7 @@ class GpuCollector(HardwareCollector):
     @classmethod
     def _process_tree(cls, config: ForgeConfig) -> ProcessTree | None:
         try:
-            return ProcessTree(config.pid or os.getpid())
+            return ProcessTree.for_config(config)
         except CollectorUnavailable as error:
             cls.logger.warning("GPU memory of the monitored processes is not reported: %s", error)
             return None

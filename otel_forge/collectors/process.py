@@ -8,7 +8,7 @@ import time
 import psutil
 
 from otel_forge.collectors.base import CollectorUnavailable, HardwareCollector, Readings
-from otel_forge.config import ForgeConfig
+from otel_forge.config import PID_NOT_STARTED, ForgeConfig
 
 
 class ProcessTree:
@@ -19,17 +19,29 @@ class ProcessTree:
     kept by pid across calls; a process that exits between listing and reading is skipped.
     """
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int | None) -> None:
+        """``pid`` None: the process is not started yet, and the tree is empty until ``follow``."""
+        self.pid: int | None = None
+        self._known: dict[int, psutil.Process] = {}
+        if pid is not None:
+            self.follow(pid)
+
+    @classmethod
+    def for_config(cls, config: ForgeConfig) -> ProcessTree:
+        return cls(None if config.pid == PID_NOT_STARTED else config.pid or os.getpid())
+
+    def follow(self, pid: int) -> None:
+        """Root the tree at ``pid`` from now on."""
         try:
-            self.root = psutil.Process(pid)
+            root = psutil.Process(pid)
         except psutil.Error as error:
             raise CollectorUnavailable(f"process {pid}: {error}") from None
-        self.pid = pid
-        self._known: dict[int, psutil.Process] = {pid: self.root}
         self._has_children_files = os.path.exists(f"/proc/{pid}/task/{pid}/children")
+        self.root, self._known = root, {pid: root}
+        self.pid = pid  # last: a read on the agent's thread sees a whole tree or none
 
     def pids(self) -> set[int]:
-        if not self.root.is_running():
+        if self.pid is None or not self.root.is_running():
             return set()
         if not self._has_children_files:
             try:
@@ -80,13 +92,17 @@ class ProcessCollector(HardwareCollector):
 
     @classmethod
     def create(cls, config: ForgeConfig) -> ProcessCollector:
-        return cls(ProcessTree(config.pid or os.getpid()))
+        return cls(ProcessTree.for_config(config))
+
+    def follow_process(self, pid: int) -> None:
+        self._tree.follow(pid)
+        self._previous_cpu_s, self._previous_at_s = self._cpu_seconds(self._tree.processes()), time.monotonic()
 
     def read(self, readings: Readings) -> None:
-        processes = self._tree.processes()
-        if not processes:
-            return  # the monitored process has exited (e.g. `otel-forge run`'s command ended)
-        attributes = {"process.pid": self._tree.pid}
+        pid, processes = self._tree.pid, self._tree.processes()
+        if pid is None or not processes:
+            return  # not started yet, or exited (e.g. `otel-forge run`'s command ended)
+        attributes = {"process.pid": pid}
         totals = {"rss": 0, "vms": 0, "threads": 0, "fds": 0, "user": 0.0, "system": 0.0}
         counted = 0
         for process in processes:

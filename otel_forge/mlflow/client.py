@@ -58,6 +58,29 @@ def classify(error: BaseException) -> Outcome:
     return Outcome.RETRY  # connection refused, timeouts, 5xx, 429, an overloaded store
 
 
+# What a failed call's text says of why the server did not answer, as a person would say it.
+_UNANSWERED_REASONS = (
+    (("Connection refused",), "connection refused"),
+    (("Name or service not known", "nodename nor servname", "Temporary failure in name resolution",
+      "Failed to resolve"), "host name not resolved"),
+    (("No route to host",), "no route to host"),
+    (("Network is unreachable",), "network unreachable"),
+    (("timed out", "Timeout"), "no answer in time"),
+    (("Connection reset", "RemoteDisconnected", "Connection aborted"), "connection closed"),
+)  # fmt: skip
+
+
+def unanswered_reason(error: BaseException) -> str:
+    """Why the tracking server did not answer, in a few words (``connection refused``, ``HTTP 503``)."""
+    text = str(error)
+    for markers, reason in _UNANSWERED_REASONS:
+        if any(marker in text for marker in markers):
+            return reason
+    if (status := _http_status(error)) is not None:
+        return f"HTTP {status}"
+    return "overloaded" if overloaded(error) else type(error).__name__
+
+
 def overloaded(error: BaseException) -> bool:
     """The server's answer says its store is overloaded, whatever the status code."""
     text = str(error)

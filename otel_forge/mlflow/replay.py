@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import RunGone, import_mlflow, live_run, make_client
+from otel_forge.mlflow.spool_files import HEADER
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger, next_system_step
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.training.outcome import end_run
@@ -38,6 +39,15 @@ class ReplayResult:
 def replay(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     """Deliver whichever spool ``path`` is."""
     return (replay_training if is_training_spool(path) else replay_spool)(path, tracking_uri)
+
+
+def spools_in(path: Path) -> list[Path]:
+    """``path`` if it is a spool, else the spools in it (a job's directory, ``otel-forge run``'s), the
+    training spools first: they open the job's run, which the windows then find."""
+    if (path / HEADER).exists():
+        return [path]
+    found = sorted(header.parent for header in path.glob(f"*/{HEADER}"))
+    return sorted(found, key=lambda spool: not is_training_spool(spool))
 
 
 def replay_training(path: Path, tracking_uri: str | None = None) -> ReplayResult:
@@ -132,4 +142,4 @@ def _job_run_id(client: Any, header: dict[str, Any]) -> str:
     return str(run_id)
 
 
-__all__ = ["ReplayResult", "RunGone", "replay", "replay_spool", "replay_training"]
+__all__ = ["ReplayResult", "RunGone", "replay", "replay_spool", "replay_training", "spools_in"]

@@ -13,9 +13,11 @@ the spool" line says why, and nothing is written there.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
+from otel_forge.config import TOLD_SPOOL_ENV
 from otel_forge.private_dirs import check_base, open_private_file, private_dir
 
 HEADER = "spool.json"
@@ -26,6 +28,24 @@ def default_spool_root() -> Path:
     """In the user's cache, not ``$XDG_RUNTIME_DIR``: a spool must outlive a reboot to be replayed."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "otel-forge" / "spool"
+
+
+def told_spool(path: Path) -> None:
+    """The user was told that ``path`` keeps what cannot be delivered and how to replay it (this
+    process and the commands it starts): closing says at INFO what it keeps there."""
+    os.environ[TOLD_SPOOL_ENV] = str(path)
+
+
+def kept_notice_level(path: Path) -> int:
+    """WARNING for the line naming what a close kept in ``path``; INFO once the user was told."""
+    told = os.environ.get(TOLD_SPOOL_ENV)
+    return logging.INFO if told and Path(told) in (path, *path.parents) else logging.WARNING
+
+
+def remove_if_empty(path: Path) -> None:
+    """Remove a job's spool directory that nothing was kept in (or all was delivered from)."""
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def make_spool_dir(path: Path) -> Path:

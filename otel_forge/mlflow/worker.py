@@ -249,6 +249,8 @@ class DeliveryWorker(Generic[T]):
                 self.stats.delivered += 1
                 self._pop(item)
                 return
+            if self._abandon.is_set():
+                return  # closing gave up on it: close() keeps what is left, and says so
             if self._in_flight is not None:
                 continue  # past its deadline and still running: await it, it is not a new try
             outcome = self._classify(error)

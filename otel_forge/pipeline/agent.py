@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from otel_forge.collectors import Collector, OpenedCollectors, open_collectors
+from otel_forge.collectors import Collector, CollectorUnavailable, OpenedCollectors, open_collectors
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.node import NodeIdentity, build_resource
@@ -178,6 +178,14 @@ class Agent:
     def stop(self) -> None:
         """``shutdown`` with a short deadline: what the CLI calls on SIGTERM."""
         self.shutdown(timeout_s=2.0)
+
+    def follow_process(self, pid: int) -> None:
+        """The monitored process tree is rooted at ``pid`` from now on."""
+        for collector in self.collectors.present if self.collectors else ():
+            try:
+                collector.follow_process(pid)
+            except CollectorUnavailable as error:
+                _logger.warning("collector %s: the monitored process is not read: %s", collector.name, error)
 
     @property
     def absent_collectors(self) -> dict[str, str]:

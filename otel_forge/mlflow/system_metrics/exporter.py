@@ -19,7 +19,7 @@ from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, node_host_tags, system_prefix
-from otel_forge.mlflow.spool_files import default_spool_root
+from otel_forge.mlflow.spool_files import default_spool_root, kept_notice_level
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window, WindowFolder
@@ -197,7 +197,8 @@ class MLflowMetricExporter(NonBlockingExporter):
             self.spool.remove_if_empty()
             return
         self.spool.update_header(job_run=job_run)
-        _logger.warning(
+        _logger.log(
+            kept_notice_level(self.spool.path),
             "%d system-metrics window(s) were not delivered: the run of job %s never opened; they are "
             "kept in %s. Deliver them after the job's run with: otel-forge replay %s",
             kept,
@@ -214,7 +215,8 @@ class MLflowMetricExporter(NonBlockingExporter):
             return
         self.spool.write_stats(self.delivery_counts())
         if left:
-            _logger.warning(
+            _logger.log(
+                kept_notice_level(self.spool.path),
                 "%d system-metrics window(s) for run %s were not delivered; they are kept in %s. "
                 "Deliver them with: otel-forge replay %s",
                 left,

@@ -156,12 +156,21 @@ class SystemMetricsMonitor:
         if self.exporter is not None:
             self.exporter.attach(run_id, known)
 
+    def follow_process(self, pid: int) -> None:
+        """The monitored process tree is rooted at ``pid`` from now on (CMD, once it runs)."""
+        if self.agent is not None:
+            self.agent.follow_process(pid)
+
     @property
     def endpoints(self) -> list[str]:
         if self.agent is None or self.exporter is None:
             return []
-        run = self.config.run_id or "(when it opens)"
-        return [*self.agent.endpoints, f"mlflow run {run} ({self.exporter.window_logger.prefix}...)"]
+        return [*self.agent.endpoints, self.mlflow_endpoint]
+
+    @property
+    def mlflow_endpoint(self) -> str:
+        prefix = self.exporter.window_logger.prefix if self.exporter is not None else "system/"
+        return f"mlflow run {self.config.run_id or '(when it opens)'} ({prefix}...)"
 
     @property
     def absent_collectors(self) -> dict[str, str]:

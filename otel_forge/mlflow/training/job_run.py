@@ -51,7 +51,8 @@ class JobRunRequest:
 
 class JobRunFinder:
     """Finds or makes the job's run (``open``), on the thread that opens it; ``stopping`` ends a
-    wait for it (closing), ``wake`` also does when this process turns out to hold rank 0."""
+    wait for it (closing), ``wake`` also does when this process turns out to hold rank 0; a wait
+    sets ``unanswered`` while the server does not answer its looks."""
 
     def __init__(
         self,
@@ -60,12 +61,14 @@ class JobRunFinder:
         node: Callable[[], NodeIdentity],
         stopping: threading.Event,
         wake: threading.Event,
+        unanswered: threading.Event,
     ) -> None:
         self.request = request
         self._node = node  # read at each step: the job key or rank 0 may be learnt meanwhile
         self._description = description
         self._stopping = stopping
         self._wake = wake
+        self._unanswered = unanswered
         self._created: OpenRun | None = None  # kept across retries: a second open must not make a second run
 
     def open(self, client: Any) -> OpenRun | None:
@@ -115,7 +118,15 @@ class JobRunFinder:
                 r.late_after_s,
             )
 
-        found = wait_for_run(client, r.experiment, key, self._wake, late_after_s=r.late_after_s, on_late=late)
+        found = wait_for_run(
+            client,
+            r.experiment,
+            key,
+            self._wake,
+            late_after_s=r.late_after_s,
+            on_late=late,
+            unanswered=self._unanswered,
+        )
         if found is None:
             # Closing; or this process turned out to hold rank 0 (the caller's node says so now).
             return None

@@ -77,11 +77,13 @@ def wait_for_run(
     late_after_s: float,
     on_late: Callable[[], None],
     clock: Callable[[], float] = time.monotonic,
+    unanswered: threading.Event | None = None,
 ) -> FoundRun | None:
     """Poll the experiment until rank 0 has published the job's run; None once ``stop`` is set.
 
     The experiment may not exist yet (rank 0 creates it) and the server may not answer yet: both
-    are "not yet". Polls back off from 0.2 s to 2 s; ``on_late`` is called once, after ``late_after_s``.
+    are "not yet" (``unanswered`` is set while the server does not answer). Polls back off from 0.2 s
+    to 2 s; ``on_late`` is called once, after ``late_after_s``.
     """
     late_at: float | None = clock() + late_after_s
     delay = _FIRST_POLL_S
@@ -90,9 +92,13 @@ def wait_for_run(
         polls += 1
         try:
             experiment_entity = find_experiment(client, experiment)
+            if unanswered is not None:
+                unanswered.clear()
         except Exception as error:  # noqa: BLE001 - the server not answering yet is "not yet"
             _logger.debug("looking for job %s's run: %s", key, error_line(error))
             experiment_entity = None
+            if unanswered is not None:
+                unanswered.set()
         if (run_id := published_run_id(experiment_entity, key)) is not None:
             return FoundRun(run_id, experiment_entity.experiment_id, polls)
         if late_at is not None and clock() >= late_at:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_forge.config import ConfigError, ForgeConfig
+from otel_forge.config import TOLD_SPOOL_ENV, ConfigError, ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import (
     MAX_METRICS_PER_BATCH,
@@ -30,7 +30,7 @@ from otel_forge.mlflow.client import (
 )
 from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.keys import key_segment, sanitize_key
-from otel_forge.mlflow.spool_files import default_spool_root
+from otel_forge.mlflow.spool_files import default_spool_root, kept_notice_level
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.system_metrics.sampler_process import SamplerProcess
 from otel_forge.mlflow.training.checkpoints import find_or_create_external_model
@@ -59,6 +59,10 @@ _MAX_REMEMBERED_KEYS = 10_000
 _END_RESERVE_S = 3.0  # of the close budget, kept for the call that ends the run
 _ELSEWHERE_WAIT_S = 5.0  # the look for the job's runs in other experiments, at most
 _FIRST_OPEN_RETRY_S, _MAX_OPEN_RETRY_S = 1.0, 10.0
+# A local store is not a server that may be down: creating its tables is part of opening it (seconds
+# on a fresh file); the wait is bounded only for a store another process holds locked.
+_LOCAL_STORE_WAIT_S = 120.0
+_LAST_ATTEMPT_S = 1.0  # what closing gives a server that did not answer the last attempt
 _DATABRICKS_AUTH_HINT = (
     "Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
     "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
@@ -167,6 +171,13 @@ class TrainingRun:
         self._wake = threading.Event()  # stops a wait for the job's run: closing, or rank 0 known
         self._finder: JobRunFinder | None = None  # once opening: the request is known then
         self.on_open: list[Callable[[], None]] = []  # called on the owner thread once the run is open
+        # Called (on the owner thread) with the error when the server first does not answer: the
+        # caller tells the user; with none, a warning does.
+        self.on_unanswered: list[Callable[[BaseException], None]] = []
+        self._unanswered = threading.Event()  # the last attempt to open failed: the server is down
+        self._asking = threading.Event()  # MLflow is imported: the server is being asked
+        if os.environ.get(TOLD_SPOOL_ENV):
+            self._unanswered.set()  # `otel-forge run` found the server down before starting us
 
     # --- configuration (no I/O) -------------------------------------------------------------
 
@@ -191,18 +202,34 @@ class TrainingRun:
 
     # --- opening ----------------------------------------------------------------------------
 
+    @property
+    def start_wait_s(self) -> float:
+        """How long to wait for the run before the job starts: the setting for a tracking server,
+        as long as a local store takes to create."""
+        wait_s = self.forge_config.start_wait_s
+        return wait_s if _is_remote(self.tracking_uri) else max(wait_s, _LOCAL_STORE_WAIT_S)
+
     def start(self, timeout_s: float | None = None) -> bool:
-        """Open (or resume) the run now, waiting at most ``timeout_s`` (default: the init deadline);
-        True when it is live. Not live yet: it goes on opening in the background."""
+        """Open (or resume) the run now, waiting at most ``timeout_s`` (default: the init deadline),
+        or until the server fails to answer once; True when it is live. Not live yet: it goes on
+        opening in the background."""
         timeout_s = self._deadlines[0] if timeout_s is None else timeout_s
         self._begin_opening()
-        try:
-            return self._wait_open(timeout_s) is not None
-        except concurrent.futures.TimeoutError:
-            self._warnings.warning(
-                "open", "MLflow: the run did not open within %.0f s; it goes on opening in the background", timeout_s
-            )
-            return False
+        assert self._opening is not None
+        # The wait is the server's: importing MLflow (seconds on a cold start) is not counted.
+        asked_at: float | None = None
+        while not self._opening.done() and not self._unanswered.is_set():
+            if asked_at is None and self._asking.is_set():
+                asked_at = time.monotonic()
+            if asked_at is not None and time.monotonic() - asked_at >= timeout_s:
+                self._warnings.warning(
+                    "open",
+                    "MLflow: the run did not open within %.0f s; it goes on opening in the background",
+                    timeout_s,
+                )
+                return False
+            concurrent.futures.wait([self._opening], timeout=0.05)
+        return self._opening.done() and self._wait_open(0) is not None
 
     def take_rank_zero(self) -> None:
         """This process turned out to hold global rank 0 (known only once the launcher's rendezvous
@@ -259,19 +286,25 @@ class TrainingRun:
         A server that does not answer (refused, timed out, 5xx, 429) is retried with backoff until
         it does or the run is closed: the job outlives the server, what it logs waits meanwhile.
         """
-        pause_s = _FIRST_OPEN_RETRY_S
+        pause_s, last_attempt = _FIRST_OPEN_RETRY_S, False
         while True:
             try:
-                run = self._find_run(make_client(self.tracking_uri))
+                client = make_client(self.tracking_uri)
+                self._asking.set()
+                run = self._find_run(client)
+                self._unanswered.clear()
                 break
             except Exception as error:
                 if not self._transient(error):
                     self._disable(error)
                     raise
-                if self._stopping.wait(pause_s):
+                if last_attempt:
                     self.open_error = error  # closed before the server answered: close() keeps what waits
                     self._outage_at_open = True
                     raise
+                self._unanswered.set()
+                # Closing ends the pause: one last attempt, then close() keeps what waits.
+                last_attempt = self._stopping.wait(pause_s)
                 pause_s = min(pause_s * 2, _MAX_OPEN_RETRY_S)
         if run is None:
             return None
@@ -319,7 +352,7 @@ class TrainingRun:
             samples_node=self.system_metrics and self.node.runs_agent and not self._node_sampled_by_launcher,
             late_after_s=self._deadlines[0],
         )
-        return JobRunFinder(request, self._description, lambda: self.node, self._stopping, self._wake)
+        return JobRunFinder(request, self._description, lambda: self.node, self._stopping, self._wake, self._unanswered)
 
     def _transient(self, error: BaseException) -> bool:
         """An outage of a tracking server, worth waiting for; a local store's errors are not."""
@@ -327,13 +360,20 @@ class TrainingRun:
             return False
         if not _is_remote(self.tracking_uri) and "database is locked" not in str(error):
             return False
-        self._warnings.warning(
-            "open-retry",
-            "MLflow: the tracking server at %s does not answer (%s); the run "
-            "opens when it does, and what is logged waits in memory meanwhile",
-            uri_without_credentials(self.tracking_uri),
-            error_line(error),
-        )
+        if self._unanswered.is_set():
+            return True  # told at the first failure
+        if self.on_unanswered:
+            for callback in self.on_unanswered:
+                callback(error)
+        else:
+            self._warnings.log(
+                kept_notice_level(self._spool_root()),
+                "open-retry",
+                "MLflow: the tracking server at %s does not answer (%s); the run "
+                "opens when it does, and what is logged waits in memory meanwhile",
+                uri_without_credentials(self.tracking_uri),
+                error_line(error),
+            )
         return True
 
     def _disable(self, error: BaseException) -> None:
@@ -548,12 +588,18 @@ class TrainingRun:
             self._closed = True
         self._exit_handlers.remove()
         self._leave_process()
-        deadline = time.monotonic() + self.forge_config.drain_deadline_s + _END_RESERVE_S
+        drain_s = self.forge_config.drain_deadline_s
+        if self._unanswered.is_set():
+            drain_s = min(drain_s, _LAST_ATTEMPT_S)  # the server is down: one last attempt, then the spool
+        deadline = time.monotonic() + drain_s + _END_RESERVE_S
 
         def left(reserve_s: float = 0.0) -> float:
             return max(0.0, deadline - time.monotonic() - reserve_s)
 
         if self._opening is not None:
+            if self._unanswered.is_set():  # no waiting out a retry pause or a poll
+                self._stopping.set()
+                self._wake.set()
             # A run still opening queues its metadata and takes the system-metric windows sampled
             # so far when it opens: let it, within the budget, before the monitor stops.
             concurrent.futures.wait([self._opening], timeout=left(_END_RESERVE_S))
@@ -648,7 +694,8 @@ class TrainingRun:
             return
         spool = TrainingSpool(training_spool_path(self._spool_root(), header["run_id"] or "unopened"))
         if spool.keep(rows, header, records):
-            _logger.warning(
+            _logger.log(
+                kept_notice_level(spool.path),
                 "MLflow: %d metric value(s) and %d call(s) describing run %s were not delivered%s; "
                 "they are kept in %s. Deliver them with: otel-forge replay %s",
                 len(rows),
@@ -705,7 +752,7 @@ class TrainingRun:
         (``start_wait_s``, as ``otel-forge run`` does before CMD), so that the run a framework opens
         inside the block (HF's callback, autolog) is this one; past that it goes on opening."""
         if self._owns_run and not self._launcher_opens and self.forge_config.start_wait_s > 0:
-            self.start(self.forge_config.start_wait_s)
+            self.start(self.start_wait_s)
         else:
             self._begin_opening()
         return self
