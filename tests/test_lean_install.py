@@ -87,11 +87,6 @@ def test_a_training_run_and_its_node_agent_deliver_with_mlflow_skinny_alone(lean
     assert client.get_metric_history(run_id, "system/network_receive_megabytes")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpoint registration writes its MLmodel stub with mlflow.models.utils.get_external_mlflow_model_spec, "
-    "whose dummy signature (mlflow.models.signature) imports numpy and pandas, which mlflow-skinny does not install",
-)
 def test_a_checkpoint_is_registered_with_mlflow_skinny_alone(lean_run, client) -> None:
     run_id, _, _, stderr = lean_run
     experiment_id = client.get_run(run_id).info.experiment_id

@@ -47,9 +47,11 @@ _OVERLOAD_MARKERS = (
 
 def classify(error: BaseException) -> Outcome:
     """A gone run stops delivery; a server overloaded, failing (5xx) or slow is retried; other client
-    errors (4xx) drop the item."""
+    errors (4xx), and a missing package (an ImportError: no retry installs it), drop the item."""
     if isinstance(error, RunPending):
         return Outcome.WAIT
+    if isinstance(error, ImportError):
+        return Outcome.DROP
     if run_gone(error) or "must be in the 'active' state" in str(error):
         return Outcome.STOP
     status = _http_status(error)

@@ -4,7 +4,6 @@ it logs: the run page lists them under "Logged models"."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,6 @@ def find_or_create_external_model(run: OpenRun, name: str, step: int, directory:
     import_mlflow()
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.models.model import MLMODEL_FILE_NAME
-    from mlflow.models.utils import get_external_mlflow_model_spec
     from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
 
     client = run.client
@@ -40,10 +38,40 @@ def find_or_create_external_model(run: OpenRun, name: str, step: int, directory:
     client.log_outputs(run.run_id, [LoggedModelOutput(model.model_id, step)])
     # External: the weights stay where they are; MLflow gets the MLmodel stub a registry needs.
     with tempfile.TemporaryDirectory() as stub:
-        get_external_mlflow_model_spec(model).save(os.path.join(stub, MLMODEL_FILE_NAME))
+        Path(stub, MLMODEL_FILE_NAME).write_text(external_model_spec(model), encoding="utf-8")
         client.log_model_artifacts(model.model_id, stub)
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
     return model.model_id
+
+
+# ``infer_signature(model_input=True, model_output=True).to_dict()``, the dummy signature MLflow's
+# ``get_external_mlflow_model_spec`` gives an external model so that a registry that requires one
+# (Databricks Unity Catalog) registers it; written out here, as mlflow.models.signature imports
+# numpy and pandas, which mlflow-skinny does not install.
+_DUMMY_SIGNATURE = {
+    "inputs": '[{"type": "boolean", "required": true}]',
+    "outputs": '[{"type": "boolean", "required": true}]',
+    "params": None,
+}
+
+
+def external_model_spec(model: Any) -> str:
+    """The MLmodel YAML ``mlflow.models.utils.get_external_mlflow_model_spec(model)`` saves, made
+    without its ModelSignature (and so without numpy or pandas)."""
+    import yaml
+    from mlflow.models.model import Model
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
+
+    spec = Model(
+        artifact_path=model.artifact_location,
+        model_uuid=model.model_id,
+        model_id=model.model_id,
+        run_id=model.source_run_id,
+        # Metadata telling the registry and other readers that the artifacts are stored externally.
+        metadata={MLFLOW_MODEL_IS_EXTERNAL: True},
+    ).to_dict()
+    spec.update(signature=dict(_DUMMY_SIGNATURE), is_signature_from_type_hint=False, type_hint_from_example=False)
+    return str(yaml.safe_dump(spec, default_flow_style=False))
 
 
 def _link_as_output(client: Any, run_id: str, model_id: str, step: int) -> None:
