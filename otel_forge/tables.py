@@ -1,7 +1,7 @@
-"""The README's metric and settings tables, rendered from the code's own tables.
+"""The reference's metric and settings tables, rendered from the code's own tables.
 
-``python -m otel_forge.tables README.md`` rewrites the marked sections; a test fails when the
-README and the code differ.
+``python -m otel_forge.tables docs/reference.md`` rewrites the marked sections; a test fails when
+the document and the code differ.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def render(readme: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[0] if argv else "README.md")
+    path = Path(argv[0] if argv else "docs/reference.md")
     path.write_text(render(path.read_text()))
     return 0
 

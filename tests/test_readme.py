@@ -1,30 +1,41 @@
+import re
 from pathlib import Path
 
 from otel_forge.tables import SECTIONS, render
 
-README = Path(__file__).parent.parent / "README.md"
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
+REFERENCE = ROOT / "docs" / "reference.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
-def test_readme_tables_match_the_code():
-    text = README.read_text()
+def test_reference_tables_match_the_code():
+    text = REFERENCE.read_text()
     for name in SECTIONS:
         assert f"<!-- {name}:begin -->" in text and f"<!-- {name}:end -->" in text
-    assert render(text) == text, "README tables are stale: run `python -m otel_forge.tables README.md`"
+    assert render(text) == text, "tables are stale: run `python -m otel_forge.tables docs/reference.md`"
 
 
-def test_every_metric_appears_in_the_readme():
+def test_every_metric_appears_in_the_reference():
     from otel_forge.names import METRICS
 
-    text = README.read_text()
+    text = REFERENCE.read_text()
     assert all(f"`{spec.name}`" in text for spec in METRICS)
 
 
-PACKAGE = README.parent / "otel_forge"
+def test_the_readme_is_a_front_page_and_its_links_resolve():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    assert links and [link for link in links if not (ROOT / link).exists()] == []
+
+
+PACKAGE = ROOT / "otel_forge"
 
 
 def _architecture_map() -> set[str]:
-    """The modules the README's architecture map names, as paths (nesting by 2-space indent)."""
-    text = README.read_text()
+    """The modules the architecture map names, as paths (nesting by 2-space indent)."""
+    text = ARCHITECTURE.read_text()
     block = text[text.index("## Architecture") :].split("```")[1]
     folders: list[str] = []
     named: set[str] = set()
