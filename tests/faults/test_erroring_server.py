@@ -61,6 +61,8 @@ def test_500_then_429_are_retried_and_nothing_is_lost(pausable_server, tmp_path,
     assert retried_on_500 > 0
     assert stats.retried > retried_on_500, "the 429s should have been retried too"
     assert stats.dropped == 0, "a 500 or a 429 is transient: it must be retried, never dropped"
-    assert stats.delivered == exports.windows
+    # A delivery per window, and one more when the close sends what the last window held back
+    # (at that window's step: every chart ends at the last step).
+    assert stats.delivered - exports.windows in (0, 1), (stats.delivered, exports.windows)
     assert_every_window(server.uri, run_id, exports.windows)
     assert not exporter.spool.path.exists()

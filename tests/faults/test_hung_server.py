@@ -96,7 +96,9 @@ def test_hung_server_never_blocks_the_reader_and_loses_nothing(
     # A hung call costs one thread: its retries await it rather than send the window again.
     assert peak_threads == 1
     # Every window, once, in order; each delivered exactly once as the worker counts it.
-    assert stats.delivered == exports.windows
+    # A delivery per window, and one more when the close sends what the last window held back
+    # (at that window's step: every chart ends at the last step).
+    assert stats.delivered - exports.windows in (0, 1), (stats.delivered, exports.windows)
     assert_every_window(server.uri, run_id, exports.windows)
     assert not exporter.spool.path.exists(), list(exporter.spool.path.iterdir())
 

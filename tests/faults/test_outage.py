@@ -96,7 +96,9 @@ def test_killed_server_comes_back_and_every_window_arrives_in_order(server, tmp_
     assert stats.retried > 0
     assert stats.dropped == 0
     assert header["run_id"] == run_id and header["first_step"] == 0, header
-    assert stats.delivered == exports.windows
+    # A delivery per window, and one more when the close sends what the last window held back
+    # (at that window's step: every chart ends at the last step).
+    assert stats.delivered - exports.windows in (0, 1), (stats.delivered, exports.windows)
     assert_every_window(server.uri, run_id, exports.windows)
     assert not exporter.spool.path.exists(), "the spool directory should be removed once delivered"
 
@@ -129,7 +131,8 @@ def test_closed_while_down_leaves_a_spool_that_replay_delivers(server, tmp_path,
         f"stop took {stop_s:.2f} s"
     )
     assert spool.is_dir()
-    assert len(left) == exports.windows - delivered, (len(left), exports.windows, delivered)
+    # Every window not delivered, and what the close sent of the last one's held-back values.
+    assert len(left) - (exports.windows - delivered) in (0, 1), (len(left), exports.windows, delivered)
     assert json.loads((spool / "spool.json").read_text())["first_step"] == 0
     warnings = [r.getMessage() for r in caplog.records if "otel-forge replay" in r.getMessage()]
     assert len(warnings) == 1, caplog.text
@@ -183,4 +186,7 @@ def test_spool_left_at_close_keeps_window_order(tmp_path, exports) -> None:
     indices = [json.loads(f.read_text())["index"] for f in _spooled_windows(exporter.spool.path)]
     assert len(indices) >= QUEUE_SIZE + 3
     # Nothing was delivered: every window is in the spool, once, oldest first.
-    assert indices == list(range(exports.windows)), f"spool (replay) order of window indices: {indices}"
+    # (The last window's held-back values, sent by the close, follow it at its index.)
+    assert indices in (list(range(exports.windows)), [*range(exports.windows), exports.windows - 1]), (
+        f"spool (replay) order of window indices: {indices}"
+    )
