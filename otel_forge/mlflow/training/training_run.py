@@ -127,7 +127,8 @@ class TrainingRun:
         self.launch_argv = list(sys.argv if launch_argv is None else launch_argv)
         self.node = node or NodeIdentity.from_config(self.forge_config)
         self._deadlines = (init_deadline_s, end_deadline_s)
-        self._lock = threading.Lock()
+        # Reentrant: the SIGTERM handler closes the run on the main thread, which may hold it in log().
+        self._lock = threading.RLock()
         self._pid = os.getpid()  # the process that owns the run: a forked child logs and ends nothing
         self._owner: RunOwner | None = None
         self._opening: concurrent.futures.Future | None = None
