@@ -10,7 +10,6 @@ import socket
 import urllib.parse
 import urllib.request
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
@@ -79,10 +78,10 @@ def _tracking_check(config: ForgeConfig) -> str:
 def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
     """Spool directories left by a close: what is pending and how delivery went. A training run's
     spool counts its files of metric rows and says whether the run still has to be ended."""
-    from otel_forge.mlflow.spool_files import HEADER, STATS, default_spool_root
+    from otel_forge.mlflow.spool_files import HEADER, STATS, spool_root
     from otel_forge.mlflow.training.training_spool import KIND as TRAINING_SPOOL
 
-    root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
+    root = spool_root(config.spool_dir)
     found = []
     # A spool, or one in a job's directory (`otel-forge run` keeps its job's spools together).
     headers = sorted([*root.glob(f"*/{HEADER}"), *root.glob(f"*/*/{HEADER}")]) if root.is_dir() else []

@@ -44,7 +44,7 @@ from otel_forge.config import (
     env_name,
     local_store_problem,
 )
-from otel_forge.mlflow.spool_files import default_spool_root, kept_notice_level, remove_if_empty, told_spool
+from otel_forge.mlflow.spool_files import kept_notice_level, remove_if_empty, spool_root, told_spool
 from otel_forge.mlflow.training.launched_run import LaunchedRun
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials
@@ -215,7 +215,7 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
 
 def job_spool_dir(config: ForgeConfig) -> Path:
     """This job's directory in the spool root: one place, and one replay, for all it keeps."""
-    root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
+    root = spool_root(config.spool_dir)
     return root / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 

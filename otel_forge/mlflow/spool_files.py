@@ -30,6 +30,11 @@ def default_spool_root() -> Path:
     return Path(cache) / "otel-forge" / "spool"
 
 
+def spool_root(spool_dir: str | None) -> Path:
+    """The ``spool_dir`` setting, else the default root."""
+    return Path(spool_dir) if spool_dir else default_spool_root()
+
+
 def told_spool(path: Path) -> None:
     """The user was told that ``path`` keeps what cannot be delivered and how to replay it (this
     process and the commands it starts): closing says at INFO what it keeps there."""

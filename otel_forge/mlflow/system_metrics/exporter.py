@@ -10,7 +10,6 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
@@ -19,7 +18,7 @@ from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, node_host_tags, system_prefix
-from otel_forge.mlflow.spool_files import default_spool_root, kept_notice_level
+from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window, WindowFolder
@@ -72,9 +71,9 @@ class MLflowMetricExporter(NonBlockingExporter):
         self._folder = WindowFolder(samples_per_window, config.mlflow_stats)
         self._changed = ChangedValues(refresh_windows)
         self.delivery_phase_s = delivery_phase_s
-        spool_root = Path(config.spool_dir) if config.spool_dir else default_spool_root()
+        root = spool_root(config.spool_dir)
         self.spool = WindowSpool(
-            spool_root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}",
+            root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}",
             config.spool_max_bytes,
             header={
                 "run_id": run_id,

@@ -30,7 +30,7 @@ from otel_forge.mlflow.client import (
 )
 from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.keys import key_segment, sanitize_key
-from otel_forge.mlflow.spool_files import default_spool_root, kept_notice_level
+from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.system_metrics.sampler_process import SamplerProcess
 from otel_forge.mlflow.training.checkpoints import find_or_create_external_model
@@ -708,7 +708,7 @@ class TrainingRun:
             )
 
     def _spool_root(self) -> Path:
-        return Path(self.forge_config.spool_dir) if self.forge_config.spool_dir else default_spool_root()
+        return spool_root(self.forge_config.spool_dir)
 
     def _end(self, status: str, timeout_s: float) -> None:
         assert self._owner is not None
