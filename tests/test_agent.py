@@ -193,16 +193,15 @@ def test_a_scraper_keeps_its_connection_and_shutdown_closes_it(monkeypatch):
     send = socket.socket.send
 
     def counted(self, data, *args):
-        # This agent's endpoint thread (an endpoint another test left would have the same name).
-        thread = threading.current_thread()
-        if thread.name == "otel-forge-prometheus" and thread.ident not in before:
+        # Writes to this test's scraper only: an endpoint another test left has the same thread name.
+        if self.family == socket.AF_INET and self.getsockname()[1] == port:
             writes.append(len(data))
         return send(self, data, *args)
 
     before = {t.ident for t in threading.enumerate()}
-    monkeypatch.setattr(socket.socket, "send", counted)
     agent = Agent(config).start()
     port = int(agent.endpoints[0].split()[-1].rsplit(":", 1)[1].split("/")[0])
+    monkeypatch.setattr(socket.socket, "send", counted)
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     sockets = []
     for _ in range(3):
