@@ -346,6 +346,9 @@ class Setting:
         return [name for name in self.env if _is_set(name, environ)]
 
 
+# ~300 MLflow keys a node of 8 GPUs: 16 nodes stay under the ~5,000 keys MLflow's run page draws.
+NODE_RUNS_ABOVE = 16
+
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "sampling_interval_s",
@@ -373,6 +376,15 @@ SETTINGS: tuple[Setting, ...] = (
         "Samples folded into one MLflow step (default: by the job's node count, 1 alone or up to 32 nodes, 3 up "
         "to 256, 6 beyond: 10, 30, 60 s windows at the default interval; Prometheus and OTLP keep every "
         "sample).",
+    ),
+    Setting(
+        "node_runs_above",
+        ("OTEL_FORGE_NODE_RUNS_ABOVE",),
+        _int_within(0, 1_000_000),
+        NODE_RUNS_ABOVE,
+        "A job of more than this many nodes logs each node's system metrics into a run of its own under the "
+        "job's run (`system/<key>`), not as `system/<node>/<key>` in the job's run, which then stays small "
+        "enough for MLflow's run page whatever the node count (0: every node its own run).",
     ),
     Setting(
         "max_age_s",
@@ -639,6 +651,7 @@ class ForgeConfig:
     sampling_interval_s: float
     export_timeout_s: float
     samples_per_window: int | None
+    node_runs_above: int
     max_age_s: float | None
     node_id: str | None
     job_id: str | None
@@ -701,6 +714,10 @@ class ForgeConfig:
         if self.samples_per_window is not None:
             return self.samples_per_window
         return next(samples for most, samples in SAMPLES_PER_WINDOW_BY_NODE_COUNT if (node_count or 1) <= most)
+
+    def mlflow_node_runs(self, node_count: int | None) -> bool:
+        """Whether each node of a job of ``node_count`` nodes logs into a run of its own."""
+        return (node_count or 1) > self.node_runs_above
 
     @classmethod
     def defaults(cls) -> ForgeConfig:

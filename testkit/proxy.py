@@ -40,6 +40,7 @@ from typing import Any
 
 LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
 GET_RUN = "/api/2.0/mlflow/runs/get"
+GET_HISTORY = "/api/2.0/mlflow/metrics/get-history"
 
 # Hop-by-hop headers are the proxy's own business, not forwarded; nor are the length and host of the
 # client's request (http.client sets those of the upstream request).

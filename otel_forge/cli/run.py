@@ -44,6 +44,7 @@ from otel_forge.config import (
     env_name,
     local_store_problem,
 )
+from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.spool_files import kept_notice_level, remove_if_empty, spool_root, told_spool
 from otel_forge.mlflow.training.launched_run import LaunchedRun
 from otel_forge.node import NodeIdentity
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     # The node is served from now on (/metrics answers while the run opens); its process tree is
     # CMD's once CMD runs, its windows go to the run once the run is open.
     sampling = _NodeSampling(_start_system_metrics(config, training_run.tracking_uri, node))
-    training_run.on_open.append(lambda: sampling.run_opened(training_run.run_id))
+    training_run.on_open.append(lambda: sampling.run_opened(training_run))
     training_run.on_unanswered.append(lambda error: _say_unanswered(training_run, command, error))
     live = training_run.start(training_run.start_wait_s)
     if isinstance(training_run.open_error, MissingRun):
@@ -344,9 +345,10 @@ class _NodeSampling:
         if self.monitor is not None:
             self.monitor.follow_process(pid)
 
-    def run_opened(self, run_id: str) -> None:
+    def run_opened(self, training_run: Any) -> None:
         if self.monitor is not None:
-            self.monitor.attach(run_id)
+            known = RunInfo(training_run.experiment_id, training_run.run_name or "", training_run.experiment)
+            self.monitor.attach(training_run.run_id, known)
 
     def stop(self) -> None:
         if self.monitor is not None:

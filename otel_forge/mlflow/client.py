@@ -141,7 +141,10 @@ def live_run(client: MlflowClient, run_id: str) -> Any:
 
 @dataclass(frozen=True)
 class RunInfo:
-    """What the opener of a run knows of it ("" where it does not: a rank that only found it)."""
+    """What the opener of a run knows of it, so that no agent reads the run: its experiment's id
+    (None where nothing says it: a rank or a node given only the run id), else the experiment the
+    settings name (id or name); the run's name ("" where not known)."""
 
-    experiment_id: str
+    experiment_id: str | None
     run_name: str
+    experiment: str | None = None

@@ -20,12 +20,19 @@ def _fluent_stacks() -> list[list[Any]]:
     return [stack for stack in stacks.values() if isinstance(stack, list)]
 
 
-def fluent_run_id() -> str | None:
-    """The top-level run MLflow's fluent API has active in some thread of this process, if any."""
+def fluent_run() -> Any | None:
+    """The top-level run (``mlflow.ActiveRun``, with its info) MLflow's fluent API has active in some
+    thread of this process, if any."""
     for stack in _fluent_stacks():
         if stack:
-            return str(stack[0].info.run_id)
+            return stack[0]
     return None
+
+
+def fluent_run_id() -> str | None:
+    """The id of ``fluent_run()``."""
+    run = fluent_run()
+    return None if run is None else str(run.info.run_id)
 
 
 def fluent_ended_run_ids() -> set[str]:

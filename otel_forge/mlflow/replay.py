@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otel_forge.mlflow.client import RunGone, import_mlflow, live_run, make_client
+from otel_forge.mlflow.client import RunGone, RunInfo, import_mlflow, make_client
 from otel_forge.mlflow.spool_files import HEADER
-from otel_forge.mlflow.system_metrics.window_logger import WindowLogger, next_system_step
+from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.training.outcome import end_run
 from otel_forge.mlflow.training.rendezvous import (
@@ -112,14 +112,22 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     spool = WindowSpool.open(path)
     header = spool.header
     uri = tracking_uri or header.get("tracking_uri")
-    run_id, prefix = header["run_id"] or _job_run_id(make_client(uri), header), header["prefix"]
+    run_id = header["run_id"] or _job_run_id(make_client(uri), header)
     spool.update_header(run_id=run_id)
-    first_step = header.get("first_step")
-    if first_step is None:
-        # The exporter never reached the server: continue after what the node has in the run.
-        first_step = next_system_step(live_run(make_client(uri), run_id), prefix)
-        spool.update_header(first_step=first_step)
-    log_window = WindowLogger(run_id, uri, prefix, first_step)
+    # Where the exporter never reached the server, the logger finds where the node's steps continue
+    # (and opens the node's own run), as the exporter would have.
+    log_window = WindowLogger(
+        run_id,
+        uri,
+        header["prefix"],
+        header.get("first_step"),
+        node_run=header.get("node_run"),
+        node_run_id=header.get("node_run_id"),
+    )
+    log_window.attach(run_id, RunInfo(None, "", header.get("experiment")))
+    log_window.on_first_step.append(
+        lambda step: spool.update_header(first_step=step, node_run_id=log_window.node_run_id)
+    )
     delivered = 0
     while (window := spool.peek()) is not None:
         log_window(window)

@@ -33,7 +33,7 @@ from otel_forge.mlflow import MLflowMetricExporter
 from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
 from testkit.gpu_fakes import fake_gpu_env, fake_nvml
 from testkit.hermetic import hermetic_environ
-from testkit.proxy import GET_RUN, LOG_BATCH, MlflowProxy, Mode
+from testkit.proxy import GET_HISTORY, GET_RUN, LOG_BATCH, MlflowProxy, Mode
 from testkit.servers import free_port, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -223,9 +223,9 @@ def test_timestamp_is_the_window_end(monitored_run: MonitoredRun) -> None:
         assert arrival - timestamp >= phase_ms - CLOCK_SLACK_MS, (timestamp, arrival, phase_ms)
 
 
-def test_one_log_batch_per_window_and_one_get_run_in_all(monitored_run: MonitoredRun) -> None:
+def test_one_log_batch_per_window_and_one_key_history_in_all(monitored_run: MonitoredRun) -> None:
     windows = len(monitored_run.histories[GPU_KEY.format(gpu=0)])
-    assert monitored_run.counts.get(GET_RUN) == 1  # the resume point, read once at start
+    assert monitored_run.counts.get(GET_HISTORY) == 1  # the resume point, read once at start
     assert monitored_run.counts.get(LOG_BATCH) == windows
     assert sum(monitored_run.counts.values()) == windows + 1, monitored_run.counts
 
@@ -247,7 +247,7 @@ def test_a_window_of_more_than_1000_metrics_takes_ceil_n_over_1000_log_batches(
     assert exporter.export(data) is MetricExportResult.SUCCESS
     exporter.shutdown()
 
-    assert proxy.counts() == {GET_RUN: 1, LOG_BATCH: math.ceil(n / 1000)}
+    assert proxy.counts() == {GET_HISTORY: 1, LOG_BATCH: math.ceil(n / 1000)}
     metrics = client.get_run(run_id).data.metrics
     assert len(metrics) == n
     assert metrics["system/node_0/gpu_1199_utilization_percentage"] == pytest.approx(99.0)
@@ -276,16 +276,17 @@ def test_resume_continues_each_nodes_own_steps(client, experiment_id, mlflow_ser
 
     run_id = new_run(client, experiment_id)
     now = int(time.time() * 1000)
-    client.log_batch(
-        run_id, metrics=[Metric("system/node_0/system_memory_usage_megabytes", 1.0, now + s, s) for s in range(8)]
-    )  # node_0 has steps 0..7
+    memory_keys = ("swap_usage_megabytes", "swap_usage_percentage", "system_memory_usage_megabytes")
+    # node_0 has steps 0..7 of the keys a memory agent logs (its last window, a close, sends them all).
+    seeded = [Metric(f"system/node_0/{k}", 1.0, now + s, s) for s in range(8) for k in memory_keys]
+    client.log_batch(run_id, metrics=seeded)
     key = "system_memory_usage_megabytes"
 
     _monitor_memory(run_id, mlflow_server.uri, "node_0")
     _monitor_memory(run_id, mlflow_server.uri, "node_1")
     _monitor_memory(run_id, mlflow_server.uri, None)
 
-    node_0 = anchor_steps(client, run_id, "system/node_0/")
+    node_0 = anchor_steps(client, run_id, "system/node_0/")[8:]
     assert len(node_0) >= 2 and node_0 == list(range(8, 8 + len(node_0)))  # starts at 8, no gap
     assert steps_of(client, run_id, f"system/node_0/{key}")[:9] == list(range(9))
     node_1 = anchor_steps(client, run_id, "system/node_1/")
@@ -296,7 +297,7 @@ def test_resume_continues_each_nodes_own_steps(client, experiment_id, mlflow_ser
     # And node_0 again, after all that: after its own last step, not after anyone else's.
     last = node_0[-1]
     _monitor_memory(run_id, mlflow_server.uri, "node_0", seconds=0.5)
-    again = anchor_steps(client, run_id, "system/node_0/")[len(node_0) :]
+    again = anchor_steps(client, run_id, "system/node_0/")[8 + len(node_0) :]
     assert again and again == list(range(last + 1, last + 1 + len(again)))
 
 
@@ -312,7 +313,7 @@ def _export_memory(exporter: MLflowMetricExporter, windows: int) -> None:
     exporter.shutdown()
 
 
-def test_a_node_whose_opener_knows_the_run_resumes_from_its_anchor_without_reading_the_run(
+def test_a_node_resumes_from_its_anchor_without_reading_the_run(
     client, experiment_id, proxy, tmp_path
 ) -> None:
     from otel_forge.mlflow.client import RunInfo
@@ -327,14 +328,13 @@ def test_a_node_whose_opener_knows_the_run_resumes_from_its_anchor_without_readi
         ),
         3,
     )
-    get_runs = proxy.count(GET_RUN)
     exporter = MLflowMetricExporter(
         None, tracking_uri=proxy.uri, node_id="node_0", config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path))
     )
     exporter.attach(run_id, RunInfo(experiment_id, "run"))
     _export_memory(exporter, 3)
 
-    assert proxy.count(GET_RUN) == get_runs  # one key's history, never the whole run
+    assert proxy.count(GET_RUN) == 0  # one key's history, never the whole run
     assert exporter.window_logger.first_step == 3
     assert steps_of(client, run_id, "system/node_0/cpu_utilization_percentage") == list(range(6))
     # The constant total: sent at the start and the end of each life only (and every tenth window,

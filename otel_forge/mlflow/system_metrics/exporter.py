@@ -6,6 +6,7 @@ enqueues; delivery (retries, the spool, deadlines) happens on the ``DeliveryWork
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, node_host_tags, system_prefix
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
+from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window, WindowFolder
@@ -55,9 +57,12 @@ class MLflowMetricExporter(NonBlockingExporter):
         delivery_phase_s: float = 0.0,
         refresh_windows: int = REFRESH_WINDOWS,
         known: RunInfo | None = None,
+        node_run: bool = False,
     ) -> None:
         """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
-        from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own."""
+        from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own.
+        ``node_run``: the node logs ``system/<key>`` into a child run of its own under the run
+        (``node_run.py``), not ``system/<node>/<key>`` into the run."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         config = config or ForgeConfig.resolve()
@@ -66,7 +71,8 @@ class MLflowMetricExporter(NonBlockingExporter):
         self.run_id = run_id
         self.node_id = node_id
         self._drain_deadline_s = config.drain_deadline_s
-        prefix = system_prefix(node_id)
+        node_run_id = key_segment(node_id or "node") if node_run else None
+        prefix = SYSTEM_PREFIX if node_run else system_prefix(node_id)
         self._mapper = KeyMapper(prefix)
         self._folder = WindowFolder(samples_per_window, config.mlflow_stats)
         self._changed = ChangedValues(refresh_windows)
@@ -79,13 +85,14 @@ class MLflowMetricExporter(NonBlockingExporter):
                 "run_id": run_id,
                 "node_id": node_id,
                 "prefix": prefix,
+                "node_run": node_run_id,
                 "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None,
             },
         )
         # Which host the node's prefix samples, in the node's first call (node_0 says nothing of it).
         host_tags = node_host_tags(node_id) if node_id else {}
-        self.window_logger = WindowLogger(run_id, tracking_uri, prefix, tags=host_tags)
-        self.window_logger.on_first_step.append(lambda step: self.spool.update_header(first_step=step))
+        self.window_logger = WindowLogger(run_id, tracking_uri, prefix, tags=host_tags, node_run=node_run_id)
+        self.window_logger.on_first_step.append(self._first_step_known)
         self.worker: DeliveryWorker[Window] = DeliveryWorker(
             self.window_logger,
             name="mlflow-system-metrics",
@@ -108,13 +115,18 @@ class MLflowMetricExporter(NonBlockingExporter):
         """The run the windows go to, once it is open: windows made before wait in the spool.
         ``known``: what the run's opener knows of it (then the run itself is never read)."""
         self.run_id = run_id
-        self.spool.update_header(run_id=run_id)
-        self._writer_lock = NodeWriterLock(run_id, self.window_logger.prefix)
+        experiment = (known.experiment_id or known.experiment) if known is not None else None
+        self.spool.update_header(run_id=run_id, experiment=experiment)
+        self._writer_lock = NodeWriterLock(run_id, system_prefix(self.node_id))
         self.standing_down = not self._acquire_writer_lock()
         if self.standing_down:
             self.spool.discard()  # windows the other agent writes
         else:
             self.window_logger.attach(run_id, known)
+
+    def _first_step_known(self, step: int) -> None:
+        """What a replay needs to continue where delivery stopped: the step, and the node's run."""
+        self.spool.update_header(first_step=step, node_run_id=self.window_logger.node_run_id)
 
     def _acquire_writer_lock(self) -> bool:
         assert self._writer_lock is not None
@@ -156,6 +168,10 @@ class MLflowMetricExporter(NonBlockingExporter):
             self.worker.submit(ended)
         if last:
             window = self._changed.close(window)
+            if window is not None:
+                window = dataclasses.replace(window, last=True)
+            elif self.window_logger.node_run is not None:  # nothing to send, but the node's run to end
+                window = Window(0, int(time.time() * 1000), (), last=True)
         elif window is not None:
             window = self._changed.keep(window)
         if window is not None:

@@ -12,7 +12,7 @@ from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, RunInfo
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo
-from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run_id
+from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run, fluent_run_id
 from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
@@ -92,8 +92,10 @@ class SystemMetricsMonitor:
             return self
         self._pid = os.getpid()
         if self.config.run_id is None and not self._run_pending:
-            if (run_id := fluent_run_id()) is not None:
-                self.config = self.config.replace(run_id=run_id, tracking_uri=self._tracking_uri())
+            if (run := fluent_run()) is not None:
+                self.config = self.config.replace(
+                    run_id=run.info.run_id, experiment_id=run.info.experiment_id, tracking_uri=self._tracking_uri()
+                )
             else:
                 # No run yet: sampling starts now, the windows wait for the run the code opens.
                 self._run_pending = True
@@ -123,7 +125,11 @@ class SystemMetricsMonitor:
         """On the watch's thread: the code opened its run; the windows sampled so far go to it."""
         if self.exporter is not None and self.config.tracking_uri is None:
             self.exporter.window_logger.tracking_uri = _fluent_tracking_uri()
-        self.attach(run_id)
+        run = fluent_run()
+        if run is not None and run.info.run_id == run_id:
+            self.attach(run_id, RunInfo(run.info.experiment_id, run.info.run_name or ""))
+        else:  # ended before we looked: MLflow's fluent API made it where the environment says
+            self.attach(run_id, RunInfo(None, "", self.config.experiment_name))
         stand_down_mlflow_sampler(run_id)
         _logger.info(
             "MLflow run %s opened: node %s is sampled into it", run_id, self.node.node_id or self.node.hostname
@@ -140,7 +146,8 @@ class SystemMetricsMonitor:
             config=c,
             samples_per_window=samples_per_window,
             delivery_phase_s=phase_s,
-            known=RunInfo(c.experiment_id, "") if c.experiment_id else None,
+            known=RunInfo(c.experiment_id, "", c.experiment_name),
+            node_run=c.mlflow_node_runs(self.node.node_count),
         )
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
@@ -154,7 +161,7 @@ class SystemMetricsMonitor:
         """The run is open: the windows sampled so far, and all after, go to it."""
         self.config = self.config.replace(run_id=run_id)
         if self.exporter is not None:
-            self.exporter.attach(run_id, known)
+            self.exporter.attach(run_id, known or RunInfo(None, "", self.config.experiment_name))
 
     def follow_process(self, pid: int) -> None:
         """The monitored process tree is rooted at ``pid`` from now on (CMD, once it runs)."""

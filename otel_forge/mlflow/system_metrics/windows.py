@@ -18,13 +18,16 @@ class Window:
     index: int
     timestamp_ms: int
     values: tuple[tuple[str, float], ...]
+    last: bool = False  # the exporter's last: a node's own run ends with it
 
     def to_json(self) -> dict:
-        return {"index": self.index, "timestamp_ms": self.timestamp_ms, "values": [list(v) for v in self.values]}
+        data = {"index": self.index, "timestamp_ms": self.timestamp_ms, "values": [list(v) for v in self.values]}
+        return {**data, "last": True} if self.last else data
 
     @classmethod
     def from_json(cls, data: dict) -> Window:
-        return cls(int(data["index"]), int(data["timestamp_ms"]), tuple((str(k), float(v)) for k, v in data["values"]))
+        values = tuple((str(k), float(v)) for k, v in data["values"])
+        return cls(int(data["index"]), int(data["timestamp_ms"]), values, bool(data.get("last", False)))
 
 
 class WindowFolder:

@@ -328,7 +328,7 @@ class TrainingRun:
             scrub(self.tracking_uri),
         )
         if self._system_monitor is not None:
-            self._system_monitor.attach(run.run_id, RunInfo(run.experiment_id or "", run.run_name or ""))
+            self._system_monitor.attach(run.run_id, RunInfo(run.experiment_id, run.run_name or "", run.experiment))
         for callback in self.on_open:
             callback()
         return run
