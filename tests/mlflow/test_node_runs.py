@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from run_reading import anchor_steps
+
 import otel_forge
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.replay import replay_spool
@@ -45,8 +47,9 @@ def _node_runs(client: Any, experiment_id: str, job_run_id: str) -> dict[str, An
     return {run.data.tags[NODE_TAG]: run for run in runs}
 
 
-def _steps(client: Any, run_id: str, key: str) -> list[int]:
-    return sorted(m.step for m in client.get_metric_history(run_id, key))
+def _steps(client: Any, run_id: str) -> list[int]:
+    """The node's windows: its anchor key's steps (a key whose value did not change waits)."""
+    return anchor_steps(client, run_id, "system/")
 
 
 def test_the_default_puts_nodes_in_runs_of_their_own_past_16_nodes() -> None:
@@ -75,7 +78,7 @@ def test_each_node_logs_into_its_own_run_under_the_jobs_run_which_stays_small(
         assert run.info.run_name == node and run.info.status == "FINISHED"  # ended with its agent
         assert run.data.tags[f"otel_forge.node.{node}.host"]
         assert MEMORY_KEY in run.data.metrics and not [k for k in run.data.metrics if k.count("/") > 1]
-        steps = _steps(client, run.info.run_id, MEMORY_KEY)
+        steps = _steps(client, run.info.run_id)
         assert len(steps) >= 3 and steps == list(range(len(steps)))
     # Each node: one search for its run, one create, its windows, one end; never the job's run read.
     assert proxy.count(GET_RUN) == 0 and proxy.count(GET_HISTORY) == 0
@@ -89,14 +92,14 @@ def test_a_restarted_node_continues_its_own_run(client, experiment_id, proxy, tm
     wait_for(lambda: proxy.count(LOG_BATCH) >= 3, 15, 0.05, message="three windows")
     first.stop()
     (node_run_id,) = [run.info.run_id for run in _node_runs(client, experiment_id, job_run_id).values()]
-    before = _steps(client, node_run_id, MEMORY_KEY)
+    before = _steps(client, node_run_id)
 
     again = _node_monitor(job_run_id, proxy.uri, "node_7", tmp_path, experiment_id=experiment_id)
-    wait_for(lambda: len(_steps(client, node_run_id, MEMORY_KEY)) >= len(before) + 2, 15, 0.05, message="more")
+    wait_for(lambda: len(_steps(client, node_run_id)) >= len(before) + 2, 15, 0.05, message="more")
     again.stop()
 
     assert list(_node_runs(client, experiment_id, job_run_id)) == ["node_7"]  # the same run, not a second
-    steps = _steps(client, node_run_id, MEMORY_KEY)
+    steps = _steps(client, node_run_id)
     assert steps == list(range(len(steps))) and len(steps) > len(before)  # continued, no gap, no overlap
     assert proxy.count(GET_RUN) == 0
 
@@ -125,7 +128,7 @@ def test_a_spool_the_server_never_saw_replays_into_the_nodes_run(client, experim
     result = replay_spool(spool, proxy.uri)
 
     (node_run,) = _node_runs(client, experiment_id, job_run_id).values()
-    steps = _steps(client, node_run.info.run_id, MEMORY_KEY)
+    steps = _steps(client, node_run.info.run_id)
     assert result.delivered >= 3 and steps == list(range(len(steps))) and len(steps) >= 3
     assert node_run.info.status == "FINISHED"  # the replayed last window ends it
     assert not spool.exists()
