@@ -480,8 +480,9 @@ SETTINGS: tuple[Setting, ...] = (
         ("MLFLOW_EXPERIMENT_ID",),
         _optional_text,
         None,
-        "The run's experiment: with `run_id`, an agent never reads the run (nodes of a large run start "
-        "cheap); without it, a standalone agent reads the run once.",
+        "The run's experiment (`otel-forge monitor --run-id`): the info metric's label and where node runs "
+        "are made; no agent reads a run to learn it (default: the experiment `MLFLOW_EXPERIMENT_NAME` names, "
+        "else MLflow's default experiment, `0`).",
     ),
     Setting(
         "experiment_name",

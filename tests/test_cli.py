@@ -45,6 +45,22 @@ def test_doctor_shows_the_node_id_and_job_key_with_where_they_came_from(capsys, 
     assert (node["job_key"], node["job_key_source"]) == ("nightly", "--job-id")
 
 
+@pytest.mark.parametrize(
+    ("nodes", "where"),
+    [
+        ("2", "mlflow: system/node_1/<key> in the job's run (a job of 2 node(s); node runs above 16)"),
+        ("2048", "mlflow: system/<key> in the node's own run under the job's run (a job of 2048 node(s); node runs"),
+    ],
+)
+def test_doctor_says_where_the_nodes_windows_land_in_mlflow(capsys, monkeypatch, nodes, where):
+    for name, value in {"SLURM_JOB_ID": "77", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": nodes}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("OTEL_FORGE_NODE_ID", "MLFLOW_SYSTEM_METRICS_NODE_ID", "OTEL_FORGE_NODE_RUNS_ABOVE"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["doctor", "--collectors", "cpu", "--no-prometheus"]) == 0
+    assert where in capsys.readouterr().out
+
+
 def test_doctor_text_names_each_collector(capsys):
     assert main(["doctor", "--collectors", "cpu", "--otlp-endpoint", "http://127.0.0.1:9"]) == 0
     out = capsys.readouterr().out

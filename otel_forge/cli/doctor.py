@@ -15,6 +15,8 @@ from typing import Any
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.collectors import open_collectors
 from otel_forge.config import COLLECTOR_NAMES, SETTINGS, ForgeConfig, Origin, Setting, Source
+from otel_forge.mlflow.keys import system_prefix
+from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials
 
@@ -136,6 +138,7 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
     return {
         "collectors": collectors,
         "node": asdict(node),
+        "mlflow_keys": _mlflow_keys(config, node),
         "config": settings,
         "endpoints": {
             "prometheus": _prometheus_check(config),
@@ -143,6 +146,17 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
             "mlflow": _tracking_check(config),
         },
         "spools": _spools(config),
+    }
+
+
+def _mlflow_keys(config: ForgeConfig, node: NodeIdentity) -> dict[str, Any]:
+    """Where this node's windows land in MLflow, and why."""
+    node_run = config.mlflow_node_runs(node.node_count)
+    where = "<key> in the node's own run under the job's run" if node_run else "<key> in the job's run"
+    return {
+        "node_run": node_run,
+        "keys": (SYSTEM_PREFIX if node_run else system_prefix(node.node_id)) + where,
+        "why": f"a job of {node.node_count or 1} node(s); node runs above {config.node_runs_above}",
     }
 
 
@@ -175,6 +189,7 @@ def _print_text(report: dict[str, Any]) -> None:
         f"local_rank={node['local_rank']} world_size={node['world_size']}"
     )
     print(f"job: key={node['job_key']} ({node['job_key_source']})")
+    print(f"mlflow: {report['mlflow_keys']['keys']} ({report['mlflow_keys']['why']})")
     print("config:")
     for name, entry in report["config"].items():
         lost = f"; set but not used: {', '.join(entry['not_used'])}" if entry.get("not_used") else ""
