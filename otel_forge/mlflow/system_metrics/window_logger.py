@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -66,25 +67,16 @@ class WindowLogger:
         with self._lock:
             if self._client is None:
                 self._client = make_client(self.tracking_uri)
-            if self.known.experiment_id is None:
-                known = self.known
-                experiment_id = experiment_id_for(self._client, known.experiment)
-                self.known = RunInfo(experiment_id, known.run_name, known.experiment)
+            experiment_id = self.known.experiment_id or experiment_id_for(self._client, self.known.experiment)
+            self.known = dataclasses.replace(self.known, experiment_id=experiment_id)
+            resume_step = None
             if self.node_run is not None and self.node_run_id is None:
-                self._open_node_run()
+                self.node_run_id, resume_step = open_node_run(self._client, self.run_id, experiment_id, self.node_run)
             if self.first_step is None:
-                self.first_step = self._resume_step(window)
+                self.first_step = self._resume_step(window) if resume_step is None else resume_step
                 for callback in self.on_first_step:
                     callback(self.first_step)
             return self._client, self.node_run_id or self.run_id, self.first_step
-
-    def _open_node_run(self) -> None:
-        experiment_id = self.known.experiment_id
-        self.node_run_id, first_step = open_node_run(self._client, self.run_id, experiment_id, self.node_run)  # type: ignore[arg-type]
-        if self.first_step is None:
-            self.first_step = first_step
-            for callback in self.on_first_step:
-                callback(first_step)
 
     def _resume_step(self, window: Window) -> int:
         if not window.values:
