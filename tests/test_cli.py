@@ -48,7 +48,7 @@ def test_doctor_shows_the_node_id_and_job_key_with_where_they_came_from(capsys, 
 @pytest.mark.parametrize(
     ("nodes", "where"),
     [
-        ("2", "mlflow: system/node_1/<key> in the job's run (a job of 2 node(s); node runs above 16)"),
+        ("2", "mlflow: system/node_1/<key> in the job's run (a job of 2 node(s); node runs above 8)"),
         ("2048", "mlflow: system/<key> in the node's own run under the job's run (a job of 2048 node(s); node runs"),
     ],
 )

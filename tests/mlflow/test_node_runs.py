@@ -52,9 +52,9 @@ def _steps(client: Any, run_id: str) -> list[int]:
     return anchor_steps(client, run_id, "system/")
 
 
-def test_the_default_puts_nodes_in_runs_of_their_own_past_16_nodes() -> None:
+def test_the_default_puts_nodes_in_runs_of_their_own_past_8_nodes() -> None:
     config = ForgeConfig.resolve(environ={})
-    assert not config.mlflow_node_runs(16) and config.mlflow_node_runs(17) and config.mlflow_node_runs(2048)
+    assert not config.mlflow_node_runs(8) and config.mlflow_node_runs(9) and config.mlflow_node_runs(2048)
     assert not config.mlflow_node_runs(None)  # one node, no launcher: the run itself
     assert ForgeConfig.resolve(environ={"OTEL_FORGE_NODE_RUNS_ABOVE": "0"}).mlflow_node_runs(None)
 
