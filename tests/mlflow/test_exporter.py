@@ -313,9 +313,7 @@ def _export_memory(exporter: MLflowMetricExporter, windows: int) -> None:
     exporter.shutdown()
 
 
-def test_a_node_resumes_from_its_anchor_without_reading_the_run(
-    client, experiment_id, proxy, tmp_path
-) -> None:
+def test_a_node_resumes_from_its_anchor_without_reading_the_run(client, experiment_id, proxy, tmp_path) -> None:
     from otel_forge.mlflow.client import RunInfo
 
     run_id = new_run(client, experiment_id)
