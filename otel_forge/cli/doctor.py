@@ -14,6 +14,7 @@ from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.collectors import open_collectors
+from otel_forge.collectors.inventory import node_inventory
 from otel_forge.config import COLLECTOR_NAMES, SETTINGS, ForgeConfig, Origin, Setting, Source
 from otel_forge.mlflow.keys import system_prefix
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
@@ -117,6 +118,7 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
     try:
         collectors = {c.name: {"present": True, "details": c.describe()} for c in opened.present}
         collectors.update({name: {"present": False, "reason": reason} for name, reason in opened.absent.items()})
+        inventory = node_inventory(opened.present)
     finally:
         opened.close()
     for name in COLLECTOR_NAMES:
@@ -139,6 +141,7 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
         "collectors": collectors,
         "node": asdict(node),
         "mlflow_keys": _mlflow_keys(config, node),
+        "inventory": inventory,
         "config": settings,
         "endpoints": {
             "prometheus": _prometheus_check(config),
@@ -158,6 +161,23 @@ def _mlflow_keys(config: ForgeConfig, node: NodeIdentity) -> dict[str, Any]:
         "keys": (SYSTEM_PREFIX if node_run else system_prefix(node.node_id)) + where,
         "why": f"a job of {node.node_count or 1} node(s); node runs above {config.node_runs_above}",
     }
+
+
+def _print_inventory(inventory: dict[str, Any]) -> None:
+    """What the agent records in the run as ``inventory.json``, a line per part."""
+    cpu = inventory["cpu"]
+    print("inventory:")
+    print(f"  host     {inventory['host']}, kernel {inventory['kernel']}, Python {inventory['python']}")
+    print(f"  cpu      {cpu['model']}, {cpu['physical_cores']} cores, {cpu['logical_cores']} threads")
+    print(f"  memory   {inventory['memory_bytes'] / 2**30:.1f} GiB")
+    for vendor in inventory["gpus"]:
+        gpus = vendor.get("gpus") or []
+        names = ", ".join(sorted({str(gpu.get("name")) for gpu in gpus})) or "none"
+        print(
+            f"  gpu      {len(gpus)} x {names} ({vendor.get('vendor')}, driver {vendor.get('driver_version')}, "
+            f"CUDA {vendor.get('cuda_version')})"
+        )
+    print("  packages " + ", ".join(f"{name} {version}" for name, version in inventory["packages"].items()))
 
 
 def _not_used(setting: Setting, source: Source) -> list[str]:
@@ -190,6 +210,7 @@ def _print_text(report: dict[str, Any]) -> None:
     )
     print(f"job: key={node['job_key']} ({node['job_key_source']})")
     print(f"mlflow: {report['mlflow_keys']['keys']} ({report['mlflow_keys']['why']})")
+    _print_inventory(report["inventory"])
     print("config:")
     for name, entry in report["config"].items():
         lost = f"; set but not used: {', '.join(entry['not_used'])}" if entry.get("not_used") else ""

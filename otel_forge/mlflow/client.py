@@ -4,9 +4,11 @@ retries, and its errors told apart: transient, an overloaded server, a run that 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_forge.config import MLFLOW_CLIENT_DEFAULTS
@@ -129,6 +131,20 @@ def context_tags(tags: Mapping[str, str]) -> dict[str, str]:
     from mlflow.tracking.context.registry import resolve_tags
 
     return resolve_tags(dict(tags), ignore=[GitRunContext])  # type: ignore[list-item]  # MLflow takes classes
+
+
+def upload_texts(artifact_uri: str, tracking_uri: str | None, texts: Mapping[str, str]) -> None:
+    """Text files (artifact path -> text) into the artifact store at ``artifact_uri``, as
+    ``MlflowClient.log_text`` writes them, without the run read it makes to find that store."""
+    import_mlflow()
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    repository = get_artifact_repository(artifact_uri, tracking_uri=tracking_uri)
+    with tempfile.TemporaryDirectory() as directory:
+        for artifact_file, text in texts.items():
+            local = Path(directory, Path(artifact_file).name)
+            local.write_text(text, encoding="utf-8")
+            repository.log_artifact(str(local), str(Path(artifact_file).parent) if "/" in artifact_file else None)
 
 
 def live_run(client: MlflowClient, run_id: str) -> Any:

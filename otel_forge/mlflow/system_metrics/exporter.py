@@ -7,6 +7,7 @@ enqueues; delivery (retries, the spool, deadlines) happens on the ``DeliveryWork
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
+from otel_forge.collectors.inventory import inventory_tags
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo, classify
@@ -123,6 +125,13 @@ class MLflowMetricExporter(NonBlockingExporter):
             self.spool.discard()  # windows the other agent writes
         else:
             self.window_logger.attach(run_id, known)
+
+    def record_inventory(self, inventory: dict[str, Any]) -> None:
+        """The machine's inventory, into the run with the next window: ``<prefix>inventory.json``, and a
+        few tags where the run is the node's alone (a job's run of many nodes gets no per-node tags)."""
+        alone = self.window_logger.node_run is not None or self.node_id is None
+        artifact = {f"{self.window_logger.prefix}inventory.json": json.dumps(inventory, indent=2, sort_keys=True)}
+        self.window_logger.record(inventory_tags(inventory) if alone else {}, artifact)
 
     def _first_step_known(self, step: int) -> None:
         """What a replay needs to continue where delivery stopped: the step, and the node's run."""

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from otel_forge.collectors.inventory import node_inventory
 from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, RunInfoCollector
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
@@ -114,6 +115,8 @@ class SystemMetricsMonitor:
             self.config = self.config.replace(prometheus=False)
             self.agent = self._agent(self.exporter)
             self.agent.start()
+        if self.agent.collectors is not None:
+            self.exporter.record_inventory(node_inventory(self.agent.collectors.present))
         if self._watch is not None:
             self._watch.start()
         return self

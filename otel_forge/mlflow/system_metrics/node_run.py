@@ -12,6 +12,7 @@ Nothing here reads a whole run: the job's run may be the largest of the server.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 SYSTEM_PREFIX = "system/"
@@ -38,19 +39,36 @@ def last_anchor_step(client: Any, run_id: str, anchor: str) -> int:
     return max((m.step for m in client.get_metric_history(run_id, anchor)), default=-1)
 
 
-def open_node_run(client: Any, job_run_id: str, experiment_id: str, node_id: str) -> tuple[str, int]:
+@dataclass(frozen=True)
+class NodeRun:
+    """The node's own run: where its windows go, its artifacts, the step its windows continue at."""
+
+    run_id: str
+    artifact_uri: str
+    next_step: int
+
+
+def open_node_run(client: Any, job_run_id: str, experiment_id: str, node_id: str) -> NodeRun:
     """The node's run under the job's run: the one an earlier agent of the node made (a restart, a
-    requeued job), else a new one; and the step after the node's last in it. One ``runs/search``,
-    which reads only that small run, plus a ``runs/create`` the first time."""
+    requeued job), else a new one. One ``runs/search``, which reads only that small run, plus a
+    ``runs/create`` the first time."""
     found = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`{PARENT_RUN_TAG}` = '{job_run_id}' AND tags.`{NODE_TAG}` = '{node_id}'",
         max_results=1,
     )
     if found:
-        return found[0].info.run_id, next_system_step(found[0], SYSTEM_PREFIX)
-    tags = {PARENT_RUN_TAG: job_run_id, NODE_TAG: node_id}
-    return client.create_run(experiment_id, run_name=node_id, tags=tags).info.run_id, 0
+        return NodeRun(found[0].info.run_id, found[0].info.artifact_uri, next_system_step(found[0], SYSTEM_PREFIX))
+    created = client.create_run(experiment_id, run_name=node_id, tags={PARENT_RUN_TAG: job_run_id, NODE_TAG: node_id})
+    return NodeRun(created.info.run_id, created.info.artifact_uri, 0)
+
+
+def run_artifact_uri(client: Any, experiment_id: str, run_id: str) -> str:
+    """Where a run's artifacts live, from its experiment (one small call), not from the run: MLflow's
+    stores place every run's artifacts at ``<experiment's artifact location>/<run id>/artifacts``."""
+    from mlflow.utils.uri import append_to_uri_path
+
+    return str(append_to_uri_path(client.get_experiment(experiment_id).artifact_location, run_id, "artifacts"))
 
 
 def experiment_id_for(client: Any, experiment: str | None) -> str:

@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
 
-from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, RunInfo, RunPending, import_mlflow, make_client
-from otel_forge.mlflow.system_metrics.node_run import experiment_id_for, last_anchor_step, open_node_run
+from otel_forge.mlflow.client import (
+    MAX_METRICS_PER_BATCH,
+    RunInfo,
+    RunPending,
+    import_mlflow,
+    make_client,
+    upload_texts,
+)
+from otel_forge.mlflow.system_metrics.node_run import (
+    experiment_id_for,
+    last_anchor_step,
+    open_node_run,
+    run_artifact_uri,
+)
 from otel_forge.mlflow.system_metrics.windows import Window
+from otel_forge.scrub import error_line
+
+_logger = logging.getLogger(__name__)
 
 
 class WindowLogger:
@@ -34,13 +50,17 @@ class WindowLogger:
         node_run_id: str | None = None,
     ) -> None:
         self.run_id = run_id
-        self._tags = dict(tags or {})  # sent with the first window of each run
-        self._tagged_run: str | None = None
+        # What the node records in the run once, with the window after they change (each run anew).
+        self._tags = dict(tags or {})
+        self._artifacts: dict[str, str] = {}  # artifact file -> text
+        self._version = 0  # of what there is to record
+        self._recorded: tuple[str, int] | None = None  # (run, version) recorded last
         self.tracking_uri = tracking_uri
         self.prefix = prefix
         self.first_step = first_step
         self.node_run = node_run
         self.node_run_id = node_run_id  # the node's own run, once open (node runs only)
+        self._artifact_uri: str | None = None  # of the run the windows go to
         self.known = RunInfo(None, "")
         self._client: Any = None
         self._lock = threading.Lock()
@@ -54,10 +74,17 @@ class WindowLogger:
     def run_name(self) -> str:
         return self.known.run_name
 
+    def record(self, tags: Mapping[str, str], artifacts: Mapping[str, str]) -> None:
+        """Tags and text artifacts for the run, sent with the next window (the inventory, once known)."""
+        with self._lock:
+            self._tags.update(tags)
+            self._artifacts.update(artifacts)
+            self._version += 1
+
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """Log to ``run_id`` from now on; ``known``: what the run's opener knows of it."""
         if run_id != self.run_id:
-            self.node_run_id = None
+            self.node_run_id = self._artifact_uri = None
         self.known = known or RunInfo(None, "")
         self.run_id = run_id
 
@@ -71,12 +98,25 @@ class WindowLogger:
             self.known = dataclasses.replace(self.known, experiment_id=experiment_id)
             resume_step = None
             if self.node_run is not None and self.node_run_id is None:
-                self.node_run_id, resume_step = open_node_run(self._client, self.run_id, experiment_id, self.node_run)
+                opened = open_node_run(self._client, self.run_id, experiment_id, self.node_run)
+                self.node_run_id, self._artifact_uri, resume_step = opened.run_id, opened.artifact_uri, opened.next_step
             if self.first_step is None:
                 self.first_step = self._resume_step(window) if resume_step is None else resume_step
                 for callback in self.on_first_step:
                     callback(self.first_step)
             return self._client, self.node_run_id or self.run_id, self.first_step
+
+    def _log_artifacts(self, client: Any, run_id: str, artifacts: Mapping[str, str]) -> None:
+        """Best effort: an artifact store that refuses costs the artifact, never the windows. The run's
+        artifact location comes from its experiment (``MlflowClient.log_text`` would read the run)."""
+        if not artifacts:
+            return
+        try:
+            if self._artifact_uri is None:
+                self._artifact_uri = run_artifact_uri(client, self.known.experiment_id, run_id)  # type: ignore[arg-type]
+            upload_texts(self._artifact_uri, self.tracking_uri, artifacts)
+        except Exception as error:  # noqa: BLE001 - the metrics are delivered; this is their context
+            _logger.warning("%s not recorded in MLflow run %s: %s", ", ".join(artifacts), run_id, error_line(error))
 
     def _resume_step(self, window: Window) -> int:
         if not window.values:
@@ -90,12 +130,17 @@ class WindowLogger:
         if window.values:
             step = first_step + window.index
             metrics = [entities.Metric(key, value, window.timestamp_ms, step) for key, value in window.values]
-            tags = [entities.RunTag(k, v) for k, v in self._tags.items()] if self._tagged_run != run_id else []
+            with self._lock:
+                version, tag_items, artifacts = self._version, list(self._tags.items()), dict(self._artifacts)
+            unrecorded = self._recorded != (run_id, version)
+            tags = [entities.RunTag(k, v) for k, v in tag_items] if unrecorded else []
             # The tags ride in the first call, in room its metrics leave: a call carries 1000 entries.
             first = MAX_METRICS_PER_BATCH - len(tags)
             client.log_batch(run_id, metrics=metrics[:first], tags=tags, synchronous=True)
             for start in range(first, len(metrics), MAX_METRICS_PER_BATCH):
                 client.log_batch(run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH], synchronous=True)
-            self._tagged_run = run_id
+            if unrecorded:
+                self._log_artifacts(client, run_id, artifacts)
+            self._recorded = (run_id, version)
         if window.last and self.node_run_id is not None:
             client.set_terminated(self.node_run_id, "FINISHED", end_time=window.timestamp_ms)
