@@ -73,7 +73,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         self.run_id = run_id
         self.node_id = node_id
         self._drain_deadline_s = config.drain_deadline_s
-        node_run_id = key_segment(node_id or "node") if node_run else None
+        node_run_name = key_segment(node_id or "node") if node_run else None
         prefix = SYSTEM_PREFIX if node_run else system_prefix(node_id)
         self._mapper = KeyMapper(prefix)
         self._folder = WindowFolder(samples_per_window, config.mlflow_stats)
@@ -87,13 +87,13 @@ class MLflowMetricExporter(NonBlockingExporter):
                 "run_id": run_id,
                 "node_id": node_id,
                 "prefix": prefix,
-                "node_run": node_run_id,
+                "node_run": node_run_name,
                 "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None,
             },
         )
         # Which host the node's prefix samples, in the node's first call (node_0 says nothing of it).
         host_tags = node_host_tags(node_id) if node_id else {}
-        self.window_logger = WindowLogger(run_id, tracking_uri, prefix, tags=host_tags, node_run=node_run_id)
+        self.window_logger = WindowLogger(run_id, tracking_uri, prefix, tags=host_tags, node_run=node_run_name)
         self.window_logger.on_first_step.append(self._first_step_known)
         self.worker: DeliveryWorker[Window] = DeliveryWorker(
             self.window_logger,
