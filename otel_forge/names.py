@@ -103,10 +103,16 @@ def _mig(reported: bool) -> tuple[str, ...]:
 
 
 def _nvidia(
-    name: str, kind: Kind, unit: str, extra: tuple[str, ...], description: str, mlflow: tuple[MlflowKey, ...] = ()
+    name: str,
+    kind: Kind,
+    unit: str,
+    extra: tuple[str, ...],
+    description: str,
+    mlflow: tuple[MlflowKey, ...] = (),
+    mig: bool = False,
 ) -> MetricSpec:
-    """A GPU metric only NVML gives."""
-    return MetricSpec(name, kind, unit, "nvidia", GPU_ATTRIBUTES + extra, description, mlflow)
+    """A GPU metric only NVML gives; ``mig``: MIG instances report it too."""
+    return MetricSpec(name, kind, unit, "nvidia", GPU_ATTRIBUTES + extra + _mig(mig), description, mlflow)
 
 
 _MB = 1e-6
@@ -114,6 +120,9 @@ _PCT = 100.0
 
 
 G, C, U = Kind.GAUGE, Kind.COUNTER, Kind.UP_DOWN_COUNTER
+
+# otel_forge.gpu.pipe values: the SM pipes NVML GPM reports activity for.
+GPU_PIPES = ("tensor", "fp64", "fp32", "fp16")
 
 # semconv's cpu.mode values a CPU is busy in (not idle, not iowait); psutil's irq and softirq are "interrupt".
 BUSY_CPU_MODES = ("user", "nice", "system", "interrupt", "steal", "kernel")
@@ -272,6 +281,25 @@ METRICS: tuple[MetricSpec, ...] = (
           "1 while a page retirement waits for a GPU reset (or a driver reload), else 0."),
     *_gpu("otel_forge.gpu.process.memory.usage", U, "By", (), "GPU memory used by the monitored process tree.",
           (K("gpu_{hw.id}_process_memory_megabytes", _MB),)),
+    # NVML GPM (GPU Performance Monitoring, Hopper and newer): what the GPU did between two reads, from
+    # two GPM samples, where hw.gpu.utilization only says that some kernel was running.
+    _nvidia("otel_forge.gpu.sm.activity", G, "1", (),
+            "Fraction of the SMs busy between two reads (NVML GPM's SM utilization; Hopper and newer).",
+            (K("gpu_{hw.id}_sm_activity_percentage", _PCT),), mig=True),
+    _nvidia("otel_forge.gpu.sm.occupancy", G, "1", (),
+            "Warps resident on the SMs / the most they hold, between two reads (NVML GPM).",
+            (K("gpu_{hw.id}_sm_occupancy_percentage", _PCT),), mig=True),
+    _nvidia("otel_forge.gpu.pipe.activity", G, "1", ("otel_forge.gpu.pipe",),
+            "Fraction of time the SMs ran a pipe between two reads (NVML GPM; `otel_forge.gpu.pipe` tensor: any "
+            "tensor operation; fp64, fp32, fp16: non-tensor math).",
+            (K("gpu_{hw.id}_{otel_forge.gpu.pipe}_activity_percentage", _PCT,
+               where=_where({"otel_forge.gpu.pipe": GPU_PIPES})),), mig=True),
+    _nvidia("otel_forge.gpu.dram.activity", G, "1", (),
+            "Used fraction of the DRAM bandwidth between two reads (NVML GPM).",
+            (K("gpu_{hw.id}_dram_activity_percentage", _PCT),), mig=True),
+    _nvidia("otel_forge.gpu.io.rate", G, "By/s", ("otel_forge.gpu.link", "network.io.direction"),
+            "Bytes per second over the GPU's links between two reads (NVML GPM; `otel_forge.gpu.link` pcie, "
+            "nvlink: all links). MLflow has the same traffic from `hw.gpu.io`.", mig=True),
     # self-telemetry
     MetricSpec("otel_forge.collector.reads", C, "{read}", "self", ("otel_forge.collector",),
                "Hardware reads per collector."),

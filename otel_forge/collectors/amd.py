@@ -132,6 +132,17 @@ class AmdCollector(GpuCollector):
     def _error_text(self, error: Exception) -> str:
         return _one_line(error)
 
+    # --- inventory ----------------------------------------------------------------------------------
+
+    def _driver_version(self) -> str | None:
+        gpu = next((gpu for gpu in self._gpus if not gpu.lost), None)
+        version = None if gpu is None else self._amdsmi.amdsmi_get_gpu_driver_info(gpu.handle).get("driver_version")
+        return str(version) if version and version != "N/A" else None
+
+    def _memory_bytes(self, gpu: Gpu) -> int | None:
+        total = _number(self._amdsmi.amdsmi_get_gpu_memory_total(gpu.handle, self._amdsmi.AmdSmiMemoryType.VRAM))
+        return None if total is None else int(total)
+
     # --- field readers: handle -> rows --------------------------------------------------------
 
     def _read_activity(self, handle: Any) -> list[Row]:

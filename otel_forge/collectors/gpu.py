@@ -22,6 +22,9 @@ A MIG instance is a device of its own (``Gpu.parent`` is its GPU): ``hw.id`` ``<
 
 Besides its fields' rows, every GPU reports ``hw.status`` (``ok`` / ``failed``) on every read and,
 when a read has both its power draw and its enforced limit, ``otel_forge.gpu.power.utilization``.
+
+``inventory`` describes the GPUs once, when asked (model, UUID, memory, MIG instances, driver):
+not a metric, nothing read per interval.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import abc
 import enum
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -55,6 +58,7 @@ class FieldBatch:
 FieldReader = Callable[[Any], "list[Row] | FieldBatch"]
 
 _Collector = TypeVar("_Collector", bound="GpuCollector")
+_Value = TypeVar("_Value")
 
 
 class Failure(enum.Enum):
@@ -106,13 +110,14 @@ class Gpu:
         """The index of a whole GPU; ``<gpu>_mig<instance>`` for a MIG instance (its ``hw.id``)."""
         return self.index if self.parent is None else f"{self.parent.index}_mig{self.instance}"
 
-    def describe(self) -> str:
-        """One line for ``otel-forge doctor``: identity, then failed and switched-off fields."""
+    def describe(self, apart: Collection[str] = ()) -> str:
+        """One line for ``otel-forge doctor``: identity, then failed and switched-off fields (but those
+        in ``apart``, which the collector describes on a line of their own)."""
         line = " ".join(filter(None, (f"gpu {self.key}:", self.name, self.uuid, self.pci_bus_id)))
         if self.lost:
             line += " (failed)"
-        if self.unsupported:
-            line += f" (not supported: {', '.join(sorted(self.unsupported))})"
+        if unsupported := sorted(self.unsupported.difference(apart)):
+            line += f" (not supported: {', '.join(unsupported)})"
         return line
 
 
@@ -127,10 +132,12 @@ class GpuCollector(HardwareCollector):
     ``_open_gpus``, ``_shutdown_library`` and ``_failure``.
 
     ``create`` starts the library, opens the GPUs, keeps those the ``gpus`` setting selects and
-    shuts the library down again if any of that fails. ``read`` and ``sample_field`` hold the
-    lock; ``close`` takes it before shutting the library down, so a read in progress finishes
-    first, and shuts it down once. ``process_memory`` is switched off on every GPU when the
-    monitored process tree cannot be walked.
+    shuts the library down again if any of that fails. ``read``, ``sample_field`` and
+    ``inventory`` hold the lock; ``close`` takes it before releasing what the vendor holds
+    (``_release``) and shutting the library down, so a read in progress finishes first, and shuts
+    it down once. ``process_memory`` is switched off on every GPU when the monitored process tree
+    cannot be walked. ``_driver_version``, ``_cuda_version`` and ``_memory_bytes`` give
+    ``inventory`` what only the vendor's library knows.
     """
 
     FIELDS: ClassVar[tuple[str, ...]]
@@ -181,6 +188,21 @@ class GpuCollector(HardwareCollector):
         """``error`` as the log messages show it."""
         return str(error)
 
+    def _release(self) -> None:
+        """Free what the collector holds in the library, before it shuts down (under the lock); never raises."""
+
+    def _driver_version(self) -> str | None:
+        """The driver's version (for ``inventory``); may raise."""
+        return None
+
+    def _cuda_version(self) -> str | None:
+        """The CUDA version the driver supports, "12.4" (for ``inventory``); may raise."""
+        return None
+
+    def _memory_bytes(self, gpu: Gpu) -> int | None:
+        """The memory size of ``gpu`` (a whole GPU or a MIG instance), for ``inventory``; may raise."""
+        return None
+
     # --- the collector -------------------------------------------------------------------------
 
     @classmethod
@@ -214,11 +236,59 @@ class GpuCollector(HardwareCollector):
     def describe(self) -> list[str]:
         return [gpu.describe() for gpu in self._gpus]
 
+    def inventory(self) -> dict[str, Any]:
+        """The selected GPUs as the node's inventory, read now (once per call, never per interval)::
+
+            {"vendor": "nvidia", "driver_version": str | None, "cuda_version": str | None,
+             "gpus": [{"index": int, "name": str | None, "uuid": str | None, "memory_bytes": int | None,
+                       "mig": [{"gpu_instance_id": int, "name": str | None, "memory_bytes": int | None}, ...]}]}
+
+        A field the library cannot give (a lost GPU, an unsupported call, a closed collector) is
+        None; ``mig`` is [] for a GPU without MIG instances. A selected MIG instance brings its GPU's entry.
+        """
+        with self._lock:
+            gpus: dict[int, dict[str, Any]] = {}  # id(whole GPU) -> its entry, in selection order
+            for gpu in self._gpus:
+                whole = gpu.parent or gpu
+                if id(whole) not in gpus:
+                    gpus[id(whole)] = {
+                        "index": whole.index,
+                        "name": None if whole.lost else whole.name or None,
+                        "uuid": whole.uuid or None,
+                        "memory_bytes": self._inventory_field(whole, self._memory_bytes, whole),
+                        "mig": [],
+                    }
+                if gpu.parent is not None:
+                    gpus[id(whole)]["mig"].append(
+                        {
+                            "gpu_instance_id": gpu.instance,
+                            "name": gpu.name or None,
+                            "memory_bytes": self._inventory_field(gpu, self._memory_bytes, gpu),
+                        }
+                    )
+            return {
+                "vendor": self.name,
+                "driver_version": self._inventory_field(None, self._driver_version),
+                "cuda_version": self._inventory_field(None, self._cuda_version),
+                "gpus": list(gpus.values()),
+            }
+
+    def _inventory_field(self, gpu: Gpu | None, reader: Callable[..., _Value], *args: Any) -> _Value | None:
+        """``reader(*args)``, or None when it fails, the collector is closed or ``gpu`` is lost."""
+        if self._closed or (gpu is not None and (gpu.lost or gpu.handle is None)):
+            return None
+        try:
+            return reader(*args)
+        except Exception as error:  # noqa: BLE001 - an inventory field that cannot be read is None
+            self.logger.debug("inventory: %s failed: %s", reader.__name__, self._error_text(error))
+            return None
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         with self._lock:  # a read in progress finishes before the library goes away
+            self._release()
             self._shutdown_library(self._library)
 
     # --- one GPU -------------------------------------------------------------------------------

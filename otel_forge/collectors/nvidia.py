@@ -22,12 +22,23 @@ temperature, two clocks, two PCIe throughputs, clock-event reasons and compute p
 MIG: a GPU in MIG mode is read as a whole (power, temperature, NVLink, ...) and each of its MIG
 instances as a device of its own (memory; utilization where NVML gives it, which it does not on
 today's drivers: switched off then). MIG instances are enumerated once, when the GPUs are opened.
+
+GPM (GPU Performance Monitoring, Hopper and newer) gives what the GPU really did between two
+samples: SM activity and occupancy, the tensor/fp64/fp32/fp16 pipes, DRAM bandwidth, PCIe and
+NVLink throughput. Where ``nvmlGpmQueryDeviceSupport`` says a GPU has it, the collector keeps two
+samples per device (a MIG instance sampled through ``nvmlGpmMigSampleGet`` on its GPU): each read
+takes a new sample into the older one and computes every metric between the two in ONE
+``nvmlGpmMetricsGet`` (two more NVML calls per device per read). The first read only primes.
+GPM is the ``gpm`` field (each metric's own status a field of its own: ``gpm_fp64_activity``,
+``gpm_nvlink_io``, ...), so the failure rules hold for it; a device without GPM is said once, in
+``describe``'s GPM line. The samples are freed at close.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +47,7 @@ from typing import Any
 
 from otel_forge.collectors.base import CollectorUnavailable, Readings
 from otel_forge.collectors.gpu import Failure, FieldBatch, Gpu, GpuCollector, Row
-from otel_forge.collectors.gpu_selection import NVIDIA_VISIBLE_ENV
+from otel_forge.collectors.gpu_selection import NVIDIA_VISIBLE_ENV, DeviceKey
 from otel_forge.collectors.process import ProcessTree
 from otel_forge.ratelimit import RateLimitedLogger
 
@@ -129,6 +140,61 @@ _BATCH = (
 )
 # fmt: on
 
+
+@dataclass(frozen=True)
+class GpmEntry:
+    """One metric of the GPM request and the reading it becomes."""
+
+    field: str  # the name it is switched off / warned under (several entries may share one)
+    metric_id: str  # pynvml's NVML_GPM_METRIC_* constant
+    metric: str
+    attributes: tuple[tuple[str, str], ...] = ()
+    scale: float = 1.0
+
+
+_PERCENT = 0.01  # GPM's utilizations are 0..100
+_MIB = 1024 * 1024  # GPM's throughputs are MiB/s
+
+
+def _gpm_link(field: str, metric_id: str, link: str, direction: str) -> GpmEntry:
+    attributes = (("otel_forge.gpu.link", link), ("network.io.direction", direction))
+    return GpmEntry(field, metric_id, "otel_forge.gpu.io.rate", attributes, _MIB)
+
+
+def _gpm_pipe(pipe: str, metric_id: str) -> GpmEntry:
+    return GpmEntry(
+        f"gpm_{pipe}_activity", metric_id, "otel_forge.gpu.pipe.activity", (("otel_forge.gpu.pipe", pipe),), _PERCENT
+    )
+
+
+# fmt: off
+_GPM = (
+    GpmEntry("gpm_sm_activity", "NVML_GPM_METRIC_SM_UTIL", "otel_forge.gpu.sm.activity", scale=_PERCENT),
+    GpmEntry("gpm_sm_occupancy", "NVML_GPM_METRIC_SM_OCCUPANCY", "otel_forge.gpu.sm.occupancy", scale=_PERCENT),
+    _gpm_pipe("tensor", "NVML_GPM_METRIC_ANY_TENSOR_UTIL"),
+    _gpm_pipe("fp64", "NVML_GPM_METRIC_FP64_UTIL"),
+    _gpm_pipe("fp32", "NVML_GPM_METRIC_FP32_UTIL"),
+    _gpm_pipe("fp16", "NVML_GPM_METRIC_FP16_UTIL"),
+    GpmEntry("gpm_dram_activity", "NVML_GPM_METRIC_DRAM_BW_UTIL", "otel_forge.gpu.dram.activity", scale=_PERCENT),
+    _gpm_link("gpm_pcie_io", "NVML_GPM_METRIC_PCIE_TX_PER_SEC", "pcie", "transmit"),
+    _gpm_link("gpm_pcie_io", "NVML_GPM_METRIC_PCIE_RX_PER_SEC", "pcie", "receive"),
+    _gpm_link("gpm_nvlink_io", "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", "nvlink", "transmit"),
+    _gpm_link("gpm_nvlink_io", "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", "nvlink", "receive"),
+)
+# fmt: on
+# What a pynvml must have for GPM at all, and for a MIG instance's.
+_GPM_API = (
+    "nvmlGpmQueryDeviceSupport",
+    "nvmlGpmSampleAlloc",
+    "nvmlGpmSampleGet",
+    "nvmlGpmSampleFree",
+    "nvmlGpmMetricsGet",
+    "c_nvmlGpmMetricsGet_t",
+    "NVML_GPM_METRICS_GET_VERSION",
+)
+_GPM_MIG_API = "nvmlGpmMigSampleGet"
+_GPM_NOT_SUPPORTED = "driver/GPU"  # the reason a device has no GPM, when NVML says so
+
 # c_nvmlValue_t's member for each NVML_VALUE_TYPE_*.
 _VALUE_MEMBERS = {
     "NVML_VALUE_TYPE_DOUBLE": "dVal",
@@ -178,8 +244,9 @@ class NvidiaCollector(GpuCollector):
         "throttle",
         "process_memory",
         "field_values",  # the batch: energy, ecc, memory_temperature, nvlink_*, pcie_replays, ...
+        "gpm",  # one nvmlGpmSampleGet and one nvmlGpmMetricsGet: SM, pipes, DRAM, PCIe, NVLink
     )
-    MIG_FIELDS = ("utilization", "memory")
+    MIG_FIELDS = ("utilization", "memory", "gpm")
 
     def __init__(self, nvml: Any, gpus: list[Gpu], tree: ProcessTree | None) -> None:
         super().__init__(nvml, gpus, tree)
@@ -198,6 +265,13 @@ class NvidiaCollector(GpuCollector):
         self._value_members = {
             getattr(nvml, name): member for name, member in _VALUE_MEMBERS.items() if hasattr(nvml, name)
         }
+        # GPM: a sampler per device that has it (by handle), and why each other device has not.
+        self._gpm_entries = [
+            (entry, getattr(nvml, entry.metric_id)) for entry in _GPM if hasattr(nvml, entry.metric_id)
+        ]
+        self._gpm: dict[int, tuple[Gpu, GpmSampler]] = {}
+        self._gpm_off: dict[DeviceKey, str] = {}
+        self._open_gpm([gpu for gpu in gpus if not gpu.lost])
 
     @property
     def _nvml(self) -> Any:
@@ -220,6 +294,97 @@ class NvidiaCollector(GpuCollector):
         if not self._closed:
             self._xid.close()  # its thread waits on NVML: stopped before NVML goes away
         super().close()
+
+    def describe(self) -> list[str]:
+        lines = [gpu.describe(apart=("gpm",)) for gpu in self._gpus]
+        return lines + self._gpm_lines()
+
+    # --- GPM -------------------------------------------------------------------------------------
+
+    def _open_gpm(self, gpus: list[Gpu]) -> None:
+        """A sampler (two samples) for each device GPM supports; "gpm" switched off on the others."""
+        nvml = self._nvml
+        missing = [name for name in _GPM_API if not hasattr(nvml, name)]
+        support: dict[int, str | None] = {}  # id(whole GPU) -> why it has no GPM (None: it has)
+        for gpu in gpus:
+            whole = gpu.parent or gpu
+            if missing:
+                reason: str | None = "nvidia-ml-py without GPM"
+            else:
+                if id(whole) not in support:
+                    support[id(whole)] = self._gpm_support(whole)
+                reason = support[id(whole)]
+                if reason is None and gpu.parent is not None and not hasattr(nvml, _GPM_MIG_API):
+                    reason = "nvidia-ml-py without GPM for MIG"
+            if reason is None:
+                reason = self._open_sampler(gpu)
+            if reason is not None:
+                gpu.unsupported.add("gpm")
+                self._gpm_off[gpu.key] = reason
+
+    def _gpm_support(self, gpu: Gpu) -> str | None:
+        """Why ``gpu`` has no GPM, or None when it has."""
+        try:
+            support = self._nvml.nvmlGpmQueryDeviceSupport(gpu.handle)
+        except self._nvml.NVMLError as error:
+            if self._failure(error) is Failure.OTHER:
+                self.logger.warning("GPU %s: GPM support cannot be queried (%s); GPM is off", gpu.key, error)
+                return f"query failed: {error}"
+            self.logger.debug("GPU %s: GPM not supported (%s)", gpu.key, error)
+            return _GPM_NOT_SUPPORTED
+        return None if support.isSupportedDevice else _GPM_NOT_SUPPORTED
+
+    def _open_sampler(self, gpu: Gpu) -> str | None:
+        """Allocates ``gpu``'s two samples; why not, when that fails."""
+        nvml = self._nvml
+        samples: list[Any] = []
+        try:
+            while len(samples) < 2:
+                samples.append(nvml.nvmlGpmSampleAlloc())
+        except nvml.NVMLError as error:
+            _free_samples(nvml, samples)
+            self.logger.warning("GPU %s: GPM samples cannot be allocated (%s); GPM is off", gpu.key, error)
+            return f"samples cannot be allocated: {error}"
+        parent = gpu.parent
+        if parent is None:
+            handle = gpu.handle
+            take: Callable[[Any], Any] = lambda sample: nvml.nvmlGpmSampleGet(handle, sample)  # noqa: E731
+        else:
+            gpu_handle, instance = parent.handle, gpu.instance
+            take = lambda sample: nvml.nvmlGpmMigSampleGet(gpu_handle, instance, sample)  # noqa: E731
+        self._gpm[_handle_key(gpu.handle)] = (gpu, GpmSampler(nvml, take, samples[0], samples[1]))
+        return None
+
+    def _gpm_lines(self) -> list[str]:
+        """One line: the devices GPM samples, and those without it and why."""
+        on = [str(gpu.key) for gpu in self._gpus if not gpu.lost and "gpm" not in gpu.unsupported]
+        off: dict[str, list[str]] = {}
+        for gpu in self._gpus:
+            if "gpm" in gpu.unsupported:
+                off.setdefault(self._gpm_off.get(gpu.key, _GPM_NOT_SUPPORTED), []).append(str(gpu.key))
+        if not on and len(off) == 1:
+            return [f"GPM: not supported ({next(iter(off))})"]
+        parts = ([f"on for gpu {', '.join(on)}"] if on else []) + [
+            f"not supported ({reason}) on gpu {', '.join(keys)}" for reason, keys in off.items()
+        ]
+        return [f"GPM: {'; '.join(parts)}"] if parts else []
+
+    def _release(self) -> None:
+        for _, sampler in self._gpm.values():
+            sampler.free()
+        self._gpm.clear()
+
+    # --- inventory ----------------------------------------------------------------------------------
+
+    def _driver_version(self) -> str | None:
+        return _text(self._nvml.nvmlSystemGetDriverVersion())
+
+    def _cuda_version(self) -> str | None:
+        version = int(self._nvml.nvmlSystemGetCudaDriverVersion())  # 1000 * major + 10 * minor
+        return f"{version // 1000}.{version % 1000 // 10}"
+
+    def _memory_bytes(self, gpu: Gpu) -> int | None:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(gpu.handle).total)
 
     # --- vendor hooks ------------------------------------------------------------------------
 
@@ -358,6 +523,58 @@ class NvidiaCollector(GpuCollector):
     def _field_number(self, value: Any) -> float | None:
         member = self._value_members.get(value.valueType)
         return None if member is None else float(getattr(value.value, member))
+
+    def _read_gpm(self, handle: Any) -> FieldBatch:
+        found = self._gpm.get(_handle_key(handle))
+        if found is None:  # sample_field on a device without GPM
+            raise self._nvml.NVMLError_NotSupported()
+        gpu, sampler = found
+        return sampler.read(
+            [(entry, metric_id) for entry, metric_id in self._gpm_entries if entry.field not in gpu.unsupported]
+        )
+
+
+class GpmSampler:
+    """Two GPM samples of one device and the metrics between them.
+
+    ``read`` takes a new sample into the older one, then asks ``nvmlGpmMetricsGet`` once for every
+    metric between the previous sample and the new one. The first read only primes (no values);
+    a failed sample leaves the previous one in place, a failed metrics call costs that read only.
+    """
+
+    def __init__(self, nvml: Any, take: Callable[[Any], Any], first: Any, second: Any) -> None:
+        self._nvml = nvml
+        self._take = take
+        self._previous, self._spare = first, second
+        self._primed = False
+        self._request = nvml.c_nvmlGpmMetricsGet_t()  # ~19 KB: made once, filled each read
+        self._request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+
+    def read(self, entries: list[tuple[GpmEntry, int]]) -> FieldBatch:
+        """Rows and errors per entry field, between the last sample and one taken now."""
+        self._take(self._spare)
+        older, self._previous, self._spare = self._previous, self._spare, self._previous
+        batch = FieldBatch()
+        if not self._primed or not entries:
+            self._primed = True
+            return batch
+        request = self._request
+        request.sample1, request.sample2, request.numMetrics = older, self._previous, len(entries)
+        for position, (_, metric_id) in enumerate(entries):
+            request.metrics[position].metricId = metric_id
+        self._nvml.nvmlGpmMetricsGet(request)
+        for position, (entry, _) in enumerate(entries):
+            metric = request.metrics[position]
+            if metric.nvmlReturn != self._nvml.NVML_SUCCESS:
+                batch.errors.setdefault(entry.field, self._nvml.NVMLError(metric.nvmlReturn))
+                continue
+            value = metric.value * entry.scale if math.isfinite(metric.value) else None
+            batch.rows.setdefault(entry.field, []).append((entry.metric, value, dict(entry.attributes)))
+        return batch
+
+    def free(self) -> None:
+        """Frees both samples; never raises."""
+        _free_samples(self._nvml, [self._previous, self._spare])
 
 
 class XidWatcher:
@@ -521,6 +738,14 @@ def _open_mig_instance(nvml: Any, gpu: Gpu, slot: int) -> Gpu | None:
 
 
 # --- small helpers ---------------------------------------------------------------------------
+
+
+def _free_samples(nvml: Any, samples: list[Any]) -> None:
+    for sample in samples:
+        try:
+            nvml.nvmlGpmSampleFree(sample)
+        except nvml.NVMLError as error:
+            _logger.debug("freeing a GPM sample failed: %s", error)
 
 
 def _error_classes(nvml: Any, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:

@@ -51,9 +51,24 @@ this fake only (over the top-level ones), and ``"nvidia": false`` means no NVIDI
   "self" is the pid of the process calling NVML, "parent" its parent.
 - ``xid_events``: [[0, 79], ...] XID events delivered by ``nvmlEventSetWait_v2`` after init.
 - ``hot``: true: temperatures near 90 C and the thermal throttle bits set.
+- ``gpm``: true: GPM (GPU Performance Monitoring) on every GPU whose model has it (Hopper and newer:
+  the default H100 name does; ``"name": "NVIDIA A100-SXM4-80GB"`` does not); or a list of GPU
+  indices (["0"]). Off by default, so a scenario that does not ask for it makes no GPM call per read.
+  ``nvmlGpmQueryDeviceSupport`` answers ``isSupportedDevice`` 0 where GPM is off (as NVML does on
+  a GPU without it); ``not_supported``/``errors`` field ``gpm`` (or a function name) covers every
+  nvmlGpm* call of a device (``"0_mig1"`` for ``nvmlGpmMigSampleGet`` of an instance), and a
+  metric's constant name (``NVML_GPM_METRIC_FP64_UTIL``) sets that metric's ``nvmlReturn`` only.
+  Samples are numbered per device from 0; ``nvmlGpmMetricsGet`` computes every metric from the
+  pair (values depend on the later sample's number n, and the GPU): sequences keys
+  sm_activity sm_occupancy tensor_activity fp64_activity fp32_activity fp16_activity
+  dram_activity (%), gpm_pcie_tx gpm_pcie_rx gpm_nvlink_tx gpm_nvlink_rx (MiB/s) are taken at
+  index n - 1 (the first pair gives the first value). A MIG instance's pair has no PCIe/NVLink
+  metric (NotSupported entries); ``no_nvlink`` makes the NVLink ones NotSupported too.
+- ``cuda_driver_version`` (12040): what ``nvmlSystemGetCudaDriverVersion`` returns; null: NotSupported.
 
 Python API for in-process tests: ``configure``, ``calls``, ``call_counts``, ``reset_counts``,
-``inject_xid``, ``lose_gpu``, ``initialized``. Call counts start again at each first init.
+``inject_xid``, ``lose_gpu``, ``set_error``, ``gpm_samples_alive``, ``initialized``. Call counts
+start again at each first init.
 """
 
 from __future__ import annotations
@@ -126,6 +141,7 @@ _FIELDS = {
     "throttle": ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
     "processes": ("nvmlDeviceGetComputeRunningProcesses",),
     "events": ("nvmlDeviceRegisterEvents",),
+    "gpm": ("nvmlGpmQueryDeviceSupport", "nvmlGpmSampleGet", "nvmlGpmMigSampleGet", "nvmlGpmMetricsGet"),
 }
 _FIELD_OF = {function: name for name, functions in _FIELDS.items() for function in functions}
 _GIB = 1024**3
@@ -190,6 +206,7 @@ class _State(FakeState):
         self.pending_xids: list[tuple[int, int]] = []
         self.event_sets: dict[int, set[int]] = {}  # event set address -> registered GPU indices
         self.event_set_objects: dict[int, Any] = {}  # keeps each set's memory alive
+        self.gpm_samples: dict[int, _GpmSample] = {}  # sample address -> the sample (alive until freed)
 
 
 _state = _State()
@@ -217,6 +234,23 @@ def lose_gpu(index: int) -> None:
     """GPU ``index`` falls off the bus: every later call for it raises NVMLError_GpuIsLost."""
     with _state.lock:
         _state.devices[index].lost = True
+
+
+def set_error(gpu: int | str, what: str, error: str | None) -> None:
+    """From now on, ``what`` (a field or function) of GPU ``gpu`` raises NVMLError_<error> ("NotSupported",
+    "Unknown", ...); None: it answers again."""
+    with _state.lock:
+        errors = _state.scenario.setdefault("errors", {}).setdefault(str(gpu), {})
+        if error is None:
+            errors.pop(what, None)
+        else:
+            errors[what] = error
+
+
+def gpm_samples_alive() -> int:
+    """GPM samples allocated and not yet freed."""
+    with _state.lock:
+        return len(_state.gpm_samples)
 
 
 def initialized() -> int:
@@ -256,6 +290,7 @@ def _start(scenario: dict) -> None:
     _state.pending_xids = [(int(gpu), int(code)) for gpu, code in scenario.get("xid_events", ())]
     _state.event_sets.clear()
     _state.event_set_objects.clear()
+    _state.gpm_samples.clear()
     _state.calls.clear()
 
 
@@ -271,6 +306,19 @@ def nvmlSystemGetDriverVersion() -> str:
     _count("nvmlSystemGetDriverVersion")
     _require_init()
     return "999.99-fake"
+
+
+def nvmlSystemGetCudaDriverVersion() -> int:
+    """The CUDA version the driver supports, as 1000 * major + 10 * minor (12040: 12.4)."""
+    _count("nvmlSystemGetCudaDriverVersion")
+    _require_init()
+    version = _state.scenario.get("cuda_driver_version", 12040)
+    if version is None:
+        raise _real.NVMLError_NotSupported()
+    return int(version)
+
+
+nvmlSystemGetCudaDriverVersion_v2 = nvmlSystemGetCudaDriverVersion
 
 
 def nvmlErrorString(code: int) -> str:
@@ -544,6 +592,164 @@ def nvmlDeviceGetComputeInstanceId(handle: Any) -> int:
     if not isinstance(device, _MigDevice):
         raise _real.NVMLError_InvalidArgument()
     return 0
+
+
+# --- GPM (GPU Performance Monitoring) ----------------------------------------------------------
+
+
+class _GpmSample:
+    """An allocated GPM sample: its memory, and once taken, the device and its number there."""
+
+    def __init__(self) -> None:
+        self.struct = _real.struct_c_nvmlGpmSample_t()
+        self.device: _Device | None = None
+        self.number = -1
+
+
+_GPM_MODELS = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "GB200", "B300")
+_MIB = 1024 * 1024
+
+
+def _gpm_default(base: int, gpu_step: int, sample_step: int, modulo: int = 101) -> Any:
+    return lambda n, i: (base + gpu_step * i + sample_step * n) % modulo
+
+
+# metric id -> (sequence key, default value of (later sample's number, GPU ordinal)), as NVML computes
+# them: percentages 0..100, throughputs in MiB/s.
+_GPM_VALUES: dict[int, tuple[str, Any]] = {
+    _real.NVML_GPM_METRIC_SM_UTIL: ("sm_activity", _gpm_default(40, 10, 3)),
+    _real.NVML_GPM_METRIC_SM_OCCUPANCY: ("sm_occupancy", _gpm_default(20, 5, 2)),
+    _real.NVML_GPM_METRIC_ANY_TENSOR_UTIL: ("tensor_activity", _gpm_default(30, 7, 1)),
+    _real.NVML_GPM_METRIC_FP64_UTIL: ("fp64_activity", _gpm_default(0, 2, 1, 10)),
+    _real.NVML_GPM_METRIC_FP32_UTIL: ("fp32_activity", _gpm_default(15, 1, 1)),
+    _real.NVML_GPM_METRIC_FP16_UTIL: ("fp16_activity", _gpm_default(5, 1, 2)),
+    _real.NVML_GPM_METRIC_DRAM_BW_UTIL: ("dram_activity", _gpm_default(25, 4, 1)),
+    _real.NVML_GPM_METRIC_PCIE_TX_PER_SEC: ("gpm_pcie_tx", lambda n, i: 1000 + 100 * i + 10 * n),
+    _real.NVML_GPM_METRIC_PCIE_RX_PER_SEC: ("gpm_pcie_rx", lambda n, i: 2000 + 100 * i + 10 * n),
+    _real.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: ("gpm_nvlink_tx", lambda n, i: 50_000 + 1000 * i + n),
+    _real.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: ("gpm_nvlink_rx", lambda n, i: 40_000 + 1000 * i + n),
+}
+_GPM_LINKS = {
+    _real.NVML_GPM_METRIC_PCIE_TX_PER_SEC,
+    _real.NVML_GPM_METRIC_PCIE_RX_PER_SEC,
+    _real.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+    _real.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
+}
+_GPM_NVLINK = {_real.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC, _real.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC}
+_GPM_METRIC_NAMES = {
+    getattr(_real, name): name
+    for name in dir(_real)
+    if name.startswith("NVML_GPM_METRIC_") and name != "NVML_GPM_METRIC_MAX"
+}
+
+
+def _gpm_supported(device: _Device) -> bool:
+    gpu = device.parent or device
+    wanted = _state.scenario.get("gpm")
+    on = wanted is True or (isinstance(wanted, list) and str(gpu.index) in {str(key) for key in wanted})
+    return on and any(model in gpu.name for model in _GPM_MODELS)
+
+
+def nvmlGpmQueryDeviceSupport(device: Any) -> Any:
+    """A c_nvmlGpmSupport_t: isSupportedDevice 1 where the scenario turns GPM on (Hopper and newer)."""
+    found = _call("nvmlGpmQueryDeviceSupport", device)
+    support = _real.c_nvmlGpmSupport_t()
+    support.version = _real.NVML_GPM_SUPPORT_VERSION
+    support.isSupportedDevice = int(found.parent is None and _gpm_supported(found))
+    return support
+
+
+def nvmlGpmSampleAlloc() -> Any:
+    _count("nvmlGpmSampleAlloc")
+    _require_init()
+    sample = _GpmSample()
+    pointer = ctypes.pointer(sample.struct)
+    with _state.lock:
+        _state.gpm_samples[_address(pointer)] = sample
+    return pointer
+
+
+def nvmlGpmSampleFree(gpmSample: Any) -> None:  # noqa: N803 - nvidia-ml-py's name
+    _count("nvmlGpmSampleFree")
+    with _state.lock:
+        if _state.gpm_samples.pop(_address(gpmSample), None) is None:
+            raise _real.NVMLError_InvalidArgument()
+
+
+def nvmlGpmSampleGet(device: Any, gpmSample: Any) -> Any:  # noqa: N803 - nvidia-ml-py's name
+    found = _call("nvmlGpmSampleGet", device)
+    if found.parent is not None or not _gpm_supported(found):
+        raise _real.NVMLError_NotSupported()  # a MIG instance is sampled through nvmlGpmMigSampleGet
+    _take(found, gpmSample)
+    return gpmSample
+
+
+def nvmlGpmMigSampleGet(device: Any, gpuInstanceId: int, gpmSample: Any) -> Any:  # noqa: N803 - nvidia-ml-py's names
+    """A sample of GPU instance ``gpuInstanceId`` of GPU ``device`` (counted under the instance's key)."""
+    with _state.lock:
+        _require_init()
+        gpu = _device(device)
+    instance = next((mig for mig in gpu.mig if mig.gpu_instance == gpuInstanceId), None)
+    if instance is None:
+        _count("nvmlGpmMigSampleGet", gpu.index)
+        raise _real.NVMLError_InvalidArgument()
+    _call("nvmlGpmMigSampleGet", instance.handle)
+    if not _gpm_supported(instance):
+        raise _real.NVMLError_NotSupported()
+    _take(instance, gpmSample)
+    return gpmSample
+
+
+def _take(device: _Device, pointer: Any) -> None:
+    with _state.lock:
+        sample = _state.gpm_samples.get(_address(pointer))
+        if sample is None:
+            raise _real.NVMLError_InvalidArgument()
+        sample.device = device
+        sample.number = _state.ticks[("gpm_sample", device.index)]
+        _state.ticks[("gpm_sample", device.index)] += 1
+
+
+def nvmlGpmMetricsGet(metricsGet: Any) -> Any:  # noqa: N803 - nvidia-ml-py's name
+    """Fills ``metrics[i].value`` and ``.nvmlReturn`` for the first ``numMetrics`` ids, between sample1 and sample2."""
+    if metricsGet.version != _real.NVML_GPM_METRICS_GET_VERSION:
+        raise _real.NVMLError(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    with _state.lock:
+        _require_init()
+        first = _state.gpm_samples.get(_address(metricsGet.sample1)) if metricsGet.sample1 else None
+        second = _state.gpm_samples.get(_address(metricsGet.sample2)) if metricsGet.sample2 else None
+    if first is None or second is None or second.device is None or first.device is not second.device:
+        _count("nvmlGpmMetricsGet")
+        raise _real.NVMLError_InvalidArgument()
+    device = second.device
+    _call("nvmlGpmMetricsGet", device.handle)
+    if not 0 < metricsGet.numMetrics <= _real.NVML_GPM_METRIC_MAX:
+        raise _real.NVMLError_InvalidArgument()
+    for position in range(metricsGet.numMetrics):
+        metric = metricsGet.metrics[position]
+        metric.nvmlReturn = _gpm_return(device, metric.metricId)
+        metric.value = _gpm_value(device, metric.metricId, second.number) if metric.nvmlReturn == 0 else 0.0
+    return metricsGet
+
+
+def _gpm_return(device: _Device, metric_id: int) -> int:
+    unsupported = set(_state.scenario.get("not_supported", {}).get(str(device.index), ()))
+    if (
+        metric_id not in _GPM_VALUES
+        or _GPM_METRIC_NAMES.get(metric_id) in unsupported
+        or (metric_id in _GPM_LINKS and device.parent is not None)
+        or (metric_id in _GPM_NVLINK and _state.scenario.get("no_nvlink"))
+    ):
+        return _real.NVML_ERROR_NOT_SUPPORTED
+    return _real.NVML_SUCCESS
+
+
+def _gpm_value(device: _Device, metric_id: int, number: int) -> float:
+    key, default = _GPM_VALUES[metric_id]
+    sequence = _state.scenario.get("sequences", {}).get(str(device.index), {}).get(key)
+    if sequence:
+        return float(sequence[(number - 1) % len(sequence)])
+    return float(default(number, getattr(device, "ordinal", device.index)))
 
 
 # --- events ------------------------------------------------------------------------------------
