@@ -29,16 +29,17 @@ def copy_config(tmp_path: Path) -> Path:
     return folder
 
 
-def test_rules_pass():
-    result = promtool("check", "rules", CONFIG_DIR / "alert-rules.yml")
+@pytest.mark.parametrize("name, count", [("alert-rules.yml", 16), ("recording-rules.yml", 12)])
+def test_rules_pass(name, count):
+    result = promtool("check", "rules", CONFIG_DIR / name)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 14 rules found" in result.stdout
+    assert f"SUCCESS: {count} rules found" in result.stdout
 
 
 def test_config_passes_with_its_rules():
     result = promtool("check", "config", CONFIG_DIR / "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 1 rule files found" in result.stdout
+    assert "SUCCESS: 2 rule files found" in result.stdout
 
 
 def test_config_passes_with_the_discovery_examples_in_place(tmp_path):
@@ -56,7 +57,7 @@ def test_scrape_jobs():
     agents = jobs["otel-forge"]
     assert agents["static_configs"] and agents["file_sd_configs"]
     assert jobs["otel-forge-gateway"]["honor_labels"] is True
-    assert config["rule_files"] == ["alert-rules.yml"]
+    assert config["rule_files"] == ["alert-rules.yml", "recording-rules.yml"]
 
 
 def test_rule_with_a_promql_syntax_error_fails(tmp_path):
