@@ -12,9 +12,16 @@ plausible temperature, hw.status ok, XID events registered. The fields of the on
 replays, row remapping, retired pages, violation time) are listed one by one with NVML's answer for
 each: a board may answer NotSupported for some (retired pages on Ampere and later, which remap rows
 instead; NVLink on a PCIe-only board). Then the NVML calls of one full read per GPU (the README
-states 14), and the MIG instances found. It exits 1 listing every field the collector claims that
-is missing or unsupported on a GPU and every failed check, 2 when the collector cannot open at all,
-0 otherwise.
+states 14; GPM adds 2), and the MIG instances found.
+
+GPM (Hopper and newer): for each GPU (and MIG instance) the raw NVML sequence the collector uses,
+shown on its own: ``nvmlGpmQueryDeviceSupport``, two samples ``--gpm-interval`` apart, ONE
+``nvmlGpmMetricsGet``, and each metric's value and status, or the reason GPM is not there (that
+is not a failure: GPM is Hopper's); then the collector's own GPM line and values, which must be
+fractions in [0, 1] and rates >= 0.
+
+It exits 1 listing every field the collector claims that is missing or unsupported on a GPU and
+every failed check, 2 when the collector cannot open at all, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from otel_forge.config import ForgeConfig
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reads", type=int, default=20, help="reads per field for the latency median")
+    parser.add_argument("--gpm-interval", type=float, default=0.5, help="seconds between the two GPM samples")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:
@@ -47,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         for gpu in whole_gpus:
             problems += _check_fields(collector, gpu, args.reads)
         _print_mig(collector)
+        problems += _check_gpm(collector, args.gpm_interval)
         problems += _check_full_pass(collector)
         problems += _check_energy(collector)
         unwatched = [gpu.index for gpu in whole_gpus if gpu.index not in collector.xid_watched]
@@ -78,6 +87,8 @@ def _check_fields(collector: NvidiaCollector, gpu: Any, reads: int) -> list[str]
     print(f"  {'field':<15} {'median ms':>9}  values (last read)")
     problems = []
     for field in collector.FIELDS:
+        if field == "gpm":
+            continue  # a pair of samples, not one read: _check_gpm
         result, latencies_ms, error = _sample(collector, gpu.index, field, reads)
         if error is not None:
             print(f"  {field:<15} {'-':>9}  MISSING: {error}")
@@ -114,6 +125,110 @@ def _print_mig(collector: NvidiaCollector) -> None:
         print(f"  {gpu.key}: {gpu.name} {gpu.uuid} (GPU instance {gpu.instance} of gpu {gpu.index})")
 
 
+# The GPM metrics the collector asks for (pynvml constant -> what it becomes), as the raw check shows them.
+_GPM_METRICS = (
+    ("NVML_GPM_METRIC_SM_UTIL", "sm activity %"),
+    ("NVML_GPM_METRIC_SM_OCCUPANCY", "sm occupancy %"),
+    ("NVML_GPM_METRIC_ANY_TENSOR_UTIL", "tensor %"),
+    ("NVML_GPM_METRIC_FP64_UTIL", "fp64 %"),
+    ("NVML_GPM_METRIC_FP32_UTIL", "fp32 %"),
+    ("NVML_GPM_METRIC_FP16_UTIL", "fp16 %"),
+    ("NVML_GPM_METRIC_DRAM_BW_UTIL", "dram bandwidth %"),
+    ("NVML_GPM_METRIC_PCIE_TX_PER_SEC", "pcie tx MiB/s"),
+    ("NVML_GPM_METRIC_PCIE_RX_PER_SEC", "pcie rx MiB/s"),
+    ("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", "nvlink tx MiB/s"),
+    ("NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", "nvlink rx MiB/s"),
+)
+
+
+def _check_gpm(collector: NvidiaCollector, interval_s: float) -> list[str]:
+    """GPM as NVML answers it, raw, per device; then the collector's GPM line and values."""
+    import pynvml
+
+    print("\nGPM (raw NVML: support query, two samples, one nvmlGpmMetricsGet)")
+    if not hasattr(pynvml, "nvmlGpmMetricsGet"):
+        print("  nvidia-ml-py has no GPM: upgrade it (nvidia-ml-py >= 12.535)")
+        return []
+    problems = []
+    support: dict[int, Any] = {}
+    for gpu in collector.gpus:
+        if gpu.lost:
+            continue
+        whole = gpu.parent or gpu
+        if whole.index not in support:
+            try:
+                support[whole.index] = bool(pynvml.nvmlGpmQueryDeviceSupport(whole.handle).isSupportedDevice)
+            except pynvml.NVMLError as error:
+                support[whole.index] = f"{type(error).__name__}: {error}"
+        supported = support[whole.index]
+        if supported is not True:
+            print(f"  gpu {gpu.key}: not supported ({'isSupportedDevice 0' if supported is False else supported})")
+            continue
+        problems += _gpm_pair(pynvml, gpu, interval_s)
+    return problems + _gpm_through_the_collector(collector, interval_s)
+
+
+def _gpm_pair(pynvml: Any, gpu: Any, interval_s: float) -> list[str]:
+    samples: list[Any] = []
+    try:
+        samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
+        for sample in samples:
+            if gpu.parent is None:
+                pynvml.nvmlGpmSampleGet(gpu.handle, sample)
+            else:
+                pynvml.nvmlGpmMigSampleGet(gpu.parent.handle, gpu.instance, sample)
+            if sample is samples[0]:
+                time.sleep(interval_s)
+        request = pynvml.c_nvmlGpmMetricsGet_t()
+        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        request.sample1, request.sample2 = samples
+        known = [(name, label) for name, label in _GPM_METRICS if hasattr(pynvml, name)]
+        request.numMetrics = len(known)
+        for position, (name, _) in enumerate(known):
+            request.metrics[position].metricId = getattr(pynvml, name)
+        started = time.perf_counter()
+        pynvml.nvmlGpmMetricsGet(request)
+        took_ms = (time.perf_counter() - started) * 1000
+    except pynvml.NVMLError as error:
+        print(f"  gpu {gpu.key}: GPM FAILED: {type(error).__name__}: {error}")
+        return [f"gpu {gpu.key}: GPM: {type(error).__name__}: {error}"]
+    finally:
+        for sample in samples:
+            pynvml.nvmlGpmSampleFree(sample)
+    shown = []
+    for position, (_, label) in enumerate(known):
+        metric = request.metrics[position]
+        ok = metric.nvmlReturn == pynvml.NVML_SUCCESS
+        shown.append(f"{label}={metric.value:.4g}" if ok else f"{label}=({pynvml.nvmlErrorString(metric.nvmlReturn)})")
+    print(f"  gpu {gpu.key}: metrics get {took_ms:.3f} ms over {interval_s:g} s: {'  '.join(shown)}")
+    return []
+
+
+def _gpm_through_the_collector(collector: NvidiaCollector, interval_s: float) -> list[str]:
+    """The collector's GPM line; two reads ``interval_s`` apart: its values (fractions in [0, 1], rates >= 0)."""
+    print(f"  collector: {collector.describe()[-1]}")
+    collector.read(Readings())
+    time.sleep(interval_s)
+    readings = Readings()
+    collector.read(readings)
+    problems = []
+    gpm = ("otel_forge.gpu.sm.activity", "otel_forge.gpu.sm.occupancy", "otel_forge.gpu.pipe.activity")
+    for metric in (*gpm, "otel_forge.gpu.dram.activity", "otel_forge.gpu.io.rate"):
+        for attributes, value in readings.get(metric):
+            extra = ",".join(
+                v
+                for k, v in attributes.items()
+                if k in ("otel_forge.gpu.pipe", "otel_forge.gpu.link", "network.io.direction")
+            )
+            print(f"  gpu {attributes['hw.id']}: {metric}{'{' + extra + '}' if extra else ''} = {_format(value)}")
+            fraction = metric != "otel_forge.gpu.io.rate"
+            if (fraction and not 0 <= value <= 1) or value < 0:
+                problems.append(
+                    f"gpu {attributes['hw.id']}: {metric} = {value} (want {'[0, 1]' if fraction else '>= 0'})"
+                )
+    return problems
+
+
 def _nvml_calls_per_gpu(collector: NvidiaCollector) -> tuple[float, dict[str, int]]:
     """NVML calls of one full read: (calls per whole GPU, calls by function).
 
@@ -130,13 +245,13 @@ def _nvml_calls_per_gpu(collector: NvidiaCollector) -> tuple[float, dict[str, in
         collector.read(Readings())
         for (function, _), count in pynvml.call_counts().items():
             grown = count - before.get((function, _), 0)
-            if grown and function.startswith("nvmlDevice"):
+            if grown and function.startswith(("nvmlDevice", "nvmlGpm")):
                 by_function[function] = by_function.get(function, 0) + grown
     else:
         resolve = pynvml._nvmlGetFunctionPointer  # the one door to every C call
 
         def counting(name: str) -> Any:
-            if name.startswith("nvmlDevice"):
+            if name.startswith(("nvmlDevice", "nvmlGpm")):
                 by_function[name] = by_function.get(name, 0) + 1
             return resolve(name)
 
@@ -170,7 +285,9 @@ def _check_full_pass(collector: NvidiaCollector) -> list[str]:
         times_ms.append((time.perf_counter() - started) * 1000)
     values = sum(len(readings.get(metric)) for metric in readings.metrics())
     per_gpu, by_function = _nvml_calls_per_gpu(collector)
-    print(f"\nNVML calls in one full read: {per_gpu:g} per GPU (README: 14 for a whole GPU); {by_function}")
+    print(
+        f"\nNVML calls in one full read: {per_gpu:g} per GPU (README: 14 for a whole GPU, 16 with GPM); {by_function}"
+    )
     print(
         f"\nfull pass ({len(collector.gpus)} GPUs, {values} values): median {statistics.median(times_ms):.1f} ms,"
         f" max {max(times_ms):.1f} ms over {len(times_ms)} reads"
