@@ -94,7 +94,15 @@ def test_four_gpus_report_every_metric_with_units_and_attributes() -> None:
     with opened(scenario) as (_, collector):
         readings = read(collector)
 
-    assert set(readings.metrics()) == set(SPECS) - {"otel_forge.gpu.xid.errors"}  # no XID event yet
+    # No XID event yet; GPM is off unless a scenario turns it on (tests/collectors/test_gpm.py).
+    gpm = {
+        "otel_forge.gpu.sm.activity",
+        "otel_forge.gpu.sm.occupancy",
+        "otel_forge.gpu.pipe.activity",
+        "otel_forge.gpu.dram.activity",
+        "otel_forge.gpu.io.rate",
+    }
+    assert set(readings.metrics()) == set(SPECS) - {"otel_forge.gpu.xid.errors"} - gpm
     for metric in readings.metrics():  # attribute keys exactly as names.py declares them
         for attributes, _ in readings.get(metric):  # a whole GPU: no MIG attribute
             assert set(attributes) == set(SPECS[metric].attributes) - set(MIG_ATTRIBUTES), metric
@@ -363,11 +371,12 @@ def test_unknown_gpu_is_unavailable_and_nvml_shut_down() -> None:
         assert nvml.initialized() == 0
 
 
-def test_describe_is_one_line_per_gpu() -> None:
+def test_describe_is_one_line_per_gpu_and_one_for_gpm() -> None:
     with opened({"count": 2}) as (_, collector):
         assert collector.describe() == [
             "gpu 0: NVIDIA H100 80GB HBM3 GPU-1a2b0000-0000-4000-8000-000000000000 00000000:17:00.0",
             "gpu 1: NVIDIA H100 80GB HBM3 GPU-1a2b0001-0000-4000-8000-000000000001 00000000:27:00.0",
+            "GPM: not supported (driver/GPU)",  # the fake's GPM is off unless the scenario turns it on
         ]
 
 
