@@ -95,3 +95,15 @@ def test_amd_inventory() -> None:
     assert [gpu["index"] for gpu in inventory["gpus"]] == [0, 1]
     assert all(gpu["memory_bytes"] == 192 * GiB and gpu["mig"] == [] for gpu in inventory["gpus"])
     assert all(gpu["name"] and gpu["uuid"] for gpu in inventory["gpus"])
+
+
+def test_the_node_inventory_names_the_gpus_and_their_tags_say_how_many() -> None:
+    from otel_forge.collectors.inventory import inventory_tags, node_inventory
+
+    with opened_with(fake_nvml, NvidiaCollector, {"count": 8}) as (_, collector):
+        inventory = node_inventory([collector])
+    (nvidia,) = inventory["gpus"]
+    assert nvidia["vendor"] == "nvidia" and len(nvidia["gpus"]) == 8 and nvidia["cuda_version"] == "12.4"
+    tags = inventory_tags(inventory)
+    assert tags["otel_forge.gpu.model"] == "8 x NVIDIA H100 80GB HBM3"
+    assert tags["otel_forge.gpu.driver"] == "999.99-fake"
