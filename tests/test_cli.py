@@ -195,3 +195,16 @@ def test_doctor_checks_a_scheme_less_grpc_endpoint_by_its_host_and_port(capsys):
         )
     otlp = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("otlp "))
     assert f"grpc 127.0.0.1:{port}: answers" in otlp, otlp
+
+
+def test_doctor_prints_the_nodes_inventory(capsys):
+    import platform
+    import socket
+
+    assert main(["doctor", "--collectors", "cpu", "--no-prometheus"]) == 0
+    out = capsys.readouterr().out
+    assert f"  host     {socket.gethostname()}, kernel {platform.release()}, Python {platform.python_version()}" in out
+    assert "  packages torch " in out
+    assert main(["doctor", "--json", "--collectors", "cpu", "--no-prometheus"]) == 0
+    inventory = json.loads(capsys.readouterr().out)["inventory"]
+    assert inventory["host"] == socket.gethostname() and inventory["gpus"] == []
