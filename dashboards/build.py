@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otel_forge.names import METRICS, Kind, MetricSpec
+from otel_forge.names import GPU_ATTRIBUTES, METRICS, Kind, MetricSpec
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_VERSION = 41  # Grafana 12.0
@@ -33,7 +33,19 @@ DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
 
 # --- metric names ---------------------------------------------------------------------------------
 
-SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+# NVML GPM metrics (Hopper and later), whose names are fixed: drawn here even before otel_forge's metric
+# table lists them; where the table has one, the table's row wins (a test checks both give one name).
+GPM_METRICS: tuple[MetricSpec, ...] = tuple(
+    MetricSpec(name, Kind.GAUGE, unit, "nvidia", GPU_ATTRIBUTES + extra, description)
+    for name, unit, extra, description in (
+        ("otel_forge.gpu.sm.activity", "1", (), "Fraction of SMs x time with a warp resident (NVML GPM)."),
+        ("otel_forge.gpu.sm.occupancy", "1", (), "Resident warps / the SMs' maximum (NVML GPM)."),
+        ("otel_forge.gpu.pipe.activity", "1", ("otel_forge.gpu.pipe",), "Pipe activity: tensor, fp64, fp32, fp16."),
+        ("otel_forge.gpu.dram.activity", "1", (), "Fraction of cycles the memory interface was busy (NVML GPM)."),
+        ("otel_forge.gpu.io.rate", "By/s", ("otel_forge.gpu.link", "network.io.direction"), "PCIe / NVLink bytes/s."),
+    )
+)
+SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (*GPM_METRICS, *METRICS)}
 
 
 def prometheus_name(spec: MetricSpec) -> str:
@@ -79,6 +91,8 @@ GPU_LINKS = 'otel_forge_gpu_link=~"nvlink|xgmi"'  # GPU-to-GPU links: NVIDIA's N
 MEMORY_SENSOR = 'hw_sensor_location="memory"'
 NOT_MEMORY_SENSOR = 'hw_sensor_location!="memory"'
 KNOWN_RUN = 'mlflow_experiment_id!=""'  # the run_info series written once the agent has read the run
+TENSOR = 'otel_forge_gpu_pipe="tensor"'
+SIGNAL = "otel_forge_gpu_activity_signal"  # which GPU activity a node's series is (recording-rules.yml's label)
 
 GPUS = (JOB, NODE, GPU)
 
@@ -151,6 +165,7 @@ class Panel:
     color_mode: str | None = None
     legend_table: bool = False
     no_value: str | None = None
+    sort_by: str | None = None  # table: the column to sort by, ascending
 
     def json(self, panel_id: int, x: int, y: int) -> dict[str, Any]:
         defaults: dict[str, Any] = {
@@ -248,10 +263,14 @@ def _stat(panel: Panel) -> tuple[None, dict[str, Any]]:
 
 
 def _table(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
-    return (
-        {"align": "auto", "cellOptions": {"type": "color-text"}, "inspect": False},
-        {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"], "fields": ""}},
-    )
+    options: dict[str, Any] = {
+        "showHeader": True,
+        "cellHeight": "sm",
+        "footer": {"show": False, "reducer": ["sum"], "fields": ""},
+    }
+    if panel.sort_by:
+        options["sortBy"] = [{"displayName": panel.sort_by, "desc": False}]
+    return {"align": "auto", "cellOptions": {"type": "color-text"}, "inspect": False}, options
 
 
 def _heatmap(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -596,6 +615,31 @@ def per_gpu(metric: str, *m: str, by: str = "") -> str:
     return f"max by (job, instance, hw_id{extra}) ({sel(metric, *m)})"
 
 
+def gpu_activity(window: str = "") -> str:
+    """Each node's GPU activity by (job, instance), as recording-rules.yml computes it.
+
+    The mean over the node's GPUs of SM activity (NVML GPM, Hopper and later) where the node reports
+    it, else of GPU utilization; the label ``otel_forge_gpu_activity_signal`` says which. ``window``:
+    each GPU's mean over it first (``$__range`` for "over the range" panels).
+    """
+
+    def over(selector: str) -> str:
+        return f"avg_over_time({selector}[{window}])" if window else selector
+
+    sm = over(sel("otel_forge.gpu.sm.activity", *GPUS))
+    util = over(gpu_util(*GPUS))
+    return (
+        f'label_replace(avg by (job, instance) ({sm}), "{SIGNAL}", "sm_activity", "", "")'
+        f" or on (job, instance) "
+        f'label_replace(avg by (job, instance) ({util}), "{SIGNAL}", "utilization", "", "")'
+    )
+
+
+GPM_NOTE = (
+    "NVML GPM (Hopper and later): empty on older NVIDIA GPUs and on AMD. Utilization is the fraction of time "
+    "a kernel ran; SM activity the fraction of the SMs' time with work resident: a GPU 100% utilized with "
+    "its SMs 10% active runs small kernels or waits (memory, communication)."
+)
 PCIE_NOTE = "Host-to-GPU traffic over PCIe; GPU-to-GPU traffic over NVLink / XGMI has its own panel."
 LINKS_NOTE = "GPU-to-GPU traffic over NVLink (NVIDIA, all links summed) or XGMI (AMD). Empty on PCIe-only boards."
 REMAP_NOTE = (
@@ -1009,6 +1053,36 @@ def node_dashboard() -> dict[str, Any]:
                     width=12,
                     legend_table=True,
                     description="Fraction of time device memory was read or written.",
+                ),
+                Panel(
+                    "timeseries",
+                    "GPU activity vs utilization",
+                    [
+                        Query(per_gpu("otel_forge.gpu.sm.activity", *GPUS), "GPU {{hw_id}} SM activity"),
+                        Query(per_gpu("hw.gpu.utilization", *GPUS, GENERAL), "GPU {{hw_id}} utilization"),
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                    description=GPM_NOTE,
+                ),
+                Panel(
+                    "timeseries",
+                    "Tensor and DRAM activity",
+                    [
+                        Query(per_gpu("otel_forge.gpu.pipe.activity", *GPUS, TENSOR), "GPU {{hw_id}} tensor pipe"),
+                        Query(per_gpu("otel_forge.gpu.dram.activity", *GPUS), "GPU {{hw_id}} DRAM"),
+                        Query(per_gpu("otel_forge.gpu.sm.occupancy", *GPUS), "GPU {{hw_id}} SM occupancy"),
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                    description="Tensor-core pipe activity, DRAM (memory interface) activity and SM occupancy "
+                    "(resident warps / the maximum). " + GPM_NOTE.split(": ", 1)[0] + ": empty on older GPUs.",
                 ),
                 Panel(
                     "timeseries",
@@ -1542,6 +1616,29 @@ def run_dashboard() -> dict[str, Any]:
     def host(expr: str) -> str:
         return in_run(f"max by (job, instance) ({expr})")
 
+    def node_mean(metric: str, *matchers: str) -> str:
+        return in_run(f"avg by (job, instance) ({sel(metric, *GPUS, *matchers)})")
+
+    # Nodes of this job: each node against the run's median (recording-rules.yml computes the same).
+    activity_range = in_run(gpu_activity("$__range"), over_range=True)
+    activity_ratio = (
+        f"max by (job, instance, otel_forge_node_id) ({activity_range} / on ({SIGNAL}) group_left () "
+        f"(quantile by ({SIGNAL}) (0.5, {activity_range}) > 0))"
+    )
+
+    def ratio_to_median(expr: str) -> str:
+        return f"{expr} / on () group_left () (quantile(0.5, {expr}) > 0)"
+
+    power_range = in_run(f"sum by (job, instance) (avg_over_time({sel('hw.power', *GPUS)}[$__range]))", over_range=True)
+    network_range = in_run(
+        f"sum by (job, instance) (increase({sel('system.network.io', *HOST)}[$__range]))", over_range=True
+    )
+    iowait = sel("system.cpu.utilization", *HOST, 'cpu_mode="iowait"', 'cpu_logical_number=""')
+    iowait_range = in_run(f"max by (job, instance) (avg_over_time({iowait}[$__range]))", over_range=True)
+    iowait_now = in_run(f"max by (job, instance) ({iowait})")
+    activity_now = in_run(gpu_activity())
+    power_now = in_run(f"sum by (job, instance) ({sel('hw.power', *GPUS)})")
+
     run_energy = in_run(f"sum by (job, instance) (increase({sel('hw.energy', *GPUS)}[$__range]))", over_range=True)
 
     rows = [
@@ -1644,6 +1741,35 @@ def run_dashboard() -> dict[str, Any]:
                 ),
                 Panel(
                     "timeseries",
+                    "GPU activity vs utilization",
+                    [
+                        Query(node_mean("otel_forge.gpu.sm.activity"), "{{otel_forge_node_id}} SM activity"),
+                        Query(node_mean("hw.gpu.utilization", GENERAL), "{{otel_forge_node_id}} utilization"),
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                    description="Each node's mean over its GPUs. " + GPM_NOTE,
+                ),
+                Panel(
+                    "timeseries",
+                    "Tensor and DRAM activity",
+                    [
+                        Query(node_mean("otel_forge.gpu.pipe.activity", TENSOR), "{{otel_forge_node_id}} tensor pipe"),
+                        Query(node_mean("otel_forge.gpu.dram.activity"), "{{otel_forge_node_id}} DRAM"),
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                    description="Each node's mean over its GPUs: tensor-core pipe and DRAM activity (NVML GPM, "
+                    "Hopper and later; empty on older GPUs).",
+                ),
+                Panel(
+                    "timeseries",
                     "GPU power vs limit, per node",
                     [
                         Query(
@@ -1736,6 +1862,109 @@ def run_dashboard() -> dict[str, Any]:
                         },
                     ),
                     description="XID events and ECC errors on the run's GPUs. " + ZERO_IS_NORMAL,
+                ),
+            ],
+        ),
+        Row(
+            "Nodes of this job",
+            [
+                Panel(
+                    "table",
+                    "Nodes of this job, slowest first",
+                    [
+                        Query(activity_ratio, instant=True, fmt="table"),
+                        Query(ratio_to_median(power_range), instant=True, fmt="table"),
+                        Query(ratio_to_median(network_range), instant=True, fmt="table"),
+                    ],
+                    unit="percentunit",
+                    decimals=1,
+                    width=14,
+                    height=9,
+                    thresholds=[(None, "red"), (0.8, "orange"), (0.9, "green")],
+                    sort_by="GPU activity / median",
+                    transformations=table_of(
+                        3,
+                        exclude=["job"],
+                        rename={
+                            "otel_forge_node_id": "node id",
+                            "instance": "node",
+                            "Value #A": "GPU activity / median",
+                            "Value #B": "GPU power / median",
+                            "Value #C": "network / median",
+                        },
+                    ),
+                    description="Each node of the run over the range against the run's median node (100% = the "
+                    "median): GPU activity (SM activity where the GPUs have NVML GPM, else utilization), GPU "
+                    "power and network bytes. Below 80% of the median GPU activity (red) the node is the slow "
+                    "one: in a synchronous job the others wait for it (alert OtelForgeStragglerNode).",
+                ),
+                Panel(
+                    "stat",
+                    "GPU activity / job median",
+                    [Query(activity_ratio, "{{otel_forge_node_id}}", instant=True)],
+                    unit="percentunit",
+                    decimals=0,
+                    width=10,
+                    height=9,
+                    thresholds=[(None, "red"), (0.8, "orange"), (0.9, "green")],
+                    description="One tile per node: its mean GPU activity over the range / the run's median.",
+                ),
+                Panel(
+                    "timeseries",
+                    "Node GPU activity vs the job's median",
+                    [
+                        Query(activity_now, "{{otel_forge_node_id}} ({{otel_forge_gpu_activity_signal}})"),
+                        Query(
+                            f"quantile by ({SIGNAL}) (0.5, {activity_now})",
+                            "median ({{otel_forge_gpu_activity_signal}})",
+                        ),
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    legend_table=True,
+                    description="Each node's mean GPU activity (SM activity with NVML GPM, else utilization) and "
+                    "the median of the run's nodes.",
+                ),
+                Panel(
+                    "timeseries",
+                    "Node GPU power vs the job's median",
+                    [
+                        Query(power_now, "{{otel_forge_node_id}}"),
+                        Query(f"quantile(0.5, {power_now})", "median"),
+                    ],
+                    unit="watt",
+                    min=0,
+                    width=12,
+                    legend_table=True,
+                ),
+                Panel(
+                    "timeseries",
+                    "CPU iowait per node",
+                    [
+                        Query(iowait_now, "{{otel_forge_node_id}}"),
+                        Query(f"quantile(0.5, {iowait_now})", "median"),
+                    ],
+                    unit="percentunit",
+                    min=0,
+                    width=12,
+                    legend_table=True,
+                    description="Fraction of CPU time waiting on I/O: a node above the others reads its data "
+                    "(or writes its checkpoints) slower.",
+                ),
+                Panel(
+                    "table",
+                    "CPU iowait over the range",
+                    [Query(iowait_range, instant=True, fmt="table")],
+                    unit="percentunit",
+                    decimals=2,
+                    width=12,
+                    transformations=table_of(
+                        1,
+                        exclude=["job"],
+                        rename={"otel_forge_node_id": "node id", "instance": "node", "Value": "iowait"},
+                    ),
                 ),
             ],
         ),

@@ -86,14 +86,18 @@ def test_the_unit_tests_catch_a_median_over_all_runs(tmp_path):
     text = RECORDING.read_text()
     old = "quantile by (mlflow_run_id, otel_forge_gpu_activity_signal) (0.5,"
     assert old in text
-    result = promtool_test(_copy(tmp_path, recording_text=text.replace(old, "quantile by (otel_forge_gpu_activity_signal) (0.5,"))
+    result = promtool_test(
+        _copy(tmp_path, recording_text=text.replace(old, "quantile by (otel_forge_gpu_activity_signal) (0.5,"))
     )
     assert result.returncode != 0, result.stdout
 
 
 def test_every_recording_rule_and_both_alerts_are_asserted():
     tests = yaml.safe_load(UNIT_TESTS.read_text())
-    assert tests["rule_files"] == ["../../collector-config/recording-rules.yml", "../../collector-config/alert-rules.yml"]
+    assert tests["rule_files"] == [
+        "../../collector-config/recording-rules.yml",
+        "../../collector-config/alert-rules.yml",
+    ]
     (group,) = tests["tests"]
     asserted = " ".join(test["expr"] for test in group["promql_expr_test"])
     for rule in recording_rules():

@@ -188,6 +188,53 @@ def test_builder_maps_otel_names_to_the_exporters_prometheus_names() -> None:
         builder.sel("hw.gpu.nvlink.throughput")
 
 
+def test_gpm_metrics_have_their_fixed_prometheus_names() -> None:
+    """NVML GPM metrics are drawn before otel_forge's table may list them: the names are fixed, and where
+    the table has a row its Prometheus name is the one the dashboards use."""
+    from otel_forge.names import METRICS
+
+    expected = {
+        "otel_forge.gpu.sm.activity": "otel_forge_gpu_sm_activity",
+        "otel_forge.gpu.sm.occupancy": "otel_forge_gpu_sm_occupancy",
+        "otel_forge.gpu.pipe.activity": "otel_forge_gpu_pipe_activity",
+        "otel_forge.gpu.dram.activity": "otel_forge_gpu_dram_activity",
+        "otel_forge.gpu.io.rate": "otel_forge_gpu_io_rate_bytes_per_second",
+    }
+    assert {spec.name: builder.prometheus_name(spec) for spec in builder.GPM_METRICS} == expected
+    for spec in METRICS:
+        if spec.name in expected:
+            assert builder.prometheus_name(spec) == expected[spec.name], spec
+            assert builder.has_ratio_form(spec) == (spec.unit == "1")
+    used = {
+        name
+        for dashboard in ("otel-forge-node.json", "otel-forge-run.json")
+        for target in targets(load(dashboard))
+        for name in expected.values()
+        if name in target.expr
+    }
+    assert {"otel_forge_gpu_sm_activity", "otel_forge_gpu_pipe_activity", "otel_forge_gpu_dram_activity"} <= used
+
+
+def test_gpu_activity_is_the_recording_rules_choice() -> None:
+    """The run dashboard's node GPU activity is recording-rules.yml's: SM activity, else utilization."""
+    import yaml
+
+    rules = yaml.safe_load((REPO_ROOT / "collector-config" / "recording-rules.yml").read_text())
+    (rule,) = [
+        r for g in rules["groups"] for r in g["rules"] if r.get("record") == "run_node:otel_forge_gpu_activity:avg5m"
+    ]
+    expr = builder.gpu_activity("5m")
+    for part in ('"otel_forge_gpu_activity_signal", "sm_activity"', '"otel_forge_gpu_activity_signal", "utilization"'):
+        assert part in expr and part in rule["expr"]
+    assert "or on (job, instance)" in expr and "or on (job, instance)" in rule["expr"]
+    titles = {panel["title"] for panel in dashboard_rows(load("otel-forge-run.json"))}
+    assert "Nodes of this job" in titles
+
+
+def dashboard_rows(dashboard: dict) -> list[dict]:
+    return [panel for panel in dashboard["panels"] if panel["type"] == "row"]
+
+
 def test_readme_describes_every_dashboard_and_variable() -> None:
     readme = (DASHBOARDS_DIR / "README.md").read_text()
     for name in DASHBOARD_FILES:

@@ -9,10 +9,11 @@ One Prometheus (the Debian package) scrapes, every second:
   ``llm-pretrain``, instance = service.instance.id ``gpu-node-0`` / ``gpu-node-1``, resource
   attributes as labels), as collector-config/gateway.yaml and prometheus.yml set it up.
 
-The GPUs are the fake NVML (tests/fakes/pynvml.py). Node ``node_0`` is healthy; node ``node_1`` is
-not: its GPUs idle (a straggler), run hot (thermal throttling, temperature outliers), count ECC
-errors and had an XID 79. So on the fleet and run dashboards every panel has data, and on the node
-dashboard of the healthy node only the panels listed in ``EMPTY_ON_A_HEALTHY_NODE`` may be empty.
+The GPUs are the fake NVML (tests/fakes/pynvml.py), H100s with NVML GPM. Node ``node_0`` is healthy;
+node ``node_1`` is not: its GPUs idle (a straggler: low utilization and SM activity), run hot
+(thermal throttling, temperature outliers), count ECC errors and had an XID 79. So on the fleet and
+run dashboards every panel has data, and on the node dashboard of the healthy node only the panels
+listed in ``EMPTY_ON_A_HEALTHY_NODE`` may be empty.
 
 Each panel query is interpolated as Grafana would (grafana_queries.py) and sent to Prometheus's
 HTTP API: a range query (30 s, step 2 s) for a range target, an instant query for an instant one.
@@ -59,12 +60,14 @@ COLLECTOR_JOB = "llm-pretrain"  # the agents' service.name: the job a Collector 
 RANGE_S, STEP_S = 30, 2
 READY_TIMEOUT_S = 60.0
 
+# Both nodes' H100s have NVML GPM (SM, tensor and DRAM activity): the faulty node's SMs idle too.
 HEALTHY = {
     "count": 2,
     "amd": False,
+    "gpm": True,
     "sequences": {
-        "0": {"utilization": [90, 95, 85], "temperature": [60, 61], "ecc_corrected": [0]},
-        "1": {"utilization": [88, 92], "temperature": [62, 63], "ecc_corrected": [0]},
+        "0": {"utilization": [90, 95, 85], "temperature": [60, 61], "ecc_corrected": [0], "sm_activity": [70, 75]},
+        "1": {"utilization": [88, 92], "temperature": [62, 63], "ecc_corrected": [0], "sm_activity": [72, 68]},
     },
 }
 # Idle GPUs, hot (thermal throttle bits set), ECC corrected errors growing (the fake's default), an XID 79,
@@ -75,7 +78,11 @@ FAULTY = {
     "hot": True,
     "degraded": True,
     "xid_events": [[1, 79]],
-    "sequences": {"0": {"utilization": [10, 15]}, "1": {"utilization": [5, 12]}},
+    "gpm": True,
+    "sequences": {
+        "0": {"utilization": [10, 15], "sm_activity": [6, 9]},
+        "1": {"utilization": [5, 12], "sm_activity": [3, 7]},
+    },
 }
 
 # Panels of the node dashboard that show nothing on a healthy node, and why.
@@ -84,6 +91,10 @@ EMPTY_ON_A_HEALTHY_NODE = {
 }
 
 builder = load_builder()
+
+# NVML GPM metrics (Hopper and later): optional series. Where the agents export none (the fake NVML
+# has no GPM), the queries that name them must still evaluate, and return nothing.
+GPM_NAMES = {builder.prometheus_name(spec) for spec in builder.GPM_METRICS}
 
 
 @dataclass
@@ -95,6 +106,7 @@ class Stack:
     experiment_id: str
     idle_run_id: str  # a run of the same server that no agent serves
     tracking_uri: str
+    gpm: bool = False  # the agents export NVML GPM metrics
 
 
 def _agent_args(node_id: str, run_id: str, tracking_uri: str) -> list[str]:
@@ -191,8 +203,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
                 f'otel_forge_run_info{{job="{job}", mlflow_run_id="{run.info.run_id}"}}', READY_TIMEOUT_S, min_series=2
             )
             prometheus.wait_for_series(f'otel_forge_gpu_xid_errors_total{{job="{job}"}}', READY_TIMEOUT_S)
+        exposition = agents["node_0"].scrape()
+        gpm = any(f"# TYPE {name} " in exposition for name in GPM_NAMES)
         yield Stack(
-            prometheus, agents, instances, run.info.run_id, experiment_id, idle_run.info.run_id, mlflow_server.uri
+            prometheus, agents, instances, run.info.run_id, experiment_id, idle_run.info.run_id, mlflow_server.uri, gpm
         )
     finally:
         if prometheus is not None:
@@ -258,6 +272,34 @@ def evaluate(stack: Stack, dashboard: Mapping[str, Any], values: Mapping[str, An
         expr = interpolate(target.expr, dashboard, values)
         outcomes.append(Outcome(target, expr, _query(stack, expr, target.instant)))
     return outcomes
+
+
+def gpm_only(outcome: Outcome) -> bool:
+    """The query reads GPM metrics and nothing to fall back on (GPU activity falls back on utilization)."""
+    return (
+        any(re.search(rf"\b{name}\b", outcome.expr) for name in GPM_NAMES) and "hw_gpu_utilization" not in outcome.expr
+    )
+
+
+def without_gpm(stack: Stack, outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """``outcomes`` less the GPM-only queries when the agents export no GPM, which must then be empty."""
+    if stack.gpm:
+        return list(outcomes)
+    for outcome in outcomes:
+        if gpm_only(outcome):
+            assert not outcome.has_data, f"{outcome.target.panel}: GPM data without GPM: {outcome.result}"
+    return [outcome for outcome in outcomes if not gpm_only(outcome)]
+
+
+NETWORK_RATIO = ("Nodes of this job, slowest first", "C")  # network bytes / the run's median: none at 0
+
+
+def without_idle_network(stack: Stack, job: str, outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """A ratio to a zero median is no ratio: where the nodes' interfaces moved no byte, that query is empty."""
+    moved = stack.prometheus.query(f'sum(increase(system_network_io_bytes_total{{job="{job}"}}[{RANGE_S}s])) > 0')
+    if moved:
+        return list(outcomes)
+    return [o for o in outcomes if (o.target.panel, o.target.ref_id) != NETWORK_RATIO or o.has_data]
 
 
 def assert_all_have_data(outcomes: Sequence[Outcome], exempt: Mapping[str, str] = {}) -> None:
@@ -335,7 +377,7 @@ def test_node_dashboard_every_panel_has_data_on_a_faulty_node(stack: Stack, job:
     values = _values("otel-forge-node.json", stack, job, node=stack.instances[job]["node_1"])
     outcomes = evaluate(stack, dashboard, values)
     assert len(outcomes) >= 40
-    assert_all_have_data(outcomes)
+    assert_all_have_data(without_gpm(stack, outcomes))
     # Only the chosen node answers.
     for outcome in outcomes:
         for series in outcome.result:
@@ -349,7 +391,7 @@ def test_node_dashboard_on_a_healthy_node_is_empty_only_where_listed(stack: Stac
     dashboard = load("otel-forge-node.json")
     values = _values("otel-forge-node.json", stack, job, node=stack.instances[job]["node_0"], gpu=["0", "1"])
     outcomes = evaluate(stack, dashboard, values)
-    assert_all_have_data(outcomes, exempt=EMPTY_ON_A_HEALTHY_NODE)
+    assert_all_have_data(without_gpm(stack, outcomes), exempt=EMPTY_ON_A_HEALTHY_NODE)
     for outcome in outcomes:
         if outcome.target.panel in EMPTY_ON_A_HEALTHY_NODE:
             assert not outcome.has_data, f"{outcome.target.panel} shows events on a healthy node: {outcome.result}"
@@ -360,7 +402,7 @@ def test_node_dashboard_on_a_healthy_node_is_empty_only_where_listed(stack: Stac
 def test_fleet_dashboard_every_panel_has_data_and_finds_the_faulty_node(stack: Stack, job: str) -> None:
     dashboard = load("otel-forge-fleet.json")
     outcomes = evaluate(stack, dashboard, _values("otel-forge-fleet.json", stack, job))
-    assert_all_have_data(outcomes)
+    assert_all_have_data(without_gpm(stack, outcomes))
     by_panel: dict[str, list[Outcome]] = {}
     for outcome in outcomes:
         by_panel.setdefault(outcome.target.panel, []).append(outcome)
@@ -386,7 +428,7 @@ def test_fleet_dashboard_every_panel_has_data_and_finds_the_faulty_node(stack: S
 def test_run_dashboard_every_panel_has_data_for_the_run(stack: Stack, job: str) -> None:
     dashboard = load("otel-forge-run.json")
     outcomes = evaluate(stack, dashboard, _values("otel-forge-run.json", stack, job))
-    assert_all_have_data(outcomes)
+    assert_all_have_data(without_idle_network(stack, job, without_gpm(stack, outcomes)))
     # The joins at the top of an expression (not under a sum) label every series with the node id.
     joined = [o for o in outcomes if o.expr.startswith("(") and "group_left (otel_forge_node_id)" in o.expr]
     assert len(joined) >= 12
@@ -403,6 +445,35 @@ def test_run_dashboard_every_panel_has_data_for_the_run(stack: Stack, job: str) 
     result = _query(stack, interpolate(annotation["expr"], dashboard, values), instant=False)
     assert [series["metric"]["mlflow_run_id"] for series in result] == [stack.run_id]
     assert all(float(value) >= 1 for _, value in result[0]["values"])  # Grafana: >= 1 is "active"
+
+
+@pytest.mark.parametrize("job", FORMS)
+def test_run_dashboard_nodes_of_this_job_puts_the_slow_node_first(stack: Stack, job: str) -> None:
+    """node_1's GPUs idle (10-15%) beside node_0's (85-95%): it is below 0.8 x the run's median, node_0 above."""
+    dashboard = load("otel-forge-run.json")
+    outcomes = evaluate(stack, dashboard, _values("otel-forge-run.json", stack, job))
+    table = {o.target.ref_id: o.result for o in outcomes if o.target.panel == "Nodes of this job, slowest first"}
+    assert set(table) == {"A", "B", "C"}
+    if not without_idle_network(
+        stack, job, [o for o in outcomes if (o.target.panel, o.target.ref_id) == NETWORK_RATIO]
+    ):
+        del table["C"]  # no byte moved on these nodes' interfaces: no median to compare with
+    for ref, result in table.items():
+        assert {s["metric"]["otel_forge_node_id"] for s in result} == {"node_0", "node_1"}, ref
+        assert all(set(s["metric"]) == {"job", "instance", "otel_forge_node_id"} for s in result), ref  # one row a node
+    ratio = {s["metric"]["otel_forge_node_id"]: float(s["value"][1]) for s in table["A"]}
+    assert ratio["node_1"] < 0.8 < 1 < ratio["node_0"], ratio
+    # Two nodes: the median is their mean, so the two ratios add up to 2.
+    assert abs(ratio["node_0"] + ratio["node_1"] - 2) < 1e-9
+    power = {s["metric"]["otel_forge_node_id"]: float(s["value"][1]) for s in table["B"]}
+    assert abs(power["node_0"] + power["node_1"] - 2) < 1e-9, power
+    (stat,) = [o for o in outcomes if o.target.panel == "GPU activity / job median"]
+    assert {s["metric"]["otel_forge_node_id"]: float(s["value"][1]) for s in stat.result} == ratio
+    lines = [o for o in outcomes if o.target.panel == "Node GPU activity vs the job's median"]
+    signal = "sm_activity" if stack.gpm else "utilization"
+    assert {s["metric"]["otel_forge_gpu_activity_signal"] for o in lines for s in o.result} == {signal}
+    (panel,) = [p for row in dashboard["panels"] for p in [row] if p.get("title") == "Nodes of this job, slowest first"]
+    assert panel["options"]["sortBy"] == [{"displayName": "GPU activity / median", "desc": False}]
 
 
 @pytest.mark.parametrize("job", FORMS)
@@ -454,4 +525,6 @@ def test_the_agents_exposition_has_every_metric_the_dashboards_name(stack: Stack
                 if pattern.endswith("(_ratio)?")
             }
     named -= {"up"}
+    if not stack.gpm:
+        named -= GPM_NAMES  # optional: NVML GPM (Hopper and later), which the fake NVML does not have
     assert named and named <= exported, named - exported
