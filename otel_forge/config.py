@@ -484,9 +484,9 @@ SETTINGS: tuple[Setting, ...] = (
         ("MLFLOW_EXPERIMENT_ID",),
         _optional_text,
         None,
-        "The run's experiment (`otel-forge monitor --run-id`): the info metric's label and where node runs "
-        "are made; no agent reads a run to learn it (default: the experiment `MLFLOW_EXPERIMENT_NAME` names, "
-        "else MLflow's default experiment, `0`).",
+        "The run's experiment (`otel-forge monitor --run-id`): the info metric's label, where node runs and the "
+        "inventory go; no agent reads a run to learn it (default: the experiment `MLFLOW_EXPERIMENT_NAME` names, "
+        "else not known: an empty label, node runs in MLflow's default experiment `0`, no inventory in a job's run).",
     ),
     Setting(
         "experiment_name",

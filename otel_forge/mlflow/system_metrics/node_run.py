@@ -18,7 +18,8 @@ from typing import Any
 SYSTEM_PREFIX = "system/"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests the run under its parent
 NODE_TAG = "otel_forge.node.id"
-# The experiment ``mlflow.start_run()`` uses when the environment names none.
+# The experiment ``mlflow.start_run()`` uses when the environment names none: node runs go there
+# when nothing says where the job's run is.
 DEFAULT_EXPERIMENT_ID = "0"
 
 
@@ -72,12 +73,11 @@ def run_artifact_uri(client: Any, experiment_id: str, run_id: str) -> str:
 
 
 def experiment_id_for(client: Any, experiment: str | None) -> str:
-    """The experiment of a run whose opener did not say it, without reading the run (no call gives a
-    run's experiment but a read of the whole run): the experiment the setting names, by id (digits)
-    or by name (one lookup), else MLflow's default experiment, where ``mlflow.start_run()`` opens a
-    run the environment does not place."""
+    """The experiment of a run whose opener did not say it: the one the setting names, by id (digits)
+    or by name (one lookup); "" where nothing names it. Never a guess, and never a read of the run,
+    though no call but a read of the whole run tells a run's experiment."""
     if experiment and experiment.isdigit():
         return experiment
     if experiment and (found := client.get_experiment_by_name(experiment)) is not None:
         return str(found.experiment_id)
-    return DEFAULT_EXPERIMENT_ID
+    return ""

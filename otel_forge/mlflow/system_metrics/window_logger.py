@@ -17,6 +17,7 @@ from otel_forge.mlflow.client import (
     upload_texts,
 )
 from otel_forge.mlflow.system_metrics.node_run import (
+    DEFAULT_EXPERIMENT_ID,
     experiment_id_for,
     last_anchor_step,
     open_node_run,
@@ -94,11 +95,12 @@ class WindowLogger:
         with self._lock:
             if self._client is None:
                 self._client = make_client(self.tracking_uri)
-            experiment_id = self.known.experiment_id or experiment_id_for(self._client, self.known.experiment)
-            self.known = dataclasses.replace(self.known, experiment_id=experiment_id)
+            if self.known.experiment_id is None:  # "" once nothing named it
+                experiment_id = experiment_id_for(self._client, self.known.experiment)
+                self.known = dataclasses.replace(self.known, experiment_id=experiment_id)
             resume_step = None
             if self.node_run is not None and self.node_run_id is None:
-                opened = open_node_run(self._client, self.run_id, experiment_id, self.node_run)
+                opened = open_node_run(self._client, self.run_id, self._node_runs_experiment(), self.node_run)
                 self.node_run_id, self._artifact_uri, resume_step = opened.run_id, opened.artifact_uri, opened.next_step
             if self.first_step is None:
                 self.first_step = self._resume_step(window) if resume_step is None else resume_step
@@ -106,10 +108,26 @@ class WindowLogger:
                     callback(self.first_step)
             return self._client, self.node_run_id or self.run_id, self.first_step
 
+    def _node_runs_experiment(self) -> str:
+        """The job's run's experiment, where its node runs go; MLflow's default where nothing says it."""
+        if self.known.experiment_id:
+            return self.known.experiment_id
+        _logger.warning(
+            "the experiment of MLflow run %s is not known (MLFLOW_EXPERIMENT_ID or MLFLOW_EXPERIMENT_NAME names "
+            "it): node %s's run goes to MLflow's default experiment, %s",
+            self.run_id,
+            self.node_run,
+            DEFAULT_EXPERIMENT_ID,
+        )
+        return DEFAULT_EXPERIMENT_ID
+
     def _log_artifacts(self, client: Any, run_id: str, artifacts: Mapping[str, str]) -> None:
         """Best effort: an artifact store that refuses costs the artifact, never the windows. The run's
         artifact location comes from its experiment (``MlflowClient.log_text`` would read the run)."""
         if not artifacts:
+            return
+        if self._artifact_uri is None and not self.known.experiment_id:
+            _logger.info("%s not recorded: the experiment of MLflow run %s is not known", ", ".join(artifacts), run_id)
             return
         try:
             if self._artifact_uri is None:
