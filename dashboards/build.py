@@ -90,7 +90,6 @@ PCIE = 'otel_forge_gpu_link="pcie"'
 GPU_LINKS = 'otel_forge_gpu_link=~"nvlink|xgmi"'  # GPU-to-GPU links: NVIDIA's NVLink, AMD's XGMI
 MEMORY_SENSOR = 'hw_sensor_location="memory"'
 NOT_MEMORY_SENSOR = 'hw_sensor_location!="memory"'
-KNOWN_RUN = 'mlflow_experiment_id!=""'  # the run_info series written once the agent has read the run
 TENSOR = 'otel_forge_gpu_pipe="tensor"'
 SIGNAL = "otel_forge_gpu_activity_signal"  # which GPU activity a node's series is (recording-rules.yml's label)
 
@@ -114,8 +113,8 @@ def agent_up(*matchers: str, rate_window: str = "$__rate_interval") -> str:
 def run_info(*matchers: str, over_range: bool = False) -> str:
     """The run's info series, one per (job, instance); ``over_range``: present anywhere in the range.
 
-    Only job, instance and the node id are kept: an agent exports the series before it has read the
-    run (empty experiment id and run name), then with them, so those labels change under one agent.
+    Only job, instance and the node id are kept: the join needs no more, and the experiment id and
+    run name may be empty (a standalone ``otel-forge monitor --run-id`` told neither).
     """
     info = sel("otel_forge.run.info", JOB, NODE, RUN, *matchers)
     if over_range:
@@ -1607,8 +1606,10 @@ def fleet_dashboard() -> dict[str, Any]:
 
 def run_dashboard() -> dict[str, Any]:
     info_all = sel("otel_forge.run.info", JOB)
-    mlflow_run_url = "${tracking_uri}/#/experiments/${experiment}/runs/${run}"
-    row_link = "${tracking_uri}/#/experiments/${__data.fields.mlflow_experiment_id}/runs/${__data.fields.mlflow_run_id}"
+    # MLflow's direct run page (route runPageDirect, /runs/:runUuid) finds the run's experiment itself:
+    # no link needs the experiment id, which an agent may not know.
+    mlflow_run_url = "${tracking_uri}/#/runs/${run}"
+    row_link = "${tracking_uri}/#/runs/${__data.fields.mlflow_run_id}"
 
     def gpus(metric: str, by: str = "", *matchers: str) -> str:
         return in_run(per_gpu(metric, *GPUS, *matchers, by=by))
@@ -1652,7 +1653,7 @@ def run_dashboard() -> dict[str, Any]:
                         Query(
                             "max by (mlflow_run_id, mlflow_run_name, mlflow_experiment_id, otel_forge_node_id, "
                             "instance) "
-                            f"(last_over_time({sel('otel_forge.run.info', JOB, NODE, RUN, KNOWN_RUN)}[$__range]))",
+                            f"(last_over_time({sel('otel_forge.run.info', JOB, NODE, RUN)}[$__range]))",
                             instant=True,
                             fmt="table",
                         ),
@@ -1688,7 +1689,9 @@ def run_dashboard() -> dict[str, Any]:
                         },
                     ),
                     description="The run's nodes, from otel_forge_run_info (1 while an agent serves the run); "
-                    "click a row to open the run in the MLflow UI at $tracking_uri.",
+                    "click a row to open the run in the MLflow UI at $tracking_uri. The run name and experiment "
+                    "are empty where the agent was not told them (a standalone otel-forge monitor --run-id "
+                    "without MLFLOW_EXPERIMENT_ID).",
                 ),
                 Panel(
                     "stat",
@@ -2065,12 +2068,6 @@ def run_dashboard() -> dict[str, Any]:
             description="An MLflow run that otel_forge agents served (otel_forge_run_info).",
         ),
         query_variable(
-            "experiment",
-            "Experiment",
-            f"label_values({sel('otel_forge.run.info', JOB, RUN)}, mlflow_experiment_id)",
-            hide=2,
-        ),
-        query_variable(
             "run_name", "Run name", f"label_values({sel('otel_forge.run.info', JOB, RUN)}, mlflow_run_name)", hide=1
         ),
         node_variable(multi=True, selector=sel("otel_forge.run.info", JOB, RUN)),
@@ -2090,14 +2087,16 @@ def run_dashboard() -> dict[str, Any]:
         "mlflow_run_id",
         "rgba(255, 152, 48, 1)",
     )
+    # One link: a dashboard link cannot depend on a variable's value, and the experiment (for an
+    # "Experiment in MLflow" link) and the run page's tabs (/runs/<id>/system-metrics) need the
+    # experiment id, which a standalone agent may not know. The run page links to both.
     links = [
-        link("Run in MLflow", mlflow_run_url, "The selected run in the MLflow UI"),
         link(
-            "Run's system metrics in MLflow",
-            mlflow_run_url + "/system-metrics",
-            "The same readings as MLflow metrics (system/<node>/...)",
-        ),
-        link("Experiment in MLflow", "${tracking_uri}/#/experiments/${experiment}"),
+            "Run in MLflow",
+            mlflow_run_url,
+            "The selected run in the MLflow UI (its experiment, and its System metrics tab: the same readings "
+            "as MLflow metrics system/<node>/...)",
+        )
     ]
     return dashboard(
         "otel-forge-run",

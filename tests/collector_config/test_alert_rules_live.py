@@ -2,7 +2,9 @@
 
 One stack for the module: a real MLflow server (the session's) with a run, one agent with 2 fake
 NVIDIA GPUs into that run (hot and throttling, an XID, uncorrectable ECC errors on GPU 0, GPU 1
-idle), and one Prometheus whose config is the shipped ``prometheus.yml`` with test targets:
+idle), started the plain way of docs/fleet.md (a standalone ``otel-forge monitor --run-id`` with
+the run's experiment in ``MLFLOW_EXPERIMENT_ID``: it knows the experiment, not the run's name), and
+one Prometheus whose config is the shipped ``prometheus.yml`` with test targets:
 
 - job ``otel-forge``: its static target is a port nothing listens on (an agent that is down), its
   file-based discovery file (from the shipped example) names the live agent;
@@ -222,7 +224,7 @@ def stack(mlflow_run, tmp_path_factory):
             "--tracking-uri",
             mlflow_run["uri"],
         ],
-        env=fake_gpu_env(SCENARIO),
+        env={**fake_gpu_env(SCENARIO), "MLFLOW_EXPERIMENT_ID": mlflow_run["experiment_id"]},
     )
     try:
         rules = short_for_rules(directory / "alert-rules.yml")
@@ -355,11 +357,18 @@ def test_stalled_training_alert_names_the_run_and_the_idle_gpu(stack):
         labels = alert["labels"]
         assert labels["hw_id"] == "1", labels  # GPU 0 runs at 95%
         assert labels["mlflow_run_id"] == run["run_id"]
-        assert labels["mlflow_run_name"] == run["run_name"]
-        assert labels["mlflow_experiment_id"] == run["experiment_id"]
+        # A standalone agent cannot know the run's name: the label is empty (Prometheus drops it) ...
+        assert labels.get("mlflow_run_name", "") == "", labels
+        assert labels["mlflow_experiment_id"] == run["experiment_id"]  # ... but was told the experiment
         assert labels["otel_forge_node_id"] == "node_0"
         assert labels["severity"] == "warning"
-        assert run["run_id"] in alert["annotations"]["summary"]
+        # ... so the alert names the run by its id, and never as "Run  (id)".
+        annotations = alert["annotations"]
+        assert annotations["summary"] == (f"Run {run['run_id']}: GPU 1 on {labels['instance']} idle for 15 minutes"), (
+            annotations
+        )
+        assert run["run_name"] not in annotations["summary"]
+        assert f"MLflow run {run['run_id']} (experiment {run['experiment_id']}):" in annotations["description"]
 
 
 def test_gpu_alerts_name_the_right_gpus(stack):

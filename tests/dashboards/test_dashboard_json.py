@@ -161,7 +161,8 @@ def test_pcie_panels_say_there_is_no_nvlink_metric() -> None:
 def test_run_dashboard_joins_on_run_info_annotates_the_run_and_links_to_mlflow() -> None:
     dashboard = load("otel-forge-run.json")
     defined = variables(dashboard)
-    assert {"run", "tracking_uri", "experiment"} <= set(defined)
+    assert {"run", "tracking_uri", "run_name"} <= set(defined)
+    assert "experiment" not in defined  # no link needs it: an agent may not know the run's experiment
     gpu_and_host = [t for t in targets(dashboard) if "otel_forge_run_info" in t.expr]
     assert len(gpu_and_host) >= 15
     joined = [t for t in gpu_and_host if "group_left (otel_forge_node_id)" in t.expr]
@@ -169,7 +170,9 @@ def test_run_dashboard_joins_on_run_info_annotates_the_run_and_links_to_mlflow()
     (annotation,) = annotation_queries(dashboard)
     assert 'mlflow_run_id="$run"' in annotation["expr"] and annotation["target"]["expr"] == annotation["expr"]
     urls = [entry["url"] for entry in dashboard["links"] if entry["type"] == "link"]
-    assert "${tracking_uri}/#/experiments/${experiment}/runs/${run}" in urls
+    assert urls == ["${tracking_uri}/#/runs/${run}"]  # MLflow's direct run page: no experiment id needed
+    # Every series of the run is listed, also where its experiment and name are empty (a standalone agent).
+    assert not [t.expr for t in targets(dashboard) if "mlflow_experiment_id" in t.expr and "!=" in t.expr]
 
 
 def test_builder_maps_otel_names_to_the_exporters_prometheus_names() -> None:

@@ -3,7 +3,10 @@
 One Prometheus (the Debian package) scrapes, every second:
 
 - job ``otel-forge``: two real ``otel-forge monitor`` agents, directly (the agent's own names);
-  both attached to one run on a real MLflow server, so ``otel_forge_run_info`` joins them to it;
+  both attached to one run on a real MLflow server, so ``otel_forge_run_info`` joins them to it.
+  They are started the plain way of docs/fleet.md: ``--run-id`` and the run's experiment in
+  ``MLFLOW_EXPERIMENT_ID`` (no agent reads the run), so the info series names the experiment and
+  has no run name (only TrainingRun and ``otel-forge run`` know it);
 - job ``otelcol`` (``honor_labels``): the same two agents as a Collector's Prometheus exporter
   writes them (``collector_form.py``: ``_ratio`` on unit-1 gauges, job = service.name
   ``llm-pretrain``, instance = service.instance.id ``gpu-node-0`` / ``gpu-node-1``, resource
@@ -29,6 +32,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -168,6 +172,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
                 "OTEL_SERVICE_NAME": COLLECTOR_JOB,
                 "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={host},host.name={host}",
                 "OTEL_FORGE_SPOOL_DIR": str(tmp_path / f"spool-{node_id}"),
+                "MLFLOW_EXPERIMENT_ID": experiment_id,  # docs/fleet.md's plain way: the run's id and experiment
             }
             agents[node_id] = start_agent(_agent_args(node_id, run.info.run_id, mlflow_server.uri), env)
         collector = CollectorForm([agent.metrics_url for agent in agents.values()], _ratio_gauges())
@@ -318,9 +323,7 @@ def _values(dashboard_name: str, stack: Stack, job: str, **chosen: Any) -> dict[
     if dashboard_name == "otel-forge-fleet.json":
         base["straggler_ratio"] = "0.8"
     if dashboard_name == "otel-forge-run.json":
-        base.update(
-            run=stack.run_id, experiment=stack.experiment_id, run_name="dashboard-run", tracking_uri=stack.tracking_uri
-        )
+        base.update(run=stack.run_id, run_name="", tracking_uri=stack.tracking_uri)
     return {**base, **chosen}
 
 
@@ -353,8 +356,7 @@ def test_every_variable_query_finds_its_values(stack: Stack, job: str) -> None:
         "node": set(nodes.values()),
         "gpu": {"0", "1"},
         "run": {stack.run_id},
-        "experiment": {stack.experiment_id},
-        "run_name": {"dashboard-run"},
+        "run_name": set(),  # standalone agents: no run name (Prometheus keeps no empty label value)
     }
     for name in ("otel-forge-node.json", "otel-forge-fleet.json", "otel-forge-run.json"):
         dashboard = load(name)
@@ -368,7 +370,10 @@ def test_every_variable_query_finds_its_values(stack: Stack, job: str) -> None:
                 for series in _series_api(stack, interpolate(selector, dashboard, values))
                 if label in series
             }
-            assert expected[variable["name"]] <= found, (name, variable["name"], found)
+            if expected[variable["name"]]:
+                assert expected[variable["name"]] <= found, (name, variable["name"], found)
+            else:
+                assert found == set(), (name, variable["name"], found)
 
 
 @pytest.mark.parametrize("job", FORMS)
@@ -435,10 +440,16 @@ def test_run_dashboard_every_panel_has_data_for_the_run(stack: Stack, job: str) 
     for outcome in joined:
         assert {series["metric"].get("otel_forge_node_id") for series in outcome.result} <= {"node_0", "node_1"}
     nodes = next(o for o in outcomes if o.target.panel == "Run and its nodes" and o.target.ref_id == "A")
+    # The experiment from MLFLOW_EXPERIMENT_ID; no run name (standalone agents cannot know it).
     assert {
-        (s["metric"]["otel_forge_node_id"], s["metric"]["mlflow_experiment_id"], s["metric"]["mlflow_run_id"])
+        (
+            s["metric"]["otel_forge_node_id"],
+            s["metric"].get("mlflow_experiment_id", ""),
+            s["metric"]["mlflow_run_id"],
+            s["metric"].get("mlflow_run_name", ""),
+        )
         for s in nodes.result
-    } == {("node_0", stack.experiment_id, stack.run_id), ("node_1", stack.experiment_id, stack.run_id)}
+    } == {("node_0", stack.experiment_id, stack.run_id, ""), ("node_1", stack.experiment_id, stack.run_id, "")}
     # The run's start and end: one annotation region per run while its agents serve it.
     (annotation,) = annotation_queries(dashboard)
     values = _values("otel-forge-run.json", stack, job)
@@ -493,10 +504,18 @@ def test_run_links_open_the_run_in_the_mlflow_ui(stack: Stack) -> None:
         for entry in dashboard["links"]
         if entry["type"] == "link"
     }
+    assert set(urls) == {"Run in MLflow"}
     run_url = urls["Run in MLflow"]
-    assert run_url == f"{stack.tracking_uri}/#/experiments/{stack.experiment_id}/runs/{stack.run_id}"
+    # MLflow's direct run page (route /runs/:runUuid): it finds the run's experiment itself.
+    assert run_url == f"{stack.tracking_uri}/#/runs/{stack.run_id}"
     status, page = http_get(run_url.split("#")[0])
     assert status == 200 and "<html" in page.lower()  # the MLflow UI; the fragment is its client-side route
+    # The route is MLflow's runPageDirect: its UI, given the run id alone, asks the server for the run
+    # (as here) and opens it under its experiment.
+    import mlflow
+
+    bundles = (Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js").glob("main.*.js")
+    assert any('"/runs/:runUuid"' in bundle.read_text(errors="replace") for bundle in bundles)
     status, body = http_get(f"{stack.tracking_uri}/api/2.0/mlflow/runs/get?run_id={stack.run_id}")
     assert status == 200 and json.loads(body)["run"]["info"]["experiment_id"] == stack.experiment_id
     # The table's data link is built from the columns its query A returns.
