@@ -111,6 +111,7 @@ class DeliveryWorker(Generic[T]):
         self._cond = threading.Condition()
         self._in_flight: _Call[T] | None = None  # a call past its deadline, awaited by the retry
         self._closing = False
+        self._close_not_before = 0.0  # closing: the time before which nothing is sent
         self._abandon = threading.Event()  # set when the drain deadline has passed
         self._stopped = False
         self._warnings = RateLimitedLogger(_logger)
@@ -183,15 +184,19 @@ class DeliveryWorker(Generic[T]):
             if not self._closing:
                 self._hurry.clear()
 
-    def close(self, drain_deadline_s: float = 10.0) -> int:
+    def close(self, drain_deadline_s: float = 10.0, spread_s: float = 0.0) -> int:
         """Deliver what is pending for up to ``drain_deadline_s``; what is left goes to the overflow.
+        ``spread_s``: nothing is sent before that much of the deadline has passed (the nodes of a job,
+        stopped together, spread their last calls instead of all calling at once).
 
         Returns the number of items left undelivered (in the overflow, or dropped without one).
         """
         with self._cond:
             self._closing = True
+            self._close_not_before = time.time() + spread_s
             self._cond.notify_all()
-        self._hurry.set()
+        if spread_s <= 0:
+            self._hurry.set()
         self._wake.set()
         self._thread.join(drain_deadline_s)
         self._abandon.set()
@@ -279,8 +284,9 @@ class DeliveryWorker(Generic[T]):
     def _wait_until_due(self, item: T) -> None:
         assert self._due is not None
         with self._cond:
-            while not (self._hurry.is_set() or self._closing):
-                wait_s = self._due(item) - time.time()
+            while not self._hurry.is_set():
+                due = min(self._due(item), self._close_not_before) if self._closing else self._due(item)
+                wait_s = due - time.time()
                 if wait_s <= 0:
                     return
                 self._cond.wait(wait_s)

@@ -851,6 +851,18 @@ def test_close_cuts_a_backoff_pause_short_and_tries_again_at_once() -> None:
     assert worker.stats.delivered == 1 and len(tries) == 2
 
 
+@pytest.mark.parametrize("spread_s", [0.0, 0.6])
+def test_a_close_with_a_spread_sends_nothing_before_it_and_everything_within_the_drain(spread_s: float) -> None:
+    """The nodes of a job stop together: each waits its share of the spread before its last calls."""
+    sent: list[float] = []
+    worker = DeliveryWorker(lambda item: sent.append(time.time()), name="spread", due=lambda item: time.time() + 60)
+    for item in range(3):
+        worker.submit(item)  # due in a minute: the close hurries them
+    closed_at = time.time()
+    assert worker.close(5.0, spread_s=spread_s) == 0
+    assert len(sent) == 3 and all(t - closed_at >= spread_s for t in sent), (sent, closed_at)
+
+
 def test_window_timestamps_rise_even_for_samples_in_the_same_millisecond() -> None:
     folder = WindowFolder(samples_per_window=1)
     windows = [folder.add({"k": (Fold.MEAN, float(i))}, 1000.0001) for i in range(3)]

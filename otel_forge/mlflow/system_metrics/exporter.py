@@ -60,11 +60,13 @@ class MLflowMetricExporter(NonBlockingExporter):
         refresh_windows: int = REFRESH_WINDOWS,
         known: RunInfo | None = None,
         node_run: bool = False,
+        close_spread_s: float = 0.0,
     ) -> None:
         """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
         from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own.
         ``node_run``: the node logs ``system/<key>`` into a child run of its own under the run
-        (``node_run.py``), not ``system/<node>/<key>`` into the run."""
+        (``node_run.py``), not ``system/<node>/<key>`` into the run. ``close_spread_s``: how long the
+        close waits before its last calls (the node's share of a spread: nodes stop together)."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         config = config or ForgeConfig.resolve()
@@ -79,6 +81,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         self._folder = WindowFolder(samples_per_window, config.mlflow_stats)
         self._changed = ChangedValues(refresh_windows)
         self.delivery_phase_s = delivery_phase_s
+        self.close_spread_s = close_spread_s
         root = spool_root(config.spool_dir)
         self.spool = WindowSpool(
             root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}",
@@ -211,7 +214,8 @@ class MLflowMetricExporter(NonBlockingExporter):
                 _logger.warning("%d system-metrics window(s) discarded: the run never opened", discarded)
             return
         timeout_s = kwargs.get("timeout", timeout_millis)  # the SDK passes `timeout` (ms left)
-        left = self.worker.close(min(self._drain_deadline_s, float(timeout_s) / 1000))  # type: ignore[arg-type]
+        drain_s = min(self._drain_deadline_s, float(timeout_s) / 1000)  # type: ignore[arg-type]
+        left = self.worker.close(drain_s, spread_s=min(self.close_spread_s, drain_s / 2))
         self._report_leftovers(left)
         if self._writer_lock is not None:
             self._writer_lock.release()

@@ -141,7 +141,8 @@ class SystemMetricsMonitor:
     def _exporter(self) -> MLflowMetricExporter:
         c = self.config
         samples_per_window = c.mlflow_samples_per_window(self.node.node_count)
-        phase_s = delivery_phase_s(self.node.node_id or self.node.hostname, samples_per_window * c.sampling_interval_s)
+        node = self.node.node_id or self.node.hostname
+        phase_s = delivery_phase_s(node, samples_per_window * c.sampling_interval_s)
         return MLflowMetricExporter(
             c.run_id,
             tracking_uri=c.tracking_uri,
@@ -151,6 +152,8 @@ class SystemMetricsMonitor:
             delivery_phase_s=phase_s,
             known=RunInfo(c.experiment_id, "", c.experiment_name),
             node_run=c.mlflow_node_runs(self.node.node_count),
+            # A job's nodes stop together: their last calls spread over half the drain deadline.
+            close_spread_s=delivery_phase_s(node, c.drain_deadline_s / 2) if (self.node.node_count or 1) > 1 else 0.0,
         )
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
