@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otel_forge.names import GPU_ATTRIBUTES, METRICS, Kind, MetricSpec
+from otel_forge.names import METRICS, Kind, MetricSpec
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_VERSION = 41  # Grafana 12.0
@@ -33,19 +33,18 @@ DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
 
 # --- metric names ---------------------------------------------------------------------------------
 
-# NVML GPM metrics (Hopper and later), whose names are fixed: drawn here even before otel_forge's metric
-# table lists them; where the table has one, the table's row wins (a test checks both give one name).
-GPM_METRICS: tuple[MetricSpec, ...] = tuple(
-    MetricSpec(name, Kind.GAUGE, unit, "nvidia", GPU_ATTRIBUTES + extra, description)
-    for name, unit, extra, description in (
-        ("otel_forge.gpu.sm.activity", "1", (), "Fraction of SMs x time with a warp resident (NVML GPM)."),
-        ("otel_forge.gpu.sm.occupancy", "1", (), "Resident warps / the SMs' maximum (NVML GPM)."),
-        ("otel_forge.gpu.pipe.activity", "1", ("otel_forge.gpu.pipe",), "Pipe activity: tensor, fp64, fp32, fp16."),
-        ("otel_forge.gpu.dram.activity", "1", (), "Fraction of cycles the memory interface was busy (NVML GPM)."),
-        ("otel_forge.gpu.io.rate", "By/s", ("otel_forge.gpu.link", "network.io.direction"), "PCIe / NVLink bytes/s."),
-    )
+# NVML GPM metrics (Hopper and later): the "GPU activity" panels, where the GPU has them.
+GPM_METRIC_NAMES = (
+    "otel_forge.gpu.sm.activity",
+    "otel_forge.gpu.sm.occupancy",
+    "otel_forge.gpu.pipe.activity",
+    "otel_forge.gpu.dram.activity",
+    "otel_forge.gpu.io.rate",
 )
-SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (*GPM_METRICS, *METRICS)}
+GPM_METRICS: tuple[MetricSpec, ...] = tuple(
+    spec for spec in METRICS if spec.name in GPM_METRIC_NAMES and spec.source == "nvidia"
+)
+SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 
 
 def prometheus_name(spec: MetricSpec) -> str:
