@@ -378,8 +378,8 @@ SETTINGS: tuple[Setting, ...] = (
         _int_within(1, 10_000),
         None,
         "Samples folded into one MLflow step (default: by the job's node count, 1 alone or up to 32 nodes, 3 up "
-        "to 256, 6 beyond: 10, 30, 60 s windows at the default interval; Prometheus and OTLP keep every "
-        "sample).",
+        "to 256, 6 up to 1,024, 12 beyond: 10, 30, 60, 120 s windows at the default interval; Prometheus and "
+        "OTLP keep every sample).",
     ),
     Setting(
         "node_runs_above",
@@ -573,7 +573,8 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 # The default samples per MLflow window by the job's node count: (at most this many nodes, samples).
-SAMPLES_PER_WINDOW_BY_NODE_COUNT: tuple[tuple[float, int], ...] = ((32, 1), (256, 3), (math.inf, 6))
+# Past 1,024 nodes a 60 s window is ~0.7 of a core on one sqlite writer (bench/fleet.py): 120 s.
+SAMPLES_PER_WINDOW_BY_NODE_COUNT: tuple[tuple[float, int], ...] = ((32, 1), (256, 3), (1024, 6), (math.inf, 12))
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 

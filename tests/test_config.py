@@ -15,7 +15,9 @@ def test_defaults_when_nothing_is_set():
     assert {str(source) for source in config.sources.values()} == {"default"}
 
 
-@pytest.mark.parametrize("nodes, samples", [(None, 1), (1, 1), (32, 1), (33, 3), (256, 3), (257, 6), (2048, 6)])
+@pytest.mark.parametrize(
+    "nodes, samples", [(None, 1), (1, 1), (32, 1), (33, 3), (256, 3), (257, 6), (1024, 6), (1025, 12), (2048, 12)]
+)
 def test_the_mlflow_window_grows_with_the_job_unless_set(nodes, samples):
     assert ForgeConfig.resolve(environ={}).mlflow_samples_per_window(nodes) == samples
     # 10 s alone, 30 s and 60 s for large jobs at the default interval; a setting always wins.

@@ -215,7 +215,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             return
         timeout_s = kwargs.get("timeout", timeout_millis)  # the SDK passes `timeout` (ms left)
         drain_s = min(self._drain_deadline_s, float(timeout_s) / 1000)  # type: ignore[arg-type]
-        left = self.worker.close(drain_s, spread_s=min(self.close_spread_s, drain_s / 2))
+        left = self.worker.close(drain_s, spread_s=min(self.close_spread_s, drain_s / 3))
         self._report_leftovers(left)
         if self._writer_lock is not None:
             self._writer_lock.release()

@@ -152,8 +152,8 @@ class SystemMetricsMonitor:
             delivery_phase_s=phase_s,
             known=RunInfo(c.experiment_id, "", c.experiment_name),
             node_run=c.mlflow_node_runs(self.node.node_count),
-            # A job's nodes stop together: their last calls spread over half the drain deadline.
-            close_spread_s=delivery_phase_s(node, c.drain_deadline_s / 2) if (self.node.node_count or 1) > 1 else 0.0,
+            # A job's nodes stop together: their last calls spread over a third of the drain deadline.
+            close_spread_s=delivery_phase_s(node, c.drain_deadline_s / 3) if (self.node.node_count or 1) > 1 else 0.0,
         )
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
