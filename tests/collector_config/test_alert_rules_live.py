@@ -47,6 +47,7 @@ SHORT_FOR = "1s"
 SCENARIO = {
     "count": 2,
     "amd": False,
+    "gpm": True,  # the H100s have GPM: SM activity is there for the busy-but-idle rule
     "hot": True,
     "degraded": True,  # row remapping failed and pending, PCIe replays growing
     "xid_events": [[0, 79]],
@@ -94,12 +95,9 @@ EXPECTED_FIRING = {
     ("OtelForgeAgentDown", "otel-forge"),
 }
 # Witnesses that may find nothing, and why: the rule is then checked to evaluate and stay quiet.
-OPTIONAL_WITNESSES = {
-    "OtelForgeGpuBusyButIdle": "NVML GPM (Hopper and later): the fake NVML of these agents has none",
-}
 NEVER_FIRING = {
     "OtelForgeGpuLost",
-    "OtelForgeGpuBusyButIdle",  # no GPM here
+    "OtelForgeGpuBusyButIdle",  # GPU 0 is busy and its SMs too
     "OtelForgeStragglerNode",  # one node: a run needs 3
     "OtelForgeMlflowDeliverySpooling",
     "OtelForgeMlflowDeliveryDropping",
@@ -279,9 +277,6 @@ def test_both_name_forms_are_scraped(stack):
 @pytest.mark.parametrize("alert", sorted(WITNESSES))
 def test_rule_metrics_exist(stack, alert):
     prometheus = stack["prometheus"]
-    if alert in OPTIONAL_WITNESSES and "otel_forge_gpu_sm_activity" not in stack["agent"].scrape():
-        assert prometheus.query(WITNESSES[alert]) == []
-        pytest.skip(f"{alert}: {OPTIONAL_WITNESSES[alert]}")
     assert prometheus.wait_for_series(WITNESSES[alert], timeout_s=15), alert
 
 
@@ -293,7 +288,7 @@ def test_straggler_rules_join_the_run_onto_the_node(stack):
     for series in found:
         labels = series["metric"]
         assert labels["mlflow_run_id"] == run["run_id"] and labels["otel_forge_node_id"] == "node_0"
-        assert labels["otel_forge_gpu_activity_signal"] == "utilization"  # no GPM on the fake GPUs
+        assert labels["otel_forge_gpu_activity_signal"] == "sm_activity"  # GPM there: SM activity, not utilization
         assert float(series["value"][1]) == 1  # one node: it is its run's median
     # The run is in two scrape jobs here (the same agent twice), so its median counts 2 nodes.
     (count,) = prometheus.query("run:otel_forge_gpu_activity_nodes:count")
