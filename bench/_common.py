@@ -1,4 +1,4 @@
-"""What the benches share: percentiles and waiting. The real servers they start are the tests' own
+"""What the benches share: percentiles, waiting and a process tree's CPU. The real servers they start are the tests' own
 (``testkit``: ``mlflow_server``, ``proxy``, ``servers``, ``hermetic``, ``gpu_fakes``); run a bench from
 the repository root as a module (``python -m bench.fleet``), and both import as they do in the tests.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,3 +30,22 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def tree_cpu_s(root_pid: int | None) -> float:
+    """User + system seconds of a process and its descendants, each with its reaped children."""
+    if root_pid is None:
+        return 0.0
+    try:
+        root = psutil.Process(root_pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for process in processes:
+        try:
+            t = process.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total

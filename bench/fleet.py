@@ -1,8 +1,63 @@
-"""Fleet scale: what a job's nodes cost ONE tracking server, otel_forge's agent vs MLflow's own monitor.
+"""Fleet scale: what a job's nodes cost ONE tracking server; real agent processes, each a node of a job.
 
-Run:  python -m bench.fleet [--nodes 16] [--fleet 2048] [--interval 0.5] [--seconds 60]
+Run:  python -m bench.fleet --at-defaults [--nodes 32] [--fleet 2048] [--minutes 5]
+                            [--backend sqlite|postgresql|both] [--old-layout-keys 20000] [--no-pages] [--json]
+      (~9 min per backend at these defaults; the issue-24 measurement)
+      python -m bench.fleet [--nodes 16] [--fleet 2048] [--interval 0.5] [--seconds 60]
                             [--backend sqlite|postgresql|both] [--anchor/--no-anchor] [--json]
-      (~3.5 min at these defaults; --backend both about doubles it)
+      (the compressed comparison with MLflow's monitor: ~3.5 min at these defaults; --backend both about
+      doubles it)
+
+Both modes start K real ``otel-forge monitor`` processes (``--nodes``), each node i of a simulated SLURM job
+of ``--fleet`` nodes (``SLURM_JOB_NUM_NODES``), each in its own process group, with 8 fake NVIDIA GPUs
+(tests/fakes/pynvml.py through ``fake_gpu_env({"count": 8})``), a hermetic environment
+(testkit/hermetic.py) and its spool in a temp dir, against a private ``mlflow server`` behind a counting
+proxy (both below). A job of more than ``node_runs_above`` nodes (16 by default; read from ``otel-forge
+doctor --json`` with node 0's environment, as ``samples_per_window`` is) logs each node into a run of its
+own under the job's run (``system/<key>``; the tag of each agent's first call there names the node); a
+smaller one logs ``system/<node>/<key>`` into the job's run. The bench reads both.
+
+At defaults (``--at-defaults``), per backend: a fresh server, warmed up; the job's run created as a
+standalone ``otel-forge monitor --run-id`` meets it, ``MlflowClient().create_run("0")`` (MLflow's default
+experiment) and NO ``MLFLOW_EXPERIMENT_ID`` given to the agents; the server's idle CPU over
+``--idle-seconds`` (10); then the K agents started together at the defaults (no ``--interval``: 10 s;
+``samples_per_window`` the job's default, 6 past 256 nodes: 60 s windows), in real time for ``--minutes``
+(5). MLflow's monitor is not run in this mode (the compressed mode keeps it). Measured:
+
+- server CPU (user + system seconds of the server's process tree, + PostgreSQL's, as below) read at the
+  agents' start and every minute after it; per phase, ms per node-minute = CPU ms / (K x minutes):
+  minute 0-1 (the agents' start: imports, first samples; an agent calls the server first when its first
+  window is due), minutes 1-4 (the issue's figure: each node's first window, with the node run's
+  ``runs/search`` and ``runs/create`` and every key new to the run, then the windows after it),
+  the steady state (from the first whole minute after every node's first window reached the server, to
+  the end) and the stop (SIGTERM to every agent, until the proxy answered their last calls: each node's
+  last window and the ``runs/update`` that ends its run); the server's idle CPU is not taken out (it
+  is given apart); the calls by path that arrived in each phase (no ``runs/get`` is expected);
+- completeness, after the stop: the node runs found as a reader finds them (``search_runs`` on
+  ``tags.`mlflow.parentRunId` = '<job run>'``), one per node; in each, the history of its anchor key (its
+  smallest ``system/`` key, in every window) holds steps 0..n-1, every step that reached the proxy,
+  a last window that ends at most one interval (+2 s) before the stop, and the run ended FINISHED;
+  windows left in the agents' spools, error answers and exit codes apart;
+- sizes: keys (``system/`` ones apart), params and tags of the job's run and of a node run (the one
+  with the most windows, node_0's of those), and ``runs/get`` of each (on a new connection, one
+  unmeasured call, then the median wall of 3, and the answer's bytes). The job's run holds no node's
+  keys, so its size at ``--fleet`` nodes is the one measured. For the layout before node runs (every
+  node's keys in the job's run), a run of ``--old-layout-keys`` keys (20,000) is built
+  (``system/node_<n>/<key>`` with that node run's own keys, node after node, ``--old-layout-steps``
+  steps each) and timed the same way; ``runs/get`` per key is the slope between the node run and that
+  run, and the job's run of ``--fleet`` x a node's keys is extrapolated along it;
+- the run pages, on the first backend (``--pages``, default on): MLflow's UI in headless Chromium
+  (bench/run_page.py's browser and probe: /usr/bin/chromium, /usr/bin/chromedriver, selenium): the job's
+  run's Overview (shown once it heads its metrics table "Metrics (<keys>)"), the node run's System
+  metrics tab (drawn once a chart card has a plotly line), and both tabs of the old layout's run (the
+  largest run the bench builds); the time from the navigation's start, page load included, within
+  ``--page-timeout`` s.
+
+The agents share the machine's cores with the server: the server's CPU is its own processes' CPU time,
+but where the agents' start saturates the cores, the server's calls wait, and the minute they fall in
+may shift.
+
+The compressed mode (the default) compares otel_forge's agent with MLflow's own monitor per window:
 
 Setup, per subject and backend (a fresh server and a fresh run each, so neither subject pays for the
 other's rows): a private ``mlflow server`` on 127.0.0.1 (sqlite: testkit.mlflow_server.MlflowServer, one
@@ -57,60 +112,66 @@ What is measured, per subject and backend:
 - lag at the end: at the end of the period, the age of each node's newest window timestamp that reached
   the proxy (max over nodes; a window is stamped at its end; otel_forge spreads each node's delivery
   over the next window, so up to 2 windows is on time);
-- windows not delivered: after SIGTERM and the nodes' own drain, read back from the run (the history of
-  each node's smallest key, which both tools log every window): steps missing below a node's last step,
+- windows not delivered: after SIGTERM and the nodes' own drain, read back from where each node logs
+  (its node run, or the job's run: the history of the node's smallest key, which both tools log every
+  window): steps missing below a node's last step,
   plus windows due before the stop that never came (more than 2 windows, at the pace the node delivered,
   between its newest stored window and the stop); windows otel_forge left in its spools, and error answers,
   are given apart.
 
 Caveats: the proxy opens one upstream connection per request where the clients would keep theirs alive,
-a small cost per call for both subjects. The run holds K nodes' keys, not ``--fleet`` nodes': a cost
-that grows with the run (MLflow's ``runs/get`` every sample returns every latest metric of the run) is
-measured at K. The nodes share the machine with the server: where they saturate its cores, lag and
-delivered / expected show it (a note says so), the server's CPU seconds per window much less. The fake
-GPUs' values are deterministic and repeat with short periods (tests/fakes/pynvml.py); the host's own
-CPU, memory, disk and network values are this machine's.
+a small cost per call for both subjects. MLflow's monitor logs every node into the job's run, which
+then holds K nodes' keys, not ``--fleet`` nodes': a cost that grows with the run (its ``runs/get`` every
+sample returns every latest metric of the run) is measured at K. The nodes share the machine with the
+server: where they saturate its cores, lag and delivered / expected show it (a note says so), the
+server's CPU seconds per window much less. The fake GPUs' values are deterministic and repeat with
+short periods (tests/fakes/pynvml.py); the host's own CPU, memory, disk and network values are this
+machine's.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import importlib.util
 import json
 import os
 import platform
-import pwd
 import shlex
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from bench import _fleet_defaults
 from bench._common import REPO_ROOT, wait_until
-from testkit.gpu_fakes import fake_gpu_env
-from testkit.hermetic import hermetic_environ
-from testkit.mlflow_server import MlflowServer
-from testkit.proxy import MlflowProxy
-from testkit.servers import free_port
+from bench._fleet_parts import (
+    DEFAULT_INTERVAL_S,
+    GPUS,
+    BackendUnavailable,
+    CpuMeter,
+    Deliveries,
+    Fleet,
+    Postgres,
+    counting_proxy,
+    cpu_delta_ms,
+    doctor,
+    error_answers,
+    node_env,
+    ours_command,
+    spooled,
+    start_postgres,
+    start_server,
+    stored_steps,
+    warm_up,
+)
 
-DEFAULT_INTERVAL_S = 10.0  # otel_forge's and MLflow's default sampling interval
 MLFLOW_SAMPLES_BEFORE_LOGGING = 1  # MLflow's default, and what the anchor uses
-GPUS = 8
-COLLECTORS = "cpu,memory,disk,network,process,nvidia"
-LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
 TAIL_SLACK_WINDOWS = 2  # a node's newest window may be this old at the stop without counting as missing
 
 ANCHOR = r"""
@@ -135,345 +196,12 @@ monitor.finish()
 """
 
 
-# --- the server's CPU ------------------------------------------------------------------------------
-
-
-def tree_cpu_s(root_pid: int | None) -> float:
-    """User + system seconds of a process and its descendants, each with its reaped children."""
-    if root_pid is None:
-        return 0.0
-    try:
-        root = psutil.Process(root_pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for process in processes:
-        try:
-            t = process.cpu_times()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
-@dataclass
-class CpuMeter:
-    """The CPU seconds of the tracking server's process tree and of its database's (PostgreSQL)."""
-
-    server_pid: int
-    database_pid: int | None = None
-
-    def read(self) -> dict[str, float]:
-        server, database = tree_cpu_s(self.server_pid), tree_cpu_s(self.database_pid)
-        return {"server": server, "database": database, "total": server + database}
-
-
-def cpu_delta_ms(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {name: (after[name] - before[name]) * 1e3 for name in after}
-
-
-# --- servers ----------------------------------------------------------------------------------------
-
-
-@functools.cache
-class Postgres:
-    """A throwaway PostgreSQL cluster on 127.0.0.1 (as user ``postgres`` when the bench runs as root)."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="fleet-pg-"))
-        self.data = self.root / "data"
-        self.port = free_port()
-        self.pid: int | None = None
-        self._as: list[str] = []
-        if os.geteuid() == 0:
-            user = pwd.getpwnam("postgres")
-            os.chown(self.root, user.pw_uid, user.pw_gid)
-            self._as = ["runuser", "-u", "postgres", "--"]
-
-    @staticmethod
-    def unavailable() -> str | None:
-        """Why PostgreSQL cannot run here, else None."""
-        missing = [tool for tool in ("initdb", "pg_ctl") if shutil.which(tool) is None]
-        if missing:
-            return f"{' and '.join(missing)} not on PATH"
-        if Postgres.driver() is None:
-            return (
-                "neither psycopg2 nor psycopg is importable (`pip install psycopg2-binary`): mlflow server "
-                "needs one to reach PostgreSQL"
-            )
-        if os.geteuid() == 0:
-            if shutil.which("runuser") is None:
-                return "running as root and no runuser to run PostgreSQL as another user"
-            try:
-                pwd.getpwnam("postgres")
-            except KeyError:
-                return "running as root and there is no 'postgres' user to run PostgreSQL as"
-        return None
-
-    @staticmethod
-    def driver() -> str | None:
-        """The PostgreSQL driver to name in the store URI (SQLAlchemy 2.1's default is psycopg 3)."""
-        return next((name for name in ("psycopg2", "psycopg") if importlib.util.find_spec(name) is not None), None)
-
-    def _run(self, *command: str) -> None:
-        done = subprocess.run(
-            [*self._as, *command],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            start_new_session=True,
-            cwd=self.root,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{command[0]} failed: {(done.stdout + done.stderr)[-2000:]}")
-
-    def start(self) -> Postgres:
-        self._run(
-            shutil.which("initdb") or "initdb",
-            "-D",
-            str(self.data),
-            "-U",
-            "mlflow",
-            "-A",
-            "trust",
-            "-E",
-            "UTF8",
-            "--no-sync",
-        )
-        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c max_connections=200"
-        self._run(
-            shutil.which("pg_ctl") or "pg_ctl",
-            "-D",
-            str(self.data),
-            "-l",
-            str(self.root / "postgres.log"),
-            "-o",
-            options,
-            "-w",
-            "-t",
-            "60",
-            "start",
-        )
-        self.pid = int((self.data / "postmaster.pid").read_text().split()[0])
-        return self
-
-    def create_database(self, name: str) -> str:
-        """A fresh database; its store URI."""
-        driver = self.driver()
-        module = importlib.import_module(driver or "psycopg2")
-        connection = module.connect(host="127.0.0.1", port=self.port, user="mlflow", dbname="postgres")
-        try:
-            connection.autocommit = True
-            with connection.cursor() as cursor:
-                cursor.execute(f"CREATE DATABASE {name}")
-        finally:
-            connection.close()
-        return f"postgresql+{driver}://mlflow@127.0.0.1:{self.port}/{name}"
-
-    def stop(self) -> None:
-        if self.pid is not None:
-            try:
-                self._run(shutil.which("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
-            except (RuntimeError, subprocess.TimeoutExpired):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pid, signal.SIGKILL)
-            self.pid = None
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-# --- what reached the server ---------------------------------------------------------------------------
-
-
-@dataclass
-class NodeLog:
-    steps: set[int] = field(default_factory=set)
-    keys: set[str] = field(default_factory=set)
-    newest_ms: int = 0  # the newest window timestamp seen
-
-
-@dataclass
-class Call:
-    path: str
-    rows: int = 0
-    windows: frozenset[tuple[str, int]] = frozenset()  # (node, step) pairs in a log-batch body
-
-
-class Deliveries:
-    """Reads the proxy's requests as they arrive: calls by path, rows and windows per node."""
-
-    def __init__(self, proxy: Any) -> None:
-        self.proxy = proxy
-        self.calls: list[Call] = []
-        self.nodes: dict[str, NodeLog] = {}
-
-    def poll(self) -> int:
-        """Take in the requests that arrived since the last poll; how many arrived in all."""
-        for _, path, body in self.proxy.requests()[len(self.calls) :]:
-            self.calls.append(self._take(path, body))
-        return len(self.calls)
-
-    def _take(self, path: str, body: Any) -> Call:
-        if path != LOG_BATCH or not isinstance(body, dict):
-            return Call(path)
-        windows = set()
-        metrics = body.get("metrics") or []
-        for metric in metrics:
-            parts = str(metric.get("key", "")).split("/")
-            if len(parts) < 3 or parts[0] != "system":
-                continue
-            node, step, timestamp = parts[1], int(metric.get("step", 0)), int(metric.get("timestamp", 0))
-            log = self.nodes.setdefault(node, NodeLog())
-            log.steps.add(step)
-            log.keys.add(parts[-1])
-            log.newest_ms = max(log.newest_ms, timestamp)
-            windows.add((node, step))
-        return Call(path, len(metrics), frozenset(windows))
-
-    def between(self, start: int, end: int) -> dict[str, Any]:
-        calls = self.calls[start:end]
-        windows = set().union(*(call.windows for call in calls))
-        return {
-            "windows": len(windows),
-            "rows": sum(call.rows for call in calls),
-            "calls": dict(Counter(call.path.rsplit("/mlflow/", 1)[-1] for call in calls)),
-        }
-
-    def nodes_with(self, windows: int) -> int:
-        return sum(1 for log in self.nodes.values() if len(log.steps) >= windows)
-
-    def keys_per_node(self) -> int:
-        return max((len(log.keys) for log in self.nodes.values()), default=0)
-
-    def gpus_seen(self) -> int:
-        """GPUs whose metrics reached the run (``gpu_<i>_...`` keys of node_0)."""
-        keys = self.nodes["node_0"].keys if "node_0" in self.nodes else set()
-        return len({key.split("_")[1] for key in keys if key.startswith("gpu_")})
-
-
-# --- the nodes -----------------------------------------------------------------------------------------
-
-
-def node_env(i: int, args: argparse.Namespace, job_id: str, tmp: Path) -> dict[str, str]:
-    """Hermetic, 8 fake GPUs, SLURM's variables of node i of a ``--fleet``-node job, its own spool."""
-    env = hermetic_environ(
-        {
-            "PYTHONPATH": str(REPO_ROOT),
-            "TMPDIR": str(tmp),
-            "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
-            "SLURM_JOB_ID": job_id,
-            "SLURM_STEP_ID": "0",
-            "SLURM_JOB_NUM_NODES": str(args.fleet),
-            "SLURM_NNODES": str(args.fleet),
-            "SLURM_NTASKS": str(args.fleet),
-            "SLURM_NODEID": str(i),
-            "SLURM_PROCID": str(i),
-            "SLURM_LOCALID": "0",
-        }
-    )
-    return fake_gpu_env({"count": GPUS}, base=env)
-
-
-def ours_command(run_id: str, uri: str, i: int, interval_s: float) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "otel_forge.cli",
-        "monitor",
-        "--run-id",
-        run_id,
-        "--tracking-uri",
-        uri,
-        "--node-id",
-        f"node_{i}",
-        "--no-prometheus",
-        "--collectors",
-        COLLECTORS,
-        "--interval",
-        f"{interval_s:g}",
-    ]
+# --- the compressed mode: one subject on one backend ------------------------------------------------
 
 
 def anchor_command(run_id: str, uri: str, i: int, interval_s: float, flush_rule: str) -> list[str]:
     time_scale = DEFAULT_INTERVAL_S / interval_s if flush_rule == "scaled" else 1.0
     return [sys.executable, "-c", ANCHOR, run_id, uri, f"node_{i}", f"{interval_s:g}", f"{time_scale:g}"]
-
-
-def samples_per_window(args: argparse.Namespace, tmp: Path) -> int:
-    """otel_forge's effective default for this job, as ``otel-forge doctor --json`` resolves it."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "otel_forge.cli",
-            "doctor",
-            "--json",
-            "--no-prometheus",
-            "--collectors",
-            COLLECTORS,
-            "--interval",
-            f"{args.interval:g}",
-            "--node-id",
-            "node_0",
-        ],
-        env=node_env(0, args, "doctor", tmp),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"otel-forge doctor failed: {done.stderr[-2000:]}")
-    return int(json.loads(done.stdout)["config"]["samples_per_window"]["value"])
-
-
-class Fleet:
-    """K node processes, each in its own process group, output to a log file each."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.processes: list[subprocess.Popen] = []
-        self.killed = 0
-
-    def start(self, commands: list[list[str]], envs: list[dict[str, str]]) -> None:
-        for i, (command, env) in enumerate(zip(commands, envs, strict=False)):
-            with open(self.tmp / f"node_{i}.log", "wb") as log:
-                self.processes.append(
-                    subprocess.Popen(
-                        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT
-                    )
-                )
-
-    def exited(self) -> list[int]:
-        return [i for i, process in enumerate(self.processes) if process.poll() is not None]
-
-    def log_tail(self, i: int) -> str:
-        return (self.tmp / f"node_{i}.log").read_text(errors="replace")[-2000:]
-
-    def _signal(self, process: subprocess.Popen, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, sig)
-
-    def stop(self, timeout_s: float) -> list[int]:
-        """SIGTERM every group, wait for their drain, SIGKILL what is left; the exit codes."""
-        for process in self.processes:
-            if process.poll() is None:
-                self._signal(process, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.killed += 1
-                self._signal(process, signal.SIGKILL)  # its group: the node and anything it started
-        for process in self.processes:
-            process.wait(30)
-        return [process.returncode for process in self.processes]
-
-
-# --- one subject on one backend ----------------------------------------------------------------------
 
 
 @dataclass
@@ -490,30 +218,11 @@ def window_s(ctx: Context, subject: str) -> float:
     return ctx.args.interval * samples
 
 
-class BackendUnavailable(RuntimeError):
-    """The PostgreSQL-backed server could not be set up: its rows are skipped, the bench goes on."""
-
-
-def start_server(ctx: Context, backend: str, tmp: Path, subject: str) -> tuple[Any, CpuMeter]:
-    (tmp / "server").mkdir()
-    if backend == "sqlite":
-        server = MlflowServer(tmp / "server").start()
-        return server, CpuMeter(server.process.pid)
-    assert ctx.postgres is not None
-    try:
-        uri = ctx.postgres.create_database(f"fleet_{subject}_{uuid.uuid4().hex[:8]}")
-        server = MlflowServer(tmp / "server", backend_uri=uri, workers=4).start()
-    except Exception as error:  # the driver's own errors too: whatever it is, that backend is out
-        raise BackendUnavailable(f"mlflow server on PostgreSQL did not start: {str(error).strip()[-500:]}") from error
-    return server, CpuMeter(server.process.pid, ctx.postgres.pid)
-
-
 def run_phase(ctx: Context, subject: str, backend: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"fleet-{subject}-") as directory:
         tmp = Path(directory)
-        server, meter = start_server(ctx, backend, tmp, subject)
-        proxy = MlflowProxy(server.uri)
-        proxy._server.handle_error = lambda request, client_address: None  # quiet when a client hangs up
+        server, meter = start_server(backend, tmp, subject, ctx.postgres)
+        proxy = counting_proxy(server.uri)
         fleet = Fleet(tmp)
         try:
             return measure(ctx, subject, backend, tmp, server, meter, proxy, fleet)
@@ -560,7 +269,7 @@ def measure(
     exit_codes = fleet.stop(args.stop_timeout)
     wait_until(lambda: sum(proxy.counts().values()) >= proxy.total(), 30)
     deliveries.poll()
-    stored = stored_steps(client, run_id, deliveries)
+    stored = stored_steps(client, deliveries)
     period = deliveries.between(n0, n1)
     period_cpu = cpu_delta_ms(cpu1, cpu0)
     start_cpu = cpu_delta_ms(cpu_first, cpu_start)
@@ -581,11 +290,7 @@ def measure(
             "window_s": length_s,
             "undelivered": undelivered(stored, k, stop_wall, length_s),
             "spooled": spooled(tmp / "spool"),
-            "errors": dict(
-                Counter(
-                    f"{status} {path.rsplit('/mlflow/', 1)[-1]}" for _, _, path, status in proxy.log() if status >= 400
-                )
-            ),
+            "errors": error_answers(proxy),
             "exit_codes": exit_codes,
             "killed": fleet.killed,
             "exited_early": exited_early,
@@ -614,37 +319,6 @@ def wait_windows(deliveries: Deliveries, fleet: Fleet, proxy: Any, k: int, windo
     return arrived
 
 
-def warm_up(client: Any, uri: str, rounds: int = 16) -> None:
-    """The calls the nodes make, into a throwaway run, each on a new connection so that every worker of the
-    server sees them: the server's first-call costs (imports, compiled queries) are not the nodes' start."""
-    run_id = client.create_run(client.create_experiment(f"fleet-warm-up-{uuid.uuid4().hex[:8]}")).info.run_id
-    now = int(time.time() * 1000)
-    for step in range(rounds):
-        metrics = [
-            {"key": f"system/warm/key_{i}", "value": float(i + step), "timestamp": now, "step": step} for i in range(50)
-        ]
-        _call(f"{uri}{LOG_BATCH}", {"run_id": run_id, "metrics": metrics})
-        _call(f"{uri}/api/2.0/mlflow/runs/get?run_id={run_id}")
-        _call(f"{uri}/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key=system/warm/key_0")
-
-
-def _call(url: str, body: dict[str, Any] | None = None) -> None:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        response.read()
-
-
-def stored_steps(client: Any, run_id: str, deliveries: Deliveries) -> dict[str, dict[int, int]]:
-    """Per node, step -> timestamp (ms) of what the run holds: the history of the node's smallest key, which
-    otel_forge sends every window and MLflow too (it sends every key every window)."""
-    stored = {}
-    for node, log in deliveries.nodes.items():
-        history = client.get_metric_history(run_id, f"system/{node}/{min(log.keys)}")
-        stored[node] = {m.step: m.timestamp for m in history}
-    return stored
-
-
 def undelivered(stored: dict[str, dict[int, int]], k: int, stop_wall: float, length_s: float) -> dict[str, int]:
     """Steps missing below each node's last stored step, and windows due before the stop that never came (at
     the node's own pace: a node slower than its interval is late, not dropping)."""
@@ -658,11 +332,6 @@ def undelivered(stored: dict[str, dict[int, int]], k: int, stop_wall: float, len
         tail += max(0, int((stop_wall - last / 1e3) / pace_s) - TAIL_SLACK_WINDOWS)
     missing_nodes = k - sum(1 for i in range(k) if stored.get(f"node_{i}"))
     return {"gaps": gaps, "tail": tail, "nodes_never_delivered": missing_nodes, "total": gaps + tail}
-
-
-def spooled(spool_root: Path) -> int:
-    """Windows otel_forge's agents left in their spools (undelivered, kept for ``otel-forge replay``)."""
-    return sum(1 for _ in spool_root.rglob("*.window.json")) if spool_root.is_dir() else 0
 
 
 def start_cost(m: dict[str, Any], k: int, per_window_ms: float) -> dict[str, Any]:
@@ -825,46 +494,88 @@ def fmt(value: float | None, digits: int) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=16, help="simulated nodes, K (default 16)")
+    parser.add_argument(
+        "--at-defaults",
+        action="store_true",
+        help="real time at otel_forge's defaults (10 s interval, the job's samples_per_window), otel_forge only, "
+        "measured minute by minute for --minutes (default: the compressed comparison with MLflow's monitor)",
+    )
+    parser.add_argument("--nodes", type=int, help="simulated nodes, K (default 16; 32 with --at-defaults)")
     parser.add_argument(
         "--fleet", type=int, default=2048, help="nodes of the simulated job: SLURM_JOB_NUM_NODES (default 2048)"
     )
-    parser.add_argument("--interval", type=float, default=0.5, help="compressed sampling interval, s (default 0.5)")
-    parser.add_argument("--seconds", type=float, default=60.0, help="measured period per subject, s (default 60)")
     parser.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="sqlite")
     parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        help="server idle CPU measured before the nodes, s (default 2; 10 with --at-defaults)",
+    )
+    parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds the nodes get to drain at stop")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    parser.add_argument("--save", type=Path, help="also write the result as JSON to this file")
+    compressed = parser.add_argument_group("the compressed mode")
+    compressed.add_argument("--interval", type=float, default=0.5, help="compressed sampling interval, s (default 0.5)")
+    compressed.add_argument("--seconds", type=float, default=60.0, help="measured period per subject, s (default 60)")
+    compressed.add_argument(
         "--anchor",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also measure MLflow's SystemMetricsMonitor (default: yes)",
     )
-    parser.add_argument(
+    compressed.add_argument(
         "--anchor-flush",
         choices=("scaled", "as-is"),
         default="scaled",
         help="MLflow's BatchMetricsLogger flush rule on uncompressed time (scaled, default: one "
         "log_batch per window, as at 10 s) or on the compressed clock (as-is)",
     )
-    parser.add_argument("--warmup-windows", type=int, default=3, help="windows after the first, not measured")
-    parser.add_argument("--idle-seconds", type=float, default=2.0, help="server idle CPU measured before the nodes")
-    parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds the nodes get to drain at stop")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
-    return parser.parse_args(argv)
+    compressed.add_argument("--warmup-windows", type=int, default=3, help="windows after the first, not measured")
+    defaults = parser.add_argument_group("--at-defaults")
+    defaults.add_argument("--minutes", type=int, default=5, help="minutes the agents run (default 5)")
+    defaults.add_argument(
+        "--old-layout-keys",
+        type=int,
+        default=20_000,
+        help="keys of the run of the old layout built to price runs/get per key (default 20000; 0: none)",
+    )
+    defaults.add_argument(
+        "--experiment-runs",
+        type=int,
+        help="node runs made in the experiment where each of a node's calls is costed alone (default: --fleet; "
+        "0: not costed)",
+    )
+    defaults.add_argument("--old-layout-steps", type=int, default=2, help="steps per key of that run (default 2)")
+    defaults.add_argument(
+        "--pages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="open the run pages in headless Chromium, on the first backend (default: yes)",
+    )
+    defaults.add_argument("--page-timeout", type=float, default=60.0, help="seconds a page gets to draw (default 60)")
+    args = parser.parse_args(argv)
+    if args.at_defaults:
+        args.interval, args.anchor = DEFAULT_INTERVAL_S, False
+    args.nodes = args.nodes or (32 if args.at_defaults else 16)
+    args.experiment_runs = args.fleet if args.experiment_runs is None else args.experiment_runs
+    args.idle_seconds = args.idle_seconds if args.idle_seconds is not None else (10.0 if args.at_defaults else 2.0)
+    args.backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
+    return args
 
 
-def run_backend(ctx: Context, backend: str, subjects: list[str]) -> list[dict[str, Any]]:
-    """Every subject on one backend; rows that say why where PostgreSQL cannot run here."""
+def on_backend(ctx: Context, backend: str, measure_one: Any, names: list[str]) -> list[dict[str, Any]]:
+    """``measure_one(name)`` for each name on one backend (with PostgreSQL: a cluster started for them, stopped
+    after); rows that say why where PostgreSQL cannot run here."""
     reason = Postgres.unavailable() if backend == "postgresql" else None
     try:
         if backend == "postgresql" and reason is None:
             ctx.postgres = Postgres()
             reason = start_postgres(ctx.postgres)
         rows = []
-        for subject in subjects:
+        for name in names:
             try:
-                rows.append(skipped(subject, backend, reason) if reason else run_phase(ctx, subject, backend))
+                rows.append(skipped(name, backend, reason) if reason else measure_one(name))
             except BackendUnavailable as error:
-                rows.append(skipped(subject, backend, str(error)))
+                rows.append(skipped(name, backend, str(error)))
         return rows
     finally:
         if ctx.postgres is not None:
@@ -872,17 +583,25 @@ def run_backend(ctx: Context, backend: str, subjects: list[str]) -> list[dict[st
             ctx.postgres = None
 
 
-def start_postgres(postgres: Postgres) -> str | None:
-    try:
-        postgres.start()
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
-        return f"PostgreSQL did not start: {str(error).strip()[-500:]}"
-    return None
+def at_defaults(ctx: Context, backend: str, subject: str) -> dict[str, Any]:
+    return {"subject": subject, **_fleet_defaults.measure_backend(ctx.args, backend, ctx.postgres, ctx.spw)}
 
 
 def skipped(subject: str, backend: str, reason: str) -> dict[str, Any]:
     print(f"note: {subject} on {backend} skipped: {reason}", file=sys.stderr, flush=True)
     return {"subject": subject, "backend": backend, "skipped": reason}
+
+
+def commit() -> str:
+    """The checkout the agents ran: HEAD's short hash, "+" where otel_forge/ differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "otel_forge"], capture_output=True, text=True, cwd=REPO_ROOT
+        )
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "") or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -894,21 +613,33 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import mlflow
 
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fleet-doctor-") as directory:
-        spw = samples_per_window(args, Path(directory))
-    ctx = Context(args, spw)
-    subjects = ["otel_forge", "mlflow"] if args.anchor else ["otel_forge"]
-    backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
-    rows = [row for backend in backends for row in run_backend(ctx, backend, subjects)]
+        job = doctor(args, Path(directory))
+    ctx = Context(args, job["samples_per_window"])
+    rows = []
+    for backend in args.backends:
+        if args.at_defaults:
+            rows += on_backend(ctx, backend, functools.partial(at_defaults, ctx, backend), ["otel_forge"])
+        else:
+            subjects = ["otel_forge", "mlflow"] if args.anchor else ["otel_forge"]
+            rows += on_backend(ctx, backend, functools.partial(run_phase, ctx, backend=backend), subjects)
+    settings = ["nodes", "fleet", "interval", "backend", "idle_seconds"]
+    settings += (
+        ["minutes", "old_layout_keys", "old_layout_steps", "experiment_runs", "pages", "page_timeout"]
+        if args.at_defaults
+        else ["seconds", "anchor", "anchor_flush", "warmup_windows"]
+    )
     result = {
         "command": command,
-        "otel_forge_samples_per_window": spw,
+        "mode": "at-defaults" if args.at_defaults else "compressed",
+        "samples_per_window": ctx.spw,
+        "otel_forge_samples_per_window": ctx.spw,
+        "node_runs_above": job["node_runs_above"],
+        "load_before": load_before,
         "total_s": time.monotonic() - started,
-        "settings": {
-            name: getattr(args, name)
-            for name in ("nodes", "fleet", "interval", "seconds", "backend", "anchor", "anchor_flush", "warmup_windows")
-        },
+        "settings": {name: getattr(args, name) for name in settings},
+        "commit": commit(),
         "machine": {
             "python": platform.python_version(),
             "platform": platform.platform(),
@@ -917,7 +648,13 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    print(json.dumps(result, indent=2) if args.json else render_markdown(result), flush=True)
+    if args.save:
+        args.save.write_text(json.dumps(result, indent=2, default=str))
+    if args.json:
+        print(json.dumps(result, indent=2, default=str), flush=True)
+    else:
+        render = _fleet_defaults.render_markdown if args.at_defaults else render_markdown
+        print(render(result), flush=True)
     return 0
 
 

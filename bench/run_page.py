@@ -82,8 +82,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from bench._common import tree_cpu_s
 from otel_forge.mlflow.keys import key_segment, sanitize_key
 from otel_forge.names import METRICS
 from testkit.mlflow_server import MlflowServer
@@ -199,23 +198,6 @@ def fill(client: Any, run_id: str, keys: list[str], steps: int) -> float:
 
 
 # --- the server's answers --------------------------------------------------------------------------
-
-
-def tree_cpu_s(root_pid: int) -> float:
-    """User + system seconds of a process and its descendants, each with its reaped children."""
-    try:
-        root = psutil.Process(root_pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for process in processes:
-        try:
-            t = process.cpu_times()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
 
 
 @dataclass
