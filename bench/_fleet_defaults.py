@@ -26,6 +26,7 @@ from bench._fleet_parts import (
     error_answers,
     node_env,
     ours_command,
+    reaped_cpu_s,
     server_messages,
     short_path,
     spooled,
@@ -54,16 +55,18 @@ COMPLETENESS_CHECKS = (
 
 @dataclass
 class Mark:
-    """The server's CPU and the requests that had arrived, ``t`` s after the agents' start."""
+    """The server's CPU, the requests that had arrived and the agents' CPU, ``t`` s after the agents' start."""
 
     t: float
     cpu: dict[str, float]
     calls: int
-    wall: float = 0.0  # time.time(), for the proxy's answers
+    wall: float  # time.time(), for the proxy's answers
+    agents_cpu_s: float
 
     @classmethod
-    def now(cls, started: float, meter: CpuMeter, deliveries: Deliveries) -> Mark:
-        return cls(time.monotonic() - started, meter.read(), deliveries.poll(), time.time())
+    def now(cls, started: float, meter: CpuMeter, deliveries: Deliveries, fleet: Fleet) -> Mark:
+        cpu, calls, agents = meter.read(), deliveries.poll(), fleet.cpu_s()
+        return cls(time.monotonic() - started, cpu, calls, time.time(), agents)
 
 
 def measure_backend(args: argparse.Namespace, backend: str, postgres: Postgres | None, spw: int) -> dict[str, Any]:
@@ -121,7 +124,7 @@ def run_fleet(
     # No MLFLOW_EXPERIMENT_ID (node_env is hermetic): each agent takes MLflow's default experiment.
     envs = [node_env(i, args, job_id, tmp) for i in range(k)]
     start_wall, started = time.time(), time.monotonic()
-    marks = [Mark.now(started, meter, deliveries)]
+    marks = [Mark.now(started, meter, deliveries, fleet)]
     fleet.start(commands, envs)
     every_first_s: float | None = None  # when every node's first window had reached the server
     for minute in range(1, args.minutes + 1):
@@ -132,14 +135,17 @@ def run_fleet(
             if len(fleet.exited()) == k:
                 raise RuntimeError(f"every node exited; node_0's output:\n{fleet.log_tail(0)}")
             time.sleep(min(0.5, left))
-        marks.append(Mark.now(started, meter, deliveries))
+        marks.append(Mark.now(started, meter, deliveries, fleet))
     exited_early = fleet.exited()
     lags = [time.time() - log.newest_ms / 1e3 for log in deliveries.nodes.values()]
 
-    stop_wall = time.time()
+    stop_wall, live_s, reaped_s = time.time(), fleet.cpu_s(), reaped_cpu_s()
     exit_codes = fleet.stop(args.stop_timeout)
     wait_until(lambda: sum(proxy.counts().values()) >= proxy.total(), 30)
-    marks.append(Mark.now(started, meter, deliveries))
+    stopped = Mark.now(started, meter, deliveries, fleet)
+    # The agents are gone: what they spent closing is their whole CPU, reaped, less what they had spent.
+    stopped.agents_cpu_s = marks[-1].agents_cpu_s + (reaped_cpu_s() - reaped_s) - live_s
+    marks.append(stopped)
     answers = proxy.log()
     return {
         "nodes": k,
@@ -181,6 +187,7 @@ def phase(before: Mark, after: Mark, deliveries: Deliveries, answers: list[Any],
         "cpu_ms": cpu,
         "ms_per_node_minute": cpu["total"] / node_minutes if node_minutes else None,
         "database_ms_per_node_minute": cpu["database"] / node_minutes if node_minutes else None,
+        "agents_cpu_s": after.agents_cpu_s - before.agents_cpu_s,
         "calls": deliveries.between(before.calls, after.calls)["calls"],
         "error_answers": dict(
             Counter(
@@ -207,6 +214,10 @@ def phases(
     if steady < minutes:
         steady_name = f"steady, minutes {steady}-{minutes}"
         result.append(phase(marks[steady], marks[minutes], deliveries, answers, k, steady_name))
+    elif every_first_s is not None and minutes - 1 >= last:
+        # The first windows took every minute but the last (long windows): that one, said so.
+        last_name = f"last minute {minutes - 1}-{minutes} (first windows until {every_first_s:.0f} s)"
+        result.append(phase(marks[minutes - 1], marks[minutes], deliveries, answers, k, last_name))
     result.append(phase(marks[minutes], marks[-1], deliveries, answers, k, "stop (SIGTERM, drain)"))
     return result
 
@@ -343,8 +354,9 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"without --at-defaults, compares with it)."
         ),
         "",
-        "| backend | phase | server CPU, ms | ms per node | ms per node-minute | of which PostgreSQL | calls |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| backend | phase | server CPU, ms | ms per node | ms per node-minute | of which PostgreSQL | agents' CPU, s "
+        "| calls |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         for p in row["phases"]:
@@ -354,7 +366,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {row['backend']} | {p['name']} ({p['from_s']:.0f}-{p['to_s']:.0f} s) | {p['cpu_ms']['total']:,.0f} "
                 f"| {p['cpu_ms']['total'] / row['nodes']:.1f} | {fmt(per_minute, 1)} | {fmt(database, 1)} "
-                f"| {calls_text(p['calls'])}{errors_text(p['error_answers'])} |"
+                f"| {p['agents_cpu_s']:.1f} | {calls_text(p['calls'])}{errors_text(p['error_answers'])} |"
             )
     lines += [
         "",

@@ -381,6 +381,10 @@ class Fleet:
     def log_tail(self, i: int) -> str:
         return (self.tmp / f"node_{i}.log").read_text(errors="replace")[-2000:]
 
+    def cpu_s(self) -> float:
+        """User + system seconds of the live nodes' process trees (each with its reaped children)."""
+        return sum(tree_cpu_s(process.pid) for process in self.processes if process.poll() is None)
+
     def messages(self, most: int = 8) -> dict[str, int]:
         """The agents' warnings and errors (lines of their output that say WARNING, ERROR or Traceback),
         numbers and ids blanked so that the nodes' lines count together: the most frequent."""
@@ -455,6 +459,12 @@ def server_messages(server: MlflowServer, most: int = 6) -> dict[str, int]:
         if re.search(r"Error|Exception|error_code|Traceback", line):
             lines[re.sub(r"[0-9a-f]{32}|\d+", "#", line.strip())[:300]] += 1
     return dict(lines.most_common(most))
+
+
+def reaped_cpu_s() -> float:
+    """User + system seconds of this process's children it has waited for (their reaped children included)."""
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 def counting_proxy(uri: str) -> MlflowProxy:

@@ -12,7 +12,7 @@ Both modes start K real ``otel-forge monitor`` processes (``--nodes``), each nod
 of ``--fleet`` nodes (``SLURM_JOB_NUM_NODES``), each in its own process group, with 8 fake NVIDIA GPUs
 (tests/fakes/pynvml.py through ``fake_gpu_env({"count": 8})``), a hermetic environment
 (testkit/hermetic.py) and its spool in a temp dir, against a private ``mlflow server`` behind a counting
-proxy (both below). A job of more than ``node_runs_above`` nodes (16 by default; read from ``otel-forge
+proxy (both below). A job of more than ``node_runs_above`` nodes (8 by default; read from ``otel-forge
 doctor --json`` with node 0's environment, as ``samples_per_window`` is) logs each node into a run of its
 own under the job's run (``system/<key>``; the tag of each agent's first call there names the node); a
 smaller one logs ``system/<node>/<key>`` into the job's run. The bench reads both.
@@ -21,7 +21,7 @@ At defaults (``--at-defaults``), per backend: a fresh server, warmed up; the job
 standalone ``otel-forge monitor --run-id`` meets it, ``MlflowClient().create_run("0")`` (MLflow's default
 experiment) and NO ``MLFLOW_EXPERIMENT_ID`` given to the agents; the server's idle CPU over
 ``--idle-seconds`` (10); then the K agents started together at the defaults (no ``--interval``: 10 s;
-``samples_per_window`` the job's default, 6 past 256 nodes: 60 s windows), in real time for ``--minutes``
+``samples_per_window`` the job's default: 12 past 1,024 nodes, 120 s windows), in real time for ``--minutes``
 (5). MLflow's monitor is not run in this mode (the compressed mode keeps it). Measured:
 
 - server CPU (user + system seconds of the server's process tree, + PostgreSQL's, as below) read at the
@@ -30,9 +30,12 @@ experiment) and NO ``MLFLOW_EXPERIMENT_ID`` given to the agents; the server's id
   window is due), minutes 1-4 (the issue's figure: each node's first window, with the node run's
   ``runs/search`` and ``runs/create`` and every key new to the run, then the windows after it),
   the steady state (from the first whole minute after every node's first window reached the server, to
-  the end) and the stop (SIGTERM to every agent, until the proxy answered their last calls: each node's
-  last window and the ``runs/update`` that ends its run); the server's idle CPU is not taken out (it
-  is given apart); the calls by path that arrived in each phase (no ``runs/get`` is expected);
+  the end; where none is left, as with 120 s windows in 5 minutes, the last minute, said so) and the
+  stop (SIGTERM to every agent, until the proxy answered their last calls: each node's last window and
+  the ``runs/update`` that ends its run); the server's idle CPU is not taken out (it is given apart);
+  the calls by path that arrived in each phase (no ``runs/get`` is expected); the agents' own CPU
+  (their process trees; at the stop, what the reaped agents spent less what they had spent before),
+  which shares the 2 cores with the server;
 - completeness, after the stop: the node runs found as a reader finds them (``search_runs`` on
   ``tags.`mlflow.parentRunId` = '<job run>'``), one per node; in each, the history of its anchor key (its
   smallest ``system/`` key, in every window) holds steps 0..n-1, every step that reached the proxy,
