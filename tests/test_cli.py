@@ -208,3 +208,25 @@ def test_doctor_prints_the_nodes_inventory(capsys):
     assert main(["doctor", "--json", "--collectors", "cpu", "--no-prometheus"]) == 0
     inventory = json.loads(capsys.readouterr().out)["inventory"]
     assert inventory["host"] == socket.gethostname() and inventory["gpus"] == []
+
+
+def test_the_otel_sdks_errors_are_one_line_in_an_otel_forge_process():
+    """A collect that outlasts a short interval under load: the SDK's own error, one line (no traceback)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging\n"
+        "from otel_forge.cli import configure_process\n"
+        "configure_process(0)\n"
+        "try:\n"
+        "    raise TimeoutError('Timed out while executing callback')\n"
+        "except TimeoutError:\n"
+        "    logger = logging.getLogger('opentelemetry.sdk.metrics._internal.export')\n"
+        "    logger.exception('Metric collection timed out.')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert result.stderr.splitlines() == [
+        "otel-forge: ERROR opentelemetry.sdk.metrics._internal.export: Metric collection timed out. "
+        "(TimeoutError('Timed out while executing callback'))"
+    ], result.stderr

@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """The OTel SDK's warnings as one line (``-v`` keeps the traceback): a collect that outlasts a
+    short interval under load ("Metric collection timed out") is the SDK's own, not a crash."""
+    if record.name.startswith("opentelemetry") and record.exc_info and record.exc_info[1] is not None:
+        record.msg, record.args = f"{record.getMessage()} ({record.exc_info[1]!r})", ()
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 def configure_process(verbose: int) -> None:
     """Logging and MLflow's client as an otel-forge process (the CLI, the sampler) wants them."""
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
@@ -65,6 +74,8 @@ def configure_process(verbose: int) -> None:
     # The OTel SDK logs a failed OTLP export every interval: once a minute is enough to be told.
     for handler in logging.getLogger().handlers:
         handler.addFilter(RepeatFilter("opentelemetry", interval_s=60.0))
+        if not verbose:
+            handler.addFilter(_without_traceback)
     # The delivery worker retries with its own backoff; urllib3's per-attempt lines are noise, and
     # so are MLflow's own (its store's retries, its table creation): -v shows them.
     logging.getLogger("urllib3").setLevel(max(level, logging.ERROR))
