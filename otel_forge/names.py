@@ -90,16 +90,22 @@ def _gpu(
     mig: bool = False,
 ) -> tuple[MetricSpec, ...]:
     """The same GPU metric for both vendors' collectors; ``mig``: NVIDIA's MIG instances report it too."""
-    return tuple(
-        MetricSpec(
-            name, kind, unit, source, GPU_ATTRIBUTES + extra + _mig(mig and source == "nvidia"), description, mlflow
-        )
-        for source in ("nvidia", "amd")
-    )
+    return tuple(_gpu_metric(source, name, kind, unit, extra, description, mlflow, mig) for source in ("nvidia", "amd"))
 
 
-def _mig(reported: bool) -> tuple[str, ...]:
-    return MIG_ATTRIBUTES if reported else ()
+def _gpu_metric(
+    source: str,
+    name: str,
+    kind: Kind,
+    unit: str,
+    extra: tuple[str, ...],
+    description: str,
+    mlflow: tuple[MlflowKey, ...],
+    mig: bool,
+) -> MetricSpec:
+    """One vendor's GPU metric; only NVIDIA's MIG instances report any."""
+    mig_attributes = MIG_ATTRIBUTES if mig and source == "nvidia" else ()
+    return MetricSpec(name, kind, unit, source, GPU_ATTRIBUTES + extra + mig_attributes, description, mlflow)
 
 
 def _nvidia(
@@ -112,7 +118,7 @@ def _nvidia(
     mig: bool = False,
 ) -> MetricSpec:
     """A GPU metric only NVML gives; ``mig``: MIG instances report it too."""
-    return MetricSpec(name, kind, unit, "nvidia", GPU_ATTRIBUTES + extra + _mig(mig), description, mlflow)
+    return _gpu_metric("nvidia", name, kind, unit, extra, description, mlflow, mig)
 
 
 _MB = 1e-6

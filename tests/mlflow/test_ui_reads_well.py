@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from run_reading import anchor_steps
 
+from bench.run_page import CHROMEDRIVER, CHROMIUM, chromium, chromium_available
 from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window
 from testkit.hermetic import hermetic_environ
 
@@ -35,7 +36,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_SCREENSHOT = REPO_ROOT / "docs" / "images" / "mlflow-run.png"
 # Read at import: the hermetic fixture clears every OTEL_* variable before a test runs.
 WRITE_DOCS_SCREENSHOT = os.environ.get("OTEL_FORGE_DOCS_SCREENSHOT") == "1"
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 CHECKPOINTS = 8  # the example registers one every 25 steps
 # MLflow 3.17's UI opens an experiment by its GenAI / Model training switch (kept in the browser);
 # a link that names the training view opens it whatever the browser chose.
@@ -161,22 +161,11 @@ def test_the_experiment_otel_forge_creates_is_of_training_runs(user_run, client)
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+    if not chromium_available():
         pytest.skip(f"{CHROMIUM} or {CHROMEDRIVER} missing (Debian: apt-get install chromium chromium-driver)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1300"):
-        options.add_argument(argument)
-    # The driver named: selenium never looks one up on the network.
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.implicitly_wait(0)
-    try:
+    pytest.importorskip("selenium.webdriver")
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def wait_until(condition: Any, timeout_s: float = 60.0, what: str = "") -> Any:
