@@ -564,6 +564,23 @@ SETTINGS: tuple[Setting, ...] = (
         "goes on opening in the background, and CMD finds it by a job key.",
     ),
     Setting(
+        "journal_fsync_s",
+        ("OTEL_FORGE_JOURNAL_FSYNC",),
+        _float_within(0.0, 3_600.0, " s"),
+        1.0,
+        "How often the run's journal is forced to disk (by its delivery process, never the training loop): "
+        "a node crash loses at most this much of what the loop logged (0: never forced; the training "
+        "process's own death loses nothing either way).",
+    ),
+    Setting(
+        "delivery_patience_s",
+        ("OTEL_FORGE_DELIVERY_PATIENCE",),
+        _float_within(0.0, 86_400.0, " s"),
+        600.0,
+        "How long the delivery process of a training process that died goes on trying a tracking server "
+        "that does not answer, before it leaves the run's journal for `otel-forge replay`.",
+    ),
+    Setting(
         "drain_deadline_s",
         ("OTEL_FORGE_DRAIN_DEADLINE",),
         _deadline,
@@ -594,6 +611,8 @@ LAUNCHER_OPENS = "pending"
 DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
 # The node the launcher samples already (NodeIdentity.sampling_key): the command's TrainingRun does not.
 SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
+# The pid of the `otel-forge run` that delivers the journals its command writes in its job's directory.
+JOURNALS_DELIVERED_BY_ENV = "OTEL_FORGE_JOURNALS_DELIVERED_BY"
 # The spool directory the user was told of when the tracking server did not answer (`otel-forge run`
 # says it once, for itself and its command): what closing keeps there is not said again.
 TOLD_SPOOL_ENV = "OTEL_FORGE_TOLD_SPOOL"
@@ -684,6 +703,8 @@ class ForgeConfig:
     flush_interval_s: float
     call_deadline_s: float
     start_wait_s: float
+    journal_fsync_s: float
+    delivery_patience_s: float
     drain_deadline_s: float
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 

@@ -79,10 +79,10 @@ def _tracking_check(config: ForgeConfig) -> str:
 
 
 def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
-    """Spool directories left by a close: what is pending and how delivery went. A training run's
-    spool counts its files of metric rows and says whether the run still has to be ended."""
+    """Spool directories left by a close: what is pending and how delivery went. A run's journal
+    counts the metric values not delivered yet and says whether the run still has to be ended."""
     from otel_forge.mlflow.spool_files import HEADER, STATS, spool_root
-    from otel_forge.mlflow.training.training_spool import KIND as TRAINING_SPOOL
+    from otel_forge.mlflow.training.run_journal import KIND as JOURNAL, undelivered
 
     root = spool_root(config.spool_dir)
     found = []
@@ -92,19 +92,17 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
         directory = header.parent
         info = json.loads(header.read_text())
         stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}
-        if info.get("kind") == TRAINING_SPOOL:
-            stats = {
-                **stats,
-                **({"values refused by log()": info["rejected"]} if info.get("rejected") else {}),
-                **({} if info.get("ended") else {"run end pending": info.get("status")}),
-            }
+        pending = len(list(directory.glob("*.window.json")))
+        if info.get("kind") == JOURNAL:
+            left = undelivered(directory)
+            pending = left.values
+            stats = {**stats, **({"run end pending": left.end or "KILLED (its process died)"} if left.open else {})}
         found.append(
             {
                 "path": str(directory),
                 "run_id": info.get("run_id"),
                 "node_id": info.get("node_id"),
-                "pending_windows": len(list(directory.glob("*.window.json")))
-                + len(list(directory.glob("*.metrics.json"))),
+                "pending_windows": pending,
                 "stats": stats,
                 "replay": f"otel-forge replay {directory}",
             }

@@ -21,7 +21,7 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from otel_forge.mlflow.replay import spools_in
+    from otel_forge.mlflow.replay import is_launchers_journal, spools_in
 
     path = Path(args.path)
     tracking_uri = ForgeConfig.resolve(
@@ -32,23 +32,27 @@ def run(args: argparse.Namespace) -> int:
     spools = spools_in(path)
     if not spools:
         raise ConfigError(f"invalid path (from PATH): {path} holds no spool (nothing to deliver)")
+    job_run_id: str | None = None  # the run `otel-forge run`'s journal opened: its command's journals go there
     for spool in spools:
-        if (code := _replay_one(spool, tracking_uri if args.tracking_uri else None)) != 0:
+        code, run_id = _replay_one(spool, tracking_uri if args.tracking_uri else None, job_run_id)
+        if code != 0:
             return code
+        if is_launchers_journal(spool):
+            job_run_id = run_id
     remove_if_empty(path)  # a job's directory, all delivered
     return 0
 
 
-def _replay_one(path: Path, tracking_uri: str | None) -> int:
+def _replay_one(path: Path, tracking_uri: str | None, job_run_id: str | None) -> tuple[int, str | None]:
     from otel_forge.mlflow.replay import replay
 
     try:
-        result = replay(path, tracking_uri)
+        result = replay(path, tracking_uri, job_run_id)
     except FileNotFoundError as error:
         raise ConfigError(f"invalid path (from PATH): {error}") from None
     except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
         print(f"otel-forge: replay stopped, the spool is kept: {error_line(error)}", file=sys.stderr)
-        return 1
+        return 1, None
     print(
         f"otel-forge: delivered {result.delivered} {result.unit} to run {result.run_id}"
         f"{f' and ended it {result.ended}' if result.ended else ''}"
@@ -59,5 +63,5 @@ def _replay_one(path: Path, tracking_uri: str | None) -> int:
             f"otel-forge: {result.set_aside} file(s) in {path} were not windows and are left there as *.corrupt",
             file=sys.stderr,
         )
-        return 1
-    return 0
+        return 1, result.run_id
+    return 0, result.run_id

@@ -36,6 +36,7 @@ from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.cli.rank_watch import RankZeroWatch
 from otel_forge.config import (
+    JOURNALS_DELIVERED_BY_ENV,
     MLFLOW_SYSTEM_METRICS_VAR,
     PID_NOT_STARTED,
     TOLD_SPOOL_ENV,
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
     sampling.cmd_started(child.pid)
+    journals = _cmd_journals(training_run, spool)
     if launch.rank_pending and training_run.run_id is None:
         # Whether this node holds rank 0 is known once its workers run: if so, it makes the run.
         rank_watch = RankZeroWatch(training_run.take_rank_zero).start()
@@ -178,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
             stopping = threading.Thread(target=monitor.stop, name="otel-forge-monitor-stop", daemon=True)
             stopping.start()
     status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
+    journals.finish(config.drain_deadline_s)  # what CMD logged reaches the run before its end
     _end(training_run, status, watchdog, stopping)
     remove_if_empty(spool)
     return code if code >= 0 else 128 - code
@@ -208,10 +211,21 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
         node=node,
         handle_sigterm=False,
         create_if_missing=args.create_if_missing,
+        deliver_here=True,  # we outlive CMD: our journal, and CMD's, are delivered from here
     )
     if problem := local_store_problem(training_run.tracking_uri):
         raise ConfigError(f"invalid tracking_uri (from {config.source('tracking_uri')}): {problem}")
     return training_run
+
+
+def _cmd_journals(training_run: Any, spool: Path) -> Any:
+    """CMD's TrainingRuns journal into the job's directory; we deliver them, whatever becomes of CMD."""
+    from otel_forge.mlflow.training.job_journals import JobJournals
+
+    journals = JobJournals(
+        spool, training_run.tracking_uri, training_run.forge_config.flush_interval_s, lambda: training_run.run_id
+    )
+    return journals.start(own=training_run.journal_directory)
 
 
 def job_spool_dir(config: ForgeConfig) -> Path:
@@ -251,6 +265,7 @@ def _cmd_environ(
         **environ,
         env_name("tracking_uri"): training_run.tracking_uri,
         env_name("spool_dir"): training_run.forge_config.spool_dir,
+        JOURNALS_DELIVERED_BY_ENV: str(os.getpid()),
     }
     if told := os.environ.get(TOLD_SPOOL_ENV):
         env[TOLD_SPOOL_ENV] = told

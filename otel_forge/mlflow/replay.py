@@ -1,5 +1,5 @@
 """Deliver a spool left behind by a close while the server was down: an exporter's system-metrics
-windows, or a TrainingRun's metrics and the run's end."""
+windows, or a run's journal (a TrainingRun's metrics, records and end)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otel_forge.mlflow.client import RunGone, RunInfo, import_mlflow, make_client
+from otel_forge.mlflow.client import RunGone, RunInfo, make_client
 from otel_forge.mlflow.spool_files import HEADER
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
-from otel_forge.mlflow.training.outcome import end_run
-from otel_forge.mlflow.training.rendezvous import (
-    JOB_KEY_TAG,
-    create_experiment,
-    find_experiment,
-    publish,
-    published_run_id,
-)
-from otel_forge.mlflow.training.training_spool import TrainingSpool, is_training_spool
-from otel_forge.node import NodeIdentity
+from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
+from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
+from otel_forge.mlflow.training.run_journal import is_journal, read_header
 
 _logger = logging.getLogger(__name__)
 
@@ -36,70 +29,39 @@ class ReplayResult:
     unit: str = "window(s)"  # what ``delivered`` counts
 
 
-def replay(path: Path, tracking_uri: str | None = None) -> ReplayResult:
-    """Deliver whichever spool ``path`` is."""
-    return (replay_training if is_training_spool(path) else replay_spool)(path, tracking_uri)
+def replay(path: Path, tracking_uri: str | None = None, job_run_id: str | None = None) -> ReplayResult:
+    """Deliver whichever spool ``path`` is; ``job_run_id``: the job's run, where a journal leaves its
+    run to its launcher (``otel-forge run``'s, delivered first)."""
+    if is_journal(path):
+        return replay_journal(path, tracking_uri, job_run_id)
+    return replay_spool(path, tracking_uri)
 
 
 def spools_in(path: Path) -> list[Path]:
-    """``path`` if it is a spool, else the spools in it (a job's directory, ``otel-forge run``'s), the
-    training spools first: they open the job's run, which the windows then find."""
+    """``path`` if it is a spool, else the spools in it (a job's directory, ``otel-forge run``'s): the
+    journals first, the launcher's before its command's (it opens the job's run, which the others
+    then find), then the windows."""
     if (path / HEADER).exists():
         return [path]
     found = sorted(header.parent for header in path.glob(f"*/{HEADER}"))
-    return sorted(found, key=lambda spool: not is_training_spool(spool))
+    return sorted(found, key=lambda spool: (not is_journal(spool), not is_launchers_journal(spool)))
 
 
-def replay_training(path: Path, tracking_uri: str | None = None) -> ReplayResult:
-    """Send a TrainingRun's kept records and metric rows in order, then end the run as it ended
-    (unless it was)."""
-    spool = TrainingSpool(path)
-    header = spool.header
-    client = make_client(tracking_uri or header.get("tracking_uri"))
-    if header.get("run_id") is None:
-        header = _open_run(client, spool, header)
-    for record in spool.records():
-        record.deliver(client, header["run_id"])
-    spool.records_delivered()
-    metric = import_mlflow().entities.Metric
-    delivered = 0
-    for file, rows in spool.batches():
-        client.log_batch(header["run_id"], metrics=[metric(*row) for row in rows], synchronous=True)
-        file.unlink()
-        delivered += len(rows)
-    ended = None
-    if not header.get("ended"):
-        end_run(client, header["run_id"], header.get("experiment_id"), header["status"], NodeIdentity(**header["node"]))
-        ended = header["status"]
-    set_aside = len(list(path.glob("*.corrupt")))
-    if not set_aside:
-        spool.remove()
-    return ReplayResult(delivered, 0, header["run_id"], set_aside, ended, "metric value(s)")
+def is_launchers_journal(path: Path) -> bool:
+    return is_journal(path) and read_header(path).get("launcher", False)
 
 
-def _open_run(client: Any, spool: TrainingSpool, header: dict[str, Any]) -> dict[str, Any]:
-    """The run a TrainingRun would have opened, had the server answered while the job ran: the
-    one asked for, else the job key's, else a new one (recorded at once: a retry continues it)."""
-    spec = header["open"]
-    if (run_id := spec.get("run_id")) is not None:
-        experiment_id = client.get_run(run_id).info.experiment_id
-    else:
-        experiment = find_experiment(client, spec["experiment"])
-        experiment_id = (
-            experiment.experiment_id if experiment is not None else create_experiment(client, spec["experiment"])
-        )
-        key = spec.get("job_key")
-        run_id = published_run_id(experiment, key) if key else None
-        if run_id is None:
-            # The tags the job resolved for its run (MLflow's context ones, ours over them); a spool
-            # written before they were recorded has the job key alone.
-            tags = spec.get("tags") or ({JOB_KEY_TAG: key} if key else None)
-            run_id = client.create_run(experiment_id, run_name=spec.get("run_name"), tags=tags).info.run_id
-            if key:
-                publish(client, experiment_id, key, run_id)
-    header = {**header, "run_id": run_id, "experiment_id": experiment_id}
-    spool.write_header(header)
-    return header
+def replay_journal(path: Path, tracking_uri: str | None = None, job_run_id: str | None = None) -> ReplayResult:
+    """A run's journal, delivered as its delivery process would have: the run opened as the training
+    process would have opened it, every record in order, the run ended as it ended (KILLED where
+    its process died without ending it)."""
+    delivery = JournalDelivery(path, tracking_uri=tracking_uri, fsync_s=0.0, patience_s=0.0, job_run=lambda: job_run_id)
+    outcome = delivery.run()
+    if outcome is Delivered.BUSY:
+        raise RuntimeError(f"another process is delivering {path} now")
+    if outcome is not Delivered.ALL:
+        raise RuntimeError(f"MLflow at {delivery.where}: {delivery.cause or 'delivery stopped'}")
+    return ReplayResult(delivery.delivered_values, 0, delivery.run_id or "", 0, delivery.ended, "metric value(s)")
 
 
 def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
@@ -150,4 +112,4 @@ def _job_run_id(client: Any, header: dict[str, Any]) -> str:
     return str(run_id)
 
 
-__all__ = ["ReplayResult", "RunGone", "replay", "replay_spool", "replay_training", "spools_in"]
+__all__ = ["ReplayResult", "RunGone", "replay", "replay_spool", "replay_journal", "spools_in"]

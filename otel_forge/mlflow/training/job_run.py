@@ -20,7 +20,6 @@ from otel_forge.mlflow.training.rendezvous import (
     published_run_id,
     wait_for_run,
 )
-from otel_forge.mlflow.training.run_description import RunDescription
 from otel_forge.mlflow.training.run_metadata import DESCRIBED_TAG
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.node import NodeIdentity
@@ -57,7 +56,7 @@ class JobRunFinder:
     def __init__(
         self,
         request: JobRunRequest,
-        description: RunDescription,
+        new_run: Callable[[str | None], tuple[str | None, dict[str, str]]],
         node: Callable[[], NodeIdentity],
         stopping: threading.Event,
         wake: threading.Event,
@@ -65,7 +64,7 @@ class JobRunFinder:
     ) -> None:
         self.request = request
         self._node = node  # read at each step: the job key or rank 0 may be learnt meanwhile
-        self._description = description
+        self._new_run = new_run  # job key -> a new run's name and tags
         self._stopping = stopping
         self._wake = wake
         self._unanswered = unanswered
@@ -169,9 +168,6 @@ class JobRunFinder:
 
     def _create(self, client: Any, experiment_id: str, node: NodeIdentity) -> OpenRun:
         r = self.request
-        created = client.create_run(
-            experiment_id,
-            run_name=r.run_name or self._description.default_run_name(),
-            tags=self._description.creation_tags(node.job_key),
-        )
+        default_name, tags = self._new_run(node.job_key)
+        created = client.create_run(experiment_id, run_name=r.run_name or default_name, tags=tags)
         return OpenRun(created.info.run_id, created.info.run_name, experiment_id, r.experiment, False, None, client)

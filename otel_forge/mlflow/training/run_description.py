@@ -24,7 +24,7 @@ from otel_forge.mlflow.training.run_metadata import (
     launch_file_text,
     redact,
 )
-from otel_forge.mlflow.training.training_spool import Record
+from otel_forge.mlflow.training.run_journal import Record
 from otel_forge.node import NodeIdentity, job_label
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import REDACTED, SecretKeys, scrub
@@ -66,7 +66,7 @@ class RunDescription:
     def creation_tags(self, job_key: str | None) -> dict[str, str]:
         """A new run's tags: MLflow's context tags, as ``mlflow.start_run`` resolves them, under ours
         (the job key, the caller's). Ours are set again by the tags record, which adds git state."""
-        ours = self._own_tags()
+        ours = self.own_tags()
         if job_key:
             ours[JOB_KEY_TAG] = job_key
         return {key: scrub(str(value)) for key, value in context_tags(ours).items()}
@@ -76,11 +76,11 @@ class RunDescription:
             **job_tags(node.world_size, node.node_count, node_id=node.node_id),
             **git_tags(),
             DESCRIBED_TAG: "true",
-            **self._own_tags(),
+            **self.own_tags(),
         }
         return {key: scrub(str(value)) for key, value in tags.items()}
 
-    def _own_tags(self) -> dict[str, str]:
+    def own_tags(self) -> dict[str, str]:
         """The description and the caller's tags (secrets masked): they win over every other source."""
         tags = {NOTE_TAG: self.description} if self.description else {}
         tags.update({key: REDACTED if self.secret(key) else value for key, value in self.tags.items()})

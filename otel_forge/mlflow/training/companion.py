@@ -1,0 +1,95 @@
+"""``CompanionProcess``: the training process's companion, a child process that samples the node (a
+``SystemMetricsMonitor``) and delivers the run's journal (a ``JournalDelivery``), either or both.
+
+Neither belongs in the training process: sampling took its GIL from the loop (5-9 ms of CPU a second
+with 8 GPUs), MLflow's client 30-400 µs a value, and the training process is the one that dies (the
+OOM killer, preemption: SIGKILL). The companion outlives it: it delivers the journal to its last
+complete record and ends the run (KILLED where the training process died without closing it).
+
+The child (``python -m otel_forge.cli.companion``) reads pickled messages on its stdin, each after
+its length in 4 bytes: ``start`` first (the config, the node, whether to sample, the journal),
+``attach`` once the run is open, ``stop`` at close. It ignores SIGINT and SIGTERM: a terminal's
+Ctrl-C or a scheduler's SIGTERM reaches the whole process group, and the training process's close
+stops it after them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from otel_forge.config import ForgeConfig
+from otel_forge.forking import forked_from
+from otel_forge.mlflow.client import RunInfo
+from otel_forge.node import NodeIdentity
+
+_logger = logging.getLogger(__name__)
+
+COMPANION_MODULE = "otel_forge.cli.companion"
+_STOP_MARGIN_S = 5.0  # past the drain deadlines, for the child's last collect and its exit
+
+
+class CompanionProcess:
+    """The child that samples (``sample``) and delivers ``journal``; ``start``, ``attach``, ``stop``."""
+
+    def __init__(
+        self, config: ForgeConfig, node: NodeIdentity, *, sample: bool, journal: Path | None, tracking_uri: str
+    ) -> None:
+        # The process collector reads the training process, not the companion.
+        self.config = config if config.pid is not None else config.replace(pid=os.getpid())
+        self.node = node
+        self.sample = sample
+        self.journal = journal
+        self.tracking_uri = tracking_uri
+        self._pid = os.getpid()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> CompanionProcess:
+        environ = dict(os.environ)
+        # The modules the parent sees (a script's directory, a test's fake NVML), the child sees.
+        environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", COMPANION_MODULE, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env=environ,
+            start_new_session=False,
+        )
+        journal = str(self.journal) if self.journal is not None else None
+        self._send(("start", self.config, self.node, self.sample, journal, self.tracking_uri))
+        return self
+
+    def attach(self, run_id: str, known: RunInfo | None = None) -> None:
+        """The run is open: the windows sampled so far, and all after, go to it."""
+        self._send(("attach", run_id, known))
+
+    def stop(self) -> None:
+        """Deliver what is left and stop sampling; return once the child is done (or its time is up:
+        the journal keeps what it could not deliver)."""
+        if self._process is None or forked_from(self._pid):
+            return
+        self._send(("stop",))
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(2 * self.config.drain_deadline_s + _STOP_MARGIN_S)
+        except subprocess.TimeoutExpired:
+            _logger.warning("the otel-forge companion (pid %d) did not stop in time; killed", self._process.pid)
+            self._process.kill()
+            self._process.wait()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        stdin = self._process.stdin if self._process is not None else None
+        if stdin is None or stdin.closed or forked_from(self._pid):
+            return
+        frame = pickle.dumps(message)
+        try:
+            stdin.write(len(frame).to_bytes(4, "big") + frame)
+            stdin.flush()
+        except OSError as error:  # the child died: its own output said why
+            _logger.warning("the otel-forge companion is gone: %s", error)

@@ -1,0 +1,538 @@
+"""``JournalDelivery``: a run's journal delivered into its run by a process that is not the one writing
+it: the node's sampler process, the ``otel-forge run`` process, a delivery process of its own, or
+``otel-forge replay`` (the same delivery, later).
+
+It tails the journal and sends its entries in order: metric values as ``log_batch`` calls (one per
+flush interval, or per 1,000 values), records and checkpoints as they come, then the run's end. A
+failure is classified as the windows' are: retried with jittered backoff (an outage, an overloaded
+server, a refused credential or certificate), dropped (a value the server refuses), or the end of
+delivery (the run is gone). How far it has delivered is written after every call (``delivered.json``),
+so a delivery that starts again sends nothing twice (and MLflow drops an exact duplicate anyway).
+
+The run is the one the training process opened (its ``opened`` entry). Where the training process
+died, or ended, before it could open one, the delivery opens it from the journal's plan as the
+training process would have: one run, whatever happened on the way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import fcntl
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otel_forge.journal import JournalReader
+from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, classify, import_mlflow, make_client, unanswered_reason
+from otel_forge.mlflow.spool_files import kept_notice_level, write_atomically
+from otel_forge.mlflow.training.run_journal import (
+    CHECKPOINT,
+    CURSOR_FILE,
+    DESCRIBE,
+    END,
+    JOURNAL_FILE,
+    METRICS,
+    OPENED,
+    PLAN,
+    RECORD,
+    Record,
+    decode,
+    read_header,
+    writer_alive,
+)
+from otel_forge.mlflow.training.run_owner import OpenRun
+from otel_forge.mlflow.worker import Outcome
+from otel_forge.node import NodeIdentity, torchrun_attempt
+from otel_forge.ratelimit import RateLimitedLogger
+from otel_forge.scrub import error_line, uri_without_credentials
+
+_logger = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often a quiet journal is read again
+_BACKOFF_S = (0.5, 10.0)  # as the windows' worker: first pause, longest pause
+_MAX_ITEMS = 20_000  # read no further ahead than this (memory stays bounded, the journal holds the rest)
+_LOCK_FILE = "delivery.lock"
+
+# (key, value, timestamp_ms, step)
+MetricRow = tuple[str, float, int, int]
+
+
+class Delivered(enum.Enum):
+    """How a delivery ended."""
+
+    ALL = "all"  # everything, the run's end included: the journal is removed
+    LEFT = "left"  # given up (deadline, patience, the run gone): the journal stays for replay
+    BUSY = "busy"  # another process delivers this journal
+
+
+class JournalBusy(RuntimeError):
+    """Another process is delivering this journal."""
+
+
+@dataclass
+class Cursor:
+    """What ``delivered.json`` holds: the journal offset delivered up to, the run, models, refusals."""
+
+    offset: int = 0
+    run: dict[str, Any] | None = None
+    models: dict[str, str] = field(default_factory=dict)
+    refused: int = 0
+
+    @classmethod
+    def load(cls, directory: Path) -> Cursor:
+        try:
+            return cls(**json.loads((directory / CURSOR_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return cls()
+
+    def save(self, directory: Path) -> None:
+        write_atomically(directory / CURSOR_FILE, json.dumps(dataclasses.asdict(self)))
+
+
+@dataclass
+class _Item:
+    """One call's worth of the journal, in order; ``end``: the offset delivered once it is."""
+
+    kind: str
+    data: Any
+    end: int | None
+
+
+class _RunPending(Exception):
+    """The training process has not opened the run yet: wait for it."""
+
+
+class JournalDelivery:
+    """Delivers the journal in ``directory`` until the run is ended, or it gives up.
+
+    ``tracking_uri``: the one to deliver to (the journal records it without credentials).
+    ``on_run``: called once the run is known (the sampler's windows go there too).
+    ``job_run``: where the journal's plan leaves the run to its launcher (``otel-forge run``), the
+    launcher's run, once it knows it.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        tracking_uri: str | None = None,
+        flush_interval_s: float = 1.0,
+        fsync_s: float = 1.0,
+        patience_s: float = 600.0,
+        on_run: Callable[[OpenRun], None] | None = None,
+        job_run: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.directory = directory
+        self._header = read_header(directory)
+        self._uri = tracking_uri or self._header.get("tracking_uri")
+        self._flush_interval_s = flush_interval_s
+        self._fsync_s = fsync_s
+        self._patience_s = patience_s
+        self._on_run = on_run
+        self._job_run = job_run
+        self._cursor = Cursor.load(directory)
+        self._reader = JournalReader(directory / JOURNAL_FILE, self._cursor.offset)
+        self._items: deque[_Item] = deque()
+        self._rows_since: float | None = None  # when the oldest row waiting was read
+        self._plan: dict[str, Any] = {}
+        self._describe: dict[str, Any] = {}
+        self._opened: dict[str, Any] | None = None
+        self._run: OpenRun | None = None
+        self._client: Any = None
+        self._writer_done = False  # its end read, or it died: nothing more comes
+        self._end_read = False
+        self._deadline: float | None = None  # monotonic: set by finish()
+        self._died_at: float | None = None
+        self._wake = threading.Event()
+        self._synced_at = time.monotonic()
+        self._warnings = RateLimitedLogger(_logger)
+        self.delivered_values = 0
+        self.ended: str | None = None  # the status the run was ended with
+        self.cause: str | None = None  # why the last call failed, when it did
+
+    # --- control, from any thread ---------------------------------------------------------
+
+    def finish(self, deadline_s: float) -> None:
+        """Deliver what is there within ``deadline_s``, then stop (the journal keeps what is left)."""
+        self._deadline = time.monotonic() + deadline_s
+        self._wake.set()
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run.run_id if self._run is not None else None
+
+    # --- the delivery's thread ------------------------------------------------------------
+
+    def run(self) -> Delivered:
+        """Deliver until the run is ended (``ALL``) or it gives up (``LEFT``); ``BUSY`` at once when
+        another process holds the journal."""
+        try:
+            lock = self._lock()
+        except JournalBusy:
+            return Delivered.BUSY
+        with lock:
+            outcome = self._deliver_all()
+        if outcome is Delivered.ALL:
+            self._remove()
+        else:
+            self._say_left()
+        return outcome
+
+    def _lock(self) -> Any:
+        fd = os.open(self.directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise JournalBusy(str(self.directory)) from None
+        return contextlib.closing(os.fdopen(fd))
+
+    def _deliver_all(self) -> Delivered:
+        backoff_s = _BACKOFF_S[0]
+        while True:
+            self._read()
+            self._sync_if_due()
+            item = self._next_item()
+            if item is None:
+                if self._writer_done and not self._items:
+                    if self.ended is not None or not self._ending_is_ours():
+                        return Delivered.ALL
+                    self._items.append(_Item(END, ("KILLED", 0), None))  # died without closing
+                    continue
+                if self._gave_up():
+                    return Delivered.LEFT
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+                continue
+            try:
+                self._send(item)
+            except _RunPending:
+                if self._gave_up():
+                    return Delivered.LEFT
+                self._wake.wait(POLL_S)
+                continue
+            except Exception as error:  # noqa: BLE001 - classified: retry, drop or stop
+                outcome = classify(error)
+                self.cause = unanswered_reason(error)
+                if outcome is Outcome.STOP:
+                    _logger.warning("MLflow: delivery of %s stopped: %s", self.directory, error_line(error))
+                    return Delivered.LEFT
+                if outcome is not Outcome.DROP:
+                    self._warnings.warning(
+                        "retry", "MLflow at %s: %s; retrying, everything is kept in %s", self.where, self.cause,
+                        self.directory,
+                    )  # fmt: skip
+                    if self._gave_up():
+                        return Delivered.LEFT
+                    self._wake.wait(backoff_s * (0.5 + random.random() / 2))
+                    backoff_s = min(backoff_s * 2, _BACKOFF_S[1])
+                    continue
+                self._warnings.warning("drop", "MLflow: refused and dropped: %s", error_line(error))
+            backoff_s = _BACKOFF_S[0]
+            self._done(item)
+
+    def _gave_up(self) -> bool:
+        now = time.monotonic()
+        if self._deadline is not None and now >= self._deadline:
+            return True
+        return self._died_at is not None and now - self._died_at >= self._patience_s
+
+    # --- reading --------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        if self._writer_done or len(self._items) >= _MAX_ITEMS:
+            return
+        alive = writer_alive(self._header)
+        for payload, end in self._reader.read(final=not alive, limit=_MAX_ITEMS):
+            self._take(decode(payload), end)
+        if not alive and not self._writer_done:
+            self._writer_done = True
+            if not self._end_read:
+                self._died_at = time.monotonic()
+        if self._reader.skipped:
+            self._warnings.warning("torn", "MLflow: %s: a record torn by the writer's death was skipped", self.directory)
+
+    def _take(self, entry: list[Any] | None, end: int) -> None:
+        kind = entry[0] if entry else None
+        if kind == METRICS:
+            assert entry is not None
+            _, step, timestamp_ms, values = entry
+            rows = [_Item(METRICS, (key, float(value), timestamp_ms, step), None) for key, value in values.items()]
+            if rows:
+                rows[-1].end = end
+                self._items.extend(rows)
+                self._rows_since = self._rows_since or time.monotonic()
+                return
+        elif kind in (RECORD, CHECKPOINT, END):
+            assert entry is not None
+            self._items.append(_Item(kind, tuple(entry[1:]), end))
+            if kind == END:
+                self._end_read = self._writer_done = True
+            return
+        elif kind == PLAN:
+            self._plan = dict(entry[1]) if entry else {}
+        elif kind == DESCRIBE:
+            self._describe = dict(entry[1]) if entry else {}
+        elif kind == OPENED:
+            self._opened = dict(entry[1]) if entry else None
+        self._items.append(_Item("mark", None, end))  # nothing to send: the cursor moves past it
+
+    def _next_item(self) -> _Item | None:
+        """The next call: a batch of rows once due (full, followed by something else, the flush
+        interval passed, or the writer done), else the item first in line."""
+        if not self._items:
+            return None
+        if self._items[0].kind != METRICS:
+            return self._items[0]
+        count = 0
+        for item in self._items:
+            if item.kind != METRICS or count == MAX_METRICS_PER_BATCH:
+                break
+            count += 1
+        due = (
+            count == MAX_METRICS_PER_BATCH
+            or count < len(self._items)
+            or self._writer_done
+            or self._deadline is not None
+            or time.monotonic() - (self._rows_since or 0.0) >= self._flush_interval_s
+        )
+        if not due:
+            return None
+        return _Item("rows", [self._items[i] for i in range(count)], None)
+
+    def _done(self, item: _Item) -> None:
+        taken = item.data if item.kind == "rows" else [item]
+        for _ in taken:
+            self._items.popleft()
+        ends = [t.end for t in taken if t.end is not None]
+        if item.kind == "rows":
+            self._rows_since = time.monotonic() if self._items and self._items[0].kind == METRICS else None
+        if ends:
+            self._cursor.offset = ends[-1]
+            self._save()
+
+    def _save(self) -> None:
+        with contextlib.suppress(OSError):
+            self._cursor.save(self.directory)
+
+    def _sync_if_due(self) -> None:
+        if self._fsync_s <= 0 or time.monotonic() - self._synced_at < self._fsync_s:
+            return
+        self._synced_at = time.monotonic()
+        # The training process never waits on the disk: its pages are forced out from here.
+        with contextlib.suppress(OSError):
+            fd = os.open(self.directory / JOURNAL_FILE, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+    # --- sending --------------------------------------------------------------------------
+
+    def _send(self, item: _Item) -> None:
+        if item.kind == "mark":
+            return
+        run = self._live_run()
+        if item.kind == "rows":
+            self._send_rows(run, [row.data for row in item.data if self._kept_step(run, row.data[3])])
+        elif item.kind == RECORD:
+            Record(*item.data).deliver(run.client, run.run_id)
+        elif item.kind == CHECKPOINT:
+            self._register(run, *item.data)
+        elif item.kind == END:
+            self._end(run, *item.data)
+
+    def _kept_step(self, run: OpenRun, step: int) -> bool:
+        """Steps a resumed run holds already are skipped, except in a later torchrun attempt
+        (``--max-restarts``): it logs its steps again, and they are the job's."""
+        attempt = torchrun_attempt(self._plan.get("attempt_environ") or {})
+        return run.last_step is None or (attempt is not None and attempt.is_retry) or step > run.last_step
+
+    def _send_rows(self, run: OpenRun, rows: list[MetricRow]) -> None:
+        """One ``log_batch``; a batch the server refuses is split until the refused values are found."""
+        if not rows:
+            return
+        metric = import_mlflow().entities.Metric
+        try:
+            run.client.log_batch(run.run_id, metrics=[metric(*row) for row in rows], synchronous=True)
+            self.delivered_values += len(rows)
+        except Exception as error:
+            if classify(error) is not Outcome.DROP:
+                raise
+            if len(rows) > 1:
+                middle = len(rows) // 2
+                self._send_rows(run, rows[:middle])
+                self._send_rows(run, rows[middle:])
+                return
+            self._cursor.refused += 1
+            self._warnings.warning(
+                "refused", "MLflow: metric %r at step %d refused by the server: %s", rows[0][0], rows[0][3],
+                error_line(error),
+            )  # fmt: skip
+
+    def _register(self, run: OpenRun, step: int, path: str, model_name: str) -> None:
+        from otel_forge.mlflow.training.checkpoints import find_or_create_external_model
+
+        if str(step) in self._cursor.models:
+            return
+        model_id = find_or_create_external_model(run, model_name, step, Path(path))
+        self._cursor.models[str(step)] = model_id
+
+    def _end(self, run: OpenRun, status: str, rejected: int) -> None:
+        from otel_forge.mlflow.training.outcome import end_run
+        from otel_forge.mlflow.training.run_metadata import REJECTED_TAG
+
+        if rejected or self._cursor.refused:
+            run.client.set_tag(run.run_id, REJECTED_TAG, str(rejected + self._cursor.refused), synchronous=True)
+        node = NodeIdentity(**self._plan["node"]) if self._plan.get("node") else NodeIdentity.detect()
+        end_run(run.client, run.run_id, run.experiment_id, status, node, environ=self._plan.get("attempt_environ"))
+        self.ended = status
+        if status == "FINISHED" and not self._plan.get("launched"):
+            _warn_runs_elsewhere(run)
+
+    def _ending_is_ours(self) -> bool:
+        """A journal whose writer died without closing: its run ends KILLED here, unless its
+        launcher (``otel-forge run``) ends it from the command's exit."""
+        return bool(self._plan) and not self._plan.get("launched") and not self._plan.get("launcher_opens")
+
+    # --- the run --------------------------------------------------------------------------
+
+    def _live_run(self) -> OpenRun:
+        if self._run is not None:
+            return self._run
+        if self._client is None:
+            self._client = make_client(self._uri)
+        known = self._opened or self._cursor.run
+        if known is None and (job_run := self._job_run() if self._job_run else None) is not None:
+            known = {"run_id": job_run, "experiment": self._plan.get("experiment")}
+        if known is None:
+            if not self._writer_done:
+                raise _RunPending()
+            known = self._open_from_plan()
+        self._run = OpenRun(
+            known["run_id"],
+            known.get("run_name"),
+            known.get("experiment_id"),
+            known.get("experiment") or "",
+            bool(known.get("resumed")),
+            known.get("last_step"),
+            self._client,
+            described=not known.get("describe", False),
+        )
+        if self._cursor.run is None:
+            self._cursor.run = {k: v for k, v in known.items() if k != "describe"}
+            self._save()
+        if known.get("describe"):
+            for record in self._describe_records():
+                record.deliver(self._client, self._run.run_id)
+        if self._on_run is not None:
+            self._on_run(self._run)
+        return self._run
+
+    def _open_from_plan(self) -> dict[str, Any]:
+        """The run the training process would have opened, had the server answered while it ran."""
+        from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest
+
+        if not self._plan:
+            raise RuntimeError(f"{self.directory}: the journal has no plan (its writer died before writing it)")
+        plan = self._plan
+        node = NodeIdentity(**plan["node"])
+        request = JobRunRequest(
+            tracking_uri=self._uri or "",
+            experiment=plan["experiment"],
+            experiment_id=plan.get("experiment_id"),
+            run_id=plan.get("run_id"),
+            run_name=plan.get("run_name"),
+            launched=bool(plan.get("launched")),
+            launcher_opens=bool(plan.get("launcher_opens")),
+            create_if_missing=True,
+            samples_node=False,
+            late_after_s=60.0,
+        )
+        stopping, wake = threading.Event(), threading.Event()
+        wake.set()  # a run of a launcher's job is looked for once per attempt, not waited for
+        finder = JobRunFinder(request, self._new_run_spec, lambda: node, stopping, wake, threading.Event())
+        run = finder.open(self._client)
+        if run is None:
+            raise _RunPending()
+        described = run.described or (run.resumed and plan.get("launched", False))
+        return {
+            "run_id": run.run_id,
+            "run_name": run.run_name,
+            "experiment_id": run.experiment_id,
+            "experiment": run.experiment,
+            "resumed": run.resumed,
+            "last_step": run.last_step,
+            "describe": not described and node.is_global_zero,
+        }
+
+    def _new_run_spec(self, job_key: str | None) -> tuple[str | None, dict[str, str]]:
+        from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG
+
+        tags = dict(self._describe.get("creation_tags") or self._plan.get("tags") or {})
+        if job_key:
+            tags[JOB_KEY_TAG] = job_key
+        return self._plan.get("run_name"), tags
+
+    def _describe_records(self) -> list[Record]:
+        return [Record(kind, payload) for kind, payload in self._describe.get("records", [])]
+
+    # --- the end of the delivery ----------------------------------------------------------
+
+    def pending_values(self) -> int:
+        return sum(1 for item in self._items if item.kind == METRICS)
+
+    def _remove(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _say_left(self) -> None:
+        values = self.pending_values()
+        _logger.log(
+            kept_notice_level(self.directory),
+            "MLflow: %d metric value(s)%s of run %s were not delivered to %s%s; they are kept in %s. "
+            "Deliver them with: otel-forge replay %s",
+            values,
+            "" if self.ended else " and the run's end",
+            self.run_id or "(not opened yet)",
+            self.where,
+            f" ({self.cause})" if self.cause else "",
+            self.directory,
+            self.directory,
+        )
+
+    @property
+    def where(self) -> str:
+        return uri_without_credentials(self._uri or "")
+
+
+def _warn_runs_elsewhere(run: OpenRun) -> None:
+    from otel_forge.mlflow.training.run_context import runs_elsewhere
+
+    if run.experiment_id is None:
+        return
+    try:
+        elsewhere = runs_elsewhere(run.client, run.run_id, run.experiment_id)
+    except Exception as error:  # noqa: BLE001 - a look for the user's sake, after the run's end
+        _logger.debug("MLflow: the job's runs in other experiments not looked for: %s", error_line(error))
+        return
+    for run_id, experiment in elsewhere:
+        _logger.warning(
+            "MLflow: run %s of this job is in experiment %s, not beside run %s in %s: give the "
+            "framework the job's run (Lightning: MLFlowLogger(run_id=otel_forge.job_run_id()))",
+            run_id,
+            experiment,
+            run.run_id,
+            run.experiment,
+        )

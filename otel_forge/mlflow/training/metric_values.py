@@ -1,0 +1,79 @@
+"""What ``log()`` checks before it journals a value: a step and values MLflow can store, under keys it
+accepts, so that one bad value costs only itself, never the batch it would join."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from otel_forge.mlflow.keys import sanitize_key
+from otel_forge.ratelimit import RateLimitedLogger
+
+MAX_KEY_CHARS = 250  # MLflow's limit for a metric key
+MAX_STEP = 2**63 - 1  # MLflow stores steps as int64
+
+
+def checked_step(step: Any) -> int | None:
+    """``step`` as MLflow can store it (an integer from 0 to int64's max, integral floats and
+    numpy/torch scalars included); None otherwise."""
+    if hasattr(step, "item") and not isinstance(step, (int, float)):
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        return None
+    if isinstance(step, float) and not step.is_integer():
+        return None
+    return int(step) if 0 <= step <= MAX_STEP else None
+
+
+def checked_value(value: Any) -> float | None:
+    """A number MLflow can store: finite, or NaN (a diverged loss is worth seeing); else None."""
+    try:
+        number = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return None if math.isinf(number) else number
+
+
+_MAX_REMEMBERED_KEYS = 10_000
+
+
+class MetricChecker:
+    """Checks one ``log()`` call's values; counts and warns (rate-limited) what it refuses."""
+
+    def __init__(self, warnings: RateLimitedLogger) -> None:
+        self.rejected = 0  # values refused, each warned (at most once a minute)
+        self._warnings = warnings
+        self._key_names: dict[Any, str | None] = {}
+
+    def values(self, metrics: Mapping[Any, Any]) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for key, raw in metrics.items():
+            name = self._key_name(key)
+            if name is None:
+                self.reject(1, "metric key %r is longer than %d characters", str(key)[:80], MAX_KEY_CHARS)
+            elif name in values:
+                self.reject(1, "metric key %r is %r once sanitised, as another key of the same step", key, name)
+            elif (value := checked_value(raw)) is None:
+                self.reject(1, "metric %r: %r is not a finite number or NaN", name, str(raw)[:80])
+            else:
+                values[name] = value
+        return values
+
+    def reject(self, count: int, message: str, *args: object) -> None:
+        self.rejected += count
+        self._warnings.log(
+            logging.WARNING, "log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args,
+            self.rejected,
+        )  # fmt: skip
+
+    def _key_name(self, key: Any) -> str | None:
+        """The key as MLflow accepts it, or None; remembered, since the same keys come every step."""
+        if (name := self._key_names.get(key, "")) != "":
+            return name
+        name = sanitize_key(str(key))
+        name = name if len(name) <= MAX_KEY_CHARS else None
+        if len(self._key_names) < _MAX_REMEMBERED_KEYS:
+            self._key_names[key] = name
+        return name

@@ -1,0 +1,172 @@
+"""The run's journal: everything the training process logs is appended here before anything else
+happens to it, and a process that is not the training process delivers it (``journal_delivery``).
+
+One directory per run and process in the spool root: ``spool.json`` (kind ``journal``, the writer's
+pid and start time, the tracking URI without credentials), ``journal.log`` (entries framed as
+``otel_forge.journal`` frames them: a record torn by a kill is detected and skipped), and, once a
+delivery has begun, ``delivered.json`` (how far it has delivered, the run it delivers into, the
+checkpoints it registered). Page-cache writes survive the training process's death; only a node's
+crash can lose what the delivery process has not forced to disk yet (``journal_fsync_s``).
+
+An entry is a JSON list whose first item says what it is:
+``["plan", {...}]`` how to open the run, ``["describe", {...}]`` what a new run records,
+``["opened", {...}]`` the run the training process opened, ``["m", step, timestamp_ms, {key: value}]``
+one ``log()``, ``["rec", kind, payload]`` a ``Record``, ``["ckpt", step, path, model_name]`` a checkpoint,
+``["end", status, rejected]`` the run's end as the training process ended it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otel_forge.journal import JournalWriter
+from otel_forge.mlflow.spool_files import HEADER, make_spool_dir, write_atomically
+
+KIND = "journal"
+JOURNAL_FILE = "journal.log"
+CURSOR_FILE = "delivered.json"
+
+PLAN, DESCRIBE, OPENED, METRICS, RECORD, CHECKPOINT, END = "plan", "describe", "opened", "m", "rec", "ckpt", "end"
+
+_encode = json.JSONEncoder(separators=(",", ":")).encode  # NaN stays NaN: a diverged loss is worth seeing
+
+
+@dataclass(frozen=True)
+class Record:
+    """One call that describes the run, as data: ``tags`` and ``params`` (key -> value), ``dict``
+    and ``text`` artifacts (``{"name", "data"}``), ``run_name`` (the new name)."""
+
+    kind: str
+    payload: Any
+
+    def deliver(self, client: Any, run_id: str) -> None:
+        from otel_forge.mlflow.client import import_mlflow
+
+        entities = import_mlflow().entities
+        if self.kind == "tags":
+            client.log_batch(run_id, tags=[entities.RunTag(k, v) for k, v in self.payload.items()], synchronous=True)
+        elif self.kind == "params":
+            client.log_batch(run_id, params=[entities.Param(k, v) for k, v in self.payload.items()], synchronous=True)
+        elif self.kind == "dict":
+            client.log_dict(run_id, self.payload["data"], self.payload["name"])
+        elif self.kind == "run_name":
+            client.update_run(run_id, name=self.payload)
+        else:
+            client.log_text(run_id, self.payload["data"], self.payload["name"])
+
+
+class RunJournal:
+    """The training process's side: one append per call, no lock held across I/O, no MLflow."""
+
+    def __init__(self, directory: Path, tracking_uri: str, launcher: bool = False) -> None:
+        make_spool_dir(directory)
+        # launcher: `otel-forge run`'s own journal, delivered first (it opens the job's run).
+        header = {"kind": KIND, "tracking_uri": tracking_uri, "launcher": launcher, **writer_identity()}
+        write_atomically(directory / HEADER, json.dumps(header))
+        self.directory = directory
+        self._writer = JournalWriter(directory / JOURNAL_FILE)
+
+    @classmethod
+    def create(cls, root: Path, tracking_uri: str, launcher: bool = False) -> RunJournal:
+        return cls(root / f"{time.strftime('%Y%m%d-%H%M%S')}-journal-{os.getpid()}", tracking_uri, launcher)
+
+    def metrics(self, values: Mapping[str, float], step: int, timestamp_ms: int) -> None:
+        self._writer.append(_encode([METRICS, step, timestamp_ms, values]).encode())
+
+    def plan(self, plan: Mapping[str, Any]) -> None:
+        self._append(PLAN, plan)
+
+    def describe(self, description: Mapping[str, Any]) -> None:
+        self._append(DESCRIBE, description)
+
+    def opened(self, run: Mapping[str, Any]) -> None:
+        self._append(OPENED, run)
+
+    def record(self, record: Record) -> None:
+        self._append(RECORD, record.kind, record.payload)
+
+    def checkpoint(self, step: int, path: str, model_name: str) -> None:
+        self._append(CHECKPOINT, step, path, model_name)
+
+    def end(self, status: str, rejected: int) -> None:
+        self._append(END, status, rejected)
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def _append(self, *entry: Any) -> None:
+        self._writer.append(_encode(list(entry)).encode())
+
+
+def decode(payload: bytes) -> list[Any] | None:
+    """An entry, or None for bytes that are not one (written by another version, say)."""
+    try:
+        entry = json.loads(payload)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, list) and entry and isinstance(entry[0], str) else None
+
+
+def writer_identity() -> dict[str, Any]:
+    """This process as a journal's header names it: its pid and start time (a pid is reused)."""
+    import psutil
+
+    return {"pid": os.getpid(), "started": psutil.Process().create_time()}
+
+
+def writer_alive(header: Mapping[str, Any]) -> bool:
+    """Whether the process that wrote the journal still runs (a zombie has ended)."""
+    import psutil
+
+    try:
+        process = psutil.Process(int(header["pid"]))
+        return process.create_time() == header.get("started") and process.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def is_journal(path: Path) -> bool:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads((path / HEADER).read_text()).get("kind") == KIND
+    return False
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    return dict(json.loads((path / HEADER).read_text()))
+
+
+@dataclass(frozen=True)
+class Undelivered:
+    """What a journal holds past its delivery's cursor: metric values, and the run's end."""
+
+    values: int
+    end: str | None  # the status it was ended with, where the journal has its end
+    open: bool  # the run's end is not delivered yet
+
+
+def undelivered(directory: Path) -> Undelivered:
+    from otel_forge.journal import JournalReader
+
+    try:
+        offset = int(json.loads((directory / CURSOR_FILE).read_text())["offset"])
+    except (OSError, ValueError, KeyError, TypeError):
+        offset = 0
+    values, end = 0, None
+    reader = JournalReader(directory / JOURNAL_FILE, offset)
+    try:
+        for payload, _ in reader.read(final=True):
+            entry = decode(payload) or [""]
+            if entry[0] == METRICS:
+                values += len(entry[3])
+            elif entry[0] == END:
+                end = entry[1]
+    finally:
+        reader.close()
+    return Undelivered(values, end, True)

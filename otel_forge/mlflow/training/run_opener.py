@@ -1,0 +1,211 @@
+"""``RunOpener``: finds or makes the job's run on its own thread (``RunOwner``), once, however long the
+server takes, and says what it found in the journal. Its state is one ``OpenerState``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from otel_forge.config import TOLD_SPOOL_ENV, ConfigError
+from otel_forge.mlflow.client import classify, make_client, unanswered_reason
+from otel_forge.mlflow.fluent_runs import fluent_run_id
+from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
+from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, MissingRun
+from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
+from otel_forge.mlflow.training.run_plan import RunPlan, is_remote
+from otel_forge.mlflow.worker import Outcome
+from otel_forge.ratelimit import RateLimitedLogger
+from otel_forge.scrub import error_line, uri_without_credentials
+
+_logger = logging.getLogger(__name__)
+
+_FIRST_OPEN_RETRY_S, _MAX_OPEN_RETRY_S = 1.0, 10.0
+_DATABRICKS_AUTH_HINT = (
+    "Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
+    "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
+    "DATABRICKS_CLIENT_SECRET), or run `databricks auth login`"
+)
+
+
+class OpenerState(enum.Enum):
+    IDLE = "idle"  # nothing asked yet: no thread, no I/O
+    OPENING = "opening"  # asking the server (or waiting for rank 0's run)
+    UNANSWERED = "unanswered"  # the last attempt failed: retried with backoff until closed
+    OPEN = "open"
+    FAILED = "failed"  # not to be opened (a missing run, a local store that refuses): logging is off
+    CLOSED = "closed"  # closed before it opened: the journal's delivery opens it from the plan
+
+
+class RunOpener:
+    """Opens the plan's run once; ``on_open`` callbacks run on the opener's thread."""
+
+    def __init__(self, plan: RunPlan, new_run: Callable[[str | None], tuple[str | None, dict[str, str]]]) -> None:
+        self.plan = plan
+        self.state = OpenerState.IDLE
+        self.run: OpenRun | None = None
+        self.error: BaseException | None = None  # why the run did not open, once it did not
+        self.on_open: list[Callable[[OpenRun], None]] = []
+        self.on_unanswered: list[Callable[[BaseException], None]] = []
+        self._new_run = new_run
+        self._owner: RunOwner | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._stopping = threading.Event()  # closing: no more waiting for the run
+        self._wake = threading.Event()  # stops a wait for the job's run: closing, or rank 0 known
+        self._unanswered = threading.Event()
+        self._asking = threading.Event()  # MLflow is imported: the server is being asked
+        self._warnings = RateLimitedLogger(_logger)
+        self.script_run_id: str | None = None  # the MLflow run the script had open when we began
+        if os.environ.get(TOLD_SPOOL_ENV):
+            self._unanswered.set()  # `otel-forge run` found the server down before starting us
+
+    @property
+    def owner(self) -> RunOwner | None:
+        return self._owner
+
+    def begin(self) -> None:
+        if self.state is not OpenerState.IDLE:
+            return
+        if self.plan.requested_run_id is None and not self.plan.launcher_opens:
+            # `with mlflow.start_run(): with TrainingRun(): ...`: the script's run is the job's; it ends it.
+            self.script_run_id = fluent_run_id()
+            self.plan = self.plan.replace(requested_run_id=self.script_run_id)
+        self.state = OpenerState.OPENING
+        self._owner = RunOwner("mlflow-run-owner")
+        self._future = self._owner.submit(self._open)
+
+    def submit(self, task: Callable[[], Any]) -> None:
+        """Run ``task`` on the opener's thread, after the open (or at once if it is done)."""
+        if self._owner is not None:
+            self._owner.submit(task)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for the server's answer, at most ``timeout_s`` once MLflow is asked (importing it is
+        not counted), or until it fails once; True when the run is open."""
+        asked_at: float | None = None
+        while self._future is not None and not self._future.done() and not self._unanswered.is_set():
+            if asked_at is None and self._asking.is_set():
+                asked_at = time.monotonic()
+            if asked_at is not None and time.monotonic() - asked_at >= timeout_s:
+                self._warnings.warning(
+                    "open", "MLflow: the run did not open within %.0f s; it goes on opening in the background", timeout_s
+                )
+                return False
+            concurrent.futures.wait([self._future], timeout=0.05)
+        return self.run is not None
+
+    def take_rank_zero(self) -> None:
+        if self.run is None and self.state is not OpenerState.CLOSED:
+            self.plan = self.plan.replace(node=dataclasses.replace(self.plan.node, rank=0))
+            self._wake.set()
+
+    def adopt_job_key(self, key: str, source: str) -> None:
+        self.plan = self.plan.replace(node=dataclasses.replace(self.plan.node, job_key=key, job_key_source=source))
+
+    def close(self, timeout_s: float) -> None:
+        """Stop waiting for the run: a server that has not answered gets one last attempt, a run
+        being found gets ``timeout_s``; what is journaled waits for the delivery either way."""
+        if self._future is None:
+            return
+        if self._unanswered.is_set():
+            self._stopping.set()
+            self._wake.set()
+        concurrent.futures.wait([self._future], timeout=timeout_s)
+        self._stopping.set()
+        self._wake.set()
+        if self.run is None and self.state is not OpenerState.FAILED:
+            self.state = OpenerState.CLOSED
+
+    def _open(self) -> OpenRun | None:
+        """Find or make the run (explicit id > job key > new). A server that does not answer
+        (refused, timed out, 5xx, 429, a refused credential) is retried with backoff until it does
+        or the run is closed: the job outlives the server, and the journal keeps what it logs."""
+        pause_s = _FIRST_OPEN_RETRY_S
+        finder = self._finder()
+        while True:
+            try:
+                client = make_client(self.plan.tracking_uri)
+                self._asking.set()
+                run = finder.open(client)
+                if run is None and self._wake.is_set() and not self._stopping.is_set():
+                    run = finder.open(client)  # this process turned out to hold rank 0
+                break
+            except Exception as error:
+                if not self._transient(error):
+                    self._fail(error)
+                    raise
+                if self._stopping.is_set():
+                    self.error = error  # closed before the server answered: the delivery opens it
+                    raise
+                self.state = OpenerState.UNANSWERED
+                self._unanswered.set()
+                self._stopping.wait(pause_s)  # closing ends the pause: one last attempt
+                pause_s = min(pause_s * 2, _MAX_OPEN_RETRY_S)
+        self._unanswered.clear()
+        if run is None:
+            self.state = OpenerState.CLOSED
+            return None
+        self.run, self.state = run, OpenerState.OPEN
+        _logger.info(
+            "MLflow run %s (%s) in experiment %s at %s",
+            run.run_id,
+            "resumed" if run.resumed else "new",
+            run.experiment,
+            uri_without_credentials(self.plan.tracking_uri),
+        )
+        for callback in self.on_open:
+            callback(run)
+        return run
+
+    def _finder(self) -> JobRunFinder:
+        plan = self.plan
+        request = JobRunRequest(
+            tracking_uri=plan.tracking_uri,
+            experiment=plan.experiment,
+            experiment_id=plan.forge_config.experiment_id,
+            run_id=plan.requested_run_id,
+            run_name=plan.run_name,
+            launched=plan.launched,
+            launcher_opens=plan.launcher_opens,
+            create_if_missing=plan.create_if_missing,
+            samples_node=plan.system_metrics and plan.node.runs_agent and not plan.node_sampled_by_launcher,
+            late_after_s=plan.init_deadline_s,
+        )
+        return JobRunFinder(request, self._new_run, lambda: self.plan.node, self._stopping, self._wake, self._unanswered)
+
+    def _transient(self, error: BaseException) -> bool:
+        """An outage of a tracking server, worth waiting for; a local store's errors are not."""
+        if isinstance(error, (MissingRun, ConfigError)) or classify(error) is not Outcome.RETRY:
+            return False
+        if not is_remote(self.plan.tracking_uri) and "database is locked" not in str(error):
+            return False
+        if self._unanswered.is_set():
+            return True  # told at the first failure
+        if self.on_unanswered:
+            for callback in self.on_unanswered:
+                callback(error)
+        else:
+            self._warnings.log(
+                kept_notice_level(spool_root(self.plan.forge_config.spool_dir)),
+                "open-retry",
+                "MLflow at %s: %s; the run opens when it answers, and everything logged is kept meanwhile",
+                uri_without_credentials(self.plan.tracking_uri),
+                f"does not answer ({unanswered_reason(error)})",
+            )
+        return True
+
+    def _fail(self, error: BaseException) -> None:
+        self.error, self.state = error, OpenerState.FAILED
+        auth = self.plan.tracking_uri.startswith("databricks") and _auth_error(error)
+        _logger.warning("MLflow logging disabled: %s%s", error_line(error), f". {_DATABRICKS_AUTH_HINT}" if auth else "")
+
+
+def _auth_error(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(word in text for word in ("401", "403", "unauthorized", "forbidden", "credential", "auth", "token"))

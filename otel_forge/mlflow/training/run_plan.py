@@ -1,0 +1,145 @@
+"""``RunPlan``: what a ``TrainingRun`` was asked for, resolved once and frozen: where the run is,
+which run it is (asked for, handed by ``otel-forge run``, or the job key's), and what this process
+does in it. No I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otel_forge.config import JOURNALS_DELIVERED_BY_ENV, ConfigError, ForgeConfig
+from otel_forge.mlflow.training.launched_run import LaunchedRun
+from otel_forge.node import TORCHRUN_MAX_RESTARTS_VAR, TORCHRUN_RESTART_COUNT_VAR, NodeIdentity
+
+DEFAULT_EXPERIMENT = "otel-forge"
+# A local store is not a server that may be down: creating its tables is part of opening it (seconds
+# on a fresh file); the wait is bounded only for a store another process holds locked.
+_LOCAL_STORE_WAIT_S = 120.0
+
+
+def embedded_tracking_uri() -> str:
+    """A local store in the working directory, the one ``mlflow ui`` opens there."""
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def is_remote(uri: str) -> bool:
+    return uri.startswith(("http://", "https://", "databricks"))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The run a process asks for and its part in it."""
+
+    forge_config: ForgeConfig
+    tracking_uri: str
+    experiment: str  # name, or id (all digits)
+    run_name: str | None
+    requested_run_id: str | None  # explicit, MLFLOW_RUN_ID, or the run `otel-forge run` handed us
+    node: NodeIdentity
+    system_metrics: bool
+    register_checkpoints: bool
+    create_if_missing: bool
+    launched: bool  # the requested run is the one `otel-forge run` opened for this attempt
+    describe_launched: bool  # ... and it asks us to describe it (it recorded its own config only)
+    launcher_opens: bool  # `otel-forge run` is still opening the run: find it by key, never make one
+    node_sampled_by_launcher: bool  # `otel-forge run` samples this node already
+    delivered_by_launcher: bool  # `otel-forge run` delivers our journal (it reads its job's directory)
+    init_deadline_s: float
+    end_deadline_s: float
+
+    @classmethod
+    def resolve(
+        cls,
+        forge_config: ForgeConfig,
+        *,
+        tracking_uri: str | None,
+        experiment: str | None,
+        run_name: str | None,
+        run_id: str | None,
+        node: NodeIdentity | None,
+        system_metrics: bool,
+        register_checkpoints: bool,
+        create_if_missing: bool,
+        deadlines: tuple[float, float],
+    ) -> RunPlan:
+        launched = LaunchedRun.from_environ()
+        handed = launched.run_id if launched is not None else None
+        requested = run_id or forge_config.run_id or handed
+        uri = tracking_uri or forge_config.tracking_uri or embedded_tracking_uri()
+        node = node or NodeIdentity.from_config(forge_config)
+        return cls(
+            forge_config=forge_config,
+            tracking_uri=uri,
+            experiment=_experiment(uri, experiment or forge_config.experiment_name or forge_config.experiment_id),
+            run_name=run_name,
+            requested_run_id=requested,
+            node=node,
+            system_metrics=system_metrics,
+            register_checkpoints=register_checkpoints,
+            create_if_missing=create_if_missing,
+            launched=bool(requested) and requested == handed,
+            describe_launched=bool(requested) and requested == handed and launched is not None and launched.described,
+            launcher_opens=not requested and launched is not None and launched.pending,
+            node_sampled_by_launcher=launched is not None and launched.sampled_node == node.sampling_key,
+            delivered_by_launcher=_launcher_delivers(),
+            init_deadline_s=deadlines[0],
+            end_deadline_s=deadlines[1],
+        )
+
+    def replace(self, **changes: Any) -> RunPlan:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def owns_run(self) -> bool:
+        """Global rank 0 creates the run and logs training metrics; other ranks only attach."""
+        return self.node.is_global_zero
+
+    @property
+    def start_wait_s(self) -> float:
+        """How long to wait for the run before the job starts: the setting for a tracking server,
+        as long as a local store takes to create."""
+        wait_s = self.forge_config.start_wait_s
+        return wait_s if is_remote(self.tracking_uri) else max(wait_s, _LOCAL_STORE_WAIT_S)
+
+    def journal_entry(self, default_run_name: str | None, tags: Mapping[str, str]) -> dict[str, Any]:
+        """The plan as the journal keeps it: enough for a delivery to open the run we would have."""
+        from otel_forge.scrub import uri_without_credentials
+
+        return {
+            "tracking_uri": uri_without_credentials(self.tracking_uri),
+            "experiment": self.experiment,
+            "experiment_id": self.forge_config.experiment_id,
+            "run_id": self.requested_run_id,
+            "run_name": self.run_name or default_run_name,
+            "tags": dict(tags),
+            "node": dataclasses.asdict(self.node),
+            "launched": self.launched,
+            "launcher_opens": self.launcher_opens,
+            "attempt_environ": {
+                name: os.environ[name]
+                for name in (TORCHRUN_RESTART_COUNT_VAR, TORCHRUN_MAX_RESTARTS_VAR)
+                if name in os.environ
+            },
+        }
+
+
+def _experiment(tracking_uri: str, experiment: str | None) -> str:
+    if tracking_uri.startswith("databricks") and experiment and not experiment.startswith("/"):
+        if not experiment.isdigit():
+            raise ConfigError(
+                f"invalid experiment: on Databricks an experiment is an absolute workspace path "
+                f"such as '/Users/you@example.com/project', got {experiment!r}"
+            )
+    return experiment or DEFAULT_EXPERIMENT
+
+
+def _launcher_delivers() -> bool:
+    """``otel-forge run`` delivers our journal: it said so, and it still runs."""
+    import psutil
+
+    pid = os.environ.get(JOURNALS_DELIVERED_BY_ENV, "")
+    return pid.isdigit() and int(pid) != os.getpid() and psutil.pid_exists(int(pid))
