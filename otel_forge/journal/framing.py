@@ -38,6 +38,7 @@ class RecordType(IntEnum):
 # byte's part is computed once; crc32 continues from it over the data.
 _SEEDS: dict[int, int] = {int(kind): zlib.crc32(bytes([kind])) for kind in RecordType}
 _FULL_SEED = _SEEDS[RecordType.FULL]
+_FULL = int(RecordType.FULL)  # a plain int packs faster than the enum member
 
 
 class Header(NamedTuple):
@@ -54,23 +55,25 @@ def frame(offset: int, payload: bytes) -> bytes:
     room = BLOCK_SIZE - offset % BLOCK_SIZE
     size = len(payload)
     if size + HEADER_SIZE <= room:  # the common case: one FULL record in this block
-        return _HEADER.pack(zlib.crc32(payload, _FULL_SEED), size, RecordType.FULL) + payload
+        return _HEADER.pack(zlib.crc32(payload, _FULL_SEED), size, _FULL) + payload
     return _frame_fragments(room, payload)
 
 
 def _frame_fragments(room: int, payload: bytes) -> bytes:
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     view = memoryview(payload)
     start = 0
+    first = True  # not start == 0: with exactly a header's room left, the first fragment is empty
     while True:
         if room < HEADER_SIZE:
             parts.append(bytes(room))  # the trailer (empty when the last fragment filled its block)
             room = BLOCK_SIZE
         end = min(len(payload), start + room - HEADER_SIZE)
-        kind = _fragment_type(first=start == 0, last=end == len(payload))
+        kind = _fragment_type(first, last=end == len(payload))
+        first = False
         data = view[start:end]
         parts.append(_HEADER.pack(zlib.crc32(data, _SEEDS[kind]), end - start, kind))
-        parts.append(data.tobytes())
+        parts.append(data)
         if end == len(payload):
             return b"".join(parts)
         room -= HEADER_SIZE + end - start

@@ -9,7 +9,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_forge.mlflow.keys import sanitize_key
+from otel_forge.mlflow.training.run_metadata import REJECTED_TAG
 from otel_forge.ratelimit import RateLimitedLogger
+
+_logger = logging.getLogger(__name__)
 
 MAX_KEY_CHARS = 250  # MLflow's limit for a metric key
 MAX_STEP = 2**63 - 1  # MLflow stores steps as int64
@@ -44,6 +47,7 @@ class MetricChecker:
 
     def __init__(self, warnings: RateLimitedLogger) -> None:
         self.rejected = 0  # values refused, each warned (at most once a minute)
+        self._warned = 0  # the count the last warning said
         self._warnings = warnings
         self._key_names: dict[Any, str | None] = {}
 
@@ -63,10 +67,19 @@ class MetricChecker:
 
     def reject(self, count: int, message: str, *args: object) -> None:
         self.rejected += count
-        self._warnings.log(
-            logging.WARNING, "log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args,
-            self.rejected,
-        )  # fmt: skip
+        if self._warnings.warning("log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args,
+                                  self.rejected):  # fmt: skip
+            self._warned = self.rejected
+
+    def say_total(self) -> None:
+        """The warnings per value are rate-limited: the total, once the run is closed."""
+        if self.rejected > self._warned:
+            _logger.warning(
+                "MLflow: %d metric value(s) were refused in all (bad step, key or value); tag %s of the run "
+                "holds the count",
+                self.rejected,
+                REJECTED_TAG,
+            )
 
     def _key_name(self, key: Any) -> str | None:
         """The key as MLflow accepts it, or None; remembered, since the same keys come every step."""

@@ -286,6 +286,7 @@ class TrainingRun:
             self.ended = self._journal is not None and not self._journal.directory.exists()
         if self._journal is None:
             self._end_here(status)
+        self._checker.say_total()
 
     def _end_here(self, status: str) -> None:
         """A rank that journals nothing ends its part of the run itself (its outcome, if it failed)."""
