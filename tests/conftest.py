@@ -1,5 +1,6 @@
-"""Session fixtures: one real ``mlflow server``, its client, and the socket watch (tests/socket_io.py);
-the ``slow`` marker on every test that needs a server process."""
+"""Session fixtures: one real ``mlflow server``, its client, a basic-auth ``mlflow server`` and a TLS
+proxy in front of the first (started only for the tests that ask for them), and the socket watch
+(tests/socket_io.py); the ``slow`` marker on every test that needs a server process."""
 
 from pathlib import Path
 
@@ -14,6 +15,25 @@ def mlflow_server(tmp_path_factory):
     """One real tracking server for the session (tests that kill it start their own)."""
     with MlflowServer(tmp_path_factory.mktemp("mlflow-server")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def auth_server(tmp_path_factory):
+    """A real ``mlflow server --app-name basic-auth`` (testkit/auth_server.py): an admin, users READ by default."""
+    from testkit.auth_server import AuthMlflowServer
+
+    with AuthMlflowServer(tmp_path_factory.mktemp("mlflow-auth-server")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tls_proxy(mlflow_server, tmp_path_factory):
+    """HTTPS in front of the session's server, its certificate signed by a CA of the test's own
+    (``tls_proxy.ca_path``) that no trust store knows."""
+    from testkit.tls_proxy import TlsProxy  # cryptography: only where a test asks for it
+
+    with TlsProxy(mlflow_server.uri, tmp_path_factory.mktemp("tls")) as proxy:
+        yield proxy
 
 
 @pytest.fixture
@@ -36,7 +56,7 @@ _SLOW_FOLDERS = {
     "multinode",
     "training_run",
 }
-_SLOW_FIXTURES = {"mlflow_server", "client"}
+_SLOW_FIXTURES = {"mlflow_server", "client", "auth_server", "tls_proxy"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

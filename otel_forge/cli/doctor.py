@@ -19,9 +19,10 @@ from otel_forge.config import COLLECTOR_NAMES, SETTINGS, ForgeConfig, Origin, Se
 from otel_forge.mlflow.keys import system_prefix
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.node import NodeIdentity
-from otel_forge.scrub import scrub, uri_without_credentials
+from otel_forge.scrub import scrub
 
 _PROBE_TIMEOUT_S = 2.0
+DEFAULT_TRACKING = "MLflow's default (./mlflow.db)"
 
 
 def add_parser(commands: Any) -> None:
@@ -64,25 +65,26 @@ def _otlp_check(config: ForgeConfig) -> str:
     return f"{config.otlp_protocol} {config.otlp_metrics_url}: {_tcp_check(parsed.hostname or '', port)}"
 
 
-def _tracking_check(config: ForgeConfig) -> str:
-    uri = config.tracking_uri or "MLflow's default (./mlflow.db)"
-    parsed = urllib.parse.urlsplit(uri)
-    if parsed.scheme not in ("http", "https"):
-        return f"{scrub(uri)}: local store"
-    try:
-        with urllib.request.urlopen(
-            f"{uri_without_credentials(uri).rstrip('/')}/health", timeout=_PROBE_TIMEOUT_S
-        ) as response:
-            return f"{scrub(uri)}: answers ({response.status})"
-    except OSError as error:
-        return f"{scrub(uri)}: does not answer ({scrub(str(getattr(error, 'reason', error)))})"
+def _tracking_check(config: ForgeConfig) -> dict[str, Any]:
+    """The tracking server asked as MLflow's client asks it (``server_check``): a local store is
+    not asked (nor MLflow imported for it)."""
+    uri = config.tracking_uri or DEFAULT_TRACKING
+    if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
+        return {"verdict": "local_store", "summary": "local store"}
+    from otel_forge.mlflow.server_check import check_server
+    from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT
+
+    # The experiment a run of this config goes to: its name, else its id, else the default's name.
+    experiment_name = config.experiment_name or (None if config.experiment_id else DEFAULT_EXPERIMENT)
+    return check_server(uri, experiment_name, config.experiment_id, _PROBE_TIMEOUT_S).as_dict()
 
 
 def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
     """Spool directories left by a close: what is pending and how delivery went. A run's journal
     counts the metric values not delivered yet and says whether the run still has to be ended."""
     from otel_forge.mlflow.spool_files import HEADER, STATS, spool_root
-    from otel_forge.mlflow.training.run_journal import KIND as JOURNAL, undelivered
+    from otel_forge.mlflow.training.run_journal import KIND as JOURNAL
+    from otel_forge.mlflow.training.run_journal import undelivered
 
     root = spool_root(config.spool_dir)
     found = []
@@ -122,6 +124,7 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
     for name in COLLECTOR_NAMES:
         collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
     node = NodeIdentity.from_config(config)
+    tracking = _tracking_check(config)
     settings = {
         s.name: {
             "value": _plain(getattr(config, s.name)),
@@ -144,8 +147,9 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
         "endpoints": {
             "prometheus": _prometheus_check(config),
             "otlp": _otlp_check(config),
-            "mlflow": _tracking_check(config),
+            "mlflow": f"{scrub(config.tracking_uri or DEFAULT_TRACKING)}: {tracking['summary']}",
         },
+        "tracking": tracking,
         "spools": _spools(config),
     }
 

@@ -1,21 +1,30 @@
 """MLflow's client as both subsystems use it: imported lazily (here only), made with bounded HTTP
-retries, and its errors told apart: transient, an overloaded server, a run that is gone."""
+retries, and its errors told apart: transient, an overloaded server, a run that is gone, an outage
+the user must fix (a refused credential or permission, an untrusted certificate)."""
 
 from __future__ import annotations
 
+import enum
+import functools
+import logging
 import os
+import re
 import tempfile
 import threading
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_forge.config import MLFLOW_CLIENT_DEFAULTS
 from otel_forge.mlflow.worker import Outcome
+from otel_forge.scrub import scrub
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+
+_logger = logging.getLogger(__name__)
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 _RUN_GONE_CODES = ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
@@ -23,6 +32,11 @@ _RUN_GONE_CODES = ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
 
 class RunGone(Exception):
     """The run was deleted or never existed: nothing can be logged to it."""
+
+
+class TrackingOutage(Exception):
+    """A call refused for a reason only the user can end (see ``outage_cause``); its text is the
+    cause and the fix, and it is retried like any outage. Raised from the error MLflow raised."""
 
 
 class RunPending(Exception):
@@ -48,18 +62,109 @@ _OVERLOAD_MARKERS = (
 
 
 def classify(error: BaseException) -> Outcome:
-    """A gone run stops delivery; a server overloaded, failing (5xx) or slow is retried; other client
-    errors (4xx), and a missing package (an ImportError: no retry installs it), drop the item."""
+    """A gone run stops delivery; a server overloaded, failing (5xx) or slow is retried, and so is an
+    outage only the user can end (a refused credential or permission, an untrusted certificate: see
+    ``outage_cause``); other client errors (4xx), and a missing package (an ImportError: no retry
+    installs it), drop the item."""
     if isinstance(error, RunPending):
         return Outcome.WAIT
     if isinstance(error, ImportError):
         return Outcome.DROP
     if run_gone(error) or "must be in the 'active' state" in str(error):
         return Outcome.STOP
+    if isinstance(error, TrackingOutage) or outage_of(error) is not None:
+        return Outcome.RETRY  # what was refused is kept, and delivered once the user fixes it
     status = _http_status(error)
     if status is not None and 400 <= status < 500 and status not in (408, 429) and not overloaded(error):
         return Outcome.DROP
     return Outcome.RETRY  # connection refused, timeouts, 5xx, 429, an overloaded store
+
+
+WRONG_CREDENTIALS = (
+    "wrong credentials (HTTP 401): check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, "
+    "or MLFLOW_TRACKING_TOKEN"
+)
+WRITE_ACCESS_FIX = "ask its owner for EDIT, or use an experiment you can write"
+NO_PERMISSION = f"no permission on {{what}} (HTTP 403): {WRITE_ACCESS_FIX}"
+UNTRUSTED_CERTIFICATE = (
+    "certificate not trusted ({reason}): set MLFLOW_TRACKING_SERVER_CERT_PATH to the CA bundle that signed "
+    "the server's certificate"
+)
+# What ssl says of a certificate it refused: `[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify
+# failed: unable to get local issuer certificate (_ssl.c:1006)`, within MLflow's or requests' text.
+_CERTIFICATE_REFUSED = re.compile(r"certificate verify failed: ?(?P<reason>[^()'\"]{0,200}?)\s*(?:\(_ssl|['\")]|$)")
+_CERTIFICATE_MARKERS = ("CERTIFICATE_VERIFY_FAILED", "SSLCertVerificationError", "certificate verify failed")
+
+
+class Outage(enum.Enum):
+    """A failure the server or the network did not cause, and no wait ends: the user's to fix."""
+
+    CREDENTIALS = "wrong_credentials"  # HTTP 401
+    PERMISSION = "no_permission"  # HTTP 403
+    CERTIFICATE = "untrusted_certificate"
+
+
+def outage_cause(error: BaseException, experiment: str | None = None) -> str | None:
+    """The cause and its fix in one line, for a failure only the user can end: a refused credential
+    (401), a refused permission (403; ``experiment``: the experiment's name or id, where known), a
+    certificate the client does not trust. None for any other error. Never holds a credential."""
+    if isinstance(error, TrackingOutage):
+        return str(error)
+    outage = outage_of(error)
+    if outage is Outage.CREDENTIALS:
+        return WRONG_CREDENTIALS
+    if outage is Outage.PERMISSION:
+        return scrub(NO_PERMISSION.format(what=f"experiment {experiment}" if experiment else "the run's experiment"))
+    if outage is Outage.CERTIFICATE:
+        return UNTRUSTED_CERTIFICATE.format(reason=_certificate_reason(error))
+    return None
+
+
+def outage_of(error: BaseException) -> Outage | None:
+    """Which outage only the user can end ``error`` is, if any."""
+    status = _http_status(error)
+    if status in (401, 403):
+        return Outage.CREDENTIALS if status == 401 else Outage.PERMISSION
+    if any(_is_certificate_error(link) for link in _chain(error)):
+        return Outage.CERTIFICATE
+    return None
+
+
+def _is_certificate_error(error: BaseException) -> bool:
+    import ssl  # here: 13 ms to import, for a process that may never meet a TLS error
+
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return True
+    text = str(error)  # MLflow's client keeps only the text of the error it caught
+    return any(marker in text for marker in _CERTIFICATE_MARKERS)
+
+
+def _certificate_reason(error: BaseException) -> str:
+    """ssl's few words of why it refused the certificate (``unable to get local issuer certificate``)."""
+    for link in _chain(error):
+        reason = getattr(link, "verify_message", None)  # ssl.SSLCertVerificationError's own
+        if reason:
+            return scrub(str(reason))
+        if (match := _CERTIFICATE_REFUSED.search(str(link))) is not None and match.group("reason"):
+            return scrub(match.group("reason").strip())
+    return "certificate verify failed"
+
+
+def _chain(error: BaseException, depth: int = 8) -> Iterator[BaseException]:
+    """The error and those it wraps: its cause or context, and the errors among its arguments
+    (urllib3 and requests wrap one error in another's arguments)."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending and len(seen) < depth:
+        link = pending.pop(0)
+        if id(link) in seen:
+            continue
+        seen.add(id(link))
+        yield link
+        pending.extend(arg for arg in getattr(link, "args", ()) if isinstance(arg, BaseException))
+        pending.extend(e for e in (link.__cause__, link.__context__) if e is not None)
+        if isinstance(reason := getattr(link, "reason", None), BaseException):
+            pending.append(reason)  # urllib3's MaxRetryError
 
 
 # What a failed call's text says of why the server did not answer, as a person would say it.
@@ -72,14 +177,22 @@ _UNANSWERED_REASONS = (
     (("timed out", "Timeout"), "no answer in time"),
     (("Connection reset", "RemoteDisconnected", "Connection aborted"), "connection closed"),
 )  # fmt: skip
+# ssl's words for a TLS failure other than a refused certificate: `[SSL: WRONG_VERSION_NUMBER] wrong
+# version number (_ssl.c:1006)`.
+_TLS_FAILED = re.compile(r"\[SSL: [A-Z0-9_]{1,64}\] (?P<reason>[^()'\"]{1,200}?)\s*(?:\(_ssl|['\")]|$)")
 
 
 def unanswered_reason(error: BaseException) -> str:
-    """Why the tracking server did not answer, in a few words (``connection refused``, ``HTTP 503``)."""
+    """Why the tracking server did not answer, in a few words (``connection refused``, ``HTTP 503``),
+    or, for an outage only the user can end, its cause and fix (``outage_cause``)."""
+    if (cause := outage_cause(error)) is not None:
+        return cause
     text = str(error)
     for markers, reason in _UNANSWERED_REASONS:
         if any(marker in text for marker in markers):
             return reason
+    if (tls := _TLS_FAILED.search(text)) is not None:
+        return f"TLS failed ({tls.group('reason').strip()})"  # e.g. https:// to a plain HTTP port
     if (status := _http_status(error)) is not None:
         return f"HTTP {status}"
     return "overloaded" if overloaded(error) else type(error).__name__
@@ -116,7 +229,30 @@ def import_mlflow() -> Any:
 
 
 def make_client(tracking_uri: str | None) -> MlflowClient:
-    return import_mlflow().MlflowClient(tracking_uri)
+    mlflow = import_mlflow()
+    _insecure_tls_notice(tracking_uri)
+    return mlflow.MlflowClient(tracking_uri)
+
+
+def _insecure_tls_notice(tracking_uri: str | None) -> None:
+    """Under ``MLFLOW_TRACKING_INSECURE_TLS`` an HTTPS server's certificate is not checked: said once
+    per process, in place of the warning urllib3 gives on every call."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").strip().lower() in ("true", "1")  # as MLflow reads it
+    if insecure and uri.lower().startswith("https:"):
+        _tell_insecure_tls()
+
+
+@functools.cache  # once per process
+def _tell_insecure_tls() -> None:
+    from urllib3.exceptions import InsecureRequestWarning
+
+    # urllib3 shows its security warnings "always": a line per call, thousands over a job.
+    warnings.filterwarnings("ignore", category=InsecureRequestWarning)
+    _logger.warning(
+        "MLFLOW_TRACKING_INSECURE_TLS is set: the tracking server's certificate is not checked; "
+        "set MLFLOW_TRACKING_SERVER_CERT_PATH to the CA bundle that signed it instead"
+    )
 
 
 def context_tags(tags: Mapping[str, str]) -> dict[str, str]:
@@ -137,6 +273,7 @@ def upload_texts(artifact_uri: str, tracking_uri: str | None, texts: Mapping[str
     """Text files (artifact path -> text) into the artifact store at ``artifact_uri``, as
     ``MlflowClient.log_text`` writes them, without the run read it makes to find that store."""
     import_mlflow()
+    _insecure_tls_notice(tracking_uri)
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     repository = get_artifact_repository(artifact_uri, tracking_uri=tracking_uri)

@@ -12,8 +12,10 @@ from otel_forge.mlflow.client import (
     MAX_METRICS_PER_BATCH,
     RunInfo,
     RunPending,
+    TrackingOutage,
     import_mlflow,
     make_client,
+    outage_cause,
     upload_texts,
 )
 from otel_forge.mlflow.system_metrics.node_run import (
@@ -143,6 +145,18 @@ class WindowLogger:
         return last_anchor_step(self._client, self.run_id, anchor) + 1  # type: ignore[arg-type]
 
     def __call__(self, window: Window) -> None:
+        """Deliver one window. A refused credential or permission, or an untrusted certificate,
+        raises ``TrackingOutage``, whose text (what the worker's retry warning shows) is the cause
+        and its fix."""
+        try:
+            self._deliver(window)
+        except Exception as error:
+            cause = outage_cause(error, self.known.experiment or self.known.experiment_id)
+            if cause is None:
+                raise
+            raise TrackingOutage(cause) from error
+
+    def _deliver(self, window: Window) -> None:
         client, run_id, first_step = self._ensure_ready(window)
         entities = import_mlflow().entities
         if window.values:

@@ -51,6 +51,7 @@ class RunOpener:
         self.state = OpenerState.IDLE
         self.run: OpenRun | None = None
         self.error: BaseException | None = None  # why the run did not open, once it did not
+        self.before_open: list[Callable[[], None]] = []  # on the opener's thread, before the first try
         self.on_open: list[Callable[[OpenRun], None]] = []
         self.on_unanswered: list[Callable[[BaseException], None]] = []
         self._new_run = new_run
@@ -127,6 +128,8 @@ class RunOpener:
         (refused, timed out, 5xx, 429, a refused credential) is retried with backoff until it does
         or the run is closed: the job outlives the server, and the journal keeps what it logs."""
         pause_s = _FIRST_OPEN_RETRY_S
+        for prepare in self.before_open:
+            prepare()
         finder = self._finder()
         while True:
             try:

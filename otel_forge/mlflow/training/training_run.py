@@ -89,6 +89,7 @@ class TrainingRun:
         secret = SecretKeys(forge_config.secret_keys)
         self._description = RunDescription(config, description, dict(tags or {}), self.launch_argv, secret, self._warnings)
         self._opener = RunOpener(plan, lambda key: (self._description.default_run_name(), self._description.creation_tags(key)))
+        self._opener.before_open.append(self._describe)
         self._opener.on_open.append(self._opened)
         self._checker = MetricChecker(self._warnings)
         self._journal: RunJournal | None = None
@@ -99,7 +100,8 @@ class TrainingRun:
         self._lock = threading.Lock()  # begin and close; never held across the journal's I/O
         self._closed = False
         self._restore_environ: Callable[[], None] | None = None
-        self._model_ids: dict[int, str] = {}
+        self._checkpoints: set[int] = set()  # steps journaled
+        self._model_ids: dict[int, str] = {}  # their models, once the delivery has registered them
         self._exit_handlers = ExitHandlers(self.close, handle_sigterm)
         self.described = False
         self.ended = False  # the run's end reached the server (as far as this process knows)
@@ -163,7 +165,6 @@ class TrainingRun:
                 self._journal = RunJournal.create(root, uri_without_credentials(plan.tracking_uri), self._deliver_here)
                 self._journal.plan(self._plan_entry())
             self._opener.begin()
-            self._opener.submit(self._describe)  # after the open's first try: MLflow is imported by then
             self._start_delivery()
             self._exit_handlers.install()
 
@@ -172,7 +173,8 @@ class TrainingRun:
         return plan.journal_entry(self._description.default_run_name(), self._description.own_tags())
 
     def _describe(self) -> None:
-        """On the opener's thread: what a new run records, for whichever process opens it."""
+        """On the opener's thread, before the run is asked for: what a new run records, for whichever
+        process opens it (this one, or the delivery, if this one dies first)."""
         if self._journal is not None:
             records = [[r.kind, r.payload] for r in self._description.records(self.node)]
             self._journal.describe({"creation_tags": self._description.creation_tags(self.node.job_key), "records": records})
@@ -254,8 +256,8 @@ class TrainingRun:
         if not plan.register_checkpoints or self._closed or not plan.owns_run or forked_from(self._pid):
             return
         self._begin()
-        if self._journal is not None and step not in self._model_ids:
-            self._model_ids.setdefault(step, "")  # journaled once; its id comes with the delivery
+        if self._journal is not None and step not in self._checkpoints:
+            self._checkpoints.add(step)
             self._journal.checkpoint(step, str(Path(directory).absolute()), self.checkpoint_model_name(step))
 
     # --- ending -------------------------------------------------------------------------------
