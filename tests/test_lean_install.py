@@ -76,7 +76,7 @@ def test_a_training_run_and_its_node_agent_deliver_with_mlflow_skinny_alone(lean
     run_id, result, pythons, _ = lean_run
     assert result["loaded"] == []
     # The node's sampler process is a Python the finder was installed in too.
-    assert any("otel_forge.cli.sampler" in argv for argv in pythons), pythons
+    assert any("otel_forge.cli.companion" in argv for argv in pythons), pythons
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params == {"lr": "0.1"}

@@ -32,14 +32,15 @@ def main(argv: list[str]) -> int:
         return 0
     _, config, node, sample, journal, tracking_uri = message
     monitor = _monitor(config, node) if sample else None
-    delivery = _delivery(Path(journal), config, tracking_uri, monitor) if journal else None
+    attach = _Attach(monitor)
+    delivery = _delivery(Path(journal), config, tracking_uri, attach) if journal else None
     delivering = threading.Thread(target=delivery.run, name="otel-forge-journal") if delivery else None
     if delivering is not None:
         delivering.start()
     stopped = False
     while (message := _next_message(parent)) is not None:
-        if message[0] == "attach" and monitor is not None:
-            monitor.attach(message[1], message[2])
+        if message[0] == "attach":
+            attach(message[1], message[2])
         elif message[0] == "stop":
             stopped = True
             break
@@ -67,13 +68,29 @@ def _monitor(config: Any, node: Any) -> Any:
         return None
 
 
-def _delivery(journal: Path, config: Any, tracking_uri: str, monitor: Any) -> Any:
+class _Attach:
+    """The monitor's windows go to the run once, whoever learns it first: the training process
+    (it opened the run) or the journal's delivery (it opened it for a training process that died)."""
+
+    def __init__(self, monitor: Any) -> None:
+        self._monitor = monitor
+        self._lock = threading.Lock()
+        self._attached = False
+
+    def __call__(self, run_id: str, known: Any) -> None:
+        with self._lock:
+            if self._monitor is None or self._attached:
+                return
+            self._attached = True
+        self._monitor.attach(run_id, known)
+
+
+def _delivery(journal: Path, config: Any, tracking_uri: str, attach: _Attach) -> Any:
     from otel_forge.mlflow.client import RunInfo
     from otel_forge.mlflow.training.journal_delivery import JournalDelivery
 
     def on_run(run: Any) -> None:
-        if monitor is not None:
-            monitor.attach(run.run_id, RunInfo(run.experiment_id, run.run_name or "", run.experiment))
+        attach(run.run_id, RunInfo(run.experiment_id, run.run_name or "", run.experiment))
 
     return JournalDelivery(
         journal,

@@ -54,16 +54,24 @@ class JournalWriter:
         """The offset after the last range reserved (its bytes may still be being written)."""
         return self._end
 
-    def append(self, payload: bytes) -> None:
+    def append(self, payload: bytes, timeout_s: float = -1) -> None:
         """Append ``payload`` as one record. Raises ``OSError`` when the write fails: the range
-        it reserved is left unwritten, where a live reader waits and a final read skips."""
-        with self._lock:
+        it reserved is left unwritten, where a live reader waits and a final read skips.
+
+        ``timeout_s``: how long to wait for the reservation lock, for a caller that may have
+        interrupted its own thread inside an append (a signal handler): ``TimeoutError`` then.
+        """
+        if not self._lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"{self._path}: the journal is being appended to by the interrupted code")
+        try:
             if self._refusal is not None:
                 raise ValueError(self._refusal)
             offset = self._end
             data = frame(offset, payload)
             self._end = offset + len(data)
             self._writing += 1
+        finally:
+            self._lock.release()
         try:
             _write_at(self._fd, data, offset)
         finally:

@@ -135,6 +135,8 @@ def _is_certificate_error(error: BaseException) -> bool:
 
     if isinstance(error, ssl.SSLCertVerificationError):
         return True
+    if getattr(error, "json", None) is not None:
+        return False  # the server's own answer (a RestException), quoting a TLS error of its own store's
     text = str(error)  # MLflow's client keeps only the text of the error it caught
     return any(marker in text for marker in _CERTIFICATE_MARKERS)
 

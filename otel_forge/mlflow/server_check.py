@@ -26,7 +26,7 @@ from otel_forge.mlflow.client import (
     run_gone,
     unanswered_reason,
 )
-from otel_forge.scrub import scrub
+from otel_forge.scrub import error_line, scrub
 
 _GET_BY_NAME = "/api/2.0/mlflow/experiments/get-by-name"
 _GET_BY_ID = "/api/2.0/mlflow/experiments/get"
@@ -41,6 +41,7 @@ class Verdict(enum.Enum):
     NO_PERMISSION = "no_permission"
     UNTRUSTED_CERTIFICATE = "untrusted_certificate"
     UNREACHABLE = "unreachable"
+    NOT_ASKED = "not_asked"  # MLflow's client refuses its own settings: no call is made
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,15 @@ def check_server(
     from mlflow.utils.credentials import get_default_host_creds
 
     experiment = experiment_name or experiment_id
-    user: str | None = None
+    try:
+        creds = get_default_host_creds(uri)
+    except Exception as error:  # noqa: BLE001 - e.g. both MLFLOW_TRACKING_INSECURE_TLS and a CA path set
+        return ServerCheck(Verdict.NOT_ASKED, f"not asked: {error_line(error)}", experiment=experiment)
+    user = creds.username if creds.username and creds.password else None  # as MLflow sends them
     with warnings.catch_warnings():
         # MLFLOW_TRACKING_INSECURE_TLS: urllib3 warns on every call; the summary says it once.
         warnings.filterwarnings("ignore", message="Unverified HTTPS request")
         try:
-            creds = get_default_host_creds(uri)
-            user = creds.username if creds.username and creds.password else None
             found = _read_experiment(creds, experiment_name, experiment_id, timeout_s)
             permission = _user_permission(creds, user, found, timeout_s) if user and found else None
         except Exception as error:  # noqa: BLE001 - every failure is the check's answer

@@ -134,19 +134,52 @@ def test_insecure_tls_answers_and_says_the_certificate_is_not_checked(tls_proxy)
     assert "InsecureRequestWarning" not in done.stderr, done.stderr
 
 
-def test_the_check_is_quick_when_the_server_answers(auth_server, experiment) -> None:
+def test_the_check_is_quick_when_the_server_answers_and_bounded_when_it_hangs(mlflow_server) -> None:
     from otel_forge.mlflow.client import import_mlflow
     from otel_forge.mlflow.server_check import Verdict, check_server
+    from testkit.proxy import MlflowProxy
 
-    name, experiment_id, user, password = experiment
-    auth_server.grant(user, experiment_id, "EDIT")
     import_mlflow()  # doctor pays the import once, before the check
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_USERNAME", user)
-        patch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    started = time.monotonic()
+    answered = check_server(mlflow_server.uri, "Default")
+    answered_s = time.monotonic() - started
+    with MlflowProxy(mlflow_server.uri, mode="delay", delay_s=10) as hung:
         started = time.monotonic()
-        check = check_server(auth_server.uri, name)
-        took_s = time.monotonic() - started
+        unanswered = check_server(hung.uri, "Default", timeout_s=2.0)
+        unanswered_s = time.monotonic() - started
 
-    assert check.verdict is Verdict.ANSWERS and check.permission == "EDIT"
-    assert took_s < 1.0, took_s
+    assert answered.verdict is Verdict.ANSWERS and answered_s < 1.0, answered_s
+    assert (unanswered.verdict, unanswered.summary) == (Verdict.UNREACHABLE, "does not answer (no answer in time)")
+    assert 2.0 <= unanswered_s < 4.0, unanswered_s  # one try, its timeout: no retry
+
+
+def test_a_local_store_is_not_asked_and_mlflow_not_imported(tmp_path) -> None:
+    code = (
+        "import sys; from otel_forge.cli import main; "
+        "main(['doctor', '--collectors', 'cpu', '--no-prometheus']); print('mlflow' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**hermetic_environ(), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert f"mlflow     sqlite:///{tmp_path / 'mlflow.db'}: local store" in done.stdout
+    assert done.stdout.splitlines()[-1] == "False"
+
+
+def test_settings_mlflow_refuses_are_said_and_nothing_is_asked(monkeypatch) -> None:
+    from otel_forge.mlflow.server_check import Verdict, check_server
+
+    monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", "/nowhere/ca.pem")
+    check = check_server("https://127.0.0.1:9", "Default")
+
+    assert check.verdict is Verdict.NOT_ASKED
+    assert check.summary.startswith("not asked: When 'ignore_tls_verification' is true then 'server_cert_path'")

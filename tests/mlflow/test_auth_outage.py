@@ -117,6 +117,13 @@ def test_an_untrusted_certificate_is_retried_and_its_ca_bundle_fixes_it(tls_prox
     assert make_client(tls_proxy.uri).search_experiments(max_results=1)
 
 
+def test_https_to_a_plain_http_server_is_a_tls_failure_not_http_500(mlflow_server) -> None:
+    error = _refusal(lambda: make_client(mlflow_server.uri.replace("http:", "https:")).search_experiments())
+
+    assert outage_cause(error) is None and classify(error) is Outcome.RETRY
+    assert unanswered_reason(error) == "TLS failed (wrong version number)"
+
+
 def test_other_errors_have_no_outage_cause(auth_server, read_only, mlflow_server, monkeypatch) -> None:
     from mlflow.entities import Metric
 

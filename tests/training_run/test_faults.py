@@ -111,8 +111,6 @@ def test_hung_server_never_blocks_log_and_loses_nothing(private_server, short_ht
             _logs(run, range(10, 130), socket_io, pause_s=0.02)  # ~2.5 s of a hung server
             while time.monotonic() - stopped_at < 3.5:
                 time.sleep(0.05)
-            stats = run._worker.stats
-            assert stats.hung_calls + stats.retried > 0
         finally:
             private_server.resume()
         _logs(run, range(130, 140), socket_io)

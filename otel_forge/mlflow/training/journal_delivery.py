@@ -39,6 +39,7 @@ from otel_forge.mlflow.training.run_journal import (
     CHECKPOINT,
     CURSOR_FILE,
     DESCRIBE,
+    DISABLED,
     END,
     JOURNAL_FILE,
     METRICS,
@@ -151,6 +152,7 @@ class JournalDelivery:
         self._client: Any = None
         self._writer_done = False  # its end read, or it died: nothing more comes
         self._end_read = False
+        self._disabled = False  # its writer said: no run (it warned why); nothing to deliver
         self._deadline: float | None = None  # monotonic: set by finish()
         self._died_at: float | None = None
         self._wake = threading.Event()
@@ -201,6 +203,8 @@ class JournalDelivery:
         backoff_s = _BACKOFF_S[0]
         while True:
             self._read()
+            if self._disabled:
+                return Delivered.ALL
             self._sync_if_due()
             item = self._next_item()
             if item is None:
@@ -285,6 +289,8 @@ class JournalDelivery:
             self._describe = dict(entry[1]) if entry else {}
         elif kind == OPENED:
             self._opened = dict(entry[1]) if entry else None
+        elif kind == DISABLED:
+            self._disabled = True
         self._items.append(_Item("mark", None, end))  # nothing to send: the cursor moves past it
 
     def _next_item(self) -> _Item | None:
@@ -455,7 +461,7 @@ class JournalDelivery:
             run_name=plan.get("run_name"),
             launched=bool(plan.get("launched")),
             launcher_opens=bool(plan.get("launcher_opens")),
-            create_if_missing=True,
+            create_if_missing=bool(plan.get("create_if_missing")),
             samples_node=False,
             late_after_s=60.0,
         )

@@ -12,7 +12,8 @@ An entry is a JSON list whose first item says what it is:
 ``["plan", {...}]`` how to open the run, ``["describe", {...}]`` what a new run records,
 ``["opened", {...}]`` the run the training process opened, ``["m", step, timestamp_ms, {key: value}]``
 one ``log()``, ``["rec", kind, payload]`` a ``Record``, ``["ckpt", step, path, model_name]`` a checkpoint,
-``["end", status, rejected]`` the run's end as the training process ended it.
+``["end", status, rejected]`` the run's end as the training process ended it, ``["disabled", why]``
+the run is not to be opened (logging was disabled: a run id that names no run, a store that refuses).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ JOURNAL_FILE = "journal.log"
 CURSOR_FILE = "delivered.json"
 
 PLAN, DESCRIBE, OPENED, METRICS, RECORD, CHECKPOINT, END = "plan", "describe", "opened", "m", "rec", "ckpt", "end"
+DISABLED = "disabled"  # the run is not to be opened (a mistyped run id): nothing is delivered
 
+_END_WAIT_S = 1.0  # for the lock of an append in flight: another thread's ends within it
 _encode = json.JSONEncoder(separators=(",", ":")).encode  # NaN stays NaN: a diverged loss is worth seeing
 
 
@@ -95,11 +98,17 @@ class RunJournal:
     def checkpoint(self, step: int, path: str, model_name: str) -> None:
         self._append(CHECKPOINT, step, path, model_name)
 
-    def end(self, status: str, rejected: int) -> None:
-        self._append(END, status, rejected)
+    def disabled(self, why: str) -> None:
+        self._append(DISABLED, why)
 
-    def close(self) -> None:
-        self._writer.close()
+    def end(self, status: str, rejected: int) -> bool:
+        """The run's end; False where a signal handler interrupted an append of this thread: the
+        journal then has no end, and its delivery ends the run KILLED, as the signal means."""
+        try:
+            self._writer.append(_encode([END, status, rejected]).encode(), timeout_s=_END_WAIT_S)
+        except TimeoutError:
+            return False
+        return True
 
     def _append(self, *entry: Any) -> None:
         self._writer.append(_encode(list(entry)).encode())

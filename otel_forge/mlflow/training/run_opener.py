@@ -53,6 +53,7 @@ class RunOpener:
         self.error: BaseException | None = None  # why the run did not open, once it did not
         self.before_open: list[Callable[[], None]] = []  # on the opener's thread, before the first try
         self.on_open: list[Callable[[OpenRun], None]] = []
+        self.on_fail: list[Callable[[BaseException], None]] = []  # the run is not to be opened
         self.on_unanswered: list[Callable[[BaseException], None]] = []
         self._new_run = new_run
         self._owner: RunOwner | None = None
@@ -207,6 +208,8 @@ class RunOpener:
         self.error, self.state = error, OpenerState.FAILED
         auth = self.plan.tracking_uri.startswith("databricks") and _auth_error(error)
         _logger.warning("MLflow logging disabled: %s%s", error_line(error), f". {_DATABRICKS_AUTH_HINT}" if auth else "")
+        for callback in self.on_fail:
+            callback(error)
 
 
 def _auth_error(error: BaseException) -> bool:

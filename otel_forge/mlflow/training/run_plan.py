@@ -118,6 +118,7 @@ class RunPlan:
             "tags": dict(tags),
             "node": dataclasses.asdict(self.node),
             "launched": self.launched,
+            "create_if_missing": self.create_if_missing,
             "launcher_opens": self.launcher_opens,
             "attempt_environ": {
                 name: os.environ[name]

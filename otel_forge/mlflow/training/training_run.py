@@ -91,6 +91,7 @@ class TrainingRun:
         self._opener = RunOpener(plan, lambda key: (self._description.default_run_name(), self._description.creation_tags(key)))
         self._opener.before_open.append(self._describe)
         self._opener.on_open.append(self._opened)
+        self._opener.on_fail.append(lambda error: self._journal and self._journal.disabled(error_line(error)))
         self._checker = MetricChecker(self._warnings)
         self._journal: RunJournal | None = None
         self._companion: CompanionProcess | None = None
@@ -277,8 +278,8 @@ class TrainingRun:
         drain_s = self.forge_config.drain_deadline_s
         self._opener.close(min(drain_s, 1.0) if self._opener.state is OpenerState.UNANSWERED else drain_s)
         if self._journal is not None:
+            # Not closed: a signal handler may close the run inside an append of the same thread.
             self._journal.end(status, self._checker.rejected)
-            self._journal.close()
         if self._here is not None:
             self._here[0].finish(drain_s)
             self._here[1].join()

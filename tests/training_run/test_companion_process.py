@@ -19,7 +19,7 @@ CPU_KEY = "system/cpu_utilization_percentage"
 
 
 def _samplers(parent: psutil.Process) -> list[psutil.Process]:
-    return [child for child in parent.children() if "otel_forge.cli.sampler" in " ".join(child.cmdline())]
+    return [child for child in parent.children() if "otel_forge.cli.companion" in " ".join(child.cmdline())]
 
 
 def test_the_node_is_sampled_by_a_child_process_and_no_thread_of_the_training_process(
@@ -32,9 +32,9 @@ def test_the_node_is_sampled_by_a_child_process_and_no_thread_of_the_training_pr
         wait_for(lambda: len(client.get_metric_history(run.run_id, CPU_KEY)) >= 2, 60, message="sampled windows")
         [sampler] = _samplers(psutil.Process())
         ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
-    # The run's owner, its delivery thread and the watch that stands MLflow's own sampler down (a look at
+    # The run's owner and the watch that stands MLflow's own sampler down (a look at
     # a dict a second): no reader, collector or exporter thread.
-    assert set(ours) <= {"mlflow-run-owner", "mlflow-training-run-sender", "otel-forge-mlflow-sampler"}, ours
+    assert set(ours) <= {"mlflow-run-owner", "otel-forge-mlflow-sampler"}, ours
     assert not sampler.is_running() or sampler.status() == psutil.STATUS_ZOMBIE  # stopped with the run
     after_close = len(client.get_metric_history(run.run_id, CPU_KEY))
     assert after_close >= 2
@@ -50,7 +50,7 @@ run = TrainingRun(tracking_uri={uri!r}, experiment={experiment!r},
 run.start(timeout_s=30)
 run.log({{"loss": 1.0}}, step=0)
 time.sleep(3)
-[sampler] = [c for c in psutil.Process().children() if "otel_forge.cli.sampler" in " ".join(c.cmdline())]
+[sampler] = [c for c in psutil.Process().children() if "otel_forge.cli.companion" in " ".join(c.cmdline())]
 print(run.run_id, sampler.pid, flush=True)
 time.sleep(600)
 """
