@@ -34,30 +34,33 @@ class MlflowServer:
     def uri(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def command(self) -> list[str]:
+        """The server's command line (a subclass adds its options)."""
+        return [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            self.backend_uri,
+            "--default-artifact-root",
+            str(self.artifacts),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            str(self.workers),
+        ]
+
+    def environ(self) -> dict[str, str]:
+        """The server's environment: without the job runner, which keeps the cores busy after start."""
+        return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
     def start(self, timeout_s: float = 90.0) -> MlflowServer:
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         log = open(self.root / "server.log", "ab")  # noqa: SIM115 - the server's output until it stops
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlflow",
-                "server",
-                "--backend-store-uri",
-                self.backend_uri,
-                "--default-artifact-root",
-                str(self.artifacts),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--workers",
-                str(self.workers),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environ(), start_new_session=True
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -14,6 +14,9 @@ value):
 - ``Mode.OVERLOAD_400`` / ``"overload"``: answer 400 with the body an overloaded ``mlflow server``
   gives when its store's connection pool is exhausted (SQLAlchemy's ``QueuePool limit ... reached``).
 
+Built with ``ssl_context`` (a server-side ``ssl.SSLContext``), it answers HTTPS (``.uri`` is
+``https://``) and forwards plain HTTP: a TLS-terminating proxy (``testkit/tls_proxy.py``).
+
 Whatever the mode, a request whose path is in ``fail_paths`` is answered 500 and not forwarded, and
 a ``log_batch`` holding a metric key in ``refuse_metric_keys`` is answered 400
 ``INVALID_PARAMETER_VALUE``, as MLflow refuses a batch with one value it will not store.
@@ -32,6 +35,8 @@ import enum
 import http.client
 import http.server
 import json
+import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -88,6 +93,14 @@ class _Request:
     arrived_at: float = field(default_factory=time.time)
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that refused our certificate or hung up is expected here, not an error."""
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class MlflowProxy:
     """A threaded HTTP proxy that counts and records requests and fails on demand; a context manager."""
 
@@ -99,6 +112,7 @@ class MlflowProxy:
         retry_after_s: int = 1,
         plain_429: bool = False,
         upstream_timeout_s: float = 120.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         upstream = urllib.parse.urlsplit(upstream_uri)
         self._upstream = (upstream.hostname or "127.0.0.1", upstream.port or 80)
@@ -111,8 +125,16 @@ class MlflowProxy:
         self.refuse_metric_keys: set[str] = set()
         self._lock = threading.Lock()
         self._requests: list[_Request] = []
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server = _Server(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
+        self.scheme = "http"
+        if ssl_context is not None:
+            # The handshake happens on the request's own thread, at its first read: a client that
+            # refuses the certificate (or never speaks) holds no one else's connection.
+            self._server.socket = ssl_context.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
+            self.scheme = "https"
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="test-mlflow-proxy", daemon=True
         )
@@ -124,7 +146,7 @@ class MlflowProxy:
 
     @property
     def uri(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def set_mode(self, mode: Mode | str, delay_s: float | None = None) -> None:
         if delay_s is not None:

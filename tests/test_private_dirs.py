@@ -23,7 +23,7 @@ from otel_forge.mlflow.spool_files import default_spool_root
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import Window
 from otel_forge.mlflow.system_metrics.writer_lock import NodeWriterLock
-from otel_forge.mlflow.training.training_spool import TrainingSpool
+from otel_forge.mlflow.training.run_journal import RunJournal
 
 ATTACKER = 65534  # nobody
 RUN = "a" * 32
@@ -222,12 +222,13 @@ def test_a_symlinked_spool_root_is_refused_for_windows_and_training_spools(
     _attacker_symlink(root, elsewhere)
 
     assert WindowSpool(root / "run-node_0-1", 1 << 20).append(WINDOW) is False
-    assert TrainingSpool(root / "run-training-1").keep([("loss", 1.0, 1, 0)], {"run_id": RUN}) is False
+    with pytest.raises(OSError, match="symlink"):
+        RunJournal(root / "run-journal-1", "http://127.0.0.1:5000")
 
     assert _files_under(elsewhere) == []
-    assert list(elsewhere.iterdir()) in ([], [elsewhere / "run-training-1"])  # see the report: an empty dir at most
+    assert list(elsewhere.iterdir()) in ([], [elsewhere / "run-journal-1"])  # see the report: an empty dir at most
     warned = _warnings(caplog)
-    assert len(warned) == 2 and all("symlink" in line for line in warned), warned
+    assert len(warned) == 1 and all("symlink" in line for line in warned), warned
 
 
 def test_a_world_writable_spool_root_needs_the_sticky_bit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

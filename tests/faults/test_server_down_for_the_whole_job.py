@@ -13,7 +13,7 @@ from pathlib import Path
 
 from run_reading import anchor_steps
 
-from otel_forge.mlflow.training.training_spool import is_training_spool
+from otel_forge.mlflow.training.run_journal import is_journal
 from testkit.hermetic import hermetic_environ
 from testkit.servers import free_port
 
@@ -60,9 +60,9 @@ def test_a_job_whose_server_never_answers_keeps_everything_for_replay(mlflow_ser
         f"everything is kept in {job_dir}, otel-forge replay {job_dir} delivers it"
     ], job.stderr
     kept = sorted(path for path in job_dir.iterdir() if path.is_dir())
-    training = [path for path in kept if is_training_spool(path)]
-    windows = [path for path in kept if not is_training_spool(path)]
-    assert len(training) == 2 and len(windows) == 1, kept  # ours and CMD's TrainingRun's; the node's windows
+    journals = [path for path in kept if is_journal(path)]
+    windows = [path for path in kept if not is_journal(path)]
+    assert len(journals) == 2 and len(windows) == 1, kept  # ours and CMD's TrainingRun's; the node's windows
 
     # One replay of the job's directory: the job's run first (under the job key), then the windows.
     replayed = _forge("replay", str(job_dir), "--tracking-uri", mlflow_server.uri, cwd=tmp_path, env=env)

@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from otel_forge.mlflow.training.metric_buffer import MetricBuffer
-from otel_forge.mlflow.training.metric_flush import MetricFlush
+from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
 from otel_forge.mlflow.training.outcome import JOB_OUTCOME_TAG, OUTCOME_TAG_PREFIX, begin_attempt, end_run
-from otel_forge.mlflow.training.run_owner import OpenRun
+from otel_forge.mlflow.training.run_journal import RunJournal
 from otel_forge.node import NodeIdentity
 
 
@@ -32,6 +31,11 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     root: Path = tmp_path_factory.mktemp("store")
     return MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+
+
+@pytest.fixture
+def journals(tmp_path: Path) -> Path:
+    return tmp_path / "spool"
 
 
 @pytest.fixture
@@ -72,24 +76,27 @@ def test_a_job_cancelled_while_restarts_remain_is_not_left_running(store, run) -
     assert store.get_run(run.info.run_id).info.status == "KILLED"
 
 
-def _flush(store: Any, run: Any, last_step: int, environ: dict[str, str]) -> list[int]:
-    """Log steps 0..4 through a MetricFlush to a resumed run holding steps up to ``last_step``;
-    the steps of ``loss`` the run holds afterwards."""
-    buffer = MetricBuffer(100)
+def _deliver(store: Any, run: Any, journals: Path, last_step: int, environ: dict[str, str]) -> list[int]:
+    """Journal steps 0..4 of a process of attempt ``environ`` that resumed a run holding steps up to
+    ``last_step``, deliver the journal; the steps of ``loss`` the run holds afterwards."""
+    journal = RunJournal.create(journals, store.tracking_uri)
+    journal.plan({"attempt_environ": environ})
+    journal.opened({"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "last_step": last_step})
     for step in range(5):
-        buffer.add({"loss": 1.0 / (step + 1)}, step, 1_000 + step)
-    resumed = OpenRun(run.info.run_id, None, run.info.experiment_id, "x", True, last_step, store)
-    MetricFlush(lambda: resumed, buffer, lambda row, reason: None, lambda: None, environ)()
+        journal.metrics({"loss": 1.0 / (step + 1)}, step, 1_000 + step)
+    delivery = JournalDelivery(journal.directory, tracking_uri=store.tracking_uri, fsync_s=0)
+    delivery.finish(0)  # what is journaled, not the run's end (the process goes on)
+    assert delivery.run() is Delivered.LEFT
     return sorted(m.step for m in store.get_metric_history(run.info.run_id, "loss"))
 
 
-def test_a_later_torchrun_attempt_keeps_the_steps_it_logs_again(store, run) -> None:
-    assert _flush(store, run, last_step=16, environ=_attempt(1)) == [0, 1, 2, 3, 4]
+def test_a_later_torchrun_attempt_keeps_the_steps_it_logs_again(store, run, journals) -> None:
+    assert _deliver(store, run, journals, last_step=16, environ=_attempt(1)) == [0, 1, 2, 3, 4]
 
 
-def test_a_resume_outside_a_torchrun_retry_skips_the_steps_the_run_holds(store, run) -> None:
-    assert _flush(store, run, last_step=2, environ={"SLURM_RESTART_COUNT": "1"}) == [3, 4]
-    assert _flush(store, run, last_step=16, environ=_attempt(0)) == [3, 4]
+def test_a_resume_outside_a_torchrun_retry_skips_the_steps_the_run_holds(store, run, journals) -> None:
+    assert _deliver(store, run, journals, last_step=2, environ={"SLURM_RESTART_COUNT": "1"}) == [3, 4]
+    assert _deliver(store, run, journals, last_step=16, environ=_attempt(0)) == [3, 4]
 
 
 def test_a_new_attempt_records_which_attempt_it_is(store, run) -> None:

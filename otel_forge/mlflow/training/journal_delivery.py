@@ -232,9 +232,9 @@ class JournalDelivery:
                     _logger.warning("MLflow: delivery of %s stopped: %s", self.directory, error_line(error))
                     return Delivered.LEFT
                 if outcome is not Outcome.DROP:
-                    self._warnings.warning(
-                        "retry", "MLflow at %s: %s; retrying, everything is kept in %s", self.where, self.cause,
-                        self.directory,
+                    self._warnings.log(
+                        kept_notice_level(self.directory), "retry", "MLflow at %s: %s; retrying, everything is kept "
+                        "in %s", self.where, self.cause, self.directory,
                     )  # fmt: skip
                     if self._gave_up():
                         return Delivered.LEFT

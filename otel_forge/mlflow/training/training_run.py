@@ -162,12 +162,23 @@ class TrainingRun:
                 return
             plan = self.plan
             if plan.owns_run:
-                root = spool_root(plan.forge_config.spool_dir)
-                self._journal = RunJournal.create(root, uri_without_credentials(plan.tracking_uri), self._deliver_here)
-                self._journal.plan(self._plan_entry())
+                self._journal = self._new_journal()
             self._opener.begin()
             self._start_delivery()
             self._exit_handlers.install()
+
+    def _new_journal(self) -> RunJournal | None:
+        root = spool_root(self.plan.forge_config.spool_dir)
+        try:
+            journal = RunJournal.create(root, uri_without_credentials(self.tracking_uri), self._deliver_here)
+        except OSError as error:
+            _logger.warning(
+                "MLflow logging disabled: the run's journal cannot be written in %s (%s); set "
+                "OTEL_FORGE_SPOOL_DIR to a directory of your own", root, error.strerror or error
+            )  # fmt: skip
+            return None
+        journal.plan(self._plan_entry())
+        return journal
 
     def _plan_entry(self) -> dict[str, Any]:
         plan = self.plan
@@ -224,6 +235,8 @@ class TrainingRun:
             if self._closed or not self.plan.owns_run or forked_from(self._pid):
                 return
             self._begin()
+            if self._journal is None:
+                return
         elif self._closed or forked_from(self._pid):
             return
         if (checked := checked_step(step)) is None:
