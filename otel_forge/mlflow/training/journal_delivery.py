@@ -82,9 +82,13 @@ class JournalBusy(RuntimeError):
 
 @dataclass
 class Cursor:
-    """What ``delivered.json`` holds: the journal offset delivered up to, the run, models, refusals."""
+    """What ``delivered.json`` holds: the journal offset delivered up to, the run, models, refusals,
+    and the entries that say how to open and describe the run (the offset may be past them)."""
 
     offset: int = 0
+    plan: dict[str, Any] = field(default_factory=dict)
+    describe: dict[str, Any] = field(default_factory=dict)
+    opened: dict[str, Any] | None = None
     run: dict[str, Any] | None = None
     models: dict[str, str] = field(default_factory=dict)
     refused: int = 0
@@ -145,16 +149,13 @@ class JournalDelivery:
         self._reader = JournalReader(directory / JOURNAL_FILE, self._cursor.offset)
         self._items: deque[_Item] = deque()
         self._rows_since: float | None = None  # when the oldest row waiting was read
-        self._plan: dict[str, Any] = {}
-        self._describe: dict[str, Any] = {}
-        self._opened: dict[str, Any] | None = None
         self._run: OpenRun | None = None
         self._client: Any = None
         self._writer_done = False  # its end read, or it died: nothing more comes
         self._end_read = False
         self._disabled = False  # its writer said: no run (it warned why); nothing to deliver
         self._deadline: float | None = None  # monotonic: set by finish()
-        self._died_at: float | None = None
+        self._done_at: float | None = None  # when the writer ended or died: patience counts from then
         self._wake = threading.Event()
         self._synced_at = time.monotonic()
         self._warnings = RateLimitedLogger(_logger)
@@ -249,7 +250,7 @@ class JournalDelivery:
         now = time.monotonic()
         if self._deadline is not None and now >= self._deadline:
             return True
-        return self._died_at is not None and now - self._died_at >= self._patience_s
+        return self._done_at is not None and now - self._done_at >= self._patience_s
 
     # --- reading --------------------------------------------------------------------------
 
@@ -261,8 +262,8 @@ class JournalDelivery:
             self._take(decode(payload), end)
         if not alive and not self._writer_done:
             self._writer_done = True
-            if not self._end_read:
-                self._died_at = time.monotonic()
+        if self._writer_done and self._done_at is None:
+            self._done_at = time.monotonic()
         if self._reader.skipped:
             self._warnings.warning("torn", "MLflow: %s: a record torn by the writer's death was skipped", self.directory)
 
@@ -283,12 +284,12 @@ class JournalDelivery:
             if kind == END:
                 self._end_read = self._writer_done = True
             return
-        elif kind == PLAN:
-            self._plan = dict(entry[1]) if entry else {}
-        elif kind == DESCRIBE:
-            self._describe = dict(entry[1]) if entry else {}
-        elif kind == OPENED:
-            self._opened = dict(entry[1]) if entry else None
+        elif kind == PLAN and entry is not None:
+            self._cursor.plan = dict(entry[1])
+        elif kind == DESCRIBE and entry is not None:
+            self._cursor.describe = dict(entry[1])
+        elif kind == OPENED and entry is not None:
+            self._cursor.opened = dict(entry[1])
         elif kind == DISABLED:
             self._disabled = True
         self._items.append(_Item("mark", None, end))  # nothing to send: the cursor moves past it
@@ -361,7 +362,7 @@ class JournalDelivery:
     def _kept_step(self, run: OpenRun, step: int) -> bool:
         """Steps a resumed run holds already are skipped, except in a later torchrun attempt
         (``--max-restarts``): it logs its steps again, and they are the job's."""
-        attempt = torchrun_attempt(self._plan.get("attempt_environ") or {})
+        attempt = torchrun_attempt(self._cursor.plan.get("attempt_environ") or {})
         return run.last_step is None or (attempt is not None and attempt.is_retry) or step > run.last_step
 
     def _send_rows(self, run: OpenRun, rows: list[MetricRow]) -> None:
@@ -400,16 +401,16 @@ class JournalDelivery:
 
         if rejected or self._cursor.refused:
             run.client.set_tag(run.run_id, REJECTED_TAG, str(rejected + self._cursor.refused), synchronous=True)
-        node = NodeIdentity(**self._plan["node"]) if self._plan.get("node") else NodeIdentity.detect()
-        end_run(run.client, run.run_id, run.experiment_id, status, node, environ=self._plan.get("attempt_environ"))
+        node = NodeIdentity(**self._cursor.plan["node"]) if self._cursor.plan.get("node") else NodeIdentity.detect()
+        end_run(run.client, run.run_id, run.experiment_id, status, node, environ=self._cursor.plan.get("attempt_environ"))
         self.ended = status
-        if status == "FINISHED" and not self._plan.get("launched"):
+        if status == "FINISHED" and not self._cursor.plan.get("launched"):
             _warn_runs_elsewhere(run)
 
     def _ending_is_ours(self) -> bool:
         """A journal whose writer died without closing: its run ends KILLED here, unless its
         launcher (``otel-forge run``) ends it from the command's exit."""
-        return bool(self._plan) and not self._plan.get("launched") and not self._plan.get("launcher_opens")
+        return bool(self._cursor.plan) and not self._cursor.plan.get("launched") and not self._cursor.plan.get("launcher_opens")
 
     # --- the run --------------------------------------------------------------------------
 
@@ -418,9 +419,9 @@ class JournalDelivery:
             return self._run
         if self._client is None:
             self._client = make_client(self._uri)
-        known = self._opened or self._cursor.run
+        known = self._cursor.opened or self._cursor.run
         if known is None and (job_run := self._job_run() if self._job_run else None) is not None:
-            known = {"run_id": job_run, "experiment": self._plan.get("experiment")}
+            known = {"run_id": job_run, "experiment": self._cursor.plan.get("experiment")}
         if known is None:
             if not self._writer_done:
                 raise _RunPending()
@@ -449,9 +450,9 @@ class JournalDelivery:
         """The run the training process would have opened, had the server answered while it ran."""
         from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest
 
-        if not self._plan:
+        if not self._cursor.plan:
             raise RuntimeError(f"{self.directory}: the journal has no plan (its writer died before writing it)")
-        plan = self._plan
+        plan = self._cursor.plan
         node = NodeIdentity(**plan["node"])
         request = JobRunRequest(
             tracking_uri=self._uri or "",
@@ -485,13 +486,13 @@ class JournalDelivery:
     def _new_run_spec(self, job_key: str | None) -> tuple[str | None, dict[str, str]]:
         from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG
 
-        tags = dict(self._describe.get("creation_tags") or self._plan.get("tags") or {})
+        tags = dict(self._cursor.describe.get("creation_tags") or self._cursor.plan.get("tags") or {})
         if job_key:
             tags[JOB_KEY_TAG] = job_key
-        return self._plan.get("run_name"), tags
+        return self._cursor.plan.get("run_name"), tags
 
     def _describe_records(self) -> list[Record]:
-        return [Record(kind, payload) for kind, payload in self._describe.get("records", [])]
+        return [Record(kind, payload) for kind, payload in self._cursor.describe.get("records", [])]
 
     # --- the end of the delivery ----------------------------------------------------------
 
