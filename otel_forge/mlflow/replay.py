@@ -12,8 +12,8 @@ from otel_forge.mlflow.client import RunGone, RunInfo, make_client
 from otel_forge.mlflow.spool_files import HEADER
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
-from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
 from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
+from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
 from otel_forge.mlflow.training.run_journal import is_journal, read_header
 
 _logger = logging.getLogger(__name__)

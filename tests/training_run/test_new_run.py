@@ -74,9 +74,6 @@ EXPECTED_CONFIG_JSON = {
 }
 
 
-LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
-
-
 def _git_repo(path: Path) -> str:
     path.mkdir()
     (path / "train.py").write_text("print('train')\n")
@@ -247,7 +244,6 @@ def test_a_param_key_mlflow_rejects_does_not_lose_the_other_params(mlflow_server
 def test_a_fast_loop_is_delivered_whole_in_few_calls(mlflow_server, client, experiment):
     """10,000 log() calls in a tight loop: every step arrives, in log_batch calls of up to 1000."""
     from otel_forge import ForgeConfig, TrainingRun
-    from testkit.proxy import MlflowProxy
 
     with MlflowProxy(mlflow_server.uri) as proxy:
         run = TrainingRun(

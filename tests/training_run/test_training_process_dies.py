@@ -105,9 +105,7 @@ def own_server(tmp_path_factory):
 
 
 @pytest.mark.parametrize("moment", ["before-the-first-flush", "mid-flush"])
-def test_a_killed_training_process_loses_no_value_and_its_run_ends_killed(
-    moment, mlflow_server, client, experiment
-):
+def test_a_killed_training_process_loses_no_value_and_its_run_ends_killed(moment, mlflow_server, client, experiment):
     # Before the first flush: 30 s flushes, killed after 100 steps. Mid-flush: a batch a step.
     flush = 30.0 if moment == "before-the-first-flush" else 0.0
     process = _loop(mlflow_server.uri, experiment, flush=flush)
@@ -203,8 +201,16 @@ def test_under_otel_forge_run_a_killed_command_loses_nothing(mlflow_server, clie
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent(
-            LOOP.format(uri=mlflow_server.uri, experiment=experiment, steps=200, width=1, rate=50, flush=30.0,
-                        wait=15.0, enter="run.start(30)")  # fmt: skip
+            LOOP.format(
+                uri=mlflow_server.uri,
+                experiment=experiment,
+                steps=200,
+                width=1,
+                rate=50,
+                flush=30.0,
+                wait=15.0,
+                enter="run.start(30)",
+            )  # fmt: skip
         )
     )
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"), "PYTHONPATH": str(REPO_ROOT)},
@@ -216,7 +222,9 @@ def test_under_otel_forge_run_a_killed_command_loses_nothing(mlflow_server, clie
     )  # fmt: skip
     try:
         logged = _logged_until(wrapper, 100)
-        [cmd] = [c for c in __import__("psutil").Process(wrapper.pid).children() if str(script) in " ".join(c.cmdline())]
+        [cmd] = [
+            c for c in __import__("psutil").Process(wrapper.pid).children() if str(script) in " ".join(c.cmdline())
+        ]
         os.kill(cmd.pid, signal.SIGKILL)
         assert wrapper.wait(timeout=60) == 128 + signal.SIGKILL
     finally:

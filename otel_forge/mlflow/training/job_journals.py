@@ -60,4 +60,3 @@ class JobJournals:
             thread = threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True)
             self._deliveries[journal] = (delivery, thread)
             thread.start()
-

@@ -265,7 +265,9 @@ class JournalDelivery:
         if self._writer_done and self._done_at is None:
             self._done_at = time.monotonic()
         if self._reader.skipped:
-            self._warnings.warning("torn", "MLflow: %s: a record torn by the writer's death was skipped", self.directory)
+            self._warnings.warning(
+                "torn", "MLflow: %s: a record torn by the writer's death was skipped", self.directory
+            )
 
     def _take(self, entry: list[Any] | None, end: int) -> None:
         kind = entry[0] if entry else None
@@ -402,7 +404,9 @@ class JournalDelivery:
         if rejected or self._cursor.refused:
             run.client.set_tag(run.run_id, REJECTED_TAG, str(rejected + self._cursor.refused), synchronous=True)
         node = NodeIdentity(**self._cursor.plan["node"]) if self._cursor.plan.get("node") else NodeIdentity.detect()
-        end_run(run.client, run.run_id, run.experiment_id, status, node, environ=self._cursor.plan.get("attempt_environ"))
+        end_run(
+            run.client, run.run_id, run.experiment_id, status, node, environ=self._cursor.plan.get("attempt_environ")
+        )
         self.ended = status
         if status == "FINISHED" and not self._cursor.plan.get("launched"):
             _warn_runs_elsewhere(run)
@@ -410,7 +414,11 @@ class JournalDelivery:
     def _ending_is_ours(self) -> bool:
         """A journal whose writer died without closing: its run ends KILLED here, unless its
         launcher (``otel-forge run``) ends it from the command's exit."""
-        return bool(self._cursor.plan) and not self._cursor.plan.get("launched") and not self._cursor.plan.get("launcher_opens")
+        return (
+            bool(self._cursor.plan)
+            and not self._cursor.plan.get("launched")
+            and not self._cursor.plan.get("launcher_opens")
+        )
 
     # --- the run --------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import Any
 from otel_forge.mlflow.client import context_tags
 from otel_forge.mlflow.keys import sanitize_key
 from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG
+from otel_forge.mlflow.training.run_journal import Record
 from otel_forge.mlflow.training.run_metadata import (
     DESCRIBED_TAG,
     NOTE_TAG,
@@ -24,7 +25,6 @@ from otel_forge.mlflow.training.run_metadata import (
     launch_file_text,
     redact,
 )
-from otel_forge.mlflow.training.run_journal import Record
 from otel_forge.node import NodeIdentity, job_label
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import REDACTED, SecretKeys, scrub
@@ -56,6 +56,15 @@ class RunDescription:
             records.append(Record("dict", {"name": CONFIG_ARTIFACT, "data": plain}))
             records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
         return records
+
+    def journal_entry(self, node: NodeIdentity) -> dict[str, Any]:
+        """What a new run records, as the journal keeps it for whichever process opens the run."""
+        records = [[record.kind, record.payload] for record in self.records(node)]
+        return {"creation_tags": self.creation_tags(node.job_key), "records": records}
+
+    def new_run(self, job_key: str | None) -> tuple[str | None, dict[str, str]]:
+        """A new run's name (where none is asked for) and tags."""
+        return self.default_run_name(), self.creation_tags(job_key)
 
     def default_run_name(self) -> str | None:
         """What ran, and which job: ``train`` for ``python train.py``, ``train-slurm-1234_5`` for an

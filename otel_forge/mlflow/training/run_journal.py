@@ -179,3 +179,12 @@ def undelivered(directory: Path) -> Undelivered:
     finally:
         reader.close()
     return Undelivered(values, end, True)
+
+
+def registered_models(directory: Path) -> dict[int, str]:
+    """The checkpoints the journal's delivery has registered so far: step -> model id."""
+    try:
+        models = json.loads((directory / CURSOR_FILE).read_text())["models"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {int(step): model_id for step, model_id in models.items()}

@@ -15,9 +15,12 @@ from typing import Any
 
 from otel_forge.config import TOLD_SPOOL_ENV, ConfigError
 from otel_forge.mlflow.client import classify, make_client, unanswered_reason
-from otel_forge.mlflow.fluent_runs import fluent_run_id
+from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
+from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, MissingRun
+from otel_forge.mlflow.training.launched_run import make_process_run
+from otel_forge.mlflow.training.outcome import end_run
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
 from otel_forge.mlflow.training.run_plan import RunPlan, is_remote
 from otel_forge.mlflow.worker import Outcome
@@ -64,6 +67,7 @@ class RunOpener:
         self._asking = threading.Event()  # MLflow is imported: the server is being asked
         self._warnings = RateLimitedLogger(_logger)
         self.script_run_id: str | None = None  # the MLflow run the script had open when we began
+        self._restore_environ: Callable[[], None] | None = None
         if os.environ.get(TOLD_SPOOL_ENV):
             self._unanswered.set()  # `otel-forge run` found the server down before starting us
 
@@ -96,7 +100,9 @@ class RunOpener:
                 asked_at = time.monotonic()
             if asked_at is not None and time.monotonic() - asked_at >= timeout_s:
                 self._warnings.warning(
-                    "open", "MLflow: the run did not open within %.0f s; it goes on opening in the background", timeout_s
+                    "open",
+                    "MLflow: the run did not open within %.0f s; it goes on opening in the background",
+                    timeout_s,
                 )
                 return False
             concurrent.futures.wait([self._future], timeout=0.05)
@@ -123,6 +129,28 @@ class RunOpener:
         self._wake.set()
         if self.run is None and self.state is not OpenerState.FAILED:
             self.state = OpenerState.CLOSED
+
+    def leave_process(self) -> None:
+        """The process's MLflow calls no longer open the run, and MLflow does not end it at exit."""
+        if self._restore_environ is not None:
+            self._restore_environ()
+        if self.run is not None and self.plan.owns_run and self.run.run_id != self.script_run_id:
+            forget_fluent_run(self.run.run_id)
+
+    def end_here(self, status: str) -> bool:
+        """End this process's part of the run from here (a rank that journals nothing: its outcome)."""
+        run, owner = self.run, self._owner
+        if run is None or owner is None:
+            return False
+        node = self.plan.node
+        try:
+            owner.call(
+                lambda: end_run(run.client, run.run_id, run.experiment_id, status, node), self.plan.end_deadline_s
+            )
+        except Exception as error:  # noqa: BLE001 - the run end is best effort too
+            _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status, error_line(error))
+            return False
+        return True
 
     def _open(self) -> OpenRun | None:
         """Find or make the run (explicit id > job key > new). A server that does not answer
@@ -156,6 +184,10 @@ class RunOpener:
             self.state = OpenerState.CLOSED
             return None
         self.run, self.state = run, OpenerState.OPEN
+        # The process's MLflow calls (HF's callback, autolog, mlflow.log_metric) open this run.
+        self._restore_environ = make_process_run(run.run_id)
+        if self.plan.system_metrics:
+            stand_down_mlflow_sampler(run.run_id)
         _logger.info(
             "MLflow run %s (%s) in experiment %s at %s",
             run.run_id,
@@ -181,7 +213,9 @@ class RunOpener:
             samples_node=plan.system_metrics and plan.node.runs_agent and not plan.node_sampled_by_launcher,
             late_after_s=plan.init_deadline_s,
         )
-        return JobRunFinder(request, self._new_run, lambda: self.plan.node, self._stopping, self._wake, self._unanswered)
+        return JobRunFinder(
+            request, self._new_run, lambda: self.plan.node, self._stopping, self._wake, self._unanswered
+        )
 
     def _transient(self, error: BaseException) -> bool:
         """An outage of a tracking server, worth waiting for; a local store's errors are not."""
@@ -207,7 +241,9 @@ class RunOpener:
     def _fail(self, error: BaseException) -> None:
         self.error, self.state = error, OpenerState.FAILED
         auth = self.plan.tracking_uri.startswith("databricks") and _auth_error(error)
-        _logger.warning("MLflow logging disabled: %s%s", error_line(error), f". {_DATABRICKS_AUTH_HINT}" if auth else "")
+        _logger.warning(
+            "MLflow logging disabled: %s%s", error_line(error), f". {_DATABRICKS_AUTH_HINT}" if auth else ""
+        )
         for callback in self.on_fail:
             callback(error)
 

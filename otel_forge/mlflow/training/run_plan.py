@@ -129,12 +129,12 @@ class RunPlan:
 
 
 def _experiment(tracking_uri: str, experiment: str | None) -> str:
-    if tracking_uri.startswith("databricks") and experiment and not experiment.startswith("/"):
-        if not experiment.isdigit():
-            raise ConfigError(
-                f"invalid experiment: on Databricks an experiment is an absolute workspace path "
-                f"such as '/Users/you@example.com/project', got {experiment!r}"
-            )
+    relative = experiment and not experiment.startswith("/") and not experiment.isdigit()
+    if tracking_uri.startswith("databricks") and relative:
+        raise ConfigError(
+            f"invalid experiment: on Databricks an experiment is an absolute workspace path "
+            f"such as '/Users/you@example.com/project', got {experiment!r}"
+        )
     return experiment or DEFAULT_EXPERIMENT
 
 

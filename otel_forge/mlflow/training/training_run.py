@@ -10,7 +10,6 @@ or ``with`` begins the run.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -22,26 +21,19 @@ from typing import Any
 
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
-from otel_forge.mlflow.client import RunInfo
-from otel_forge.mlflow.fluent_runs import forget_fluent_run
-from otel_forge.mlflow.keys import key_segment
-from otel_forge.mlflow.spool_files import spool_root
-from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
-from otel_forge.mlflow.training.companion import CompanionProcess
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers
 from otel_forge.mlflow.training.job_run import MissingRun
-from otel_forge.mlflow.training.journal_delivery import CURSOR_FILE, JournalDelivery
-from otel_forge.mlflow.training.launched_run import make_process_run
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
-from otel_forge.mlflow.training.outcome import end_run
+from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
-from otel_forge.mlflow.training.run_journal import Record, RunJournal
+from otel_forge.mlflow.training.run_journal import RunJournal
 from otel_forge.mlflow.training.run_opener import OpenerState, RunOpener
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT, RunPlan, embedded_tracking_uri
+from otel_forge.mlflow.training.run_recorder import RunRecorder, checkpoint_model_name
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
-from otel_forge.scrub import SecretKeys, error_line, uri_without_credentials
+from otel_forge.scrub import SecretKeys, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
 
@@ -58,25 +50,13 @@ class TrainingRun:
     """
 
     def __init__(
-        self,
-        config: Any = None,
-        tracking_uri: str | None = None,
-        experiment: str | None = None,
-        run_name: str | None = None,
-        run_id: str | None = None,
-        description: str | None = None,
-        tags: Mapping[str, str] | None = None,
-        system_metrics: bool = True,
-        register_checkpoints: bool = False,
-        launch_argv: Sequence[str] | None = None,
-        forge_config: ForgeConfig | None = None,
-        node: NodeIdentity | None = None,
-        init_deadline_s: float = 60.0,
-        end_deadline_s: float = 60.0,
-        handle_sigterm: bool = True,
-        create_if_missing: bool = False,
-        deliver_here: bool = False,
-    ) -> None:
+        self, config: Any = None, tracking_uri: str | None = None, experiment: str | None = None,
+        run_name: str | None = None, run_id: str | None = None, description: str | None = None,
+        tags: Mapping[str, str] | None = None, system_metrics: bool = True, register_checkpoints: bool = False,
+        launch_argv: Sequence[str] | None = None, forge_config: ForgeConfig | None = None,
+        node: NodeIdentity | None = None, init_deadline_s: float = 60.0, end_deadline_s: float = 60.0,
+        handle_sigterm: bool = True, create_if_missing: bool = False, deliver_here: bool = False,
+    ) -> None:  # fmt: skip
         forge_config = forge_config or ForgeConfig.resolve()
         plan = RunPlan.resolve(
             forge_config, tracking_uri=tracking_uri, experiment=experiment, run_name=run_name, run_id=run_id,
@@ -85,30 +65,23 @@ class TrainingRun:
         )  # fmt: skip
         self.config = config
         self.launch_argv = list(sys.argv if launch_argv is None else launch_argv)
-        self._warnings = RateLimitedLogger(_logger)
+        warnings = RateLimitedLogger(_logger)
         secret = SecretKeys(forge_config.secret_keys)
-        self._description = RunDescription(config, description, dict(tags or {}), self.launch_argv, secret, self._warnings)
-        self._opener = RunOpener(plan, lambda key: (self._description.default_run_name(), self._description.creation_tags(key)))
-        self._opener.before_open.append(self._describe)
+        self._description = RunDescription(config, description, dict(tags or {}), self.launch_argv, secret, warnings)
+        self._opener = RunOpener(plan, self._description.new_run)
         self._opener.on_open.append(self._opened)
-        self._opener.on_fail.append(lambda error: self._journal and self._journal.disabled(error_line(error)))
-        self._checker = MetricChecker(self._warnings)
-        self._journal: RunJournal | None = None
-        self._companion: CompanionProcess | None = None
-        self._here: tuple[JournalDelivery, threading.Thread] | None = None
+        self._checker = MetricChecker(warnings)
+        self._recorder: RunRecorder | None = None  # the journal's writer, in the process that owns the run
+        self._journal: RunJournal | None = None  # the recorder's, once begun: what log() appends to
+        self._delivery: RunDelivery | None = None
         self._deliver_here = deliver_here
         self._pid = os.getpid()  # a forked child (a DataLoader worker) logs and ends nothing
         self._lock = threading.Lock()  # begin and close; never held across the journal's I/O
         self._closed = False
-        self._restore_environ: Callable[[], None] | None = None
-        self._checkpoints: set[int] = set()  # steps journaled
-        self._model_ids: dict[int, str] = {}  # their models, once the delivery has registered them
         self._exit_handlers = ExitHandlers(self.close, handle_sigterm)
         self.described = False
         self.ended = False  # the run's end reached the server (as far as this process knows)
         self.on_open: list[Callable[[], None]] = []  # called on the opener's thread once the run is open
-
-    # --- what the run is (no I/O) -----------------------------------------------------------
 
     plan = property(lambda self: self._opener.plan)
     forge_config = property(lambda self: self.plan.forge_config)
@@ -123,10 +96,7 @@ class TrainingRun:
     rejected = property(lambda self: self._checker.rejected)
     run_id = property(lambda self: self._opener.run.run_id if self._opener.run else None)
     experiment_id = property(lambda self: self._opener.run.experiment_id if self._opener.run else None)
-
-    @property
-    def journal_directory(self) -> Path | None:
-        return self._journal.directory if self._journal is not None else None
+    journal_directory = property(lambda self: self._recorder.directory if self._recorder else None)
 
     def tracking_entry(self) -> dict[str, str] | None:
         """``{backend, run_id, experiment, tracking_uri}`` without credentials; None unless live."""
@@ -136,101 +106,48 @@ class TrainingRun:
         uri = uri_without_credentials(self.tracking_uri)
         return {"backend": "mlflow", "run_id": run.run_id, "experiment": run.experiment, "tracking_uri": uri}
 
-    # --- opening ------------------------------------------------------------------------------
-
     def start(self, timeout_s: float | None = None) -> bool:
         """Open (or resume) the run now, waiting at most ``timeout_s`` (default: the init deadline),
-        or until the server fails to answer once; True when it is live. Not live yet: it goes on
-        opening in the background."""
+        or until the server fails to answer once; True when it is live (else it goes on opening)."""
         self._begin()
         return self._opener.wait(self.plan.init_deadline_s if timeout_s is None else timeout_s)
 
     def take_rank_zero(self) -> None:
-        """This process turned out to hold global rank 0 (known once the launcher's rendezvous is
-        done): it makes the job's run, unless one is published by now."""
+        """This process turned out to hold global rank 0 (known once the launcher's rendezvous is done)."""
         self._opener.take_rank_zero()
 
     def adopt_job_key(self, key: str, source: str) -> None:
         """Find or make the run by ``key`` from the next attempt on (one the caller shares)."""
         self._opener.adopt_job_key(key, source)
-        if self._journal is not None:
-            self._journal.plan(self._plan_entry())
+        if self._recorder is not None:
+            self._recorder.plan(self.plan)
 
     def _begin(self) -> None:
         with self._lock:
             if self._opener.state is not OpenerState.IDLE or self._closed:
                 return
-            plan = self.plan
-            if plan.owns_run:
-                self._journal = self._new_journal()
+            if self.plan.owns_run:
+                self._recorder = recorder = RunRecorder(self.plan, self._description, self._deliver_here)
+                self._opener.before_open.append(lambda: recorder.describe(self.plan))
+                self._opener.on_fail.append(recorder.disabled)
+                self._journal = recorder.journal
             self._opener.begin()
-            self._start_delivery()
+            self._delivery = RunDelivery(self.plan, self.journal_directory, self._deliver_here)
+            self._delivery.start()
             self._exit_handlers.install()
 
-    def _new_journal(self) -> RunJournal | None:
-        root = spool_root(self.plan.forge_config.spool_dir)
-        try:
-            journal = RunJournal.create(root, uri_without_credentials(self.tracking_uri), self._deliver_here)
-        except OSError as error:
-            _logger.warning(
-                "MLflow logging disabled: the run's journal cannot be written in %s (%s); set "
-                "OTEL_FORGE_SPOOL_DIR to a directory of your own", root, error.strerror or error
-            )  # fmt: skip
-            return None
-        journal.plan(self._plan_entry())
-        return journal
-
-    def _plan_entry(self) -> dict[str, Any]:
-        plan = self.plan
-        return plan.journal_entry(self._description.default_run_name(), self._description.own_tags())
-
-    def _describe(self) -> None:
-        """On the opener's thread, before the run is asked for: what a new run records, for whichever
-        process opens it (this one, or the delivery, if this one dies first)."""
-        if self._journal is not None:
-            records = [[r.kind, r.payload] for r in self._description.records(self.node)]
-            self._journal.describe({"creation_tags": self._description.creation_tags(self.node.job_key), "records": records})
-
-    def _start_delivery(self) -> None:
-        plan = self.plan
-        journal = self._journal.directory if self._journal is not None and not plan.delivered_by_launcher else None
-        if journal is not None and self._deliver_here:
-            delivery = JournalDelivery(journal, tracking_uri=plan.tracking_uri, flush_interval_s=plan.forge_config.flush_interval_s)
-            self._here = (delivery, threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True))
-            self._here[1].start()
-            journal = None
-        sample = plan.system_metrics and plan.node.runs_agent and not plan.node_sampled_by_launcher
-        sample = sample and bool(plan.owns_run or plan.requested_run_id or plan.node.job_key)
-        if not (sample or journal):
-            return
-        config = plan.forge_config.replace(run_id=None, tracking_uri=plan.tracking_uri)
-        try:
-            self._companion = CompanionProcess(config, plan.node, sample=sample, journal=journal, tracking_uri=plan.tracking_uri).start()
-        except Exception as error:  # noqa: BLE001 - the journal stays for `otel-forge replay`
-            _logger.warning("the otel-forge companion did not start: %s", error_line(error))
-
     def _opened(self, run: OpenRun) -> None:
-        """On the opener's thread: the process's MLflow calls (HF's callback, autolog) open this run."""
         plan = self.plan
-        self._restore_environ = make_process_run(run.run_id)
-        if plan.system_metrics:
-            stand_down_mlflow_sampler(run.run_id)
         self.described = plan.owns_run and (plan.describe_launched or not run.described)
-        if self._journal is not None:
-            known = {k: getattr(run, k) for k in ("run_id", "run_name", "experiment_id", "experiment", "resumed", "last_step")}
-            self._journal.opened({**known, "describe": self.described})
-            if plan.launched and plan.run_name and run.run_name != plan.run_name:
-                self._journal.record(Record("run_name", plan.run_name))  # as mlflow.start_run(run_name=) would
-                run.run_name = plan.run_name
-        if self._companion is not None:
-            self._companion.attach(run.run_id, RunInfo(run.experiment_id, run.run_name or "", run.experiment))
+        if self._recorder is not None:
+            self._recorder.opened(run, self.described, plan.run_name if plan.launched else None)
+        if self._delivery is not None:
+            self._delivery.attach(run)
         for callback in self.on_open:
             callback()
 
-    # --- the training loop's calls: a check and an append, never a wait ------------------------
-
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Journal ``metrics`` at ``step`` and return. Steps a resumed run has are skipped."""
+        """Journal ``metrics`` at ``step`` and return: a check and an append, never a wait."""
         if self._journal is None:
             if self._closed or not self.plan.owns_run or forked_from(self._pid):
                 return
@@ -242,27 +159,17 @@ class TrainingRun:
         if (checked := checked_step(step)) is None:
             self._checker.reject(len(metrics), "step %r is not an integer from 0 to 2**63-1", step)
         elif values := self._checker.values(metrics):
-            self._journal.metrics(values, checked, int(time.time() * 1000))  # type: ignore[union-attr]
+            self._journal.metrics(values, checked, int(time.time() * 1000))
 
     def checkpoint_model_name(self, step: int) -> str:
-        run = self._opener.run
-        return f"{key_segment((run.run_name or run.run_id) if run else (self.run_name or 'run'))}-step-{step}"
+        return checkpoint_model_name(self._opener.run, self.run_name, step)
 
     def checkpoint_fields(self, step: int) -> dict[str, str] | None:
         """The model name of the checkpoint at ``step``, and its id once registered (no server call)."""
-        if not self.plan.register_checkpoints or self.tracking_entry() is None:
+        if not self.plan.register_checkpoints or self.tracking_entry() is None or self._recorder is None:
             return None
-        if step not in self._model_ids and self._journal is not None:
-            self._read_registered()
-        fields = {"model_name": self.checkpoint_model_name(step)}
-        return fields | ({"model_id": self._model_ids[step]} if step in self._model_ids else {})
-
-    def _read_registered(self) -> None:
-        try:
-            models = json.loads((self._journal.directory / CURSOR_FILE).read_text())["models"]  # type: ignore[union-attr]
-        except (OSError, ValueError, KeyError):
-            return
-        self._model_ids.update({int(step): model_id for step, model_id in models.items()})
+        model_id = self._recorder.model_id(step)
+        return {"model_name": self.checkpoint_model_name(step), **({"model_id": model_id} if model_id else {})}
 
     def register_checkpoint(self, step: int, directory: str | os.PathLike[str]) -> None:
         """Register a committed checkpoint directory as an external logged model, by the delivery."""
@@ -270,58 +177,27 @@ class TrainingRun:
         if not plan.register_checkpoints or self._closed or not plan.owns_run or forked_from(self._pid):
             return
         self._begin()
-        if self._journal is not None and step not in self._checkpoints:
-            self._checkpoints.add(step)
-            self._journal.checkpoint(step, str(Path(directory).absolute()), self.checkpoint_model_name(step))
-
-    # --- ending -------------------------------------------------------------------------------
+        if self._recorder is not None:
+            self._recorder.checkpoint(step, Path(directory), self.checkpoint_model_name(step))
 
     def close(self, status: str = "FINISHED") -> None:
-        """Journal the run's end and hand it to its delivery; bounded whatever the server does
-        (the drain deadline, and the close of the run's opening). Idempotent."""
+        """Journal the run's end and hand it to its delivery, bounded whatever the server does. Idempotent."""
         if forked_from(self._pid):
             return  # a forked child's copy (a DataLoader worker leaving the block): the parent ends it
         with self._lock:
-            if self._closed or self._opener.state is OpenerState.IDLE:
-                self._closed = True
-                return
-            self._closed = True
+            begun, self._closed = not self._closed and self._opener.state is not OpenerState.IDLE, True
+        if not begun:
+            return
         self._exit_handlers.remove()
-        self._leave_process()
+        self._opener.leave_process()
         drain_s = self.forge_config.drain_deadline_s
         self._opener.close(min(drain_s, 1.0) if self._opener.state is OpenerState.UNANSWERED else drain_s)
-        if self._journal is not None:
-            # Not closed: a signal handler may close the run inside an append of the same thread.
+        if self._journal is not None:  # not closed: a signal handler may end us inside an append of ours
             self._journal.end(status, self._checker.rejected)
-        if self._here is not None:
-            self._here[0].finish(drain_s)
-            self._here[1].join()
-            self.ended = self._here[0].ended is not None
-        if self._companion is not None:
-            self._companion.stop()
-            self.ended = self._journal is not None and not self._journal.directory.exists()
+        self.ended = self._delivery.finish() if self._delivery is not None else False
         if self._journal is None:
-            self._end_here(status)
+            self.ended = self._opener.end_here(status)
         self._checker.say_total()
-
-    def _end_here(self, status: str) -> None:
-        """A rank that journals nothing ends its part of the run itself (its outcome, if it failed)."""
-        run, owner = self._opener.run, self._opener.owner
-        if run is None or owner is None:
-            return
-        try:
-            owner.call(lambda: end_run(run.client, run.run_id, run.experiment_id, status, self.node), self.plan.end_deadline_s)
-            self.ended = True
-        except Exception as error:  # noqa: BLE001 - the run end is best effort too
-            _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status, error_line(error))
-
-    def _leave_process(self) -> None:
-        """The process's MLflow calls no longer open this run, and MLflow does not end it at exit."""
-        if self._restore_environ is not None:
-            self._restore_environ()
-        run = self._opener.run
-        if run is not None and self.plan.owns_run and run.run_id != self._opener.script_run_id:
-            forget_fluent_run(run.run_id)
 
     def __enter__(self) -> TrainingRun:
         """Open the run: every rank finds it and its node is sampled. Rank 0 waits for it a while
@@ -337,4 +213,3 @@ class TrainingRun:
             self.close("FINISHED")
         else:
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
-

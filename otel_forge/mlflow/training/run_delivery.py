@@ -1,0 +1,70 @@
+"""``RunDelivery``: where a run's journal is delivered and its node sampled, out of the training loop's
+way: by ``otel-forge run``, which delivers its command's journals (nothing to start here); by this
+process on a thread, where it outlives the training (``otel-forge run``'s own journal); else by a
+``CompanionProcess``, which samples the node too where this process is its local rank 0."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from otel_forge.mlflow.client import RunInfo
+from otel_forge.mlflow.training.companion import CompanionProcess
+from otel_forge.mlflow.training.journal_delivery import JournalDelivery
+from otel_forge.mlflow.training.run_owner import OpenRun
+from otel_forge.mlflow.training.run_plan import RunPlan
+from otel_forge.scrub import error_line
+
+_logger = logging.getLogger(__name__)
+
+
+class RunDelivery:
+    """Delivers ``journal`` (None: a rank that journals nothing) and samples the plan's node."""
+
+    def __init__(self, plan: RunPlan, journal: Path | None, here: bool) -> None:
+        self._plan = plan
+        self._journal = None if plan.delivered_by_launcher else journal
+        self._here = here
+        self._thread: tuple[JournalDelivery, threading.Thread] | None = None
+        self._companion: CompanionProcess | None = None
+
+    def start(self) -> None:
+        plan, journal = self._plan, self._journal
+        if journal is not None and self._here:
+            delivery = JournalDelivery(
+                journal, tracking_uri=plan.tracking_uri, flush_interval_s=plan.forge_config.flush_interval_s
+            )
+            self._thread = (delivery, threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True))
+            self._thread[1].start()
+            journal = None
+        sample = plan.system_metrics and plan.node.runs_agent and not plan.node_sampled_by_launcher
+        sample = sample and bool(plan.owns_run or plan.requested_run_id or plan.node.job_key)
+        if not (sample or journal):
+            return
+        config = plan.forge_config.replace(run_id=None, tracking_uri=plan.tracking_uri)
+        try:
+            companion = CompanionProcess(
+                config, plan.node, sample=sample, journal=journal, tracking_uri=plan.tracking_uri
+            )
+            self._companion = companion.start()
+        except Exception as error:  # noqa: BLE001 - the journal stays for `otel-forge replay`
+            _logger.warning("the otel-forge companion did not start: %s", error_line(error))
+
+    def attach(self, run: OpenRun) -> None:
+        """The run is open: the node's windows go to it."""
+        if self._companion is not None:
+            self._companion.attach(run.run_id, RunInfo(run.experiment_id, run.run_name or "", run.experiment))
+
+    def finish(self) -> bool:
+        """The journal has its end: deliver it within the drain deadline. True once the run's end
+        reached the server; False where it is left in the journal (or is delivered elsewhere)."""
+        if self._thread is not None:
+            delivery, thread = self._thread
+            delivery.finish(self._plan.forge_config.drain_deadline_s)
+            thread.join()
+            return delivery.ended is not None
+        if self._companion is not None:
+            self._companion.stop()
+            return self._journal is not None and not self._journal.exists()
+        return False
