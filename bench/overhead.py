@@ -51,7 +51,12 @@ MODES = (
     "trainingrun-logging-wide",
     "trainingrun-both",
     "otel-forge-run",
+    "trainingrun-before",
+    "trainingrun-before-wide",
 )
+# The -before modes run TrainingRun as it was before the run journal (issue 30): its in-process
+# buffer, worker threads and MLflow client, from this commit, in the same run as today's.
+BEFORE_COMMIT = "2949113"
 WIDE_KEYS = 500  # values per call in the -wide modes: ~10,000 values a second
 LOOPS = ("gil", "torch")
 
@@ -128,12 +133,14 @@ def measure(mode: str, loop: str, seconds: float, warmup_s: float) -> dict[str, 
         while time.perf_counter() < deadline:
             step()
         started_at, cpu0, loop0, t0 = time.time(), time.process_time(), time.thread_time(), time.perf_counter()
-        logs, next_log = 0, t0
+        logs, next_log, in_log = 0, t0, 0.0
         while (now := time.perf_counter()) - t0 < seconds:
             loss = step()
             steps += 1
             if log is not None and now >= next_log:
+                before = time.thread_time()
                 log(loss, steps)
+                in_log += time.thread_time() - before
                 logs, next_log = logs + 1, next_log + LOG_PERIOD_S
         elapsed = now - t0
         cpu, loop_cpu = time.process_time() - cpu0, time.thread_time() - loop0
@@ -141,6 +148,7 @@ def measure(mode: str, loop: str, seconds: float, warmup_s: float) -> dict[str, 
     return {
         "steps_per_s": steps / elapsed,
         "background_cpu_ms_per_s": (cpu - loop_cpu) / elapsed * 1000,
+        "log_call_cpu_ms_per_s": in_log / elapsed * 1000,  # on the loop's own thread, inside log()
         "values_per_s": logs * len(_values(mode, 0.0)) / elapsed,
         "started_at": started_at,
         "ended_at": ended_at,
@@ -151,6 +159,8 @@ def measure(mode: str, loop: str, seconds: float, warmup_s: float) -> dict[str, 
 
 
 def _child(mode: str, loop: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> dict[str, float]:
+    if mode.startswith("trainingrun-before"):
+        env = {**env, "PYTHONPATH": os.pathsep.join([str(out.parent / "before"), env["PYTHONPATH"]])}
     inner = [sys.executable, "-m", "bench.overhead", "--child", mode, loop, str(out)]
     inner += ["--seconds", str(args.seconds), "--warmup", str(args.warmup)]
     command = [sys.executable, "-m", "otel_forge.cli", "run", "--", *inner] if mode == "otel-forge-run" else inner
@@ -177,6 +187,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             OTEL_FORGE_PROMETHEUS="false",
             PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env["PYTHONPATH"]]),
         )
+        if any(mode.startswith("trainingrun-before") for mode in args.modes):
+            _extract_before(REPO_ROOT, Path(tmp) / "before")
         for round_index in range(args.rounds):
             shift = round_index % len(args.modes)
             for loop in args.loops:
@@ -188,6 +200,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                         f"round {round_index + 1} {loop} {mode}: {result['steps_per_s']:.0f} steps/s", file=sys.stderr
                     )
     return _summary(results, args)
+
+
+def _extract_before(repo: Path, into: Path) -> None:
+    """The package as it was at ``BEFORE_COMMIT``, importable from ``into``."""
+    into.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", BEFORE_COMMIT, "otel_forge"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
 
 
 def _delivered(proxy: Any, result: dict[str, float]) -> tuple[float, float]:
@@ -210,6 +231,7 @@ def _summary(results: dict[tuple[str, str], list[dict[str, float]]], args: argpa
                 "steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
                 "steps_lost_pct": 100 * statistics.median(loss),
                 "background_cpu_ms_per_s": statistics.median(r["background_cpu_ms_per_s"] for r in runs),
+                "log_call_cpu_ms_per_s": statistics.median(r["log_call_cpu_ms_per_s"] for r in runs),
                 "values_per_s": statistics.median(r["values_per_s"] for r in runs),
                 "log_batch_per_s": statistics.median(r["log_batch_per_s"] for r in runs),
                 "delivered_per_s": statistics.median(r["delivered_per_s"] for r in runs),
@@ -223,24 +245,25 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{summary['rounds']} interleaved rounds of {summary['seconds']:g} s per mode and loop; medians. "
         f"{summary['gpus']} fake GPUs; samplers at their default 10 s interval.",
         "",
-        "| loop | mode | steps/s | steps/s lost vs bare | training process CPU off the loop | values logged/s "
-        "| `log-batch`/s | values delivered/s | CPU per value delivered |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| loop | mode | steps/s | steps/s lost vs bare | training process CPU off the loop | CPU in `log()` "
+        "| values logged/s | `log-batch`/s | values delivered/s | CPU per value (off the loop + in `log()`) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in summary["rows"]:
         lines.append(
             f"| {row['loop']} | {row['mode']} | {row['steps_per_s']:.0f} | {row['steps_lost_pct']:+.1f}% "
-            f"| {row['background_cpu_ms_per_s']:.2f} ms/s | {row['values_per_s']:.0f} | {row['log_batch_per_s']:.2f} "
+            f"| {row['background_cpu_ms_per_s']:.2f} ms/s | {row['log_call_cpu_ms_per_s']:.2f} ms/s "
+            f"| {row['values_per_s']:.0f} | {row['log_batch_per_s']:.2f} "
             f"| {row['delivered_per_s']:.0f} | {_per_value(row)} |"
         )
     return "\n".join(lines)
 
 
 def _per_value(row: dict[str, Any]) -> str:
-    """The background CPU per training value delivered (system windows count: they cost CPU too)."""
-    if not row["values_per_s"] or not row["delivered_per_s"]:
+    """The training process's CPU for logging (its threads off the loop, and inside ``log()``) per value logged."""
+    if not row["values_per_s"]:
         return ""
-    return f"{row['background_cpu_ms_per_s'] / row['delivered_per_s'] * 1000:.0f} µs"
+    return f"{(row['background_cpu_ms_per_s'] + row['log_call_cpu_ms_per_s']) / row['values_per_s'] * 1000:.1f} µs"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -523,7 +523,7 @@ SETTINGS: tuple[Setting, ...] = (
         ("OTEL_FORGE_SPOOL_DIR",),
         _optional_text,
         None,
-        "Where undeliverable windows wait (default: `$XDG_CACHE_HOME/otel-forge/spool`).",
+        "Where undelivered windows and the training runs' journals wait (default: `$XDG_CACHE_HOME/otel-forge/spool`).",
     ),
     Setting(
         "spool_max_bytes",

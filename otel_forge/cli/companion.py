@@ -92,14 +92,7 @@ def _delivery(journal: Path, config: Any, tracking_uri: str, attach: _Attach) ->
     def on_run(run: Any) -> None:
         attach(run.run_id, RunInfo(run.experiment_id, run.run_name or "", run.experiment))
 
-    return JournalDelivery(
-        journal,
-        tracking_uri=tracking_uri,
-        flush_interval_s=config.flush_interval_s,
-        fsync_s=config.journal_fsync_s,
-        patience_s=config.delivery_patience_s,
-        on_run=on_run,
-    )
+    return JournalDelivery.for_config(journal, config, tracking_uri, on_run=on_run)
 
 
 def _next_message(parent: int) -> tuple[Any, ...] | None:

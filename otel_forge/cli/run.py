@@ -222,9 +222,7 @@ def _cmd_journals(training_run: Any, spool: Path) -> Any:
     """CMD's TrainingRuns journal into the job's directory; we deliver them, whatever becomes of CMD."""
     from otel_forge.mlflow.training.job_journals import JobJournals
 
-    journals = JobJournals(
-        spool, training_run.tracking_uri, training_run.forge_config.flush_interval_s, lambda: training_run.run_id
-    )
+    journals = JobJournals(spool, training_run.tracking_uri, training_run.forge_config, lambda: training_run.run_id)
     return journals.start(own=training_run.journal_directory)
 
 

@@ -820,7 +820,7 @@ def test_server_down_at_start_cmd_still_runs_and_its_exit_code_is_returned(tmp_p
     assert said.startswith("otel-forge: MLflow at http://127.0.0.1:") and "does not answer: connection refused" in said
     job_dir = Path(said.rsplit("otel-forge replay ", 1)[1].removesuffix(" delivers it"))
     kept = sorted(path.name.split("-")[0] for path in job_dir.iterdir())
-    assert kept == ["pending", "unopened"], kept  # the node's windows; the run's description and end
+    assert kept == ["journal", "pending"], kept  # the run's journal (its description and end); the node's windows
     assert "s3cr3t-token" not in result.stderr + result.stdout
     cmd_env = json.loads(seen.read_text())
     assert cmd_env["MLFLOW_RUN_ID"] is None  # nothing to attach to yet: CMD finds it by the job key

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.spool_files import HEADER
 from otel_forge.mlflow.training.journal_delivery import JournalDelivery
 from otel_forge.mlflow.training.run_journal import is_journal
@@ -19,11 +20,11 @@ class JobJournals:
     """Delivers every journal that appears in ``directory`` (but ``own``) into the job's run."""
 
     def __init__(
-        self, directory: Path, tracking_uri: str, flush_interval_s: float, job_run: Callable[[], str | None]
+        self, directory: Path, tracking_uri: str, config: ForgeConfig, job_run: Callable[[], str | None]
     ) -> None:
         self._directory = directory
         self._tracking_uri = tracking_uri
-        self._flush_interval_s = flush_interval_s
+        self._config = config
         self._job_run = job_run
         self._deliveries: dict[Path, tuple[JournalDelivery, threading.Thread]] = {}
         self._own: Path | None = None  # the launcher's own journal, which its TrainingRun delivers
@@ -54,9 +55,7 @@ class JobJournals:
             journal = header.parent
             if journal in self._deliveries or journal == self._own or not is_journal(journal):
                 continue
-            delivery = JournalDelivery(
-                journal, tracking_uri=self._tracking_uri, flush_interval_s=self._flush_interval_s, job_run=self._job_run
-            )
+            delivery = JournalDelivery.for_config(journal, self._config, self._tracking_uri, job_run=self._job_run)
             thread = threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True)
             self._deliveries[journal] = (delivery, thread)
             thread.start()

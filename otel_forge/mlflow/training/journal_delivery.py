@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otel_forge.config import ForgeConfig
 from otel_forge.journal import JournalReader
 from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, classify, import_mlflow, make_client, unanswered_reason
 from otel_forge.mlflow.spool_files import kept_notice_level, write_atomically
@@ -162,6 +163,14 @@ class JournalDelivery:
         self.delivered_values = 0
         self.ended: str | None = None  # the status the run was ended with
         self.cause: str | None = None  # why the last call failed, when it did
+
+    @classmethod
+    def for_config(cls, directory: Path, config: ForgeConfig, tracking_uri: str, **hooks: Any) -> JournalDelivery:
+        """A delivery by the settings (flush interval, fsync interval, patience)."""
+        return cls(
+            directory, tracking_uri=tracking_uri, flush_interval_s=config.flush_interval_s,
+            fsync_s=config.journal_fsync_s, patience_s=config.delivery_patience_s, **hooks,
+        )  # fmt: skip
 
     # --- control, from any thread ---------------------------------------------------------
 

@@ -32,9 +32,7 @@ class RunDelivery:
     def start(self) -> None:
         plan, journal = self._plan, self._journal
         if journal is not None and self._here:
-            delivery = JournalDelivery(
-                journal, tracking_uri=plan.tracking_uri, flush_interval_s=plan.forge_config.flush_interval_s
-            )
+            delivery = JournalDelivery.for_config(journal, plan.forge_config, plan.tracking_uri)
             self._thread = (delivery, threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True))
             self._thread[1].start()
             journal = None

@@ -78,7 +78,7 @@ class RunJournal:
 
     @classmethod
     def create(cls, root: Path, tracking_uri: str, launcher: bool = False) -> RunJournal:
-        return cls(root / f"{time.strftime('%Y%m%d-%H%M%S')}-journal-{os.getpid()}", tracking_uri, launcher)
+        return cls(root / f"journal-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}", tracking_uri, launcher)
 
     def metrics(self, values: Mapping[str, float], step: int, timestamp_ms: int) -> None:
         self._writer.append(_encode([METRICS, step, timestamp_ms, values]).encode())

@@ -159,7 +159,10 @@ class TrainingRun:
         if (checked := checked_step(step)) is None:
             self._checker.reject(len(metrics), "step %r is not an integer from 0 to 2**63-1", step)
         elif values := self._checker.values(metrics):
-            self._journal.metrics(values, checked, int(time.time() * 1000))
+            try:
+                self._journal.metrics(values, checked, int(time.time() * 1000))
+            except OSError as error:  # a full disk: the values are lost, never the training
+                self._checker.reject(len(values), "the run's journal cannot be written (%s)", error.strerror or error)
 
     def checkpoint_model_name(self, step: int) -> str:
         return checkpoint_model_name(self._opener.run, self.run_name, step)
