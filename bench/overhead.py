@@ -159,12 +159,14 @@ def measure(mode: str, loop: str, seconds: float, warmup_s: float) -> dict[str, 
 
 
 def _child(mode: str, loop: str, args: argparse.Namespace, env: dict[str, str], out: Path) -> dict[str, float]:
-    if mode.startswith("trainingrun-before"):
-        env = {**env, "PYTHONPATH": os.pathsep.join([str(out.parent / "before"), env["PYTHONPATH"]])}
+    # `-m` puts the working directory first on the path: the package found there is the one measured.
+    cwd = out.parent / "before" if mode.startswith("trainingrun-before") else None
     inner = [sys.executable, "-m", "bench.overhead", "--child", mode, loop, str(out)]
     inner += ["--seconds", str(args.seconds), "--warmup", str(args.warmup)]
     command = [sys.executable, "-m", "otel_forge.cli", "run", "--", *inner] if mode == "otel-forge-run" else inner
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    subprocess.run(
+        command, env=env, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300
+    )
     return json.loads(out.read_text())
 
 
