@@ -34,7 +34,14 @@ from typing import Any
 
 from otel_forge.config import ForgeConfig
 from otel_forge.journal import JournalReader
-from otel_forge.mlflow.client import MAX_METRICS_PER_BATCH, classify, import_mlflow, make_client, unanswered_reason
+from otel_forge.mlflow.client import (
+    MAX_METRICS_PER_BATCH,
+    classify,
+    import_mlflow,
+    make_client,
+    outage_cause,
+    unanswered_reason,
+)
 from otel_forge.mlflow.spool_files import kept_notice_level, write_atomically
 from otel_forge.mlflow.training.run_journal import (
     CHECKPOINT,
@@ -237,7 +244,8 @@ class JournalDelivery:
                 continue
             except Exception as error:  # noqa: BLE001 - classified: retry, drop or stop
                 outcome = classify(error)
-                self.cause = unanswered_reason(error)
+                experiment = (self._run.experiment if self._run else None) or self._cursor.plan.get("experiment")
+                self.cause = outage_cause(error, experiment) or unanswered_reason(error)
                 if outcome is Outcome.STOP:
                     _logger.warning("MLflow: delivery of %s stopped: %s", self.directory, error_line(error))
                     return Delivered.LEFT

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_forge.config import TOLD_SPOOL_ENV, ConfigError
-from otel_forge.mlflow.client import classify, make_client, unanswered_reason
+from otel_forge.mlflow.client import classify, make_client, outage_cause, unanswered_reason
 from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
@@ -234,7 +234,7 @@ class RunOpener:
                 "open-retry",
                 "MLflow at %s: %s; the run opens when it answers, and everything logged is kept meanwhile",
                 uri_without_credentials(self.plan.tracking_uri),
-                f"does not answer ({unanswered_reason(error)})",
+                outage_cause(error, self.plan.experiment) or f"does not answer ({unanswered_reason(error)})",
             )
         return True
 
