@@ -11,6 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from run_reading import anchor_steps
 
 from otel_forge.mlflow.training.run_journal import is_journal
@@ -18,10 +19,10 @@ from testkit.hermetic import hermetic_environ
 from testkit.servers import free_port
 
 STEPS = 20
-TRAIN = f"""
+TRAIN = """
 import time
 from otel_forge import TrainingRun
-with TrainingRun(config={{"lr": 0.1}}) as run:
+with TrainingRun(config={{"lr": 0.1}}, experiment={named!r}) as run:
     for step in range({STEPS}):
         run.log({{"loss": 1.0 / (step + 1)}}, step)
         time.sleep(0.1)
@@ -40,7 +41,8 @@ def _forge(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedPr
     )
 
 
-def test_a_job_whose_server_never_answers_keeps_everything_for_replay(mlflow_server, client, tmp_path) -> None:
+@pytest.mark.parametrize("named", [None, "named-by-the-script"])
+def test_a_job_whose_server_never_answers_keeps_everything_for_replay(named, mlflow_server, client, tmp_path) -> None:
     spool = tmp_path / "spool"
     env = hermetic_environ(
         {"OTEL_FORGE_SPOOL_DIR": str(spool), "OTEL_FORGE_START_WAIT": "1", "OTEL_FORGE_DRAIN_DEADLINE": "2"},
@@ -49,16 +51,25 @@ def test_a_job_whose_server_never_answers_keeps_everything_for_replay(mlflow_ser
     experiment = f"never-answered-{uuid.uuid4().hex[:8]}"
     down = f"http://127.0.0.1:{free_port()}"
     options = ["--tracking-uri", down, "--experiment", experiment, "--no-prometheus", "--interval", "0.3"]
-    job = _forge("run", *options, "--", sys.executable, "-c", TRAIN, cwd=tmp_path, env=env)
+    job = _forge(
+        "run", *options, "--", sys.executable, "-c", TRAIN.format(named=named, STEPS=STEPS), cwd=tmp_path, env=env
+    )
 
     assert job.returncode == 0, job.stderr
     assert "Traceback" not in job.stderr
     # One line says it all: what happened, where everything is kept, the command that delivers it.
     (job_dir,) = [path for path in spool.iterdir() if path.is_dir()]
-    assert job.stderr.splitlines() == [
+    said = [
         f"otel-forge: MLflow at {down} does not answer: connection refused; {sys.executable} -c runs, "
         f"everything is kept in {job_dir}, otel-forge replay {job_dir} delivers it"
-    ], job.stderr
+    ]
+    if named:  # the script names another experiment than otel-forge run's: which one wins, said once
+        said.append(
+            f"MLflow: this job's run is the one otel-forge "
+            f"run opened, in experiment {experiment}; experiment {named}, named here, is not used (otel-forge run "
+            f"--experiment {named} puts the job there)"
+        )
+    assert job.stderr.splitlines() == said, job.stderr
     kept = sorted(path for path in job_dir.iterdir() if path.is_dir())
     journals = [path for path in kept if is_journal(path)]
     windows = [path for path in kept if not is_journal(path)]
@@ -77,3 +88,4 @@ def test_a_job_whose_server_never_answers_keeps_everything_for_replay(mlflow_ser
     steps = anchor_steps(client, run_id)
     assert len(steps) >= 3 and steps == list(range(len(steps))), steps
     assert client.get_run(run_id).info.status == "FINISHED"
+    assert named is None or client.get_experiment_by_name(named) is None  # no empty experiment either

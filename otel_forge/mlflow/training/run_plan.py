@@ -5,6 +5,7 @@ does in it. No I/O."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from typing import Any
 from otel_forge.config import JOURNALS_DELIVERED_BY_ENV, ConfigError, ForgeConfig
 from otel_forge.mlflow.training.launched_run import LaunchedRun
 from otel_forge.node import TORCHRUN_MAX_RESTARTS_VAR, TORCHRUN_RESTART_COUNT_VAR, NodeIdentity
+
+_logger = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "otel-forge"
 # A local store is not a server that may be down: creating its tables is part of opening it (seconds
@@ -71,6 +74,15 @@ class RunPlan:
         requested = run_id or forge_config.run_id or handed
         uri = tracking_uri or forge_config.tracking_uri or embedded_tracking_uri()
         node = node or NodeIdentity.from_config(forge_config)
+        launchers = forge_config.experiment_name or forge_config.experiment_id
+        if launched is not None and experiment and launchers and experiment != launchers:
+            # One job, one run: the one `otel-forge run` opened, online as in replay.
+            _logger.warning(
+                "MLflow: this job's run is the one otel-forge run opened, in experiment %s; experiment %s, "
+                "named here, is not used (otel-forge run --experiment %s puts the job there)",
+                launchers, experiment, experiment,
+            )  # fmt: skip
+            experiment = None
         return cls(
             forge_config=forge_config,
             tracking_uri=uri,
