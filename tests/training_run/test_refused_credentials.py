@@ -1,7 +1,7 @@
-"""A refused credential (401) or permission (403) is an outage for the training side too, against MLflow's
-real basic-auth app: every value is kept in the run's journal, one line names the cause and its fix,
-and once it is fixed one ``otel-forge replay`` delivers everything into one run. No password in any
-file or line of ours."""
+"""A refused credential (401), a refused permission (403) or an untrusted certificate is an outage for
+the training side too, against MLflow's real basic-auth app and a TLS proxy with a CA made here: every
+value is kept in the run's journal, one line names the cause and its fix, and once it is fixed one
+``otel-forge replay`` delivers everything into one run. No password in any file or line of ours."""
 
 from __future__ import annotations
 
@@ -147,3 +147,24 @@ def test_edit_taken_away_mid_run_keeps_the_rest_for_the_replay(auth_server, tmp_
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(STEPS))
     assert run.info.status == "FINISHED"
     _assert_no_password(password, spool, stderr, replayed.stdout, replayed.stderr)
+
+
+def test_an_untrusted_certificate_keeps_everything_and_a_replay_with_its_ca_delivers(tls_proxy, client, tmp_path):
+    experiment = f"untrusted-{uuid.uuid4().hex[:8]}"
+    spool = tmp_path / "spool"
+    env = hermetic_environ(
+        {"OTEL_FORGE_SPOOL_DIR": str(spool), "PYTHONPATH": str(REPO_ROOT)}, prefixes=("OTEL_", "MLFLOW_")
+    )
+    code = textwrap.dedent(TRAIN.format(uri=tls_proxy.uri, experiment=experiment, steps=STEPS, pause_at=-1))
+    job = subprocess.run(
+        [sys.executable, "-u", "-c", code], env=env, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert job.returncode == 0 and "Traceback" not in job.stderr, job.stderr
+    assert "certificate not trusted" in job.stderr and "MLFLOW_TRACKING_SERVER_CERT_PATH" in job.stderr, job.stderr
+    assert f"{STEPS} metric value(s)" in job.stderr, job.stderr
+
+    replayed = _replay(spool, {**env, "MLFLOW_TRACKING_SERVER_CERT_PATH": str(tls_proxy.ca_path)})
+    assert replayed.returncode == 0, replayed.stderr
+    [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(STEPS))
+    assert run.info.status == "FINISHED"
