@@ -1,5 +1,5 @@
 """``python -m otel_forge.cli.companion PARENT_PID``: a training process's companion, which samples
-its node and delivers its run's journal (otel_forge/mlflow/training/companion.py)."""
+its node and delivers its run's journal (otel_forge/mlflow/companion.py)."""
 
 from __future__ import annotations
 

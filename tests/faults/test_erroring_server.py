@@ -20,6 +20,7 @@ def test_500_then_429_are_retried_and_nothing_is_lost(pausable_server, tmp_path,
     run_id = create_run(server.uri)
     with MlflowProxy(server.uri, plain_429=True) as proxy:
         agent = otel_forge.monitor(
+            in_process=True,
             run_id=run_id,
             tracking_uri=proxy.uri,
             sampling_interval=INTERVAL_S,

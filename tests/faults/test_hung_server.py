@@ -22,6 +22,7 @@ QUEUE_SIZE = 4
 
 def _monitor(run_id: str, uri: str, tmp_path: Path, drain_deadline_s: float = 10.0):  # type: ignore[no-untyped-def]
     return otel_forge.monitor(
+        in_process=True,
         run_id=run_id,
         tracking_uri=uri,
         sampling_interval=INTERVAL_S,

@@ -29,6 +29,7 @@ STOP_WAIT_S = 60.0  # how long the test waits for close before it fails: a wait,
 
 def _monitor(run_id: str, uri: str, tmp_path: Path, drain_deadline_s: float):  # type: ignore[no-untyped-def]
     return otel_forge.monitor(
+        in_process=True,
         run_id=run_id,
         tracking_uri=uri,
         sampling_interval=INTERVAL_S,

@@ -119,6 +119,7 @@ def monitored_run(mlflow_server, tmp_path_factory) -> MonitoredRun:
         scenario = {"count": 2, "sequences": {gpu: {"utilization": seq} for gpu, seq in SEQUENCES.items()}}
         with fake_nvml(scenario) as nvml:
             monitor = otel_forge.monitor(
+                in_process=True,
                 run_id=run_id,
                 tracking_uri=proxy.uri,
                 sampling_interval=INTERVAL_S,
@@ -259,6 +260,7 @@ def test_a_window_of_more_than_1000_metrics_takes_ceil_n_over_1000_log_batches(
 
 def _monitor_memory(run_id: str, tracking_uri: str, node_id: str | None, seconds: float = 0.75) -> None:
     monitor = otel_forge.monitor(
+        in_process=True,
         run_id=run_id,
         tracking_uri=tracking_uri,
         node_id=node_id,
@@ -347,6 +349,7 @@ def test_deleted_run_stops_delivery_with_one_warning(client, experiment_id, mlfl
     caplog.set_level(logging.WARNING, logger="otel_forge")
     run_id = new_run(client, experiment_id)
     monitor = otel_forge.monitor(
+        in_process=True,
         run_id=run_id,
         tracking_uri=mlflow_server.uri,
         node_id="node_0",
@@ -380,6 +383,7 @@ def test_deleted_run_stops_delivery_with_one_warning(client, experiment_id, mlfl
 def test_windows_survive_a_failing_server_in_order(client, experiment_id, proxy, tmp_path) -> None:
     run_id = new_run(client, experiment_id)
     monitor = otel_forge.monitor(
+        in_process=True,
         run_id=run_id,
         tracking_uri=proxy.uri,
         node_id="node_0",
@@ -674,7 +678,12 @@ def test_every_key_mlflows_monitor_logs_is_in_ours_with_agreeing_values(
             "MLflow's monitor did not pick up the fake NVML"
         )
         ours = otel_forge.monitor(
-            run_id=run_b, tracking_uri=mlflow_server.uri, sampling_interval=0.2, samples_per_window=5, prometheus=False
+            in_process=True,
+            run_id=run_b,
+            tracking_uri=mlflow_server.uri,
+            sampling_interval=0.2,
+            samples_per_window=5,
+            prometheus=False,
         )
         theirs.start()
         time.sleep(1.2)

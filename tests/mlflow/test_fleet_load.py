@@ -54,6 +54,7 @@ def test_nodes_started_together_deliver_spread_over_the_window(client, experimen
     run_id = client.create_run(experiment_id).info.run_id
     monitors = [
         otel_forge.monitor(
+            in_process=True,
             run_id=run_id,
             tracking_uri=proxy.uri,
             node_id=f"node_{i}",
@@ -133,6 +134,7 @@ def test_an_unchanged_value_is_sent_every_tenth_window(client, experiment_id, tm
 def test_an_agent_told_the_experiment_never_reads_the_run(client, experiment_id, proxy, tmp_path):
     run_id = client.create_run(experiment_id).info.run_id
     monitor = otel_forge.monitor(
+        in_process=True,
         run_id=run_id,
         experiment_id=experiment_id,
         tracking_uri=proxy.uri,

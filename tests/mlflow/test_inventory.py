@@ -23,6 +23,7 @@ from testkit.servers import wait_for
 
 def _monitor(run_id: str, uri: str, tmp_path: Path, **settings: Any) -> Any:
     return otel_forge.monitor(
+        in_process=True,
         run_id=run_id,
         tracking_uri=uri,
         sampling_interval=0.1,

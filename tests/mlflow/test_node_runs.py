@@ -29,6 +29,7 @@ MEMORY_KEY = "system/system_memory_usage_megabytes"
 
 def _node_monitor(run_id: str, uri: str, node: str, tmp_path: Path, **settings: Any) -> Any:
     return otel_forge.monitor(
+        in_process=True,
         run_id=run_id,
         tracking_uri=uri,
         node_id=node,

@@ -23,6 +23,7 @@ NOWHERE = "http://127.0.0.1:{port}"  # a refused port: every delivery fails, win
 
 def _monitor_into_nowhere(spool_dir: Path, **settings):  # type: ignore[no-untyped-def]
     return otel_forge.monitor(
+        in_process=True,
         run_id="0" * 32,
         tracking_uri=NOWHERE.format(port=free_port()),
         node_id="node_0",

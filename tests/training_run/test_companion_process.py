@@ -72,3 +72,18 @@ def test_a_sampler_whose_training_process_was_killed_delivers_its_windows_and_ex
         process.stdout.close()
         process.stderr.close()
     assert len(client.get_metric_history(run_id, CPU_KEY)) > windows_before
+
+
+def test_monitor_samples_the_node_in_a_companion_process_too(mlflow_server, client, experiment):
+    import otel_forge
+
+    run_id = client.create_run(client.create_experiment(experiment)).info.run_id
+    threads_before = {thread.ident for thread in threading.enumerate()}
+    with otel_forge.monitor(run_id=run_id, tracking_uri=mlflow_server.uri, sampling_interval=0.2, prometheus=False):
+        wait_for(lambda: len(client.get_metric_history(run_id, CPU_KEY)) >= 2, 60, message="sampled windows")
+        [companion] = _samplers(psutil.Process())
+        ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
+    # At most the watch that stands MLflow's own sampler down: no reader, collector or exporter thread.
+    assert set(ours) <= {"otel-forge-mlflow-sampler"}, ours
+    assert not companion.is_running() or companion.status() == psutil.STATUS_ZOMBIE  # stopped with the block
+    assert len(client.get_metric_history(run_id, CPU_KEY)) >= 2

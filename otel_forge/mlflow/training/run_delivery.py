@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from otel_forge.mlflow.client import RunInfo
-from otel_forge.mlflow.training.companion import CompanionProcess
+from otel_forge.mlflow.companion import CompanionProcess
 from otel_forge.mlflow.training.journal_delivery import JournalDelivery
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import RunPlan
