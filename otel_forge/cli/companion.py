@@ -18,6 +18,7 @@ from otel_forge.scrub import error_line
 
 _logger = logging.getLogger(__name__)
 
+_HUNG_CALL_MARGIN_S = 2.0
 PARENT_CHECK_S = 1.0  # how often a quiet companion checks that its training process is alive
 
 
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> int:
     monitor = _monitor(config, node) if sample else None
     attach = _Attach(monitor)
     delivery = _delivery(Path(journal), config, tracking_uri, attach) if journal else None
-    delivering = threading.Thread(target=delivery.run, name="otel-forge-journal") if delivery else None
+    delivering = threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True) if delivery else None
     if delivering is not None:
         delivering.start()
     stopped = False
@@ -53,7 +54,10 @@ def main(argv: list[str]) -> int:
     if monitor is not None:
         monitor.stop()
     if delivering is not None:
-        delivering.join()
+        # Stopped: a call hung past the drain deadline is not waited for (the journal keeps its items).
+        delivering.join(config.drain_deadline_s + _HUNG_CALL_MARGIN_S if stopped else None)
+        if delivering.is_alive() and delivery is not None:
+            delivery.say_left()
     return 0
 
 

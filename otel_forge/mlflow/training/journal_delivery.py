@@ -204,7 +204,7 @@ class JournalDelivery:
         if outcome is Delivered.ALL:
             self._remove()
         else:
-            self._say_left()
+            self.say_left()
         return outcome
 
     def _lock(self) -> Any:
@@ -529,7 +529,8 @@ class JournalDelivery:
 
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def _say_left(self) -> None:
+    def say_left(self) -> None:
+        """The one line naming what is kept in the journal, and the command that delivers it."""
         values = self.pending_values()
         _logger.log(
             kept_notice_level(self.directory),
