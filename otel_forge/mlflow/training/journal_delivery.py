@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import enum
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -320,11 +321,10 @@ class JournalDelivery:
             return None
         if self._items[0].kind != METRICS:
             return self._items[0]
-        count = 0
-        for item in self._items:
-            if item.kind != METRICS or count == MAX_METRICS_PER_BATCH:
-                break
-            count += 1
+        rows = list(
+            itertools.takewhile(lambda item: item.kind == METRICS, itertools.islice(self._items, MAX_METRICS_PER_BATCH))
+        )
+        count = len(rows)
         due = (
             count == MAX_METRICS_PER_BATCH
             or count < len(self._items)
@@ -334,7 +334,7 @@ class JournalDelivery:
         )
         if not due:
             return None
-        return _Item("rows", [self._items[i] for i in range(count)], None)
+        return _Item("rows", rows, None)
 
     def _done(self, item: _Item) -> None:
         taken = item.data if item.kind == "rows" else [item]
