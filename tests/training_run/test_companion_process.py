@@ -18,8 +18,17 @@ from testkit.servers import wait_for
 CPU_KEY = "system/cpu_utilization_percentage"
 
 
-def _samplers(parent: psutil.Process) -> list[psutil.Process]:
-    return [child for child in parent.children() if "otel_forge.cli.companion" in " ".join(child.cmdline())]
+def _samplers(parent: psutil.Process, but: frozenset[int] = frozenset()) -> list[psutil.Process]:
+    """The companions ``parent`` runs, ``but`` those (an earlier test's may still be finishing)."""
+    return [
+        child
+        for child in parent.children()
+        if "otel_forge.cli.companion" in " ".join(child.cmdline()) and child.pid not in but
+    ]
+
+
+def _running() -> frozenset[int]:
+    return frozenset(child.pid for child in _samplers(psutil.Process()))
 
 
 def test_the_node_is_sampled_by_a_child_process_and_no_thread_of_the_training_process(
@@ -27,10 +36,11 @@ def test_the_node_is_sampled_by_a_child_process_and_no_thread_of_the_training_pr
 ):
     config = ForgeConfig.resolve(environ={}, sampling_interval_s=0.2, prometheus=False)
     threads_before = {thread.ident for thread in threading.enumerate()}
+    earlier = _running()
     with TrainingRun(tracking_uri=mlflow_server.uri, experiment=experiment, forge_config=config) as run:
         run.log({"loss": 1.0}, step=0)
         wait_for(lambda: len(client.get_metric_history(run.run_id, CPU_KEY)) >= 2, 60, message="sampled windows")
-        [sampler] = _samplers(psutil.Process())
+        [sampler] = _samplers(psutil.Process(), earlier)
         ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
     # The run's owner and the watch that stands MLflow's own sampler down (a look at
     # a dict a second): no reader, collector or exporter thread.
@@ -79,9 +89,10 @@ def test_monitor_samples_the_node_in_a_companion_process_too(mlflow_server, clie
 
     run_id = client.create_run(client.create_experiment(experiment)).info.run_id
     threads_before = {thread.ident for thread in threading.enumerate()}
+    earlier = _running()
     with otel_forge.monitor(run_id=run_id, tracking_uri=mlflow_server.uri, sampling_interval=0.2, prometheus=False):
         wait_for(lambda: len(client.get_metric_history(run_id, CPU_KEY)) >= 2, 60, message="sampled windows")
-        [companion] = _samplers(psutil.Process())
+        [companion] = _samplers(psutil.Process(), earlier)
         ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
     # At most the watch that stands MLflow's own sampler down: no reader, collector or exporter thread.
     assert set(ours) <= {"otel-forge-mlflow-sampler"}, ours

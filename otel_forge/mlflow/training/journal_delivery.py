@@ -157,7 +157,9 @@ class JournalDelivery:
         self._cursor = Cursor.load(directory)
         self._reader = JournalReader(directory / JOURNAL_FILE, self._cursor.offset)
         self._items: deque[_Item] = deque()
-        self._rows_since: float | None = None  # when the oldest row waiting was read
+        # When the last batch of values went: the next goes one flush interval later (the run's
+        # first value at once, a full batch at once).
+        self._flushed_at: float | None = None
         self._run: OpenRun | None = None
         self._client: Any = None
         self._writer_done = False  # its end read, or it died: nothing more comes
@@ -296,7 +298,6 @@ class JournalDelivery:
             if rows:
                 rows[-1].end = end
                 self._items.extend(rows)
-                self._rows_since = self._rows_since or time.monotonic()
                 return
         elif kind in (RECORD, CHECKPOINT, END):
             assert entry is not None
@@ -330,7 +331,8 @@ class JournalDelivery:
             or count < len(self._items)
             or self._writer_done
             or self._deadline is not None
-            or time.monotonic() - (self._rows_since or 0.0) >= self._flush_interval_s
+            or self._flushed_at is None
+            or time.monotonic() - self._flushed_at >= self._flush_interval_s
         )
         if not due:
             return None
@@ -342,7 +344,7 @@ class JournalDelivery:
             self._items.popleft()
         ends = [t.end for t in taken if t.end is not None]
         if item.kind == "rows":
-            self._rows_since = time.monotonic() if self._items and self._items[0].kind == METRICS else None
+            self._flushed_at = time.monotonic()
         if ends:
             self._cursor.offset = ends[-1]
             self._save()
