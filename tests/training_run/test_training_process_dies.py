@@ -171,6 +171,20 @@ def test_fifty_thousand_values_at_ten_thousand_a_second_then_sigkill_all_arrive(
     _assert_every_step_once(client, run.info.run_id, logged, width=100)
 
 
+def test_thirty_thousand_calls_of_one_value_then_sigkill_all_arrive(mlflow_server, client, experiment):
+    # More journal records than a delivery reads at once: the ones past its first read arrive too.
+    process = _loop(mlflow_server.uri, experiment, steps=30_000, width=1, rate=10_000, flush=1.0)
+    try:
+        logged = _logged_until(process)
+        _kill(process)
+    finally:
+        process.kill()
+    assert logged == 29_999
+    run = _the_run(client, experiment)
+    assert _ended(client, run.info.run_id, timeout_s=120) == "KILLED"
+    _assert_every_step_once(client, run.info.run_id, logged)
+
+
 EXITS = {
     "exit-0": ("FINISHED", "sys.exit(0)"),
     "exit-3": ("FAILED", "sys.exit(3)"),

@@ -71,6 +71,7 @@ _logger = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a quiet journal is read again
 _BACKOFF_S = (0.5, 10.0)  # as the windows' worker: first pause, longest pause
 _MAX_ITEMS = 20_000  # read no further ahead than this (memory stays bounded, the journal holds the rest)
+_READ_RECORDS = 1_000  # journal records a read takes at most (each holds one log() call's values)
 _LOCK_FILE = "delivery.lock"
 
 # (key, value, timestamp_ms, step)
@@ -162,7 +163,7 @@ class JournalDelivery:
         self._flushed_at: float | None = None
         self._run: OpenRun | None = None
         self._client: Any = None
-        self._writer_done = False  # its end read, or it died: nothing more comes
+        self._writer_done = False  # its end read, or it died and all it wrote is read: nothing more comes
         self._end_read = False
         self._disabled = False  # its writer said: no run (it warned why); nothing to deliver
         self._deadline: float | None = None  # monotonic: set by finish()
@@ -277,10 +278,11 @@ class JournalDelivery:
     def _read(self) -> None:
         if self._writer_done or len(self._items) >= _MAX_ITEMS:
             return
-        alive = writer_alive(self._header)
-        for payload, end in self._reader.read(final=not alive, limit=_MAX_ITEMS):
+        alive = writer_alive(self._header)  # asked first: a final read only once the writer is gone
+        records = self._reader.read(final=not alive, limit=_READ_RECORDS)
+        for payload, end in records:
             self._take(decode(payload), end)
-        if not alive and not self._writer_done:
+        if not alive and len(records) < _READ_RECORDS:  # the writer is gone and all it wrote is read
             self._writer_done = True
         if self._writer_done and self._done_at is None:
             self._done_at = time.monotonic()
