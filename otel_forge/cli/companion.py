@@ -52,6 +52,8 @@ def main(argv: list[str]) -> int:
         while delivering.is_alive() and delivery.run_id is None:
             delivering.join(0.1)
     if monitor is not None:
+        if delivery is not None and delivery.run_id is None:
+            _keep_windows_for_the_run(monitor, delivery.plan)
         monitor.stop()
     if delivering is not None:
         # Stopped: a call hung past the drain deadline is not waited for (the journal keeps its items).
@@ -70,6 +72,13 @@ def _monitor(config: Any, node: Any) -> Any:
     except Exception as error:  # noqa: BLE001 - the node's sampling must never cost the run
         _logger.warning("system metrics not sampled: %s", error_line(error))
         return None
+
+
+def _keep_windows_for_the_run(monitor: Any, plan: dict[str, Any]) -> None:
+    """The run never opened here: the windows wait for it, found by its job key once replayed."""
+    key = (plan.get("node") or {}).get("job_key")
+    if key and monitor.exporter is not None:
+        monitor.exporter.keep_for_job_run(plan["experiment"], key)
 
 
 class _Attach:

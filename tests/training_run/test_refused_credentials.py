@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from run_reading import anchor_steps
 
 from testkit.auth_server import ADMIN
 from testkit.hermetic import hermetic_environ
@@ -22,8 +23,9 @@ STEPS = 30
 TRAIN = """
 import sys, time
 from otel_forge import ForgeConfig, TrainingRun
-config = ForgeConfig.resolve(flush_interval_s=0.2, start_wait_s=3, drain_deadline_s=2)
-with TrainingRun(config={{"lr": 0.1}}, tracking_uri={uri!r}, experiment={experiment!r}, system_metrics=False,
+config = ForgeConfig.resolve(flush_interval_s=0.2, start_wait_s=3, drain_deadline_s=2, sampling_interval_s=0.2,
+                             prometheus=False, collectors=["cpu"])
+with TrainingRun(config={{"lr": 0.1}}, tracking_uri={uri!r}, experiment={experiment!r}, system_metrics={sampled},
                  forge_config=config) as run:
     for step in range({steps}):
         run.log({{"loss": float(step)}}, step=step)
@@ -43,8 +45,9 @@ def _environ(spool: Path, user: str, password: str) -> dict[str, str]:
     )
 
 
-def _train(auth_server, experiment: str, env: dict[str, str], pause_at: int = -1, between=None) -> str:  # type: ignore[no-untyped-def]
-    code = textwrap.dedent(TRAIN.format(uri=auth_server.uri, experiment=experiment, steps=STEPS, pause_at=pause_at))
+def _train(auth_server, experiment: str, env: dict[str, str], pause_at: int = -1, between=None, sampled=False) -> str:  # type: ignore[no-untyped-def]
+    code = TRAIN.format(uri=auth_server.uri, experiment=experiment, steps=STEPS, pause_at=pause_at, sampled=sampled)
+    code = textwrap.dedent(code)
     process = subprocess.Popen(
         [sys.executable, "-u", "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
@@ -61,10 +64,10 @@ def _train(auth_server, experiment: str, env: dict[str, str], pause_at: int = -1
     return stderr
 
 
-def _replay(spool: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    [journal] = [path for path in spool.iterdir() if path.name.startswith("journal-")]
+def _replay(spool: Path, env: dict[str, str], journal: bool = True) -> subprocess.CompletedProcess[str]:
+    [kept] = [path for path in spool.iterdir() if path.is_dir() and path.name.startswith("journal-") == journal]
     return subprocess.run(
-        [sys.executable, "-m", "otel_forge.cli", "replay", str(journal)],
+        [sys.executable, "-m", "otel_forge.cli", "replay", str(kept)],
         env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 
@@ -102,7 +105,8 @@ def test_a_refused_job_keeps_everything_and_one_replay_delivers_it_once_fixed(
         auth_server.grant(user, experiment_id, "EDIT")  # a writer, who mistyped the password
     spool = tmp_path / "spool"
     tried = password if refusal == "read-only user" else f"not-{password}"
-    stderr = _train(auth_server, experiment, _environ(spool, user, tried))
+    sampled = refusal == "read-only user"  # the node's windows wait for the run too
+    stderr = _train(auth_server, experiment, _environ(spool, user, tried), sampled=sampled)
 
     cause = f"no permission on experiment {experiment} (HTTP 403)" if refusal == "read-only user" else (
         "wrong credentials (HTTP 401): check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
@@ -122,6 +126,11 @@ def test_a_refused_job_keeps_everything_and_one_replay_delivers_it_once_fixed(
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(STEPS))
     assert run.data.params == {"lr": "0.1"} and run.info.status == "FINISHED"
     _assert_no_password(password, spool, replayed.stdout, replayed.stderr)
+    if sampled:  # then the windows, into the same run (found by its job key)
+        windows = _replay(spool, fixed, journal=False)
+        assert windows.returncode == 0, windows.stderr
+        steps = anchor_steps(client, run.info.run_id)
+        assert len(steps) >= 2 and steps == list(range(len(steps))), steps
 
 
 def test_edit_taken_away_mid_run_keeps_the_rest_for_the_replay(auth_server, tmp_path, admin_env):

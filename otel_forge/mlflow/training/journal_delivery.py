@@ -194,6 +194,11 @@ class JournalDelivery:
     def run_id(self) -> str | None:
         return self._run.run_id if self._run is not None else None
 
+    @property
+    def plan(self) -> dict[str, Any]:
+        """How the journal's writer asked for its run (experiment, job key, node)."""
+        return self._cursor.plan
+
     # --- the delivery's thread ------------------------------------------------------------
 
     def run(self) -> Delivered:

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +116,13 @@ class RunOpener:
 
     def adopt_job_key(self, key: str, source: str) -> None:
         self.plan = self.plan.replace(node=dataclasses.replace(self.plan.node, job_key=key, job_key_source=source))
+
+    def key_the_run(self, script_run_id: str | None) -> None:
+        """A run found by nothing else gets a job key: should it open only after the job (by its
+        journal's delivery or a replay), the node's windows find it by the key."""
+        plan = self.plan
+        if not (plan.requested_run_id or plan.launcher_opens or plan.node.job_key or script_run_id):
+            self.adopt_job_key(f"otel-forge-{uuid.uuid4().hex}", "TrainingRun")
 
     def close(self, timeout_s: float) -> None:
         """Stop waiting for the run: a server that has not answered gets one last attempt, a run

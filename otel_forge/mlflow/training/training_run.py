@@ -1,12 +1,7 @@
-"""``TrainingRun``: the MLflow run of a training job, which never stalls the training loop and loses
-nothing when the training process dies.
-
-A facade over objects with one role each: what was asked for (``RunPlan``), the opener of the run
-(``RunOpener``, on a thread of its own), the journal (``RunJournal``: ``log()`` checks its values and
-appends them, nothing else), and the journal's delivery in another process (``CompanionProcess``,
-or ``otel-forge run``'s own process). Constructing one does no I/O; the first ``log()``, ``start()``
-or ``with`` begins the run.
-"""
+"""``TrainingRun``: the MLflow run of a training job, which never stalls the loop and loses nothing when
+the training process dies. A facade over one object per role: ``RunPlan`` (what was asked for),
+``RunOpener`` (on a thread of its own), ``RunRecorder`` (the journal ``log()`` appends to) and
+``RunDelivery`` (the journal delivered by another process). No I/O before ``log()``, ``start()`` or ``with``."""
 
 from __future__ import annotations
 
@@ -21,6 +16,7 @@ from typing import Any
 
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
+from otel_forge.mlflow.fluent_runs import fluent_run_id
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers
 from otel_forge.mlflow.training.job_run import MissingRun
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
@@ -127,6 +123,7 @@ class TrainingRun:
             if self._opener.state is not OpenerState.IDLE or self._closed:
                 return
             if self.plan.owns_run:
+                self._opener.key_the_run(fluent_run_id())
                 self._recorder = recorder = RunRecorder(self.plan, self._description, self._deliver_here)
                 self._opener.before_open.append(lambda: recorder.describe(self.plan))
                 self._opener.on_fail.append(recorder.disabled)
