@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 from trun_helpers import popen_script, run_script
 
@@ -211,24 +212,15 @@ with TrainingRun(tracking_uri={mlflow_server.uri!r}, experiment={experiment!r}, 
     _assert_every_step_once(client, run.info.run_id, 19)
 
 
-def test_under_otel_forge_run_a_killed_command_loses_nothing(mlflow_server, client, experiment, tmp_path):
+@pytest.mark.parametrize("moment", ["mid-run", "server-hung"])
+def test_under_otel_forge_run_a_killed_command_loses_nothing(moment, own_server, client_factory, experiment, tmp_path):
+    client = client_factory(own_server.uri)
+    code = LOOP.format(uri=own_server.uri, experiment=experiment, steps=200, width=1, rate=50, flush=30.0, wait=15.0,
+                       enter="run.start(30)")  # fmt: skip
     script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent(
-            LOOP.format(
-                uri=mlflow_server.uri,
-                experiment=experiment,
-                steps=200,
-                width=1,
-                rate=50,
-                flush=30.0,
-                wait=15.0,
-                enter="run.start(30)",
-            )  # fmt: skip
-        )
-    )
+    script.write_text(textwrap.dedent(code))
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"), "PYTHONPATH": str(REPO_ROOT)},
-                           prefixes=("OTEL_", "MLFLOW_"), MLFLOW_TRACKING_URI=mlflow_server.uri)  # fmt: skip
+                           prefixes=("OTEL_", "MLFLOW_"), MLFLOW_TRACKING_URI=own_server.uri)  # fmt: skip
     wrapper = subprocess.Popen(
         [sys.executable, "-m", "otel_forge.cli", "run", "--no-prometheus", "--experiment", experiment, "--",
          sys.executable, "-u", str(script)],  # fmt: skip
@@ -236,12 +228,17 @@ def test_under_otel_forge_run_a_killed_command_loses_nothing(mlflow_server, clie
     )  # fmt: skip
     try:
         logged = _logged_until(wrapper, 100)
-        [cmd] = [
-            c for c in __import__("psutil").Process(wrapper.pid).children() if str(script) in " ".join(c.cmdline())
-        ]
+        if moment == "server-hung":
+            own_server.pause()
+            logged = _logged_until(wrapper, 150)
+        [cmd] = [c for c in psutil.Process(wrapper.pid).children() if str(script) in " ".join(c.cmdline())]
         os.kill(cmd.pid, signal.SIGKILL)
+        if moment == "server-hung":
+            time.sleep(2)
+            own_server.resume()
         assert wrapper.wait(timeout=60) == 128 + signal.SIGKILL
     finally:
+        own_server.resume()
         wrapper.kill()
     run = _the_run(client, experiment)
     assert client.get_run(run.info.run_id).info.status == "KILLED"
