@@ -17,6 +17,7 @@ from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
 from testkit.git_repo import commit_all
 from testkit.proxy import LOG_BATCH, MlflowProxy
+from testkit.servers import wait_for
 
 pydantic = pytest.importorskip("pydantic")  # mlflow depends on pydantic: it is installed with it
 
@@ -260,3 +261,34 @@ def test_a_fast_loop_is_delivered_whole_in_few_calls(mlflow_server, client, expe
     assert sorted(m.step for m in history) == list(range(10_000))
     # Up to 1,000 values a call, not one call per log(): the loop outran the first flush interval.
     assert 10 <= len(metric_batches) <= 10 + 3, len(metric_batches)
+
+
+def test_a_description_call_that_fails_is_sent_again_until_the_run_holds_it(
+    mlflow_server, client, tmp_path, monkeypatch
+):
+    """The delivery describes the run (tags, params, config.json) before the first values: a call that
+    fails on the way (here every log_batch, for a while) is sent again, not forgotten."""
+    monkeypatch.chdir(tmp_path)
+    experiment = unique("describe-retried")
+    with MlflowProxy(mlflow_server.uri) as proxy:
+        proxy.fail_paths.add(LOG_BATCH)
+        with TrainingRun(
+            {"lr": 0.1, "layers": 4}, tracking_uri=proxy.uri, experiment=experiment, system_metrics=False
+        ) as run:
+            run.log({"loss": 0.5}, step=0)
+            wait_for(
+                lambda: any(body.get("tags") for _, _, body in proxy.requests(LOG_BATCH)),
+                30,
+                0.05,
+                "a description call",
+            )
+            proxy.fail_paths.clear()
+            run.log({"loss": 0.25}, step=1)
+        refused = [request for request in proxy.log() if request[2] == LOG_BATCH and request[3] == 500]
+
+    assert refused  # the description was refused at least once
+    data = client.get_run(run.run_id)
+    assert data.data.params == {"lr": "0.1", "layers": "4"}
+    assert data.data.tags["otel_forge.described"] == "true"
+    assert {f.path for f in client.list_artifacts(run.run_id)} >= {"config.json"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run.run_id, "loss")] == [(0, 0.5), (1, 0.25)]

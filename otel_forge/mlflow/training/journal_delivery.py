@@ -102,6 +102,7 @@ class Cursor:
     run: dict[str, Any] | None = None
     models: dict[str, str] = field(default_factory=dict)
     refused: int = 0
+    undescribed: bool = False  # the run is ours to describe, and its description is not delivered yet
 
     @classmethod
     def load(cls, directory: Path) -> Cursor:
@@ -449,8 +450,16 @@ class JournalDelivery:
     # --- the run --------------------------------------------------------------------------
 
     def _live_run(self) -> OpenRun:
-        if self._run is not None:
-            return self._run
+        if self._run is None:
+            self._run = self._find_run()
+        if self._cursor.undescribed:  # retried until every record is in: a call may fail on the way
+            for record in self._describe_records():
+                record.deliver(self._run.client, self._run.run_id)
+            self._cursor.undescribed = False
+            self._save()
+        return self._run
+
+    def _find_run(self) -> OpenRun:
         if self._client is None:
             self._client = make_client(self._uri)
         known = self._cursor.opened or self._cursor.run
@@ -460,7 +469,7 @@ class JournalDelivery:
             if not self._writer_done:
                 raise _RunPending()
             known = self._open_from_plan()
-        self._run = OpenRun(
+        run = OpenRun(
             known["run_id"],
             known.get("run_name"),
             known.get("experiment_id"),
@@ -472,13 +481,11 @@ class JournalDelivery:
         )
         if self._cursor.run is None:
             self._cursor.run = {k: v for k, v in known.items() if k != "describe"}
+            self._cursor.undescribed = bool(known.get("describe"))
             self._save()
-        if known.get("describe"):
-            for record in self._describe_records():
-                record.deliver(self._client, self._run.run_id)
         if self._on_run is not None:
-            self._on_run(self._run)
-        return self._run
+            self._on_run(run)
+        return run
 
     def _open_from_plan(self) -> dict[str, Any]:
         """The run the training process would have opened, had the server answered while it ran."""
