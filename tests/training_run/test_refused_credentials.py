@@ -164,7 +164,9 @@ def test_an_untrusted_certificate_keeps_everything_and_a_replay_with_its_ca_deli
     env = hermetic_environ(
         {"OTEL_FORGE_SPOOL_DIR": str(spool), "PYTHONPATH": str(REPO_ROOT)}, prefixes=("OTEL_", "MLFLOW_")
     )
-    code = textwrap.dedent(TRAIN.format(uri=tls_proxy.uri, experiment=experiment, steps=STEPS, pause_at=-1, sampled=False))
+    code = textwrap.dedent(
+        TRAIN.format(uri=tls_proxy.uri, experiment=experiment, steps=STEPS, pause_at=-1, sampled=False)
+    )
     job = subprocess.run(
         [sys.executable, "-u", "-c", code], env=env, capture_output=True, text=True, timeout=180, check=False
     )
