@@ -212,6 +212,37 @@ with TrainingRun(tracking_uri={mlflow_server.uri!r}, experiment={experiment!r}, 
     _assert_every_step_once(client, run.info.run_id, 19)
 
 
+TOP_LEVEL_EXITS = {
+    "exit-0": ("FINISHED", "sys.exit(0)"),
+    "exit-3": ("FAILED", "sys.exit(3)"),
+    "argparse-error": ("FAILED", "argparse.ArgumentParser().parse_args(['--no-such-flag'])"),
+    "exception": ("FAILED", "raise RuntimeError('diverged')"),
+    "os._exit-0": ("FINISHED", "os._exit(0)"),
+    "os._exit-3": ("FAILED", "os._exit(3)"),
+    "end-of-script": ("FINISHED", "pass"),
+}
+
+
+@pytest.mark.parametrize("how", list(TOP_LEVEL_EXITS))
+def test_an_exit_outside_any_block_ends_the_run_by_its_code(how, mlflow_server, client, experiment):
+    """A script that starts its run and never closes it: the script's exit is the run's end."""
+    status, ending = TOP_LEVEL_EXITS[how]
+    code = f"""
+import argparse, os, sys
+from otel_forge import ForgeConfig, TrainingRun
+run = TrainingRun(tracking_uri={mlflow_server.uri!r}, experiment={experiment!r}, system_metrics=False,
+                  forge_config=ForgeConfig.resolve(flush_interval_s=30.0))
+run.start(30)
+for step in range(20):
+    run.log({{"v0": float(step)}}, step=step)
+{ending}
+"""
+    result = run_script(textwrap.dedent(code), timeout_s=120)
+    run = _the_run(client, experiment)
+    assert client.get_run(run.info.run_id).info.status == status, result.stderr  # ended before it exited
+    _assert_every_step_once(client, run.info.run_id, 19)
+
+
 @pytest.mark.parametrize("moment", ["mid-run", "server-hung"])
 def test_under_otel_forge_run_a_killed_command_loses_nothing(moment, own_server, client_factory, experiment, tmp_path):
     client = client_factory(own_server.uri)
