@@ -43,6 +43,8 @@ def _mlflow_key(key: MlflowKey) -> str:
     notes = [] if key.fold is Fold.MEAN else [key.fold.value.replace("_", " ")]
     notes += [f"{name}={'/'.join(values)}" for name, values in key.where]
     notes += [f"no {name}" for name in key.without]
+    if key.gives_way_to is not None:
+        notes.append(f"`{key.gives_way_to[1]}` where `{key.gives_way_to[0]}` reports")
     return _code(key.key) + (f" ({'; '.join(notes)})" if notes else "")
 
 

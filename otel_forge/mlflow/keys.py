@@ -79,23 +79,28 @@ class KeyMapper:
     def sample(self, metrics: Iterable[tuple[str, Iterable[Any]]]) -> Sample:
         """``metrics``: (metric name, data points with ``.attributes`` and ``.value``)."""
         sample: Sample = {}
-        for name, points in metrics:
-            keys = self._keys.get(name)
-            if not keys:
-                continue
+        exported = [(name, list(points)) for name, points in metrics if name in self._keys]
+        reporting = {name for name, points in exported if points}
+        for name, points in exported:
+            keys = self._keys[name]
             for point in points:
                 value = float(point.value)
                 if not math.isfinite(value):
                     continue  # NaN and inf are never sent
                 attributes = point.attributes or {}
                 for key in keys:
-                    self._add(sample, key, attributes, value)
+                    self._add(sample, key, attributes, value, reporting)
         return sample
 
-    def _add(self, sample: Sample, key: MlflowKey, attributes: Mapping[str, Any], value: float) -> None:
+    def _add(
+        self, sample: Sample, key: MlflowKey, attributes: Mapping[str, Any], value: float, reporting: set[str]
+    ) -> None:
         if not _matches(key, attributes):
             return
-        rendered = _render(key.key, attributes)
+        template = key.key
+        if key.gives_way_to is not None and key.gives_way_to[0] in reporting:
+            template = key.gives_way_to[1]
+        rendered = _render(template, attributes)
         if rendered is None:
             return
         full_key = sanitize_key(self._prefix + rendered)

@@ -1,0 +1,298 @@
+"""A process's control group as the kernel shows it: which cgroup (``/proc/<pid>/cgroup`` and the
+mount table), its limits (CPU quota, cpuset, memory), usage, throttling, OOM kills and pressure.
+
+cgroup v2 (the unified hierarchy: one directory) and v1 (a directory per controller) are two
+implementations of ``Cgroup``. A limit is the smallest one set on the cgroup or an ancestor visible
+here (a Kubernetes pod's limit sits a level above its container's); a limit at least as large as
+the machine is no limit. Files are read as the kernel writes them: a file that is absent (an older
+kernel, a controller not enabled) gives no value, never an error.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+PRESSURE_RESOURCES = ("cpu", "memory", "io")
+_Number = TypeVar("_Number", int, float)
+_V1_UNLIMITED = 2**62  # v1 writes PAGE_COUNTER_MAX pages (about 2**63 bytes) for "no limit"
+
+
+@dataclass(frozen=True)
+class CgroupStats:
+    """One read of a cgroup. CPU figures in CPUs and seconds; memory in bytes; None where absent."""
+
+    cpu_quota: float | None = None  # CFS quota / period: CPUs' worth of time per period
+    cpuset_cpus: int | None = None  # CPUs the cgroup may run on
+    cpu_time_s: float | None = None  # CPU time of every process in it, ever
+    periods: int | None = None  # CFS periods with runnable tasks
+    throttled_periods: int | None = None
+    throttled_s: float | None = None
+    memory_usage: int | None = None  # page cache included
+    memory_inactive_file: int | None = None  # reclaimable cache: usage minus this is the working set
+    memory_limit: int | None = None
+    oom_kills: int | None = None
+    pressure: dict[tuple[str, str], float] = field(default_factory=dict)  # (resource, some|full) -> stall seconds
+
+    @property
+    def memory_working_set(self) -> int | None:
+        """What the kernel cannot reclaim: usage minus inactive file pages (the kubelet's measure)."""
+        if self.memory_usage is None:
+            return None
+        return max(0, self.memory_usage - (self.memory_inactive_file or 0))
+
+
+class Cgroup(abc.ABC):
+    """A cgroup's files; ``read`` reads them all once."""
+
+    version: int
+
+    def __init__(self, proc_root: Path) -> None:
+        self._proc_root = proc_root
+
+    @abc.abstractmethod
+    def read(self) -> CgroupStats:
+        """Limits, usage, throttling, OOM kills and pressure, now."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Where it is, for ``otel-forge doctor``."""
+
+    def host_pressure(self) -> dict[tuple[str, str], float]:
+        """The machine's pressure (``/proc/pressure``), where the cgroup has none of its own."""
+        return read_pressure(self._proc_root / "pressure")
+
+
+class CgroupV2(Cgroup):
+    """The unified hierarchy: ``directory`` holds every controller's files; ``mount`` is its root."""
+
+    version = 2
+
+    def __init__(self, directory: Path, mount: Path, proc_root: Path = Path("/proc")) -> None:
+        super().__init__(proc_root)
+        self.directory, self._mount = directory, mount
+
+    def describe(self) -> str:
+        return f"cgroup v2 {self.directory}"
+
+    def read(self) -> CgroupStats:
+        cpu = _key_values(self.directory / "cpu.stat")
+        memory = _key_values(self.directory / "memory.stat")
+        events = _key_values(self.directory / "memory.events")
+        pressure = read_pressure(self.directory, suffix=".pressure") or self.host_pressure()
+        return CgroupStats(
+            cpu_quota=_smallest(_cpu_max(d / "cpu.max") for d in _up_to(self.directory, self._mount)),
+            cpuset_cpus=_cpu_count(self.directory / "cpuset.cpus.effective"),
+            cpu_time_s=_scaled(cpu.get("usage_usec"), 1e-6),
+            periods=cpu.get("nr_periods"),
+            throttled_periods=cpu.get("nr_throttled"),
+            throttled_s=_scaled(cpu.get("throttled_usec"), 1e-6),
+            memory_usage=_integer(self.directory / "memory.current"),
+            memory_inactive_file=memory.get("inactive_file"),
+            memory_limit=_smallest(_integer(d / "memory.max") for d in _up_to(self.directory, self._mount)),
+            oom_kills=events.get("oom_kill"),
+            pressure=pressure,
+        )
+
+
+class CgroupV1(Cgroup):
+    """One directory per controller (``cpu``, ``cpuacct``, ``cpuset``, ``memory``), each under its
+    mount (``mounts``: controller -> (directory, mount)); a controller not mounted is absent."""
+
+    version = 1
+
+    def __init__(self, directories: dict[str, tuple[Path, Path]], proc_root: Path = Path("/proc")) -> None:
+        super().__init__(proc_root)
+        self.directories = directories
+
+    def describe(self) -> str:
+        return "cgroup v1 " + ", ".join(f"{name} {path}" for name, (path, _) in sorted(self.directories.items()))
+
+    def _dir(self, controller: str) -> Path | None:
+        found = self.directories.get(controller)
+        return found[0] if found else None
+
+    def read(self) -> CgroupStats:
+        cpu, cpuacct, cpuset, memory = (self._dir(name) for name in ("cpu", "cpuacct", "cpuset", "memory"))
+        cpu_stat = _key_values(cpu / "cpu.stat") if cpu else {}
+        memory_stat = _key_values(memory / "memory.stat") if memory else {}
+        oom = _key_values(memory / "memory.oom_control") if memory else {}
+        limit = memory_stat.get("hierarchical_memory_limit")
+        return CgroupStats(
+            cpu_quota=_smallest(_cfs_quota(d) for d in _up_to(*self.directories["cpu"])) if cpu else None,
+            cpuset_cpus=(_cpu_count(cpuset / "cpuset.effective_cpus") or _cpu_count(cpuset / "cpuset.cpus"))
+            if cpuset
+            else None,
+            cpu_time_s=_scaled(_integer(cpuacct / "cpuacct.usage"), 1e-9) if cpuacct else None,
+            periods=cpu_stat.get("nr_periods"),
+            throttled_periods=cpu_stat.get("nr_throttled"),
+            throttled_s=_scaled(cpu_stat.get("throttled_time"), 1e-9),
+            memory_usage=_integer(memory / "memory.usage_in_bytes") if memory else None,
+            memory_inactive_file=memory_stat.get("total_inactive_file"),
+            memory_limit=limit if limit is not None and limit < _V1_UNLIMITED else None,
+            oom_kills=oom.get("oom_kill"),
+            pressure=self.host_pressure(),
+        )
+
+
+def find_cgroup(pid: int | str = "self", proc_root: Path = Path("/proc"), root: Path = Path("/")) -> Cgroup | None:
+    """The cgroup of process ``pid``, by its ``/proc/<pid>/cgroup`` and the mount table (whose
+    mount points are under ``root``); None where no cgroup filesystem is mounted (or the process
+    is gone)."""
+    try:
+        memberships = (proc_root / str(pid) / "cgroup").read_text().splitlines()
+        mountinfo = (proc_root / "self" / "mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    mounts = [(root / str(point).lstrip("/"), within, options) for point, within, options in _cgroup_mounts(mountinfo)]
+    v1: dict[str, tuple[Path, Path]] = {}
+    unified: str | None = None
+    for line in memberships:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0" and not controllers:
+            unified = path
+            continue
+        for controller in controllers.split(","):
+            for mount_point, root, options in mounts:
+                if options is not None and controller in options:
+                    v1[controller] = (_inside(mount_point, root, path), mount_point)
+    wanted = {"cpu", "cpuacct", "cpuset", "memory"}
+    if v1.keys() & wanted:
+        return CgroupV1({name: where for name, where in v1.items() if name in wanted}, proc_root)
+    for mount_point, root, options in mounts:
+        if options is None and unified is not None:
+            return CgroupV2(_inside(mount_point, root, unified), mount_point, proc_root)
+    return None
+
+
+def read_pressure(directory: Path, suffix: str = "") -> dict[tuple[str, str], float]:
+    """PSI's stall time per (resource, ``some``/``full``), in seconds, from ``<resource><suffix>``
+    files (``some avg10=0.00 avg60=0.00 avg300=0.00 total=12345``: ``total`` in microseconds)."""
+    stalls: dict[tuple[str, str], float] = {}
+    for resource in PRESSURE_RESOURCES:
+        try:
+            lines = (directory / f"{resource}{suffix}").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            scope, *fields = line.split()
+            totals = [f.removeprefix("total=") for f in fields if f.startswith("total=")]
+            if scope in ("some", "full") and totals and totals[0].isdigit():
+                stalls[(resource, scope)] = int(totals[0]) / 1e6
+    return stalls
+
+
+def parse_cpu_list(text: str) -> int | None:
+    """The number of CPUs in a kernel CPU list (``0-3,8,10-11`` -> 7); None for an empty one."""
+    count = 0
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        try:
+            count += int(last or first) - int(first) + 1
+        except ValueError:
+            return None
+    return count or None
+
+
+# --- the mount table -------------------------------------------------------------------------
+
+
+def _cgroup_mounts(mountinfo: list[str]) -> Iterator[tuple[Path, str, set[str] | None]]:
+    """(mount point, root within the hierarchy, v1 controllers or None for v2) of each cgroup mount."""
+    for line in mountinfo:
+        before, _, after = line.partition(" - ")
+        fields, tail = before.split(), after.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        fstype, super_options = tail[0], tail[2].split(",")
+        mount_point = Path(_unescape(fields[4]))
+        if fstype == "cgroup2":
+            yield mount_point, _unescape(fields[3]), None
+        elif fstype == "cgroup":
+            yield mount_point, _unescape(fields[3]), set(super_options)
+
+
+def _unescape(text: str) -> str:
+    """The mount table writes a space as ``\\040`` (and tab, newline, backslash likewise)."""
+    return text.encode().decode("unicode_escape") if "\\" in text else text
+
+
+def _inside(mount_point: Path, root: str, path: str) -> Path:
+    """The directory of cgroup ``path`` under a mount of the hierarchy's ``root`` (a container sees
+    its own cgroup as ``/``, or the host's path under a mount rooted at it)."""
+    relative = path[len(root) :] if root != "/" and (path == root or path.startswith(root + "/")) else path
+    return mount_point / relative.lstrip("/")
+
+
+def _up_to(directory: Path, mount: Path) -> Iterator[Path]:
+    """``directory`` and its ancestors up to ``mount``, the root of what this process can see."""
+    current = directory
+    while True:
+        yield current
+        if current == mount or mount not in current.parents:
+            return
+        current = current.parent
+
+
+# --- the kernel's file formats ---------------------------------------------------------------
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _integer(path: Path) -> int | None:
+    """A file holding one integer; "max" (no limit) and anything else unreadable give None."""
+    text = _read(path)
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _key_values(path: Path) -> dict[str, int]:
+    """A flat-keyed file (``cpu.stat``, ``memory.stat``, ``memory.events``): ``key value`` lines."""
+    values: dict[str, int] = {}
+    for line in (_read(path) or "").splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            values[key] = int(value)
+    return values
+
+
+def _cpu_max(path: Path) -> float | None:
+    """v2's ``cpu.max``: ``$MAX $PERIOD`` (``max 100000``: no quota)."""
+    quota, _, period = (_read(path) or "").strip().partition(" ")
+    if not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None
+    return int(quota) / int(period)
+
+
+def _cfs_quota(directory: Path) -> float | None:
+    """v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (a quota of -1: none)."""
+    quota, period = _integer(directory / "cpu.cfs_quota_us"), _integer(directory / "cpu.cfs_period_us")
+    if quota is None or quota <= 0 or not period:
+        return None
+    return quota / period
+
+
+def _cpu_count(path: Path) -> int | None:
+    text = _read(path)
+    return parse_cpu_list(text) if text is not None else None
+
+
+def _smallest(values: Iterable[_Number | None]) -> _Number | None:
+    present = [value for value in values if value is not None]
+    return min(present) if present else None
+
+
+def _scaled(value: int | None, scale: float) -> float | None:
+    return value * scale if value is not None else None
