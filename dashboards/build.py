@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otel_forge.names import METRICS, Kind, MetricSpec
+from otel_forge.names import INFINIBAND_LINK_ERRORS, METRICS, Kind, MetricSpec
 
 HERE = Path(__file__).resolve().parent
 SCHEMA_VERSION = 41  # Grafana 12.0
@@ -713,6 +713,99 @@ def gpu_memory_and_link_panels(by: str, legend: str, width: int) -> list[Panel]:
 
 ZERO_IS_NORMAL = "Empty or zero on a healthy machine."
 
+# InfiniBand and RoCE ports (/sys/class/infiniband): a port is its device and number.
+IB_PORT = "otel_forge_infiniband_device, otel_forge_infiniband_port"
+IB_LEGEND = "{{otel_forge_infiniband_device}}/{{otel_forge_infiniband_port}}"
+IB_ACTIVE = 'otel_forge_infiniband_state="active"'
+IB_NOTE = "Empty on a node without InfiniBand or RoCE adapters."
+
+
+def infiniband_row() -> Row:
+    """The node's InfiniBand and RoCE ports: traffic against the link rate, errors, and their state."""
+    return Row(
+        "InfiniBand and RoCE",
+        [
+            Panel(
+                "timeseries",
+                "InfiniBand throughput",
+                [
+                    Query(
+                        f"sum by ({IB_PORT}, network_io_direction) "
+                        f"(rate({sel('otel_forge.infiniband.io', *HOST)}[$__rate_interval]))",
+                        f"{IB_LEGEND} {{{{network_io_direction}}}}",
+                    ),
+                    Query(
+                        f"max by ({IB_PORT}) ({sel('otel_forge.infiniband.rate', *HOST)})",
+                        f"{IB_LEGEND} link rate",
+                    ),
+                ],
+                unit="Bps",
+                min=0,
+                width=12,
+                legend_table=True,
+                description="Bytes per second over each port, by direction, beside the port's link rate (a port "
+                "that trained down to fewer lanes or a lower speed shows a lower line). Link layer infiniband, or "
+                "ethernet for RoCE. " + IB_NOTE,
+            ),
+            Panel(
+                "timeseries",
+                "InfiniBand errors",
+                [
+                    Query(
+                        f"sum by ({IB_PORT}, error_type) "
+                        f"(increase({sel('otel_forge.infiniband.errors', *HOST)}[$__rate_interval]))",
+                        f"{IB_LEGEND} {{{{error_type}}}}",
+                    )
+                ],
+                unit="short",
+                min=0,
+                width=12,
+                legend_table=True,
+                description="Error counters per port in each interval, by counter (`error_type`: "
+                + ", ".join(INFINIBAND_LINK_ERRORS)
+                + " say the link is sick; discards, constraint errors and the transport's counters can also grow "
+                "with congestion). " + ZERO_IS_NORMAL,
+            ),
+            Panel(
+                "timeseries",
+                "InfiniBand ports active",
+                [Query(f"max by ({IB_PORT}) ({sel('otel_forge.infiniband.status', *HOST, IB_ACTIVE)})", IB_LEGEND)],
+                unit="none",
+                min=0,
+                max=1,
+                width=12,
+                mappings=up_down_mappings(),
+                description="1 while a port's state is active, 0 when it leaves it (down, init, armed): a port "
+                "that drops during a run stalls every collective across the fabric. " + IB_NOTE,
+            ),
+            Panel(
+                "table",
+                "InfiniBand ports",
+                [
+                    Query(
+                        f"max by ({IB_PORT}, otel_forge_infiniband_link_layer, otel_forge_infiniband_state) "
+                        f"({sel('otel_forge.infiniband.status', *HOST)}) == 1",
+                        instant=True,
+                        fmt="table",
+                    )
+                ],
+                unit="none",
+                width=12,
+                transformations=table_of(
+                    1,
+                    rename={
+                        "otel_forge_infiniband_device": "device",
+                        "otel_forge_infiniband_port": "port",
+                        "otel_forge_infiniband_link_layer": "link layer",
+                        "otel_forge_infiniband_state": "state",
+                    },
+                    exclude=["Value"],
+                ),
+                description="Each port, its link layer (ethernet: RoCE) and its state now. " + IB_NOTE,
+            ),
+        ],
+    )
+
 
 # --- the node dashboard -------------------------------------------------------------------------------
 
@@ -968,6 +1061,7 @@ def node_dashboard() -> dict[str, Any]:
                 ),
             ],
         ),
+        infiniband_row(),
         Row(
             "Training process",
             [
@@ -2034,6 +2128,24 @@ def run_dashboard() -> dict[str, Any]:
                     unit="Bps",
                     min=0,
                     width=8,
+                ),
+                Panel(
+                    "timeseries",
+                    "InfiniBand throughput",
+                    [
+                        Query(
+                            in_run(
+                                f"sum by (job, instance, network_io_direction) "
+                                f"(rate({sel('otel_forge.infiniband.io', *HOST)}[$__rate_interval]))"
+                            ),
+                            "{{otel_forge_node_id}} {{network_io_direction}}",
+                        )
+                    ],
+                    unit="Bps",
+                    min=0,
+                    width=8,
+                    description="Bytes per second over each node's InfiniBand and RoCE ports, summed: the fabric "
+                    "the job's collectives use. " + IB_NOTE,
                 ),
                 Panel(
                     "timeseries",

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COLLECTOR_NAMES = ("cpu", "memory", "disk", "network", "process", "nvidia", "amd")
+COLLECTOR_NAMES = ("cpu", "memory", "cgroup", "disk", "network", "infiniband", "process", "nvidia", "amd")
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+CGROUP_VIEWS = ("process", "machine")
 MLFLOW_STATS = ("mean", "max", "min")
 OWN_PREFIX = "OTEL_FORGE_"
 
@@ -103,6 +104,13 @@ def _bool(text: str) -> bool:
 
 def _optional_text(text: str) -> str | None:
     return text.strip() or None
+
+
+def _directory(text: str) -> str:
+    value = text.strip()
+    if not value:
+        raise ValueError(f"must be a directory path, got {text!r}")
+    return value
 
 
 _NODE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
@@ -437,6 +445,23 @@ SETTINGS: tuple[Setting, ...] = (
         "or a list of indices/UUIDs.",
     ),
     Setting("per_cpu", ("OTEL_FORGE_PER_CPU",), _bool, False, "Also report utilization per logical CPU."),
+    Setting(
+        "cgroup",
+        ("OTEL_FORGE_CGROUP",),
+        _one_of(CGROUP_VIEWS),
+        "process",
+        "Whose limits the cgroup collector measures against: `process`, the monitored process's cgroup (an "
+        "agent inside the job's container, `otel-forge run`, `TrainingRun`); `machine`, none (a node agent "
+        "beside the jobs, such as a DaemonSet: its own pod's limits are not the job's; pressure is the machine's).",
+    ),
+    Setting(
+        "infiniband_root",
+        ("OTEL_FORGE_INFINIBAND_ROOT",),
+        _directory,
+        "/sys/class/infiniband",
+        "Where the InfiniBand collector finds the RDMA devices (a container that mounts the host's `/sys` "
+        "elsewhere: `/host/sys/class/infiniband`).",
+    ),
     Setting("pid", ("OTEL_FORGE_PID",), _pid, None, "Root of the monitored process tree (default: this process)."),
     Setting("prometheus", ("OTEL_FORGE_PROMETHEUS",), _bool, True, "Serve a Prometheus `/metrics` endpoint."),
     Setting(
@@ -685,6 +710,8 @@ class ForgeConfig:
     collectors: tuple[str, ...]
     gpus: str
     per_cpu: bool
+    cgroup: str
+    infiniband_root: str
     pid: int | None
     prometheus: bool
     prometheus_host: str

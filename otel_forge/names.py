@@ -36,6 +36,8 @@ _FS = ("system.device", "system.filesystem.mountpoint", "system.filesystem.type"
 _DISK = ("system.device", "disk.io.direction")
 _NET = ("network.interface.name", "network.io.direction")
 _PROC = ("process.pid",)
+_IB = ("otel_forge.infiniband.device", "otel_forge.infiniband.port", "otel_forge.infiniband.link_layer")
+_IB_IO = _IB + ("network.io.direction",)
 
 
 class Fold(str, Enum):
@@ -54,6 +56,8 @@ class MlflowKey:
     only points whose attribute has one of the listed values, ``without`` only points lacking
     these attributes; points that map to the same key are summed
     (``network_{network.io.direction}_megabytes_per_second`` adds up the interfaces).
+    ``gives_way_to`` (metric, key): where that metric reports in the same export, this one is
+    written as that key instead (the container's view takes MLflow's name, the host's moves aside).
     """
 
     key: str
@@ -61,6 +65,7 @@ class MlflowKey:
     fold: Fold = Fold.MEAN
     where: tuple[tuple[str, tuple[str, ...]], ...] = ()
     without: tuple[str, ...] = ()
+    gives_way_to: tuple[str, str] | None = None
 
 
 def _where(allowed: dict[str, str | tuple[str, ...]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -139,6 +144,19 @@ _ROOT = _where({"system.filesystem.mountpoint": "/"})
 _MEM_USED = _where({"system.memory.state": "used"})
 _SWAP_USED = _where({"system.paging.state": "used"})
 
+# InfiniBand error counters that say a link is unhealthy (bit errors, retraining, a link gone down); the
+# others (discards, constraint errors, VL15 drops, the transport's) may also grow on a healthy fabric.
+INFINIBAND_LINK_ERRORS = (
+    "symbol_error",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "link_error_recovery",
+    "link_downed",
+)
+_IB_PORT_KEY = "infiniband_{otel_forge.infiniband.device}_{otel_forge.infiniband.port}"
+
 # fmt: off
 METRICS: tuple[MetricSpec, ...] = (
     # cpu
@@ -151,7 +169,8 @@ METRICS: tuple[MetricSpec, ...] = (
                   where=_where({"cpu.mode": BUSY_CPU_MODES})))),
     MetricSpec("otel_forge.cpu.utilization", G, "1", "cpu", (),
                "Busy fraction of all logical CPUs over the last interval (not idle, not iowait).",
-               (K("cpu_utilization_percentage", _PCT),)),
+               (K("cpu_utilization_percentage", _PCT,
+                  gives_way_to=("otel_forge.container.cpu.utilization", "host_cpu_utilization_percentage")),)),
     MetricSpec("system.cpu.logical.count", U, "{cpu}", "cpu", (), "Logical CPUs."),
     MetricSpec("system.cpu.load_average.1m", G, "{thread}", "cpu", (), "Load average over 1 minute.",
                (K("cpu_load_average_1m"),)),
@@ -160,14 +179,59 @@ METRICS: tuple[MetricSpec, ...] = (
     # memory
     MetricSpec("system.memory.usage", U, "By", "memory", ("system.memory.state",),
                "Memory by state (psutil's states; `used` excludes buffers and cache).",
-               (K("system_memory_usage_megabytes", _MB, where=_MEM_USED),
+               (K("system_memory_usage_megabytes", _MB, where=_MEM_USED,
+                  gives_way_to=("container.memory.working_set", "host_memory_usage_megabytes")),
                 K("system_memory_{system.memory.state}_megabytes", _MB,
                   where=_where({"system.memory.state": ("free", "cached", "buffers")})))),
     MetricSpec("system.memory.utilization", G, "1", "memory", ("system.memory.state",),
                "Memory by state as a fraction of the total.",
-               (K("system_memory_usage_percentage", _PCT, where=_MEM_USED),)),
+               (K("system_memory_usage_percentage", _PCT, where=_MEM_USED,
+                  gives_way_to=("otel_forge.container.memory.utilization", "host_memory_usage_percentage")),)),
     MetricSpec("system.memory.limit", U, "By", "memory", (), "Total physical memory.",
+               (K("system_memory_total_megabytes", _MB,
+                  gives_way_to=("otel_forge.container.memory.limit", "host_memory_total_megabytes")),)),
+    # the job's cgroup (a container's, a pod's, a SLURM job's): reported where it has a limit
+    MetricSpec("otel_forge.container.cpu.limit", G, "{cpu}", "cgroup", (),
+               "CPUs the job's cgroup may use: its CFS quota / period, or its cpuset's CPUs, the smaller (where "
+               "smaller than the machine).",
+               (K("container_cpu_limit_cpus"),)),
+    MetricSpec("container.cpu.time", C, "s", "cgroup", (), "CPU time of every process in the job's cgroup."),
+    MetricSpec("container.cpu.usage", G, "{cpu}", "cgroup", (),
+               "CPUs the job's cgroup used over the last interval."),
+    MetricSpec("otel_forge.container.cpu.utilization", G, "1", "cgroup", (),
+               "CPUs the job's cgroup used over the last interval / its limit. Takes MLflow's "
+               "`cpu_utilization_percentage`; the host's is then `host_cpu_utilization_percentage`.",
+               (K("cpu_utilization_percentage", _PCT),)),
+    MetricSpec("otel_forge.container.cpu.periods", C, "{period}", "cgroup", (),
+               "CFS periods in which the cgroup had runnable tasks (with a quota)."),
+    MetricSpec("otel_forge.container.cpu.throttled_periods", C, "{period}", "cgroup", (),
+               "CFS periods in which the cgroup used its whole quota and was throttled."),
+    MetricSpec("otel_forge.container.cpu.throttled_time", C, "s", "cgroup", (),
+               "Time the cgroup's tasks were throttled (held off the CPU by the quota).",
+               (K("container_cpu_throttled_seconds_per_second", fold=Fold.RATE),)),
+    MetricSpec("otel_forge.container.memory.limit", U, "By", "cgroup", (),
+               "Memory limit of the job's cgroup (where smaller than the machine). Takes MLflow's "
+               "`system_memory_total_megabytes`; the host's is then `host_memory_total_megabytes`.",
                (K("system_memory_total_megabytes", _MB),)),
+    MetricSpec("container.memory.usage", U, "By", "cgroup", (),
+               "Memory charged to the job's cgroup, page cache included."),
+    MetricSpec("container.memory.working_set", U, "By", "cgroup", (),
+               "Memory the job's cgroup holds that the kernel cannot reclaim (usage minus inactive file pages: "
+               "the kubelet's measure, what the OOM killer looks at). Takes MLflow's "
+               "`system_memory_usage_megabytes`; the host's is then `host_memory_usage_megabytes`.",
+               (K("system_memory_usage_megabytes", _MB),)),
+    MetricSpec("otel_forge.container.memory.utilization", G, "1", "cgroup", (),
+               "Working set / memory limit of the job's cgroup. Takes MLflow's `system_memory_usage_percentage`; "
+               "the host's is then `host_memory_usage_percentage`.",
+               (K("system_memory_usage_percentage", _PCT),)),
+    MetricSpec("otel_forge.container.memory.oom_kills", C, "{process}", "cgroup", (),
+               "Processes of the job's cgroup killed by the OOM killer.",
+               (K("container_oom_kills", fold=Fold.SINCE_START),)),
+    MetricSpec("otel_forge.pressure.stall.time", C, "s", "cgroup",
+               ("otel_forge.pressure.resource", "otel_forge.pressure.scope"),
+               "Time tasks stalled waiting for a resource (PSI; `otel_forge.pressure.resource` cpu, memory, io; "
+               "`otel_forge.pressure.scope` some: at least one task, full: all non-idle tasks at once): the job's "
+               "cgroup's with cgroup v2, else the machine's."),
     MetricSpec("system.paging.usage", U, "By", "memory", ("system.paging.state",), "Swap by state.",
                (K("swap_usage_megabytes", _MB, where=_SWAP_USED),)),
     MetricSpec("system.paging.utilization", G, "1", "memory", ("system.paging.state",),
@@ -207,6 +271,35 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("system.network.packet.dropped", C, "{packet}", "network", _NET,
                "Dropped packets per interface and direction.",
                (K("network_{network.io.direction}_dropped_packets", fold=Fold.SINCE_START),)),
+    # InfiniBand and RoCE ports (/sys/class/infiniband, as node_exporter reads it)
+    MetricSpec("otel_forge.infiniband.io", C, "By", "infiniband", _IB_IO,
+               "Bytes per InfiniBand or RoCE port (`otel_forge.infiniband.link_layer` infiniband, or ethernet: "
+               "RoCE) and direction: the port's data counter, in 4-byte words, x 4.",
+               (K("infiniband_{network.io.direction}_megabytes_per_second", _MB, Fold.RATE),
+                K(_IB_PORT_KEY + "_{network.io.direction}_megabytes_per_second", _MB, Fold.RATE))),
+    MetricSpec("otel_forge.infiniband.packets", C, "{packet}", "infiniband", _IB_IO,
+               "Packets per port and direction, on all virtual lanes, errors included."),
+    MetricSpec("otel_forge.infiniband.unicast.packets", C, "{packet}", "infiniband", _IB_IO,
+               "Unicast packets per port and direction, where the adapter counts them."),
+    MetricSpec("otel_forge.infiniband.multicast.packets", C, "{packet}", "infiniband", _IB_IO,
+               "Multicast packets per port and direction, where the adapter counts them."),
+    MetricSpec("otel_forge.infiniband.errors", C, "{error}", "infiniband", _IB + ("error.type",),
+               "Error counters per port, `error.type` the counter's file: the port's (`symbol_error`, "
+               "`port_rcv_errors`, `link_downed`, `port_xmit_discards`, ...) and the driver's RoCE and transport "
+               "counters (`out_of_sequence`, `local_ack_timeout_err`, ...). The MLflow key counts the link errors "
+               "only: " + ", ".join(f"`{name}`" for name in INFINIBAND_LINK_ERRORS) + ".",
+               (K(_IB_PORT_KEY + "_link_errors", fold=Fold.SINCE_START,
+                  where=_where({"error.type": INFINIBAND_LINK_ERRORS})),)),
+    MetricSpec("otel_forge.infiniband.status", U, "1", "infiniband", _IB + ("otel_forge.infiniband.state",),
+               "1 for the port's current state (down, init, armed, active, active_defer), 0 for the others.",
+               (K(_IB_PORT_KEY + "_up", where=_where({"otel_forge.infiniband.state": "active"})),)),
+    MetricSpec("otel_forge.infiniband.physical_status", U, "1", "infiniband",
+               _IB + ("otel_forge.infiniband.physical_state",),
+               "1 for the port's current physical state (link_up; polling: no link, e.g. no cable; disabled; sleep; "
+               "port_configuration_training; link_error_recovery; phy_test), 0 for the others."),
+    MetricSpec("otel_forge.infiniband.rate", G, "By/s", "infiniband", _IB,
+               "The port's link rate (`100 Gb/sec (4X EDR)`: 12.5e9 By/s): a port that trained down to fewer lanes "
+               "or a lower speed shows it here."),
     # process (the monitored tree: a root pid and its children)
     MetricSpec("process.cpu.utilization", G, "1", "process", _PROC,
                "CPU time of the process tree over the last interval / elapsed time / logical CPUs.",
@@ -317,8 +410,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "When the agent last collected, Unix seconds: Prometheus serves that collect, so the data's age is "
                "time() minus this (at most one interval)."),
     MetricSpec("otel_forge.run.info", G, "", "run", ("mlflow.run.id", "mlflow.experiment.id", "mlflow.run.name",
-                                                 "otel_forge.node.id"),
-               "1 while the agent serves an MLflow run: joins a node's series to the run (group_left)."),
+                                                 "otel_forge.node.id", "k8s.namespace.name", "k8s.pod.name",
+                                                 "k8s.node.name", "k8s.job.name", "otel_forge.k8s.job.kind",
+                                                 "otel_forge.k8s.job.name"),
+               "1 while the agent serves an MLflow run: joins a node's series to the run (group_left). On "
+               "Kubernetes also the node's pod, namespace, node and owning job (those known)."),
     MetricSpec("otel_forge.delivery.windows", C, "{window}", "delivery", ("otel_forge.delivery.outcome",),
                "MLflow windows by outcome: delivered, retried, spooled, dropped."),
 )

@@ -156,15 +156,15 @@ def find_cgroup(pid: int | str = "self", proc_root: Path = Path("/proc"), root: 
             unified = path
             continue
         for controller in controllers.split(","):
-            for mount_point, root, options in mounts:
+            for mount_point, within, options in mounts:
                 if options is not None and controller in options:
-                    v1[controller] = (_inside(mount_point, root, path), mount_point)
+                    v1[controller] = (_inside(mount_point, within, path), mount_point)
     wanted = {"cpu", "cpuacct", "cpuset", "memory"}
     if v1.keys() & wanted:
         return CgroupV1({name: where for name, where in v1.items() if name in wanted}, proc_root)
-    for mount_point, root, options in mounts:
+    for mount_point, within, options in mounts:
         if options is None and unified is not None:
-            return CgroupV2(_inside(mount_point, root, unified), mount_point, proc_root)
+            return CgroupV2(_inside(mount_point, within, unified), mount_point, proc_root)
     return None
 
 

@@ -35,10 +35,14 @@ def key_segment(value: object) -> str:
     return _path_segment(_NOT_IN_SEGMENT.sub("_", str(value)).strip("_") or "root")
 
 
-def node_host_tags(node_id: str, hostname: str | None = None) -> dict[str, str]:
+def node_host_tags(node_id: str, hostname: str | None = None, pod: Mapping[str, str] | None = None) -> dict[str, str]:
     """``otel_forge.node.<node id>.host``: which host a ``system/<node id>/`` prefix samples (a
-    ``node_0`` says nothing of it). Written once per node, by the node's agent."""
-    return {f"otel_forge.node.{key_segment(node_id)}.host": hostname or socket.gethostname()}
+    ``node_0`` says nothing of it); on Kubernetes ``pod``'s attributes too, as
+    ``otel_forge.node.<node id>.k8s.pod.name`` and the like. Written once per node, by the node's agent."""
+    segment = key_segment(node_id)
+    tags = {f"otel_forge.node.{segment}.host": hostname or socket.gethostname()}
+    tags.update({f"otel_forge.node.{segment}.{name}": value for name, value in (pod or {}).items()})
+    return tags
 
 
 def system_prefix(node_id: str | None) -> str:

@@ -2,9 +2,10 @@
 
 One stack for the module: a real MLflow server (the session's) with a run, one agent with 2 fake
 NVIDIA GPUs into that run (hot and throttling, an XID, uncorrectable ECC errors on GPU 0, GPU 1
-idle), started the plain way of docs/fleet.md (a standalone ``otel-forge monitor --run-id`` with
-the run's experiment in ``MLFLOW_EXPERIMENT_ID``: it knows the experiment, not the run's name), and
-one Prometheus whose config is the shipped ``prometheus.yml`` with test targets:
+idle) and the InfiniBand and RoCE ports of a sysfs tree (testkit/infiniband_sysfs.py), started the
+plain way of docs/fleet.md (a standalone ``otel-forge monitor --run-id`` with the run's experiment in
+``MLFLOW_EXPERIMENT_ID``: it knows the experiment, not the run's name), and one Prometheus whose
+config is the shipped ``prometheus.yml`` with test targets:
 
 - job ``otel-forge``: its static target is a port nothing listens on (an agent that is down), its
   file-based discovery file (from the shipped example) names the live agent;
@@ -12,11 +13,12 @@ one Prometheus whose config is the shipped ``prometheus.yml`` with test targets:
   unit-1 gauges the ``_ratio`` suffix an OpenTelemetry Collector gives them (no Collector can be
   installed here; this emulates its naming only, not its job/instance labels).
 
-So every rule is evaluated against both name forms. The rules are the shipped ones with each
-``for:`` cut to 1s (the expressions are identical, which a test asserts), beside the shipped
-recording rules (recording-rules.yml), which the straggler alert reads. The fake GPUs have no NVML
-GPM: the busy-but-idle alert's SM-activity series is absent, so that rule is checked to evaluate and
-stay quiet; its firing is covered by the promtool unit tests (rules.test.yml).
+So every rule is evaluated against both name forms. Once Prometheus has seen the InfiniBand ports
+active and their error counters, one port goes down and another counts symbol errors. The rules are
+the shipped ones with each ``for:`` cut to 1s (the expressions are identical, which a test asserts),
+beside the shipped recording rules (recording-rules.yml), which the straggler alert reads. The fake
+GPUs have no NVML GPM: the busy-but-idle alert's SM-activity series is absent, so that rule is checked
+to evaluate and stay quiet; its firing is covered by the promtool unit tests (rules.test.yml).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
+from testkit.infiniband_sysfs import set_file, training_node
 from testkit.servers import (
     PROMETHEUS_BINARY,
     PrometheusServer,
@@ -68,6 +71,8 @@ WITNESSES = {
     "OtelForgeGpuPcieReplaysGrowing": "otel_forge_gpu_pcie_replays_total",
     "OtelForgeGpuBusyButIdle": '{__name__=~"otel_forge_gpu_sm_activity(_ratio)?"}',
     "OtelForgeGpuIdleDuringRun": "otel_forge_run_info == 1",
+    "OtelForgeInfinibandPortDown": 'otel_forge_infiniband_status{otel_forge_infiniband_state="active"}',
+    "OtelForgeInfinibandErrorsRising": 'otel_forge_infiniband_errors_total{error_type="symbol_error"}',
     "OtelForgeStragglerNode": "run_node:otel_forge_gpu_activity:ratio_to_median5m",
     "OtelForgeMlflowDeliverySpooling": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="spooled"}',
     "OtelForgeMlflowDeliveryDropping": 'otel_forge_delivery_windows_total{otel_forge_delivery_outcome="dropped"}',
@@ -90,6 +95,8 @@ EXPECTED_FIRING = {
             "OtelForgeGpuRowRemapFailure",
             "OtelForgeGpuRowRemapPending",
             "OtelForgeGpuPcieReplaysGrowing",
+            "OtelForgeInfinibandPortDown",
+            "OtelForgeInfinibandErrorsRising",
         )
     ),
     ("OtelForgeAgentDown", "otel-forge"),
@@ -209,6 +216,7 @@ def mlflow_run(mlflow_server):
 @pytest.fixture(scope="module")
 def stack(mlflow_run, tmp_path_factory):
     directory = tmp_path_factory.mktemp("collector-config-live")
+    infiniband = training_node(directory / "infiniband")
     agent = start_agent(
         [
             "--prometheus-port",
@@ -222,7 +230,11 @@ def stack(mlflow_run, tmp_path_factory):
             "--tracking-uri",
             mlflow_run["uri"],
         ],
-        env={**fake_gpu_env(SCENARIO), "MLFLOW_EXPERIMENT_ID": mlflow_run["experiment_id"]},
+        env={
+            **fake_gpu_env(SCENARIO),
+            "MLFLOW_EXPERIMENT_ID": mlflow_run["experiment_id"],
+            "OTEL_FORGE_INFINIBAND_ROOT": str(infiniband),
+        },
     )
     try:
         rules = short_for_rules(directory / "alert-rules.yml")
@@ -230,6 +242,19 @@ def stack(mlflow_run, tmp_path_factory):
         with start_prometheus_with(config, directory) as prometheus:
             prometheus.wait_for_series('otel_forge_run_info{job="otel-forge-gateway"}', timeout_s=30)
             prometheus.wait_for_series('otel_forge_run_info{job="otel-forge"}', timeout_s=30)
+            # The ports as Prometheus first sees them (active, no symbol error), then mlx5_1 goes down and
+            # mlx5_0 counts symbol errors.
+            for job in ("otel-forge", "otel-forge-gateway"):
+                port = f'job="{job}", otel_forge_infiniband_device'
+                prometheus.wait_for_series(
+                    f'otel_forge_infiniband_status{{{port}="mlx5_1", otel_forge_infiniband_state="active"}} == 1', 30
+                )
+                prometheus.wait_for_series(
+                    f'otel_forge_infiniband_errors_total{{{port}="mlx5_0", error_type="symbol_error"}}', 30
+                )
+            set_file(infiniband, "mlx5_1", 1, "state", "1: DOWN")
+            set_file(infiniband, "mlx5_1", 1, "phys_state", "2: Polling")
+            set_file(infiniband, "mlx5_0", 1, "counters/symbol_error", 5)
             yield {"prometheus": prometheus, "agent": agent, "run": mlflow_run}
     finally:
         agent.stop()
@@ -367,6 +392,35 @@ def test_stalled_training_alert_names_the_run_and_the_idle_gpu(stack):
         )
         assert run["run_name"] not in annotations["summary"]
         assert f"MLflow run {run['run_id']} (experiment {run['experiment_id']}):" in annotations["description"]
+
+
+def test_infiniband_alerts_name_the_port_and_the_run(stack):
+    prometheus, run = stack["prometheus"], stack["run"]
+    names = {"OtelForgeInfinibandPortDown", "OtelForgeInfinibandErrorsRising"}
+
+    def firing() -> list[dict[str, Any]] | None:
+        found = [a for a in alerts(prometheus) if a["labels"]["alertname"] in names and a["state"] == "firing"]
+        return found if len(found) == 4 else None
+
+    found = wait_for(
+        firing, 45.0, interval_s=0.5, message=lambda: f"InfiniBand alerts; have {alert_summary(prometheus)}"
+    )
+    ports = {(a["labels"]["alertname"], a["labels"]["job"], a["labels"]["otel_forge_infiniband_device"]) for a in found}
+    assert ports == {
+        (name, job, device)
+        for job in BOTH_JOBS
+        for name, device in (("OtelForgeInfinibandPortDown", "mlx5_1"), ("OtelForgeInfinibandErrorsRising", "mlx5_0"))
+    }
+    for alert in found:
+        labels = alert["labels"]
+        if labels["alertname"] == "OtelForgeInfinibandPortDown":
+            assert labels["otel_forge_infiniband_state"] == "down" and labels["mlflow_run_id"] == run["run_id"]
+            assert labels["otel_forge_node_id"] == "node_0" and labels["severity"] == "critical"
+            assert alert["annotations"]["summary"] == (
+                f"Run {run['run_id']}: InfiniBand port mlx5_1/1 on {labels['instance']} is down"
+            )
+        else:
+            assert labels["error_type"] == "symbol_error" and labels["severity"] == "warning"
 
 
 def test_gpu_alerts_name_the_right_gpus(stack):

@@ -1,8 +1,10 @@
-"""The slow node of a job and the busy-but-idle GPU, evaluated by Prometheus's own engine (promtool).
+"""The slow node of a job, the busy-but-idle GPU and the InfiniBand ports, evaluated by Prometheus's own
+engine (promtool).
 
 ``rules.test.yml`` feeds the shipped recording and alert rules an 8-node job with one slow node
 (through a Collector, with GPM), another one scraped directly without GPM, a 2-node job, and a node
-with a GPU busy but idle; it asserts the recorded values and exactly which alerts fire.
+with a GPU busy but idle; in a second test, a node of a run whose InfiniBand port goes down and whose
+RoCE port counts symbol errors. It asserts the recorded values and exactly which alerts fire.
 """
 
 from __future__ import annotations
@@ -70,8 +72,12 @@ def _copy(tmp_path: Path, alerts_text: str | None = None, recording_text: str | 
         ("count >= 3", "count >= 1"),
         # SM activity ignored: the busy-but-idle GPU goes unnoticed.
         ("< 0.2)", "< 0.1)"),
+        # A port that was never active (no cable) alerts too.
+        ("[1h]) == 1)", "[1h]) >= 0)"),
+        # Discards (congestion) count as link errors.
+        ('error_type=~"symbol_error|', 'error_type=~"port_xmit_discards|symbol_error|'),
     ],
-    ids=["threshold", "job-size", "busy-but-idle"],
+    ids=["threshold", "job-size", "busy-but-idle", "never-active-port", "discards"],
 )
 def test_the_unit_tests_catch_a_changed_alert(tmp_path, change):
     old, new = change
@@ -92,18 +98,20 @@ def test_the_unit_tests_catch_a_median_over_all_runs(tmp_path):
     assert result.returncode != 0, result.stdout
 
 
-def test_every_recording_rule_and_both_alerts_are_asserted():
+def test_every_recording_rule_and_the_alerts_are_asserted():
     tests = yaml.safe_load(UNIT_TESTS.read_text())
     assert tests["rule_files"] == [
         "../../collector-config/recording-rules.yml",
         "../../collector-config/alert-rules.yml",
     ]
-    (group,) = tests["tests"]
+    group, infiniband = tests["tests"]
     asserted = " ".join(test["expr"] for test in group["promql_expr_test"])
     for rule in recording_rules():
         assert rule["record"] in asserted, rule["record"]
     alerted = {test["alertname"]: test for test in group["alert_rule_test"] if test["exp_alerts"]}
     assert set(alerted) == {"OtelForgeStragglerNode", "OtelForgeGpuBusyButIdle"}
+    fired = {test["alertname"] for test in infiniband["alert_rule_test"] if test["exp_alerts"]}
+    assert fired == {"OtelForgeInfinibandPortDown", "OtelForgeInfinibandErrorsRising"}
     # The 8-node jobs: one slow node each, named with its run.
     nodes = {
         (a["exp_labels"]["mlflow_run_id"], a["exp_labels"]["otel_forge_node_id"])
@@ -139,3 +147,18 @@ def test_both_name_forms_are_read():
         for name in ("hw_gpu_utilization", "otel_forge_gpu_sm_activity", "system_cpu_utilization"):
             if name in rule["expr"]:
                 assert f'{{__name__=~"{name}(_ratio)?"' in rule["expr"], (rule.get("record") or rule["alert"], name)
+
+
+def test_the_infiniband_errors_alert_counts_the_link_errors_mlflow_and_the_dashboard_count():
+    from otel_forge.names import INFINIBAND_LINK_ERRORS
+
+    expr = alert("OtelForgeInfinibandErrorsRising")["expr"]
+    (listed,) = re.findall(r'error_type=~"([^"]+)"', expr)
+    assert listed.split("|") == list(INFINIBAND_LINK_ERRORS)
+    # The port alert is the run's: its labels come from otel_forge_run_info, as the GPU-idle alert's do.
+    expr = alert("OtelForgeInfinibandPortDown")["expr"]
+    assert (
+        "group_left (" + ", ".join(("mlflow_run_id", "mlflow_run_name", "mlflow_experiment_id", "otel_forge_node_id"))
+        in expr
+    )
+    assert "topk by (job, instance) (1, otel_forge_run_info == 1)" in expr

@@ -274,3 +274,14 @@ def test_v1_a_memory_limit_is_the_denominator_of_memory_utilization(v1_cgroup):
     assert _one(readings, "otel_forge.container.memory.limit") == 512 * 2**20
     assert 0.45 <= _one(readings, "otel_forge.container.memory.utilization") <= 0.65
     assert _one(readings, "otel_forge.container.memory.oom_kills") == 0
+
+
+def test_a_node_agent_beside_the_jobs_reads_the_machine_not_its_own_pod(tmp_path, monkeypatch):
+    """``OTEL_FORGE_CGROUP=machine`` (the DaemonSet's): no limits, however the agent's own pod is limited."""
+    monkeypatch.setenv("OTEL_FORGE_CGROUP", "machine")
+    collector = CgroupCollector.create(ForgeConfig.resolve())
+    readings = read(collector)
+    assert not [name for name in readings.metrics() if "container" in name]
+    assert "the machine" in collector.describe()[0]
+    if Path("/proc/pressure/cpu").exists():
+        assert readings.get("otel_forge.pressure.stall.time")
