@@ -720,6 +720,99 @@ IB_ACTIVE = 'otel_forge_infiniband_state="active"'
 IB_NOTE = "Empty on a node without InfiniBand or RoCE adapters."
 
 
+CONTAINER_NOTE = (
+    "Empty where the monitored process's cgroup has no CPU or memory limit smaller than the machine (a node "
+    "agent beside the jobs: OTEL_FORGE_CGROUP=machine)."
+)
+
+
+def container_row() -> Row:
+    """The job's cgroup: CPU and memory against its limits, throttling, OOM kills, and pressure."""
+    return Row(
+        "Container (the job's cgroup)",
+        [
+            Panel(
+                "timeseries",
+                "CPU against the limit",
+                [
+                    Query(f"max({sel('container.cpu.usage', *HOST)})", "used"),
+                    Query(f"max({sel('otel_forge.container.cpu.limit', *HOST)})", "limit"),
+                ],
+                unit="none",
+                min=0,
+                width=8,
+                description="CPUs the job's cgroup used, beside its limit (CFS quota / period, or its cpuset). A "
+                "job at its limit is throttled, however idle the machine looks. " + CONTAINER_NOTE,
+            ),
+            Panel(
+                "timeseries",
+                "CPU throttling",
+                [
+                    Query(
+                        f"sum(rate({sel('otel_forge.container.cpu.throttled_periods', *HOST)}[$__rate_interval])) / "
+                        f"sum(rate({sel('otel_forge.container.cpu.periods', *HOST)}[$__rate_interval]))",
+                        "throttled periods",
+                    )
+                ],
+                unit="percentunit",
+                min=0,
+                max=1,
+                width=8,
+                description="Share of CFS periods in which the cgroup used its whole quota and was held off the "
+                "CPU: the usual reason a data loader starves the GPUs in Kubernetes. " + CONTAINER_NOTE,
+            ),
+            Panel(
+                "timeseries",
+                "Memory against the limit",
+                [
+                    Query(f"max({sel('container.memory.working_set', *HOST)})", "working set"),
+                    Query(f"max({sel('container.memory.usage', *HOST)})", "usage (page cache included)"),
+                    Query(f"max({sel('otel_forge.container.memory.limit', *HOST)})", "limit"),
+                ],
+                unit="bytes",
+                min=0,
+                width=8,
+                description="The working set (what the kernel cannot reclaim, what the OOM killer looks at) "
+                "beside the limit. " + CONTAINER_NOTE,
+            ),
+            Panel(
+                "timeseries",
+                "OOM kills",
+                [
+                    Query(
+                        f"sum(increase({sel('otel_forge.container.memory.oom_kills', *HOST)}[$__rate_interval]))",
+                        "killed",
+                    )
+                ],
+                unit="short",
+                min=0,
+                width=8,
+                description="Processes of the job's cgroup the OOM killer ended, per interval. "
+                + ZERO_IS_NORMAL
+                + " "
+                + CONTAINER_NOTE,
+            ),
+            Panel(
+                "timeseries",
+                "Pressure (PSI)",
+                [
+                    Query(
+                        f"sum by (otel_forge_pressure_resource, otel_forge_pressure_scope) "
+                        f"(rate({sel('otel_forge.pressure.stall.time', *HOST)}[$__rate_interval]))",
+                        "{{otel_forge_pressure_resource}} {{otel_forge_pressure_scope}}",
+                    )
+                ],
+                unit="percentunit",
+                min=0,
+                width=16,
+                description="Share of time tasks stalled waiting for CPU, memory or I/O (some: at least one "
+                "task; full: all at once), from the job's cgroup on cgroup v2, else the machine's. Empty where "
+                "the kernel has no PSI.",
+            ),
+        ],
+    )
+
+
 def infiniband_row() -> Row:
     """The node's InfiniBand and RoCE ports: traffic against the link rate, errors, and their state."""
     return Row(
@@ -934,6 +1027,7 @@ def node_dashboard() -> dict[str, Any]:
                 ),
             ],
         ),
+        container_row(),
         Row(
             "Filesystems, disks and network",
             [

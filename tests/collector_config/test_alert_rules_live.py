@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
+from testkit.cgroups import CONTROLLERS, limited_job, oom_kill_in, v1_writable
 from testkit.infiniband_sysfs import set_file, training_node
 from testkit.servers import (
     PROMETHEUS_BINARY,
@@ -79,7 +80,14 @@ WITNESSES = {
     "OtelForgeAgentDown": 'up{job="otel-forge"}',
     "OtelForgeGatewayDown": 'up{job="otel-forge-gateway"}',
     "OtelForgeAgentStoppedReporting": "otel_forge_collector_reads_total",
+    "OtelForgeCpuThrottled": "otel_forge_container_cpu_throttled_periods_total",
+    "OtelForgeMemoryNearLimit": '{__name__=~"otel_forge_container_memory_utilization(_ratio)?"}',
+    "OtelForgeOomKill": "otel_forge_container_memory_oom_kills_total",
 }
+# The container rules fire on a real cgroup v1 group (a busy job near its memory limit, then an OOM
+# kill), where root can make one; elsewhere their series are absent and they are checked to stay quiet.
+CONTAINER_ALERTS = ("OtelForgeCpuThrottled", "OtelForgeMemoryNearLimit", "OtelForgeOomKill")
+CGROUPS = v1_writable(*CONTROLLERS)
 BOTH_JOBS = {"otel-forge", "otel-forge-gateway"}
 # (alert, job) pairs the scenario must fire.
 EXPECTED_FIRING = {
@@ -97,6 +105,7 @@ EXPECTED_FIRING = {
             "OtelForgeGpuPcieReplaysGrowing",
             "OtelForgeInfinibandPortDown",
             "OtelForgeInfinibandErrorsRising",
+            *(CONTAINER_ALERTS if CGROUPS else ()),
         )
     ),
     ("OtelForgeAgentDown", "otel-forge"),
@@ -110,6 +119,7 @@ NEVER_FIRING = {
     "OtelForgeMlflowDeliveryDropping",
     "OtelForgeGatewayDown",
     "OtelForgeAgentStoppedReporting",
+    *(() if CGROUPS else CONTAINER_ALERTS),
 }
 
 
@@ -214,11 +224,24 @@ def mlflow_run(mlflow_server):
 
 
 @pytest.fixture(scope="module")
-def stack(mlflow_run, tmp_path_factory):
+def job():
+    """The job the agent watches (``--pid``): a busy process near its memory limit, in a cgroup of a
+    0.2-CPU quota, where root can make one; else none (the agent watches itself)."""
+    if not CGROUPS:
+        yield None
+        return
+    with limited_job(cpus=0.2, memory_bytes=200 * 2**20, hold_bytes=180 * 2**20) as found:
+        yield found
+
+
+@pytest.fixture(scope="module")
+def stack(mlflow_run, job, tmp_path_factory):
+    watched = job  # the loops below name scrape jobs `job`
     directory = tmp_path_factory.mktemp("collector-config-live")
     infiniband = training_node(directory / "infiniband")
     agent = start_agent(
         [
+            *(["--pid", str(watched[1].pid)] if watched else []),
             "--prometheus-port",
             "0",
             "--interval",
@@ -255,6 +278,12 @@ def stack(mlflow_run, tmp_path_factory):
             set_file(infiniband, "mlx5_1", 1, "state", "1: DOWN")
             set_file(infiniband, "mlx5_1", 1, "phys_state", "2: Polling")
             set_file(infiniband, "mlx5_0", 1, "counters/symbol_error", 5)
+            if watched:  # the OOM kill, once Prometheus has seen the count at 0
+                for scrape_job in ("otel-forge", "otel-forge-gateway"):
+                    prometheus.wait_for_series(
+                        f'otel_forge_container_memory_oom_kills_total{{job="{scrape_job}"}} == 0', 30
+                    )
+                oom_kill_in(watched[0])
             yield {"prometheus": prometheus, "agent": agent, "run": mlflow_run}
     finally:
         agent.stop()

@@ -104,7 +104,7 @@ def test_every_recording_rule_and_the_alerts_are_asserted():
         "../../collector-config/recording-rules.yml",
         "../../collector-config/alert-rules.yml",
     ]
-    group, infiniband = tests["tests"]
+    group, infiniband, containers = tests["tests"]
     asserted = " ".join(test["expr"] for test in group["promql_expr_test"])
     for rule in recording_rules():
         assert rule["record"] in asserted, rule["record"]
@@ -112,6 +112,8 @@ def test_every_recording_rule_and_the_alerts_are_asserted():
     assert set(alerted) == {"OtelForgeStragglerNode", "OtelForgeGpuBusyButIdle"}
     fired = {test["alertname"] for test in infiniband["alert_rule_test"] if test["exp_alerts"]}
     assert fired == {"OtelForgeInfinibandPortDown", "OtelForgeInfinibandErrorsRising"}
+    fired = {test["alertname"] for test in containers["alert_rule_test"] if test["exp_alerts"]}
+    assert fired == {"OtelForgeCpuThrottled", "OtelForgeMemoryNearLimit", "OtelForgeOomKill"}
     # The 8-node jobs: one slow node each, named with its run.
     nodes = {
         (a["exp_labels"]["mlflow_run_id"], a["exp_labels"]["otel_forge_node_id"])

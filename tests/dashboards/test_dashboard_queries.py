@@ -12,9 +12,12 @@ One Prometheus (the Debian package) scrapes, every second:
   ``llm-pretrain``, instance = service.instance.id ``gpu-node-0`` / ``gpu-node-1``, resource
   attributes as labels), as collector-config/gateway.yaml and prometheus.yml set it up.
 
-The GPUs are the fake NVML (tests/fakes/pynvml.py), H100s with NVML GPM. Node ``node_0`` is healthy;
+The GPUs are the fake NVML (tests/fakes/pynvml.py), H100s with NVML GPM; the InfiniBand and RoCE
+ports a sysfs tree of each node's own (testkit/infiniband_sysfs.py). Node ``node_0`` is healthy;
 node ``node_1`` is not: its GPUs idle (a straggler: low utilization and SM activity), run hot
-(thermal throttling, temperature outliers), count ECC errors and had an XID 79. So on the fleet and
+(thermal throttling, temperature outliers), count ECC errors and had an XID 79, one of its
+InfiniBand ports is down, and its agent watches a job throttled and near its memory limit in a real
+cgroup (``testkit/cgroups.py``, where root can make one). So on the fleet and
 run dashboards every panel has data, and on the node dashboard of the healthy node only the panels
 listed in ``EMPTY_ON_A_HEALTHY_NODE`` may be empty.
 
@@ -24,6 +27,7 @@ HTTP API: a range query (30 s, step 2 s) for a range target, an instant query fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -49,6 +53,8 @@ from grafana_queries import (
     variables,
 )
 
+from testkit.cgroups import CONTROLLERS, limited_job, v1_writable
+from testkit.infiniband_sysfs import training_node
 from testkit.servers import (
     AgentProcess,
     PrometheusServer,
@@ -89,10 +95,19 @@ FAULTY = {
     },
 }
 
+# The container row: node_1's agent watches a job (``--pid``) in a real cgroup v1 group with a CPU quota
+# and a memory limit, where root can make one; node_0's watches itself, with no limit.
+CGROUPS = v1_writable(*CONTROLLERS)
+CONTAINER_PANELS = ("CPU against the limit", "CPU throttling", "Memory against the limit", "OOM kills")
+NO_LIMIT = "the watched process's cgroup has no limit: the node reads as the machine"
+
 # Panels of the node dashboard that show nothing on a healthy node, and why.
 EMPTY_ON_A_HEALTHY_NODE = {
     "XID events": "lists only GPUs that had an XID critical-error event; a healthy GPU has none",
+    **dict.fromkeys(CONTAINER_PANELS, NO_LIMIT),
 }
+# ... and on the faulty one: none, unless this machine cannot make the cgroup.
+EMPTY_ON_THE_FAULTY_NODE = {} if CGROUPS else dict.fromkeys(CONTAINER_PANELS, NO_LIMIT)
 
 builder = load_builder()
 
@@ -162,6 +177,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
     agents: dict[str, AgentProcess] = {}
     collector: CollectorForm | None = None
     prometheus: PrometheusServer | None = None
+    watched = contextlib.ExitStack()
     try:
         for node_id, scenario in (("node_0", HEALTHY), ("node_1", FAULTY)):
             # Two agents on one machine stand for two hosts: each its own host name and instance id
@@ -173,8 +189,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
                 "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={host},host.name={host}",
                 "OTEL_FORGE_SPOOL_DIR": str(tmp_path / f"spool-{node_id}"),
                 "MLFLOW_EXPERIMENT_ID": experiment_id,  # docs/fleet.md's plain way: the run's id and experiment
+                "OTEL_FORGE_INFINIBAND_ROOT": str(
+                    training_node(tmp_path / f"infiniband-{node_id}", healthy=scenario is HEALTHY)
+                ),
             }
-            agents[node_id] = start_agent(_agent_args(node_id, run.info.run_id, mlflow_server.uri), env)
+            args = _agent_args(node_id, run.info.run_id, mlflow_server.uri)
+            if scenario is FAULTY and CGROUPS:  # a job pressed against its limits
+                _, job = watched.enter_context(limited_job(cpus=0.2, memory_bytes=200 * 2**20, hold_bytes=150 * 2**20))
+                args += ["--pid", str(job.pid)]
+            agents[node_id] = start_agent(args, env)
         collector = CollectorForm([agent.metrics_url for agent in agents.values()], _ratio_gauges())
         collector_target = collector.serve()
         prometheus = start_prometheus(tmp_path, [agent.scrape_target for agent in agents.values()])
@@ -220,6 +243,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
             collector.close()
         for agent in agents.values():
             agent.stop()
+        watched.close()
 
 
 # --- evaluation -----------------------------------------------------------------------------------------
@@ -382,7 +406,7 @@ def test_node_dashboard_every_panel_has_data_on_a_faulty_node(stack: Stack, job:
     values = _values("otel-forge-node.json", stack, job, node=stack.instances[job]["node_1"])
     outcomes = evaluate(stack, dashboard, values)
     assert len(outcomes) >= 40
-    assert_all_have_data(without_gpm(stack, outcomes))
+    assert_all_have_data(without_gpm(stack, outcomes), exempt=EMPTY_ON_THE_FAULTY_NODE)
     # Only the chosen node answers.
     for outcome in outcomes:
         for series in outcome.result:
@@ -494,6 +518,31 @@ def test_run_dashboard_shows_nothing_for_a_run_no_agent_served(stack: Stack, job
     values = _values("otel-forge-run.json", stack, job, run=stack.idle_run_id)
     for outcome in evaluate(stack, dashboard, values):
         assert not outcome.has_data, f"{outcome.target.panel} has data for a run nobody served: {outcome.expr}"
+
+
+@pytest.mark.parametrize("job", FORMS)
+def test_node_dashboard_shows_the_infiniband_port_that_is_down(stack: Stack, job: str) -> None:
+    dashboard = load("otel-forge-node.json")
+    ports: dict[str, dict[str, str]] = {}
+    active: dict[str, dict[str, float]] = {}
+    for node in ("node_0", "node_1"):
+        outcomes = evaluate(
+            stack, dashboard, _values("otel-forge-node.json", stack, job, node=stack.instances[job][node])
+        )
+        (table,) = [o.result for o in outcomes if o.target.panel == "InfiniBand ports"]
+        ports[node] = {
+            s["metric"]["otel_forge_infiniband_device"]: s["metric"]["otel_forge_infiniband_state"] for s in table
+        }
+        (lines,) = [o.result for o in outcomes if o.target.panel == "InfiniBand ports active"]
+        active[node] = {s["metric"]["otel_forge_infiniband_device"]: float(s["values"][-1][1]) for s in lines}
+    assert ports == {
+        "node_0": {"mlx5_0": "active", "mlx5_1": "active", "mlx5_2": "active"},
+        "node_1": {"mlx5_0": "active", "mlx5_1": "down", "mlx5_2": "active"},
+    }
+    assert active == {
+        "node_0": {"mlx5_0": 1, "mlx5_1": 1, "mlx5_2": 1},
+        "node_1": {"mlx5_0": 1, "mlx5_1": 0, "mlx5_2": 1},
+    }
 
 
 def test_run_links_open_the_run_in_the_mlflow_ui(stack: Stack) -> None:
