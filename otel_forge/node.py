@@ -1,4 +1,5 @@
-"""Who am I: node id and ranks from the launcher (SLURM, torchrun, MPI), and the OTel Resource."""
+"""Who am I: node id and ranks from the launcher (SLURM, torchrun, MPI), the job on Kubernetes, and
+the OTel Resource."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from otel_forge.config import ARGUMENT_SOURCE, Source
+from otel_forge.kubernetes import KubernetesIdentity
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
@@ -22,8 +24,10 @@ if TYPE_CHECKING:
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PALS_LOCAL_RANKID")
 _WORLD_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-_NODE_RANK_VARS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
-_NODE_COUNT_VARS = ("GROUP_WORLD_SIZE", "NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+# Last: the Kubeflow PyTorchJob operator's (and Trainer's) for torchrun, in the pod's own environment
+# (pkg/controller.v1/pytorch/envvar.go): the pod's node rank (its RANK there) and the node count.
+_NODE_RANK_VARS = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID", "PET_NODE_RANK")
+_NODE_COUNT_VARS = ("GROUP_WORLD_SIZE", "NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "PET_NNODES")
 # MPI has no node index; its processes per host tell whether the job spans hosts.
 _MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 # The MPI job's identity: the PMIx namespace (Open MPI 4/5, PRRTE), else Open MPI 4's job id.
@@ -86,8 +90,30 @@ def job_key(environ: Mapping[str, str]) -> tuple[str | None, str]:
     """The job every process of one launch shares, and the variables it came from.
 
     SLURM: job id and step (a requeued job keeps both); torchrun: the rendezvous id; MPI: the
-    PMIx namespace or Open MPI's job id. None outside a launcher that names its job.
+    PMIx namespace or Open MPI's job id; Kubernetes: the namespace and name of the job that owns the
+    pods, when they make one distributed job. None outside a launcher that names its job.
     """
+    return _job_key(environ, KubernetesIdentity.detect(environ), _first_int(environ, _NODE_COUNT_VARS))
+
+
+def _kubernetes_job(kubernetes: KubernetesIdentity | None, node_count: int | None) -> KubernetesIdentity | None:
+    """The pod's owning job when its pods are one distributed job: by the controller's design (a
+    PyTorchJob, a TrainJob), or as the launcher says (it spans nodes). An Indexed Job or a JobSet of
+    single-pod tasks (a sweep: one run each) shares no run."""
+    if kubernetes is None or kubernetes.job_key is None:
+        return None
+    return kubernetes if kubernetes.is_distributed or (node_count or 0) > 1 else None
+
+
+def _job_key(
+    environ: Mapping[str, str], kubernetes: KubernetesIdentity | None, node_count: int | None
+) -> tuple[str | None, str]:
+    # Most specific first. Each launcher's id names one launch, shared by every process it starts:
+    # SLURM's job and step (also when slurmd runs in pods), torchrun's rendezvous id when the user
+    # set one, the MPI job's (an MPIJob's ranks run in pods whose env the launcher pod's is not). The
+    # owning Kubernetes job comes last: coarser (a name can be used again by a later job) and only
+    # needed when the launcher names none that all pods share, as torchrun's static rendezvous under a
+    # PyTorchJob ("none").
     if slurm := _first(environ, ("SLURM_JOB_ID", "SLURM_JOBID")):
         if step := _first(environ, ("SLURM_STEP_ID", "SLURM_STEPID")):
             return f"slurm-{slurm[1]}.{step[1]}", f"launcher {slurm[0]}, {step[0]}"
@@ -97,13 +123,15 @@ def job_key(environ: Mapping[str, str]) -> tuple[str | None, str]:
         return f"torchrun-{run_id}", "launcher TORCHELASTIC_RUN_ID"
     if mpi := _first(environ, _MPI_JOB_VARS):
         return f"mpi-{mpi[1]}", f"launcher {mpi[0]}"
+    if (job := _kubernetes_job(kubernetes, node_count)) is not None:
+        return job.job_key, f"kubernetes {job.job_source}"
     return None, UNKNOWN
 
 
 def job_label(environ: Mapping[str, str] | None = None) -> str | None:
     """A short name of the job for people (a default run name): ``slurm-1234_5`` for task 5 of
-    array job 1234 (SLURM's own spelling), ``slurm-1234``, ``torchrun-<rendezvous id>``; None
-    outside a launcher that names its job."""
+    array job 1234 (SLURM's own spelling), ``slurm-1234``, ``torchrun-<rendezvous id>``, the name
+    of the Kubernetes job whose pods share a run; None outside a launcher that names its job."""
     environ = os.environ if environ is None else environ
     array = _first(environ, (SLURM_ARRAY_JOB_VAR,))
     task = _first(environ, (SLURM_ARRAY_TASK_VAR,))
@@ -114,6 +142,9 @@ def job_label(environ: Mapping[str, str] | None = None) -> str | None:
     run_id = environ.get("TORCHELASTIC_RUN_ID", "").strip()
     if run_id and run_id != _TORCHRUN_UNSET_RUN_ID:
         return f"torchrun-{run_id}"
+    if _first(environ, _MPI_JOB_VARS) is None:
+        job = _kubernetes_job(KubernetesIdentity.detect(environ), _first_int(environ, _NODE_COUNT_VARS))
+        return job.job_name if job is not None else None
     return None
 
 
@@ -146,7 +177,8 @@ def torchrun_attempt(environ: Mapping[str, str] | None = None) -> TorchrunAttemp
 
 @dataclass(frozen=True)
 class NodeIdentity:
-    """This process's place in the job. Unknown values are None (a plain, single process)."""
+    """This process's place in the job. Unknown values are None (a plain, single process);
+    ``kubernetes``: the pod's identity, None outside Kubernetes."""
 
     node_id: str | None
     rank: int | None
@@ -158,6 +190,12 @@ class NodeIdentity:
     job_key: str | None = None
     node_id_source: str = UNKNOWN
     job_key_source: str = UNKNOWN
+    kubernetes: KubernetesIdentity | None = None
+
+    def __post_init__(self) -> None:
+        # Rebuilt from JSON (a run's plan, the watchdog's argument): the pod's identity is a dict there.
+        if isinstance(self.kubernetes, Mapping):
+            object.__setattr__(self, "kubernetes", KubernetesIdentity(**self.kubernetes))
 
     @classmethod
     def detect(
@@ -180,6 +218,7 @@ class NodeIdentity:
         node_rank = _first_int(environ, _NODE_RANK_VARS)
         node_count = _first_int(environ, _NODE_COUNT_VARS)
         world_size = _first_int(environ, _WORLD_SIZE_VARS)
+        kubernetes = KubernetesIdentity.detect(environ)
         node_id: str | None
         key: str | None
         if explicit_node_id is not None:
@@ -189,7 +228,7 @@ class NodeIdentity:
         if explicit_job_id is not None:
             key, key_source = explicit_job_id, str(sources.get("job_id", ARGUMENT_SOURCE))
         else:
-            key, key_source = job_key(environ)
+            key, key_source = _job_key(environ, kubernetes, node_count)
         return cls(
             node_id=node_id,
             rank=_first_int(environ, _RANK_VARS),
@@ -201,6 +240,7 @@ class NodeIdentity:
             job_key=key,
             node_id_source=node_id_source,
             job_key_source=key_source,
+            kubernetes=kubernetes,
         )
 
     @classmethod
@@ -239,7 +279,8 @@ def host_id() -> str | None:
 
 
 def build_resource(config: ForgeConfig, node: NodeIdentity) -> Resource:
-    """The OTel Resource of this agent: service, host, node id, then ``OTEL_RESOURCE_ATTRIBUTES``."""
+    """The OTel Resource of this agent: service, host, node id, the pod's ``k8s.*``, then
+    ``OTEL_RESOURCE_ATTRIBUTES`` (the OpenTelemetry Operator's ``k8s.*`` win over ours)."""
     from opentelemetry.sdk.resources import Resource
 
     # One agent per node: the host names the instance, so a restarted agent continues its series
@@ -253,6 +294,8 @@ def build_resource(config: ForgeConfig, node: NodeIdentity) -> Resource:
         attributes["host.id"] = machine_id
     if node.node_id is not None:
         attributes[NODE_ID_ATTRIBUTE] = node.node_id
+    if node.kubernetes is not None:
+        attributes.update(node.kubernetes.attributes())
     attributes.update(config.resource_attributes)
     if not config.source("service_name").is_default:
         # The spec: OTEL_SERVICE_NAME wins over a service.name in OTEL_RESOURCE_ATTRIBUTES.

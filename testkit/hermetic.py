@@ -38,6 +38,17 @@ LAUNCHER_VARS = (
     "PMI_SIZE",
     "MPI_LOCALRANKID",
     "PALS_LOCAL_RANKID",
+    # Kubernetes: what makes a process a pod of a job (otel_forge.kubernetes), and torchrun's PET_*
+    # defaults that a PyTorchJob's pods carry.
+    "KUBERNETES_SERVICE_HOST",
+    "JOB_COMPLETION_INDEX",
+    "JOBSET_NAME",
+    "PET_NNODES",
+    "PET_NODE_RANK",
+    "PET_NPROC_PER_NODE",
+    "PET_RDZV_ID",
+    "PET_RDZV_ENDPOINT",
+    "PET_MASTER_ADDR",
 )
 
 

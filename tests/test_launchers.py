@@ -197,3 +197,13 @@ def test_single_node_torchrun_without_node_rank_creates_the_run(command):
 )
 def test_endpoint_host_reads_the_forms_torchrun_accepts(endpoint, host):
     assert endpoint_host(endpoint) == host
+
+
+def test_torchrun_options_left_out_come_from_pet_variables_as_torchrun_reads_them():
+    # torch.distributed.argparse_util.env: an option's default is PET_<DEST>; the command line wins.
+    environ = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "4", "PET_RDZV_ID": "j7"}
+    node = NodeIdentity.detect(environ=read_launch(["torchrun", "train.py"], environ).environ)
+    assert (node.node_id, node.rank, node.node_count, node.job_key) == ("node_1", 4, 2, "torchrun-j7")
+    told = read_launch(["torchrun", "--node-rank", "0", "--rdzv-id=j8", "train.py"], environ)
+    assert (told.environ["GROUP_RANK"], told.environ["TORCHELASTIC_RUN_ID"]) == ("0", "j8")
+    assert read_launch(["torchrun", "train.py"], {}).environ["GROUP_WORLD_SIZE"] == "1"

@@ -16,6 +16,7 @@ from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.collectors import open_collectors
 from otel_forge.collectors.inventory import node_inventory
 from otel_forge.config import COLLECTOR_NAMES, SETTINGS, ForgeConfig, Origin, Setting, Source
+from otel_forge.kubernetes import KubernetesIdentity
 from otel_forge.mlflow.keys import system_prefix
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.node import NodeIdentity
@@ -118,12 +119,12 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
     try:
         collectors = {c.name: {"present": True, "details": c.describe()} for c in opened.present}
         collectors.update({name: {"present": False, "reason": reason} for name, reason in opened.absent.items()})
-        inventory = node_inventory(opened.present)
+        node = NodeIdentity.from_config(config)
+        inventory = node_inventory(opened.present, node.kubernetes)
     finally:
         opened.close()
     for name in COLLECTOR_NAMES:
         collectors.setdefault(name, {"present": False, "reason": "not in the collectors setting"})
-    node = NodeIdentity.from_config(config)
     tracking = _tracking_check(config)
     settings = {
         s.name: {
@@ -180,6 +181,8 @@ def _print_inventory(inventory: dict[str, Any]) -> None:
             f"CUDA {vendor.get('cuda_version')})"
         )
     print("  packages " + ", ".join(f"{name} {version}" for name, version in inventory["packages"].items()))
+    if inventory.get("kubernetes"):
+        print(f"  k8s      {KubernetesIdentity(**inventory['kubernetes']).describe()}")
 
 
 def _not_used(setting: Setting, source: Source) -> list[str]:

@@ -3,7 +3,9 @@
 ``otel-forge run -- torchrun --nnodes 2 --node-rank 1 --rdzv-id job7 train.py`` runs on each node
 before torchrun has set any variable: the node's place in the job is on torchrun's command line.
 It is turned into the variables torchrun gives its workers, so ``NodeIdentity`` reads it as it
-reads any launcher. Under an MPI launcher the node ids are host names (MPI has no node index).
+reads any launcher. What the command line leaves out, torchrun takes from ``PET_<OPTION>`` (as a
+Kubeflow PyTorchJob's pods give it: ``PET_NNODES``, ``PET_NODE_RANK``, ``PET_RDZV_ENDPOINT``), and
+so do we. Under an MPI launcher the node ids are host names (MPI has no node index).
 
 Elastic torchrun (no ``--node-rank``) hands node ranks out at rendezvous, after we start: the node
 that hosts the rendezvous endpoint (named or given as an address) creates the run, and the node is
@@ -19,7 +21,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -76,15 +78,20 @@ def _torchrun_args(command: Sequence[str]) -> list[str] | None:
     return None
 
 
-def _torchrun_parser() -> argparse.ArgumentParser:
+def _torchrun_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+
+    def option(*names: str, dest: str, default: str | None = None) -> None:
+        # torchrun's own default for an option left out: PET_<DEST> (torch.distributed.argparse_util.env).
+        parser.add_argument(*names, dest=dest, default=environ.get(f"PET_{dest.upper()}") or default)
+
     # Both spellings, as torchrun accepts them.
-    parser.add_argument("--nnodes", "--nnodes", default="1")
-    parser.add_argument("--node-rank", "--node_rank", dest="node_rank")
-    parser.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id")
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1")
-    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint")
-    parser.add_argument("--master-addr", "--master_addr", dest="master_addr")
+    option("--nnodes", dest="nnodes", default="1")
+    option("--node-rank", "--node_rank", dest="node_rank")
+    option("--rdzv-id", "--rdzv_id", dest="rdzv_id")
+    option("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1")
+    option("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint")
+    option("--master-addr", "--master_addr", dest="master_addr")
     return parser
 
 
@@ -171,8 +178,8 @@ def is_this_host(endpoint: str | None, timeout_s: float = _RESOLVE_TIMEOUT_S) ->
     return bool(wanted & _local_addresses())
 
 
-def _torchrun_launch(args: list[str]) -> Launch:
-    known, _ = _torchrun_parser().parse_known_args(_before_script(args))
+def _torchrun_launch(args: list[str], process_environ: Mapping[str, str]) -> Launch:
+    known, _ = _torchrun_parser(process_environ).parse_known_args(_before_script(args))
     nodes = _max_nodes(known.nnodes)
     environ = {"LOCAL_RANK": "0", "GROUP_WORLD_SIZE": str(nodes)}
     if known.rdzv_id:
@@ -206,10 +213,11 @@ def _before_script(args: list[str]) -> list[str]:
     return args
 
 
-def read_launch(command: Sequence[str]) -> Launch:
-    """What the launcher in ``command`` (torchrun, an MPI launcher) says of this node; empty otherwise."""
+def read_launch(command: Sequence[str], environ: Mapping[str, str] | None = None) -> Launch:
+    """What the launcher in ``command`` (torchrun, an MPI launcher) says of this node; empty otherwise.
+    ``environ``: where torchrun would find what its command line leaves out (this process's)."""
     if (torchrun := _torchrun_args(command)) is not None:
-        return _torchrun_launch(torchrun)
+        return _torchrun_launch(torchrun, os.environ if environ is None else environ)
     if os.path.basename(command[0]) in _MPI_LAUNCHERS:
         return Launch(host_named=True)
     return Launch()

@@ -1,4 +1,5 @@
-"""What the machine is, read once: CPU, memory, GPUs, kernel, Python and the training stack's versions.
+"""What the machine is, read once: CPU, memory, GPUs, kernel, Python and the training stack's versions,
+and on Kubernetes which pod it is.
 
 The node's agent records it beside the node's system metrics (``<prefix>inventory.json`` in the run,
 a few tags on a run of one node) and ``otel-forge doctor`` prints it. Versions come from the
@@ -12,10 +13,13 @@ import logging
 import platform
 import socket
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from otel_forge.kubernetes import KubernetesIdentity
 
 _logger = logging.getLogger(__name__)
 
@@ -27,8 +31,9 @@ PACKAGES = {
 }
 
 
-def node_inventory(collectors: Iterable[Any]) -> dict[str, Any]:
-    """The machine's inventory; ``collectors``: the agent's open collectors (GPU ones give theirs)."""
+def node_inventory(collectors: Iterable[Any], kubernetes: KubernetesIdentity | None = None) -> dict[str, Any]:
+    """The machine's inventory; ``collectors``: the agent's open collectors (GPU ones give theirs);
+    ``kubernetes``: the pod's identity (``NodeIdentity.kubernetes``), None outside Kubernetes."""
     memory = psutil.virtual_memory().total
     return {
         "host": socket.gethostname(),
@@ -43,12 +48,16 @@ def node_inventory(collectors: Iterable[Any]) -> dict[str, Any]:
         "memory_bytes": memory,
         "gpus": [inventory for collector in collectors if (inventory := _gpu_inventory(collector)) is not None],
         "packages": {name: _version(distributions) for name, distributions in PACKAGES.items()},
+        "kubernetes": asdict(kubernetes) if kubernetes is not None else None,
     }
 
 
 def inventory_tags(inventory: dict[str, Any]) -> dict[str, str]:
-    """A few tags for a run of one node: what its charts were measured on."""
+    """A few tags for a run of one node: what its charts were measured on (on Kubernetes, in which
+    pod, namespace and job: ``k8s.pod.name``, ``k8s.namespace.name``, ``otel_forge.k8s.job.name``...)."""
     tags = {"otel_forge.host": str(inventory["host"])}
+    if inventory.get("kubernetes"):
+        tags.update(KubernetesIdentity(**inventory["kubernetes"]).attributes())
     if inventory["cpu"]["model"]:
         tags["otel_forge.cpu.model"] = str(inventory["cpu"]["model"])
     for vendor in inventory["gpus"]:

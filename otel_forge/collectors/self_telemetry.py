@@ -75,13 +75,15 @@ class DeliveryStatsCollector(Collector):
 
 
 class RunInfoCollector(Collector):
-    """The run this agent serves, as an info metric (value 1) that Grafana can join on."""
+    """The run this agent serves, as an info metric (value 1) that Grafana can join on; ``where``:
+    more of what names the node (on Kubernetes its pod, namespace, node and owning job: ``k8s.*``)."""
 
     name = "run"
 
-    def __init__(self, run: RunIdentity, node_id: str | None) -> None:
+    def __init__(self, run: RunIdentity, node_id: str | None, where: Mapping[str, str] | None = None) -> None:
         self._run = run
         self._node_id = node_id
+        self._where = dict(where or {})
 
     def read(self, readings: Readings) -> None:
         run = self._run
@@ -95,5 +97,6 @@ class RunInfoCollector(Collector):
                 "mlflow.experiment.id": run.experiment_id,
                 "mlflow.run.name": run.run_name or "",
                 "otel_forge.node.id": self._node_id or "",
+                **self._where,
             },
         )

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
@@ -61,12 +61,14 @@ class MLflowMetricExporter(NonBlockingExporter):
         known: RunInfo | None = None,
         node_run: bool = False,
         close_spread_s: float = 0.0,
+        pod: Mapping[str, str] | None = None,
     ) -> None:
         """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
         from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own.
         ``node_run``: the node logs ``system/<key>`` into a child run of its own under the run
         (``node_run.py``), not ``system/<node>/<key>`` into the run. ``close_spread_s``: how long the
-        close waits before its last calls (the node's share of a spread: nodes stop together)."""
+        close waits before its last calls (the node's share of a spread: nodes stop together). ``pod``:
+        on Kubernetes, the node's pod (``k8s.pod.name``, ``k8s.node.name``), tagged beside its host."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         config = config or ForgeConfig.resolve()
@@ -94,8 +96,8 @@ class MLflowMetricExporter(NonBlockingExporter):
                 "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None,
             },
         )
-        # Which host the node's prefix samples, in the node's first call (node_0 says nothing of it).
-        host_tags = node_host_tags(node_id) if node_id else {}
+        # Which host (and pod) the node's prefix samples, in the node's first call (node_0 says nothing of it).
+        host_tags = node_host_tags(node_id, pod=pod) if node_id else {}
         self.window_logger = WindowLogger(run_id, tracking_uri, prefix, tags=host_tags, node_run=node_run_name)
         self.window_logger.on_first_step.append(self._first_step_known)
         self.worker: DeliveryWorker[Window] = DeliveryWorker(

@@ -117,7 +117,7 @@ class SystemMetricsMonitor:
             self.agent = self._agent(self.exporter)
             self.agent.start()
         if self.agent.collectors is not None:
-            self.exporter.record_inventory(node_inventory(self.agent.collectors.present))
+            self.exporter.record_inventory(node_inventory(self.agent.collectors.present, self.node.kubernetes))
         if self._watch is not None:
             self._watch.start()
         return self
@@ -155,12 +155,17 @@ class SystemMetricsMonitor:
             node_run=c.mlflow_node_runs(self.node.node_count),
             # A job's nodes stop together: their last calls spread over a third of the drain deadline.
             close_spread_s=delivery_phase_s(node, c.drain_deadline_s / 3) if (self.node.node_count or 1) > 1 else 0.0,
+            pod=self.node.kubernetes.pod_attributes() if self.node.kubernetes is not None else None,
         )
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
         collectors = [
             DeliveryStatsCollector(exporter.delivery_counts),
-            RunInfoCollector(exporter.window_logger, self.node.node_id),
+            RunInfoCollector(
+                exporter.window_logger,
+                self.node.node_id,
+                self.node.kubernetes.attributes() if self.node.kubernetes is not None else None,
+            ),
         ]
         return Agent(self.config, node=self.node, extra_collectors=collectors, extra_exporters=[lambda: exporter])
 

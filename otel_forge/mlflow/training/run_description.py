@@ -82,7 +82,7 @@ class RunDescription:
 
     def _run_tags(self, node: NodeIdentity) -> dict[str, str]:
         tags = {
-            **job_tags(node.world_size, node.node_count, node_id=node.node_id),
+            **job_tags(node.world_size, node.node_count, node_id=node.node_id, kubernetes=node.kubernetes),
             **git_tags(),
             DESCRIBED_TAG: "true",
             **self.own_tags(),

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from otel_forge.kubernetes import KubernetesIdentity
 from otel_forge.mlflow.keys import node_host_tags
 from otel_forge.node import (
     SLURM_ARRAY_JOB_VAR,
@@ -197,13 +198,21 @@ def job_tags(
     node_count: int | None,
     environ: Mapping[str, str] | None = None,
     node_id: str | None = None,
+    kubernetes: KubernetesIdentity | None = None,
 ) -> dict[str, str]:
     """The job's tags as the process describing the run sees it: its host (and, with ``node_id``,
-    which node that host is), the job's size, the launcher's ids and attempt counts."""
+    which node that host is), the job's size, the launcher's ids and attempt counts. On Kubernetes:
+    the namespace and owning job (``k8s.namespace.name``, ``otel_forge.k8s.job.kind``, ``.name``),
+    and its pod's name and node, the run's own on one node, else its node's (``otel_forge.node.<id>.k8s.*``)."""
     environ = os.environ if environ is None else environ
     tags = {"host": socket.gethostname()}
+    pod = kubernetes.pod_attributes() if kubernetes is not None else {}
+    if kubernetes is not None:
+        tags.update(kubernetes.job_attributes())
     if node_id is not None:
-        tags.update(node_host_tags(node_id))
+        tags.update(node_host_tags(node_id, pod=pod))
+    else:
+        tags.update(pod)
     if environ.get("SLURM_JOB_ID"):
         tags["slurm_job_id"] = environ["SLURM_JOB_ID"]
     tags.update(_from_environ(environ, _ARRAY_TAGS))
