@@ -11,6 +11,7 @@ kernel, a controller not enabled) gives no value, never an error.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,8 @@ class Cgroup(abc.ABC):
     version: int
 
     def __init__(self, proc_root: Path) -> None:
-        self._proc_root = proc_root
+        # The machine's pressure (/proc/pressure), where the cgroup has none of its own.
+        self._machine_pressure = pressure_files(proc_root / "pressure")
 
     @abc.abstractmethod
     def read(self) -> CgroupStats:
@@ -61,81 +63,97 @@ class Cgroup(abc.ABC):
     def describe(self) -> str:
         """Where it is, for ``otel-forge doctor``."""
 
-    def host_pressure(self) -> dict[tuple[str, str], float]:
-        """The machine's pressure (``/proc/pressure``), where the cgroup has none of its own."""
-        return read_pressure(self._proc_root / "pressure")
-
 
 class CgroupV2(Cgroup):
-    """The unified hierarchy: ``directory`` holds every controller's files; ``mount`` is its root."""
+    """The unified hierarchy: ``directory`` holds every controller's files; ``mount`` is its root.
+    Every path is made once: a read is only the reads of the kernel's files."""
 
     version = 2
 
     def __init__(self, directory: Path, mount: Path, proc_root: Path = Path("/proc")) -> None:
         super().__init__(proc_root)
-        self.directory, self._mount = directory, mount
+        self.directory = directory
+        self._file = {name: str(directory / name) for name in _V2_FILES}
+        above = list(_up_to(directory, mount))
+        self._cpu_max = [str(d / "cpu.max") for d in above]
+        self._memory_max = [str(d / "memory.max") for d in above]
+        self._pressure = pressure_files(directory, suffix=".pressure")
 
     def describe(self) -> str:
         return f"cgroup v2 {self.directory}"
 
     def read(self) -> CgroupStats:
-        cpu = _key_values(self.directory / "cpu.stat")
-        memory = _key_values(self.directory / "memory.stat")
-        events = _key_values(self.directory / "memory.events")
-        pressure = read_pressure(self.directory, suffix=".pressure") or self.host_pressure()
+        cpu = _key_values(self._file["cpu.stat"])
+        memory = _key_values(self._file["memory.stat"])
+        events = _key_values(self._file["memory.events"])
         return CgroupStats(
-            cpu_quota=_smallest(_cpu_max(d / "cpu.max") for d in _up_to(self.directory, self._mount)),
-            cpuset_cpus=_cpu_count(self.directory / "cpuset.cpus.effective"),
+            cpu_quota=_smallest(_cpu_max(path) for path in self._cpu_max),
+            cpuset_cpus=_cpu_count(self._file["cpuset.cpus.effective"]),
             cpu_time_s=_scaled(cpu.get("usage_usec"), 1e-6),
             periods=cpu.get("nr_periods"),
             throttled_periods=cpu.get("nr_throttled"),
             throttled_s=_scaled(cpu.get("throttled_usec"), 1e-6),
-            memory_usage=_integer(self.directory / "memory.current"),
+            memory_usage=_integer(self._file["memory.current"]),
             memory_inactive_file=memory.get("inactive_file"),
-            memory_limit=_smallest(_integer(d / "memory.max") for d in _up_to(self.directory, self._mount)),
+            memory_limit=_smallest(_integer(path) for path in self._memory_max),
             oom_kills=events.get("oom_kill"),
-            pressure=pressure,
+            pressure=_stalls(self._pressure) or _stalls(self._machine_pressure),
         )
 
 
 class CgroupV1(Cgroup):
     """One directory per controller (``cpu``, ``cpuacct``, ``cpuset``, ``memory``), each under its
-    mount (``mounts``: controller -> (directory, mount)); a controller not mounted is absent."""
+    mount (``directories``: controller -> (directory, mount)); a controller not mounted is absent."""
 
     version = 1
 
     def __init__(self, directories: dict[str, tuple[Path, Path]], proc_root: Path = Path("/proc")) -> None:
         super().__init__(proc_root)
         self.directories = directories
+        self._file = {
+            name: str(directories[controller][0] / name) if controller in directories else None
+            for controller, name in _V1_FILES
+        }
+        self._cfs = (
+            [(str(d / "cpu.cfs_quota_us"), str(d / "cpu.cfs_period_us")) for d in _up_to(*directories["cpu"])]
+            if "cpu" in directories
+            else []
+        )
 
     def describe(self) -> str:
         return "cgroup v1 " + ", ".join(f"{name} {path}" for name, (path, _) in sorted(self.directories.items()))
 
-    def _dir(self, controller: str) -> Path | None:
-        found = self.directories.get(controller)
-        return found[0] if found else None
-
     def read(self) -> CgroupStats:
-        cpu, cpuacct, cpuset, memory = (self._dir(name) for name in ("cpu", "cpuacct", "cpuset", "memory"))
-        cpu_stat = _key_values(cpu / "cpu.stat") if cpu else {}
-        memory_stat = _key_values(memory / "memory.stat") if memory else {}
-        oom = _key_values(memory / "memory.oom_control") if memory else {}
+        cpu_stat = _key_values(self._file["cpu.stat"])
+        memory_stat = _key_values(self._file["memory.stat"])
         limit = memory_stat.get("hierarchical_memory_limit")
+        cpuset = _cpu_count(self._file["cpuset.effective_cpus"]) or _cpu_count(self._file["cpuset.cpus"])
         return CgroupStats(
-            cpu_quota=_smallest(_cfs_quota(d) for d in _up_to(*self.directories["cpu"])) if cpu else None,
-            cpuset_cpus=(_cpu_count(cpuset / "cpuset.effective_cpus") or _cpu_count(cpuset / "cpuset.cpus"))
-            if cpuset
-            else None,
-            cpu_time_s=_scaled(_integer(cpuacct / "cpuacct.usage"), 1e-9) if cpuacct else None,
+            cpu_quota=_smallest(_cfs_quota(quota, period) for quota, period in self._cfs),
+            cpuset_cpus=cpuset,
+            cpu_time_s=_scaled(_integer(self._file["cpuacct.usage"]), 1e-9),
             periods=cpu_stat.get("nr_periods"),
             throttled_periods=cpu_stat.get("nr_throttled"),
             throttled_s=_scaled(cpu_stat.get("throttled_time"), 1e-9),
-            memory_usage=_integer(memory / "memory.usage_in_bytes") if memory else None,
+            memory_usage=_integer(self._file["memory.usage_in_bytes"]),
             memory_inactive_file=memory_stat.get("total_inactive_file"),
             memory_limit=limit if limit is not None and limit < _V1_UNLIMITED else None,
-            oom_kills=oom.get("oom_kill"),
-            pressure=self.host_pressure(),
+            oom_kills=_key_values(self._file["memory.oom_control"]).get("oom_kill"),
+            pressure=_stalls(self._machine_pressure),
         )
+
+
+_V2_FILES = ("cpu.stat", "memory.stat", "memory.events", "cpuset.cpus.effective", "memory.current")
+# (controller, file) of what a v1 read takes.
+_V1_FILES = (
+    ("cpu", "cpu.stat"),
+    ("cpuacct", "cpuacct.usage"),
+    ("cpuset", "cpuset.effective_cpus"),
+    ("cpuset", "cpuset.cpus"),
+    ("memory", "memory.stat"),
+    ("memory", "memory.usage_in_bytes"),
+    ("memory", "memory.oom_control"),
+)
 
 
 def find_cgroup(pid: int | str = "self", proc_root: Path = Path("/proc"), root: Path = Path("/")) -> Cgroup | None:
@@ -168,16 +186,21 @@ def find_cgroup(pid: int | str = "self", proc_root: Path = Path("/proc"), root: 
     return None
 
 
+def pressure_files(directory: Path, suffix: str = "") -> list[tuple[str, str]]:
+    """(resource, path) of PSI's files: ``<resource><suffix>`` in ``directory``."""
+    return [(resource, str(directory / f"{resource}{suffix}")) for resource in PRESSURE_RESOURCES]
+
+
 def read_pressure(directory: Path, suffix: str = "") -> dict[tuple[str, str], float]:
     """PSI's stall time per (resource, ``some``/``full``), in seconds, from ``<resource><suffix>``
     files (``some avg10=0.00 avg60=0.00 avg300=0.00 total=12345``: ``total`` in microseconds)."""
+    return _stalls(pressure_files(directory, suffix))
+
+
+def _stalls(files: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
     stalls: dict[tuple[str, str], float] = {}
-    for resource in PRESSURE_RESOURCES:
-        try:
-            lines = (directory / f"{resource}{suffix}").read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
+    for resource, path in files:
+        for line in (_read(path) or "").splitlines():
             scope, *fields = line.split()
             totals = [f.removeprefix("total=") for f in fields if f.startswith("total=")]
             if scope in ("some", "full") and totals and totals[0].isdigit():
@@ -242,14 +265,24 @@ def _up_to(directory: Path, mount: Path) -> Iterator[Path]:
 # --- the kernel's file formats ---------------------------------------------------------------
 
 
-def _read(path: Path) -> str | None:
+def _read(path: str | None) -> str | None:
+    """A kernel file's text; None where it is absent or unreadable (os.read: no buffered text layer,
+    a read is one system call)."""
+    if path is None:
+        return None
     try:
-        return path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        return os.read(fd, 1 << 16).decode(errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
-def _integer(path: Path) -> int | None:
+def _integer(path: str | None) -> int | None:
     """A file holding one integer; "max" (no limit) and anything else unreadable give None."""
     text = _read(path)
     try:
@@ -258,7 +291,7 @@ def _integer(path: Path) -> int | None:
         return None
 
 
-def _key_values(path: Path) -> dict[str, int]:
+def _key_values(path: str | None) -> dict[str, int]:
     """A flat-keyed file (``cpu.stat``, ``memory.stat``, ``memory.events``): ``key value`` lines."""
     values: dict[str, int] = {}
     for line in (_read(path) or "").splitlines():
@@ -268,7 +301,7 @@ def _key_values(path: Path) -> dict[str, int]:
     return values
 
 
-def _cpu_max(path: Path) -> float | None:
+def _cpu_max(path: str) -> float | None:
     """v2's ``cpu.max``: ``$MAX $PERIOD`` (``max 100000``: no quota)."""
     quota, _, period = (_read(path) or "").strip().partition(" ")
     if not quota.isdigit() or not period.isdigit() or int(period) == 0:
@@ -276,15 +309,15 @@ def _cpu_max(path: Path) -> float | None:
     return int(quota) / int(period)
 
 
-def _cfs_quota(directory: Path) -> float | None:
+def _cfs_quota(quota_path: str, period_path: str) -> float | None:
     """v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (a quota of -1: none)."""
-    quota, period = _integer(directory / "cpu.cfs_quota_us"), _integer(directory / "cpu.cfs_period_us")
+    quota, period = _integer(quota_path), _integer(period_path)
     if quota is None or quota <= 0 or not period:
         return None
     return quota / period
 
 
-def _cpu_count(path: Path) -> int | None:
+def _cpu_count(path: str | None) -> int | None:
     text = _read(path)
     return parse_cpu_list(text) if text is not None else None
 
