@@ -207,6 +207,26 @@ def make_ours_read_only() -> Subject:
     return subject
 
 
+def make_cgroup_read() -> Subject:
+    """The cgroup collector's read() alone: the job's cgroup files (v1 here: eleven), beside ``ours-read``."""
+    from otel_forge.collectors import Readings
+    from otel_forge.collectors.cgroup import CgroupCollector
+    from otel_forge.config import ForgeConfig
+
+    collector = CgroupCollector.create(ForgeConfig.resolve())
+
+    def values() -> int:
+        readings = Readings()
+        collector.read(readings)
+        return sum(len(readings.get(name)) for name in readings.metrics())
+
+    subject = Subject(
+        "cgroup-read", "otel_forge's cgroup collector read() only (not in ours-*)", lambda: collector.read(Readings())
+    )
+    subject.count_values = values  # type: ignore[attr-defined]
+    return subject
+
+
 def make_mlflow(aggregate: bool) -> Subject:
     from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
     from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
@@ -385,7 +405,17 @@ def build_subjects(closers: list[Callable[[], None]]) -> list[Subject]:
     ours1 = make_ours(1, clock, closers)
     ours3 = make_ours(3, clock, closers)
     sm1, sm3 = make_otel_sm(closers)
-    return [ours1, ours3, make_ours_read_only(), make_mlflow(False), make_mlflow(True), sm1, sm3, make_floor()]
+    return [
+        ours1,
+        ours3,
+        make_ours_read_only(),
+        make_cgroup_read(),
+        make_mlflow(False),
+        make_mlflow(True),
+        sm1,
+        sm3,
+        make_floor(),
+    ]
 
 
 def measure(subjects: list[Subject], seconds: float, block_ms: float) -> None:
