@@ -120,15 +120,21 @@ def test_an_unchanged_value_is_sent_every_tenth_window(client, experiment_id, tm
     assert _steps(client, run_id, "system/node_0/cpu_utilization_percentage") == list(range(25))
     # ... and at the last window (24), whole: every line runs to the run's last step.
     assert _steps(client, run_id, "system/node_0/system_memory_total_megabytes") == [0, 10, 20, 24]
-    # Sent when it changed (12), then refreshed 10 windows after: a chart's line goes on.
-    assert _steps(client, run_id, "system/node_0/system_memory_usage_percentage") == [0, 10, 12, 22, 24]
-    values = [
-        m.value
-        for m in sorted(
-            client.get_metric_history(run_id, "system/node_0/system_memory_usage_percentage"), key=lambda m: m.step
-        )
+    # Sent when it changed (12) and at the step before (11, where it still held 50: MLflow draws a step,
+    # not a slope from 10), then refreshed 10 windows after: a chart's line goes on.
+    history = sorted(
+        client.get_metric_history(run_id, "system/node_0/system_memory_usage_percentage"), key=lambda m: m.step
+    )
+    assert [(m.step, m.value) for m in history] == [
+        (0, 50.0),
+        (10, 50.0),
+        (11, 50.0),
+        (12, 70.0),
+        (22, 70.0),
+        (24, 70.0),
     ]
-    assert values == [50.0, 50.0, 70.0, 70.0, 70.0]
+    # The point at step 11 carries window 11's time, not window 12's.
+    assert history[2].timestamp < history[3].timestamp
 
 
 def test_an_agent_told_the_experiment_never_reads_the_run(client, experiment_id, proxy, tmp_path):

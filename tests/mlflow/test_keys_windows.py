@@ -799,6 +799,22 @@ def test_changed_values_keep_the_anchor_and_what_changed_and_refresh_the_rest() 
     ]
 
 
+def test_a_held_value_that_changes_is_sent_at_the_step_before_too() -> None:
+    """100, 100, 100, 90: the 100 held back at step 2 goes with step 3's 90, at step 2's time."""
+    changed = ChangedValues(refresh_windows=10)
+    windows = [
+        changed.keep(Window(i, 1000 * i, (("a_anchor", 1.0), ("gpu", v)))) for i, v in enumerate([100, 100, 100, 90])
+    ]
+    assert [dict(w.values).get("gpu") for w in windows] == [100, None, None, 90]
+    assert [w.before for w in windows] == [(), (), (), (("gpu", 100),)]
+    assert windows[3].before_timestamp_ms == 2000
+    # Sent at the previous step already (it changed there): nothing to add.
+    again = changed.keep(Window(4, 4000, (("a_anchor", 1.0), ("gpu", 80.0))))
+    assert again.before == () and dict(again.values)["gpu"] == 80
+    # The spool keeps it.
+    assert Window.from_json(windows[3].to_json()) == windows[3]
+
+
 def test_a_nan_is_sent_every_window_as_it_never_equals_itself() -> None:
     changed = ChangedValues(refresh_windows=10)
     for index in range(3):

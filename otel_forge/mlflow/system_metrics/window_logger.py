@@ -161,7 +161,10 @@ class WindowLogger:
         entities = import_mlflow().entities
         if window.values:
             step = first_step + window.index
-            metrics = [entities.Metric(key, value, window.timestamp_ms, step) for key, value in window.values]
+            metrics = [
+                entities.Metric(key, value, window.before_timestamp_ms, step - 1) for key, value in window.before
+            ]
+            metrics += [entities.Metric(key, value, window.timestamp_ms, step) for key, value in window.values]
             with self._lock:
                 version, tag_items, artifacts = self._version, list(self._tags.items()), dict(self._artifacts)
             unrecorded = self._recorded != (run_id, version)

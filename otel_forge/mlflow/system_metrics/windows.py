@@ -13,21 +13,33 @@ from otel_forge.names import Fold
 
 @dataclass(frozen=True)
 class Window:
-    """One MLflow step's worth of metrics. ``step`` = the exporter's first step + ``index``."""
+    """One MLflow step's worth of metrics. ``step`` = the exporter's first step + ``index``.
+
+    ``before``: values of the previous step (at ``before_timestamp_ms``) that were held back there,
+    sent now that they change: MLflow draws 100, 100, 90 as a step, not as a slope from the last 100 sent.
+    """
 
     index: int
     timestamp_ms: int
     values: tuple[tuple[str, float], ...]
     last: bool = False  # the exporter's last: a node's own run ends with it
+    before: tuple[tuple[str, float], ...] = ()
+    before_timestamp_ms: int = 0
 
     def to_json(self) -> dict:
-        data = {"index": self.index, "timestamp_ms": self.timestamp_ms, "values": [list(v) for v in self.values]}
+        data: dict = {"index": self.index, "timestamp_ms": self.timestamp_ms, "values": [list(v) for v in self.values]}
+        if self.before:
+            data.update(before=[list(v) for v in self.before], before_timestamp_ms=self.before_timestamp_ms)
         return {**data, "last": True} if self.last else data
 
     @classmethod
     def from_json(cls, data: dict) -> Window:
         values = tuple((str(k), float(v)) for k, v in data["values"])
-        return cls(int(data["index"]), int(data["timestamp_ms"]), values, bool(data.get("last", False)))
+        before = tuple((str(k), float(v)) for k, v in data.get("before", ()))
+        return cls(
+            int(data["index"]), int(data["timestamp_ms"]), values, bool(data.get("last", False)), before,
+            int(data.get("before_timestamp_ms", 0)),
+        )  # fmt: skip
 
 
 class WindowFolder:
@@ -108,7 +120,8 @@ class ChangedValues:
     windows, so a chart's line goes on. The anchor (the smallest key) is sent every window: it
     counts the node's windows, and a resumed node finds its last step in that one key's history.
     A key's first window sends it; its last sends it too (``ended``, ``close``): every key's chart
-    runs from its first step to its last, a line, never a lone point."""
+    runs from its first step to its last, a line, never a lone point. A held value that changes is
+    sent at the step before too (``Window.before``): a chart's history holds the change points."""
 
     def __init__(self, refresh_windows: int) -> None:
         self.refresh_windows = refresh_windows
@@ -119,21 +132,22 @@ class ChangedValues:
         """``window`` with only the values to send (all of them if ``whole``)."""
         if not window.values:
             return window
-        self._last = window
+        previous, self._last = self._last, window
+        follows = previous is not None and previous.index == window.index - 1
         anchor = min(key for key, _ in window.values)
-        kept = []
+        kept, before = [], []
         for key, value in window.values:
             sent = self._sent.get(key)
-            if (
-                whole
-                or key == anchor
-                or sent is None
-                or sent[0] != value
-                or window.index - sent[1] >= self.refresh_windows
-            ):
+            changed = sent is not None and sent[0] != value
+            if sent is not None and changed and follows and sent[1] < window.index - 1:
+                before.append((key, sent[0]))  # held back at the previous step, where it still had this value
+            if whole or key == anchor or sent is None or changed or window.index - sent[1] >= self.refresh_windows:
                 kept.append((key, value))
                 self._sent[key] = (value, window.index)
-        return Window(window.index, window.timestamp_ms, tuple(kept))
+        before_ms = previous.timestamp_ms if previous is not None and before else 0
+        return Window(
+            window.index, window.timestamp_ms, tuple(kept), before=tuple(before), before_timestamp_ms=before_ms
+        )
 
     def ended(self, window: Window) -> Window | None:
         """What the last window held back of the keys ``window`` no longer has, at the last window's
