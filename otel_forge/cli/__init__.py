@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from importlib.metadata import version
@@ -83,6 +86,27 @@ def configure_process(verbose: int) -> None:
         os.environ.setdefault(MLFLOW_LOGGING_LEVEL_VAR, "ERROR")  # read when mlflow is imported
     # In the agent's own process our worker does the retrying: one attempt per call.
     os.environ.setdefault(MLFLOW_RETRIES_VAR, "0")
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit as the interpreter would, without its teardown: the non-daemon threads finish and the
+    atexit handlers run (logging's flush, the SDK's shutdown), then the process ends. Tearing down
+    the modules MLflow, SQLAlchemy and pydantic bring costs 0.6 s of CPU at every agent's stop,
+    on every node of a job at once, and writes nothing."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter itself runs at exit
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def console_main() -> NoReturn:
+    """The ``otel-forge`` command (``main`` returns its code to a caller in the same process)."""
+    exit_now(main())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,3 @@
-import sys
+from otel_forge.cli import console_main
 
-from otel_forge.cli import main
-
-sys.exit(main())
+console_main()
