@@ -1,5 +1,6 @@
 """``otel-forge replay PATH``: deliver what a close left in a spool (system-metrics windows, or a
-training run's metrics and its end)."""
+training run's metrics and its end); ``otel-forge replay --all``: everything earlier processes left
+in the spool root, oldest first (spools whose writer still runs are left to it)."""
 
 from __future__ import annotations
 
@@ -15,26 +16,50 @@ from otel_forge.scrub import error_line
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser("replay", help="deliver what a spool directory keeps")
-    parser.add_argument("path", help="the spool directory otel-forge named (one spool, or a job's directory of spools)")
+    parser.add_argument(
+        "path", nargs="?", help="the spool directory otel-forge named (one spool, or a job's directory of spools)"
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="everything earlier processes left in the spool root, oldest first"
+    )
     parser.add_argument("--tracking-uri", help="tracking server (default: the one recorded, or MLFLOW_TRACKING_URI)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from otel_forge.mlflow.replay import left_in, spools_in
+    from otel_forge.mlflow.spool_files import spool_root
+
+    if (args.path is None) == (not args.all):
+        raise ConfigError("invalid arguments: give a spool directory (PATH) or --all, one of them")
+    config = ForgeConfig.resolve(argument_names={"tracking_uri": "--tracking-uri"}, tracking_uri=args.tracking_uri)
+    tracking_uri = config.tracking_uri if args.tracking_uri else None
+    if not args.all:
+        path = Path(args.path)
+        if not path.is_dir():
+            raise ConfigError(f"invalid path (from PATH): {path} is not a directory")
+        if not spools_in(path):
+            raise ConfigError(f"invalid path (from PATH): {path} holds no spool (nothing to deliver)")
+        return _replay_path(path, tracking_uri)
+    root = spool_root(config.spool_dir)
+    left = left_in(root)
+    if not left:
+        print(f"otel-forge: nothing left to deliver in {root}")
+        return 0
+    for done, path in enumerate(left):
+        if (code := _replay_path(path, tracking_uri, busy_ok=True)) != 0:
+            print(f"otel-forge: {len(left) - done} spool(s) left in {root}; they are kept", file=sys.stderr)
+            return code
+    return 0
+
+
+def _replay_path(path: Path, tracking_uri: str | None, busy_ok: bool = False) -> int:
+    """One spool or a job's directory of them: the launcher's journal first (it opens the job's run)."""
     from otel_forge.mlflow.replay import is_launchers_journal, spools_in
 
-    path = Path(args.path)
-    tracking_uri = ForgeConfig.resolve(
-        argument_names={"tracking_uri": "--tracking-uri"}, tracking_uri=args.tracking_uri
-    ).tracking_uri
-    if not path.is_dir():
-        raise ConfigError(f"invalid path (from PATH): {path} is not a directory")
-    spools = spools_in(path)
-    if not spools:
-        raise ConfigError(f"invalid path (from PATH): {path} holds no spool (nothing to deliver)")
     job_run_id: str | None = None  # the run `otel-forge run`'s journal opened: its command's journals go there
-    for spool in spools:
-        code, run_id = _replay_one(spool, tracking_uri if args.tracking_uri else None, job_run_id)
+    for spool in spools_in(path):
+        code, run_id = _replay_one(spool, tracking_uri, job_run_id, busy_ok)
         if code != 0:
             return code
         if is_launchers_journal(spool):
@@ -43,13 +68,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay_one(path: Path, tracking_uri: str | None, job_run_id: str | None) -> tuple[int, str | None]:
-    from otel_forge.mlflow.replay import replay
+def _replay_one(
+    path: Path, tracking_uri: str | None, job_run_id: str | None, busy_ok: bool = False
+) -> tuple[int, str | None]:
+    from otel_forge.mlflow.replay import JournalBusy, replay
 
     try:
         result = replay(path, tracking_uri, job_run_id)
     except FileNotFoundError as error:
         raise ConfigError(f"invalid path (from PATH): {error}") from None
+    except JournalBusy as busy:
+        print(f"otel-forge: {busy}: left to it", file=sys.stderr)
+        return (0 if busy_ok else 1), None
     except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
         print(f"otel-forge: replay stopped, the spool is kept: {error_line(error)}", file=sys.stderr)
         return 1, None

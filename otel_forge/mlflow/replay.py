@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import RunGone, RunInfo, make_client
-from otel_forge.mlflow.spool_files import HEADER
+from otel_forge.mlflow.spool_files import HEADER, writer_alive
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
-from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
+from otel_forge.mlflow.training.journal_delivery import Delivered, JournalBusy, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
 from otel_forge.mlflow.training.run_journal import is_journal, read_header
 
@@ -47,6 +47,26 @@ def spools_in(path: Path) -> list[Path]:
     return sorted(found, key=lambda spool: (not is_journal(spool), not is_launchers_journal(spool)))
 
 
+def left_in(root: Path) -> list[Path]:
+    """What earlier processes left under the spool root: its spools and job directories whose
+    writers have all ended, oldest first (a spool a running process writes is its own)."""
+    if not root.is_dir():
+        return []
+    left = []
+    for entry in root.iterdir():
+        spools = spools_in(entry) if entry.is_dir() else []
+        if spools and not any(writer_alive(_header(spool)) for spool in spools):
+            left.append(entry)
+    return sorted(left, key=lambda entry: min((spool / HEADER).stat().st_mtime for spool in spools_in(entry)))
+
+
+def _header(spool: Path) -> dict[str, Any]:
+    try:
+        return read_header(spool)
+    except (OSError, ValueError):
+        return {}
+
+
 def is_launchers_journal(path: Path) -> bool:
     return is_journal(path) and read_header(path).get("launcher", False)
 
@@ -58,7 +78,7 @@ def replay_journal(path: Path, tracking_uri: str | None = None, job_run_id: str 
     delivery = JournalDelivery(path, tracking_uri=tracking_uri, fsync_s=0.0, patience_s=0.0, job_run=lambda: job_run_id)
     outcome = delivery.run()
     if outcome is Delivered.BUSY:
-        raise RuntimeError(f"another process is delivering {path} now")
+        raise JournalBusy(f"another process is delivering {path} now")
     if outcome is not Delivered.ALL:
         raise RuntimeError(f"MLflow at {delivery.where}: {delivery.cause or 'delivery stopped'}")
     return ReplayResult(delivery.delivered_values, 0, delivery.run_id or "", 0, delivery.ended, "metric value(s)")
@@ -73,6 +93,8 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     """
     spool = WindowSpool.open(path)
     header = spool.header
+    if "prefix" not in header:
+        raise LookupError(f"{path} is no spool this version reads (its {HEADER} names no key prefix)")
     uri = tracking_uri or header.get("tracking_uri")
     run_id = header["run_id"] or _job_run_id(make_client(uri), header)
     spool.update_header(run_id=run_id)
@@ -112,4 +134,4 @@ def _job_run_id(client: Any, header: dict[str, Any]) -> str:
     return str(run_id)
 
 
-__all__ = ["ReplayResult", "RunGone", "replay", "replay_spool", "replay_journal", "spools_in"]
+__all__ = ["JournalBusy", "ReplayResult", "RunGone", "left_in", "replay", "replay_spool", "replay_journal", "spools_in"]

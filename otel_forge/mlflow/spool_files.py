@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from otel_forge.config import TOLD_SPOOL_ENV
 from otel_forge.private_dirs import check_base, open_private_file, private_dir
@@ -75,3 +77,22 @@ def write_atomically(path: Path, text: str) -> None:
         file.truncate()  # the temporary of a write that crashed may be left longer than this one
         file.write(text)
     os.replace(temporary, path)
+
+
+def writer_identity() -> dict[str, Any]:
+    """This process as a spool's header names it: its pid and start time (a pid is reused)."""
+    import psutil
+
+    return {"pid": os.getpid(), "started": psutil.Process().create_time()}
+
+
+def writer_alive(header: Mapping[str, Any]) -> bool:
+    """Whether the process that wrote the spool still runs (a zombie has ended; a spool that names
+    no writer, from an older version, is left)."""
+    import psutil
+
+    try:
+        process = psutil.Process(int(header["pid"]))
+        return process.create_time() == header.get("started") and process.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False

@@ -21,7 +21,7 @@ from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, node_host_tags, system_prefix
-from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
+from otel_forge.mlflow.spool_files import kept_notice_level, spool_root, writer_identity
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
@@ -94,6 +94,7 @@ class MLflowMetricExporter(NonBlockingExporter):
                 "prefix": prefix,
                 "node_run": node_run_name,
                 "tracking_uri": uri_without_credentials(tracking_uri) if tracking_uri else None,
+                **writer_identity(),  # a spool whose writer is gone is left: `otel-forge replay --all` takes it
             },
         )
         # Which host (and pod) the node's prefix samples, in the node's first call (node_0 says nothing of it).

@@ -43,7 +43,7 @@ from otel_forge.mlflow.client import (
     outage_cause,
     unanswered_reason,
 )
-from otel_forge.mlflow.spool_files import kept_notice_level, write_atomically
+from otel_forge.mlflow.spool_files import kept_notice_level, write_atomically, writer_alive
 from otel_forge.mlflow.training.run_journal import (
     CHECKPOINT,
     CURSOR_FILE,
@@ -58,7 +58,6 @@ from otel_forge.mlflow.training.run_journal import (
     Record,
     decode,
     read_header,
-    writer_alive,
 )
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.worker import Outcome

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.journal import JournalWriter
-from otel_forge.mlflow.spool_files import HEADER, make_spool_dir, write_atomically
+from otel_forge.mlflow.spool_files import HEADER, make_spool_dir, write_atomically, writer_identity
 
 KIND = "journal"
 JOURNAL_FILE = "journal.log"
@@ -121,24 +121,6 @@ def decode(payload: bytes) -> list[Any] | None:
     except ValueError:
         return None
     return entry if isinstance(entry, list) and entry and isinstance(entry[0], str) else None
-
-
-def writer_identity() -> dict[str, Any]:
-    """This process as a journal's header names it: its pid and start time (a pid is reused)."""
-    import psutil
-
-    return {"pid": os.getpid(), "started": psutil.Process().create_time()}
-
-
-def writer_alive(header: Mapping[str, Any]) -> bool:
-    """Whether the process that wrote the journal still runs (a zombie has ended)."""
-    import psutil
-
-    try:
-        process = psutil.Process(int(header["pid"]))
-        return process.create_time() == header.get("started") and process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
 
 
 def is_journal(path: Path) -> bool:
