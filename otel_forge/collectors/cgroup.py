@@ -18,10 +18,10 @@ from pathlib import Path
 import psutil
 
 from otel_forge.collectors.base import CollectorUnavailable, HardwareCollector, Readings
-from otel_forge.collectors.cgroup_fs import Cgroup, CgroupStats, find_cgroup, read_pressure
+from otel_forge.collectors.cgroup_fs import Cgroup, CgroupStats, MachineView, find_cgroup
 from otel_forge.config import PID_NOT_STARTED, ForgeConfig
 
-_PROC_PRESSURE = Path("/proc/pressure")
+_PROC = Path("/proc")
 
 
 class CgroupCollector(HardwareCollector):
@@ -29,8 +29,7 @@ class CgroupCollector(HardwareCollector):
 
     name = "cgroup"
 
-    def __init__(self, cgroup: Cgroup | None, host_cpus: int | None = None, host_memory: int | None = None) -> None:
-        """``cgroup`` None: the machine's view (no limits; the machine's pressure)."""
+    def __init__(self, cgroup: Cgroup, host_cpus: int | None = None, host_memory: int | None = None) -> None:
         self._cgroup = cgroup
         self._host_cpus = host_cpus or os.cpu_count() or 1
         self._host_memory = host_memory or psutil.virtual_memory().total
@@ -40,12 +39,12 @@ class CgroupCollector(HardwareCollector):
     @classmethod
     def create(cls, config: ForgeConfig) -> CgroupCollector:
         if config.cgroup == "machine":
-            return cls(None)
+            return cls(MachineView(_PROC))
         pid = None if config.pid == PID_NOT_STARTED else config.pid
         return cls(_cgroup_of(pid or "self"))
 
     def follow_process(self, pid: int) -> None:
-        if self._cgroup is None:
+        if isinstance(self._cgroup, MachineView):
             return
         try:
             self._cgroup = _cgroup_of(pid)
@@ -54,23 +53,19 @@ class CgroupCollector(HardwareCollector):
             pass  # gone already: its cgroup is ours (CMD inherits it), read on
 
     def describe(self) -> list[str]:
-        stats = self._read()
+        stats = self._cgroup.read()
         cpus, memory = self._cpu_limit(stats), self._memory_limit(stats)
-        where = self._cgroup.describe() if self._cgroup is not None else "the machine (OTEL_FORGE_CGROUP=machine)"
         return [
-            f"{where}: CPU limit {f'{cpus:g} CPUs' if cpus else 'none'}, memory limit "
+            f"{self._cgroup.describe()}: CPU limit {f'{cpus:g} CPUs' if cpus else 'none'}, memory limit "
             f"{f'{memory / 2**30:.1f} GiB' if memory else 'none'}, pressure {'yes' if stats.pressure else 'no'}"
         ]
 
-    def _read(self) -> CgroupStats:
-        return self._cgroup.read() if self._cgroup is not None else CgroupStats(pressure=read_pressure(_PROC_PRESSURE))
-
     def _cpu_time(self) -> tuple[float, float] | None:
-        cpu_time_s = self._read().cpu_time_s
+        cpu_time_s = self._cgroup.read().cpu_time_s
         return (time.monotonic(), cpu_time_s) if cpu_time_s is not None else None
 
     def read(self, readings: Readings) -> None:
-        stats, now = self._read(), time.monotonic()
+        stats, now = self._cgroup.read(), time.monotonic()
         self._read_cpu(readings, stats, now)
         self._read_memory(readings, stats)
         for (resource, scope), seconds in stats.pressure.items():
@@ -116,7 +111,7 @@ class CgroupCollector(HardwareCollector):
         readings.add("otel_forge.container.memory.oom_kills", stats.oom_kills)
 
 
-def _cgroup_of(pid: int | str, proc_root: Path = Path("/proc")) -> Cgroup:
+def _cgroup_of(pid: int | str, proc_root: Path = _PROC) -> Cgroup:
     cgroup = find_cgroup(pid, proc_root)
     if cgroup is None:
         raise CollectorUnavailable(f"no cgroup filesystem for process {pid} ({proc_root}/{pid}/cgroup)")

@@ -64,6 +64,17 @@ class Cgroup(abc.ABC):
         """Where it is, for ``otel-forge doctor``."""
 
 
+class MachineView(Cgroup):
+    """No cgroup's limits: the machine as a node agent beside the jobs sees it (its own pod's
+    limits are not a job's); only the machine's pressure."""
+
+    def describe(self) -> str:
+        return "the machine (OTEL_FORGE_CGROUP=machine)"
+
+    def read(self) -> CgroupStats:
+        return CgroupStats(pressure=_stalls(self._machine_pressure))
+
+
 class CgroupV2(Cgroup):
     """The unified hierarchy: ``directory`` holds every controller's files; ``mount`` is its root.
     Every path is made once: a read is only the reads of the kernel's files."""

@@ -191,56 +191,49 @@ EXITS = {
     "exit-3": ("FAILED", "sys.exit(3)"),
     "exception": ("FAILED", "raise RuntimeError('diverged')"),
 }
+TOP_LEVEL_EXITS = {
+    **EXITS,
+    "argparse-error": ("FAILED", "argparse.ArgumentParser().parse_args(['--no-such-flag'])"),
+    "os._exit-0": ("FINISHED", "os._exit(0)"),
+    "os._exit-3": ("FAILED", "os._exit(3)"),
+    "end-of-script": ("FINISHED", "pass"),
+}
+# A TrainingRun logging 20 steps: in a ``with`` block ({start} opens it), or started and never closed.
+ENDING = """
+import argparse, os, sys
+from otel_forge import ForgeConfig, TrainingRun
+{start}TrainingRun(tracking_uri={uri!r}, experiment={experiment!r}, system_metrics=False,
+                 forge_config=ForgeConfig.resolve(flush_interval_s=30.0)){opened}
+{indent}for step in range(20):
+{indent}    run.log({{"v0": float(step)}}, step=step)
+{indent}{ending}
+"""
+
+
+def _run_of_a_script_ending(client, uri: str, experiment: str, ending: str, in_block: bool):  # type: ignore[no-untyped-def]
+    """The script's stderr and its run's status; every step it logged is in the run once."""
+    start, opened, indent = ("with ", " as run:", "    ") if in_block else ("run = ", "\nrun.start(30)", "")
+    code = ENDING.format(start=start, opened=opened, indent=indent, uri=uri, experiment=experiment, ending=ending)
+    result = run_script(textwrap.dedent(code), timeout_s=120)
+    run = _the_run(client, experiment)
+    _assert_every_step_once(client, run.info.run_id, 19)
+    return result.stderr, client.get_run(run.info.run_id).info.status  # ended before the process exited
 
 
 @pytest.mark.parametrize("how", list(EXITS))
 def test_how_the_training_process_exits_is_how_its_run_ends(how, mlflow_server, client, experiment):
     status, ending = EXITS[how]
-    code = f"""
-import sys
-from otel_forge import ForgeConfig, TrainingRun
-with TrainingRun(tracking_uri={mlflow_server.uri!r}, experiment={experiment!r}, system_metrics=False,
-                 forge_config=ForgeConfig.resolve(flush_interval_s=30.0)) as run:
-    for step in range(20):
-        run.log({{"v0": float(step)}}, step=step)
-    {ending}
-"""
-    result = run_script(textwrap.dedent(code), timeout_s=120)
-    assert "Traceback" not in result.stderr or how == "exception", result.stderr
-    run = _the_run(client, experiment)
-    assert client.get_run(run.info.run_id).info.status == status  # ended before the process exited
-    _assert_every_step_once(client, run.info.run_id, 19)
-
-
-TOP_LEVEL_EXITS = {
-    "exit-0": ("FINISHED", "sys.exit(0)"),
-    "exit-3": ("FAILED", "sys.exit(3)"),
-    "argparse-error": ("FAILED", "argparse.ArgumentParser().parse_args(['--no-such-flag'])"),
-    "exception": ("FAILED", "raise RuntimeError('diverged')"),
-    "os._exit-0": ("FINISHED", "os._exit(0)"),
-    "os._exit-3": ("FAILED", "os._exit(3)"),
-    "end-of-script": ("FINISHED", "pass"),
-}
+    stderr, ended = _run_of_a_script_ending(client, mlflow_server.uri, experiment, ending, in_block=True)
+    assert "Traceback" not in stderr or how == "exception", stderr
+    assert ended == status
 
 
 @pytest.mark.parametrize("how", list(TOP_LEVEL_EXITS))
 def test_an_exit_outside_any_block_ends_the_run_by_its_code(how, mlflow_server, client, experiment):
     """A script that starts its run and never closes it: the script's exit is the run's end."""
     status, ending = TOP_LEVEL_EXITS[how]
-    code = f"""
-import argparse, os, sys
-from otel_forge import ForgeConfig, TrainingRun
-run = TrainingRun(tracking_uri={mlflow_server.uri!r}, experiment={experiment!r}, system_metrics=False,
-                  forge_config=ForgeConfig.resolve(flush_interval_s=30.0))
-run.start(30)
-for step in range(20):
-    run.log({{"v0": float(step)}}, step=step)
-{ending}
-"""
-    result = run_script(textwrap.dedent(code), timeout_s=120)
-    run = _the_run(client, experiment)
-    assert client.get_run(run.info.run_id).info.status == status, result.stderr  # ended before it exited
-    _assert_every_step_once(client, run.info.run_id, 19)
+    stderr, ended = _run_of_a_script_ending(client, mlflow_server.uri, experiment, ending, in_block=False)
+    assert ended == status, stderr
 
 
 @pytest.mark.parametrize("moment", ["mid-run", "server-hung"])

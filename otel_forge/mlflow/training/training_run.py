@@ -17,7 +17,7 @@ from typing import Any
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.fluent_runs import fluent_run_id
-from otel_forge.mlflow.training.exit_handlers import ExitHandlers
+from otel_forge.mlflow.training.exit_handlers import ExitHandlers, exit_status
 from otel_forge.mlflow.training.job_run import MissingRun
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
@@ -209,7 +209,7 @@ class TrainingRun:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, *rest: object) -> None:
-        if exc_type is None or (issubclass(exc_type, SystemExit) and getattr(error, "code", 1) in (0, None)):
-            self.close("FINISHED")
+        if exc_type is None or issubclass(exc_type, SystemExit):
+            self.close(exit_status(getattr(error, "code", None)))
         else:
             self.close("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
