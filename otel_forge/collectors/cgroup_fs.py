@@ -11,11 +11,12 @@ kernel, a controller not enabled) gives no value, never an error.
 from __future__ import annotations
 
 import abc
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
+
+from otel_forge.collectors.kernel_files import read_int, read_text
 
 PRESSURE_RESOURCES = ("cpu", "memory", "io")
 _Number = TypeVar("_Number", int, float)
@@ -104,9 +105,9 @@ class CgroupV2(Cgroup):
             periods=cpu.get("nr_periods"),
             throttled_periods=cpu.get("nr_throttled"),
             throttled_s=_scaled(cpu.get("throttled_usec"), 1e-6),
-            memory_usage=_integer(self._file["memory.current"]),
+            memory_usage=read_int(self._file["memory.current"]),
             memory_inactive_file=memory.get("inactive_file"),
-            memory_limit=_smallest(_integer(path) for path in self._memory_max),
+            memory_limit=_smallest(read_int(path) for path in self._memory_max),
             oom_kills=events.get("oom_kill"),
             pressure=_stalls(self._pressure) or _stalls(self._machine_pressure),
         )
@@ -142,11 +143,11 @@ class CgroupV1(Cgroup):
         return CgroupStats(
             cpu_quota=_smallest(_cfs_quota(quota, period) for quota, period in self._cfs),
             cpuset_cpus=cpuset,
-            cpu_time_s=_scaled(_integer(self._file["cpuacct.usage"]), 1e-9),
+            cpu_time_s=_scaled(read_int(self._file["cpuacct.usage"]), 1e-9),
             periods=cpu_stat.get("nr_periods"),
             throttled_periods=cpu_stat.get("nr_throttled"),
             throttled_s=_scaled(cpu_stat.get("throttled_time"), 1e-9),
-            memory_usage=_integer(self._file["memory.usage_in_bytes"]),
+            memory_usage=read_int(self._file["memory.usage_in_bytes"]),
             memory_inactive_file=memory_stat.get("total_inactive_file"),
             memory_limit=limit if limit is not None and limit < _V1_UNLIMITED else None,
             oom_kills=_key_values(self._file["memory.oom_control"]).get("oom_kill"),
@@ -211,7 +212,7 @@ def read_pressure(directory: Path, suffix: str = "") -> dict[tuple[str, str], fl
 def _stalls(files: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
     stalls: dict[tuple[str, str], float] = {}
     for resource, path in files:
-        for line in (_read(path) or "").splitlines():
+        for line in (read_text(path) or "").splitlines():
             scope, *fields = line.split()
             totals = [f.removeprefix("total=") for f in fields if f.startswith("total=")]
             if scope in ("some", "full") and totals and totals[0].isdigit():
@@ -276,36 +277,10 @@ def _up_to(directory: Path, mount: Path) -> Iterator[Path]:
 # --- the kernel's file formats ---------------------------------------------------------------
 
 
-def _read(path: str | None) -> str | None:
-    """A kernel file's text; None where it is absent or unreadable (os.read: no buffered text layer,
-    a read is one system call)."""
-    if path is None:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, 1 << 16).decode(errors="replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _integer(path: str | None) -> int | None:
-    """A file holding one integer; "max" (no limit) and anything else unreadable give None."""
-    text = _read(path)
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
-
-
 def _key_values(path: str | None) -> dict[str, int]:
     """A flat-keyed file (``cpu.stat``, ``memory.stat``, ``memory.events``): ``key value`` lines."""
     values: dict[str, int] = {}
-    for line in (_read(path) or "").splitlines():
+    for line in (read_text(path) or "").splitlines():
         key, _, value = line.partition(" ")
         if value.strip().lstrip("-").isdigit():
             values[key] = int(value)
@@ -314,7 +289,7 @@ def _key_values(path: str | None) -> dict[str, int]:
 
 def _cpu_max(path: str) -> float | None:
     """v2's ``cpu.max``: ``$MAX $PERIOD`` (``max 100000``: no quota)."""
-    quota, _, period = (_read(path) or "").strip().partition(" ")
+    quota, _, period = (read_text(path) or "").strip().partition(" ")
     if not quota.isdigit() or not period.isdigit() or int(period) == 0:
         return None
     return int(quota) / int(period)
@@ -322,14 +297,14 @@ def _cpu_max(path: str) -> float | None:
 
 def _cfs_quota(quota_path: str, period_path: str) -> float | None:
     """v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (a quota of -1: none)."""
-    quota, period = _integer(quota_path), _integer(period_path)
+    quota, period = read_int(quota_path), read_int(period_path)
     if quota is None or quota <= 0 or not period:
         return None
     return quota / period
 
 
 def _cpu_count(path: str | None) -> int | None:
-    text = _read(path)
+    text = read_text(path)
     return parse_cpu_list(text) if text is not None else None
 
 

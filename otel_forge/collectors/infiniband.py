@@ -30,6 +30,7 @@ import os
 import re
 
 from otel_forge.collectors.base import CollectorUnavailable, HardwareCollector, Readings
+from otel_forge.collectors.kernel_files import read_int, read_text
 from otel_forge.config import ForgeConfig
 
 DEFAULT_ROOT = "/sys/class/infiniband"
@@ -116,21 +117,8 @@ def parse_rate(text: str) -> float | None:
 
 
 def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as file:
-            return file.read().strip()
-    except (OSError, UnicodeDecodeError):
-        return None  # gone, not readable (EACCES), or refused by the driver (EINVAL on a port without a rate)
-
-
-def _read_counter(path: str) -> int | None:
-    text = _read_text(path)
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None  # "N/A (no PMA)": the adapter keeps no such counter
+    text = read_text(path)
+    return text.strip() if text is not None else None
 
 
 def _port_numbers(ports_dir: str) -> list[str]:
@@ -230,7 +218,7 @@ class InfinibandCollector(HardwareCollector):
         readings.add("otel_forge.infiniband.rate", parse_rate(_read_text(os.path.join(path, "rate")) or ""), attributes)
 
         def counter(folder: str, name: str, wraps: bool) -> int | None:
-            raw = _read_counter(os.path.join(path, folder, name))
+            raw = read_int(os.path.join(path, folder, name))
             return None if raw is None else self._totals.advance((device, port, f"{folder}/{name}"), raw, wraps)
 
         def preferred(extended: str, legacy: str) -> int | None:
