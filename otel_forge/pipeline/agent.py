@@ -32,6 +32,10 @@ _logger = logging.getLogger(__name__)
 # Builds an extra sink (the MLflow exporter) at each start: a shut-down exporter is not reused.
 ExporterFactory = Callable[[], "MetricExporter"]
 
+# The first sample, this long after the start (or one interval, if shorter), then one each interval:
+# with the baseline the start takes, a run holds its hardware after a second, rates included.
+FIRST_SAMPLE_S = 1.0
+
 
 _PORT_FIX = (
     "serve another port (--prometheus-port 0 or OTEL_EXPORTER_PROMETHEUS_PORT=0 picks a free one) or none "
@@ -82,6 +86,7 @@ class Agent:
         self.endpoints: list[str] = []
         self._prometheus: PrometheusEndpoint | None = None
         self.fan_out: FanOutExporter | None = None  # the one collect's sinks
+        self._sampling_reader: MetricReader | None = None  # the fan-out's
         self._pid = os.getpid()
 
     @property
@@ -110,7 +115,15 @@ class Agent:
             (*self.collectors.present, *self._extra_collectors),
             self.config.snapshot_max_age_s,
         )
+        self._take_baseline()
         return self
+
+    def _take_baseline(self) -> None:
+        """One collect now, to every sink: the counters' start (the first window's rates and growth
+        span from here) and an endpoint with values at once; the first sample then reads afresh."""
+        if self._sampling_reader is not None:
+            self._sampling_reader.collect(timeout_millis=self.config.export_timeout_s * 1000)
+            self.instruments.expire()  # type: ignore[union-attr]
 
     def _build_readers(self) -> list[MetricReader]:
         """One periodic reader whose one collect per interval goes to every sink (Prometheus's
@@ -119,9 +132,15 @@ class Agent:
 
         # Ours, not the SDK's reading of OTEL_METRIC_EXPORT_*: the settings table resolved those.
         interval_ms, timeout_ms = self.config.sampling_interval_s * 1000, self.config.export_timeout_s * 1000
+        timing = dict(
+            export_interval_millis=interval_ms,
+            export_timeout_millis=timeout_ms,
+            first_collect_s=min(FIRST_SAMPLE_S, self.config.sampling_interval_s),
+        )
         sinks: list[MetricExporter] = []
         readers: list[MetricReader] = []
         self.endpoints = []
+        self._sampling_reader = None
         rendering = None
         if self.config.prometheus:
             from otel_forge.pipeline.prometheus_rendering import PrometheusRendering
@@ -137,19 +156,15 @@ class Agent:
             if cumulative_only(otlp):
                 sinks.append(otlp)
             else:
-                readers.append(
-                    parent_only_reader(otlp, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms)
-                )
+                readers.append(parent_only_reader(otlp, **timing))
             self.endpoints.append(f"otlp {self.config.otlp_protocol} {self.config.otlp_metrics_url}")
         sinks.extend(factory() for factory in self._extra_exporters)
         if sinks:
             self.fan_out = FanOutExporter(sinks)
-            reader = parent_only_reader(
-                self.fan_out, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms
-            )
+            self._sampling_reader = parent_only_reader(self.fan_out, **timing)
             if rendering is not None:
-                rendering.collect_now = reader.collect
-            readers.append(reader)
+                rendering.collect_now = self._sampling_reader.collect
+            readers.append(self._sampling_reader)
         return readers
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

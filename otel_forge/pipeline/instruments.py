@@ -66,6 +66,11 @@ class InstrumentSet:
     def unregister(self) -> None:
         self._active = False
 
+    def expire(self) -> None:
+        """The next collect reads every collector afresh, however recent its snapshot."""
+        for cache in self.caches.values():
+            cache.expire()
+
     @property
     def active(self) -> bool:
         return self._active

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -9,6 +10,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader
 
+_logger = logging.getLogger(__name__)
 
 def _no_exemplar_views() -> list:
     """Views giving every instrument a reservoir that keeps nothing.
@@ -39,8 +41,10 @@ def build_meter_provider(readers: Sequence[MetricReader], resource: Any = None) 
     )
 
 
-def parent_only_reader(exporter: Any, **options: Any) -> MetricReader:
-    """A ``PeriodicExportingMetricReader`` whose timer stays in the process that made it.
+def parent_only_reader(exporter: Any, first_collect_s: float | None = None, **options: Any) -> MetricReader:
+    """A ``PeriodicExportingMetricReader`` whose timer stays in the process that made it, and whose
+    first collect comes ``first_collect_s`` after its start (then one each interval): a run's first
+    window need not wait a whole interval.
 
     The SDK restarts a reader's timer thread in every forked child (``os.register_at_fork``): each
     ``DataLoader`` worker would sample the node and export into the parent's run and spool. A
@@ -51,5 +55,13 @@ def parent_only_reader(exporter: Any, **options: Any) -> MetricReader:
     class _ParentOnlyReader(PeriodicExportingMetricReader):
         def _at_fork_reinit(self) -> None:
             pass
+
+        def _ticker(self) -> None:
+            if first_collect_s is not None and not self._shutdown_event.wait(first_collect_s):
+                try:
+                    self.collect(timeout_millis=self._export_timeout_millis)
+                except Exception:  # noqa: BLE001 - a timeout, as the SDK's ticker would; the ticker goes on
+                    _logger.warning("the first metric collection failed", exc_info=True)
+            super()._ticker()
 
     return _ParentOnlyReader(exporter, **options)

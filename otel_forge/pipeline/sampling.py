@@ -52,6 +52,10 @@ class CachedCollector:
                 self._snapshot = self._read(now)
             return self._snapshot
 
+    def expire(self) -> None:
+        with self._lock:
+            self._snapshot = None
+
     def _read(self, now: float) -> Snapshot:
         readings = Readings()
         started = time.perf_counter()

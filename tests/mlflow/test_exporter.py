@@ -39,22 +39,28 @@ from testkit.servers import free_port, wait_for
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # A known utilization sequence per GPU. The fake serves value n at the n-th read (cycling), and the
-# collector's cache makes one read per sample, so window k (5 samples) is sequence[5k:5k+5]: windows
-# alternate between two known sets of statistics.
+# collector's cache makes one read per sample, so the first window (the agent's baseline and first
+# sample) is sequence[0:2] and window k >= 1 (5 samples) the 5 reads after the previous one's.
 SEQUENCES = {
     "0": [10, 20, 90, 40, 15, 60, 70, 5, 30, 95],
     "1": [3, 99, 50, 50, 48, 0, 0, 100, 25, 25],
 }
 SAMPLES_PER_WINDOW = 5
+FIRST_WINDOW_SAMPLES = 2  # the agent's baseline at its start and its first sample
 INTERVAL_S = 0.2
 # A delivery waits on the monotonic clock for a time computed on the wall clock: a few ms of leeway.
 CLOCK_SLACK_MS = 5.0
 
 
+def samples_before(window_index: int) -> int:
+    """The samples (one NVML read each) of the windows before window ``window_index``."""
+    return 0 if window_index == 0 else FIRST_WINDOW_SAMPLES + SAMPLES_PER_WINDOW * (window_index - 1)
+
+
 def window_stats(gpu: str, window_index: int) -> dict[str, float]:
-    sequence = SEQUENCES[gpu]
-    start = (window_index * SAMPLES_PER_WINDOW) % len(sequence)
-    values = sequence[start : start + SAMPLES_PER_WINDOW]
+    sequence = SEQUENCES[gpu] * 2
+    start = samples_before(window_index) % len(SEQUENCES[gpu])
+    values = sequence[start : start + samples_before(window_index + 1) - samples_before(window_index)]
     return {"mean": statistics.fmean(values), "max": max(values), "min": min(values)}
 
 
@@ -174,10 +180,11 @@ def test_steps_are_0_1_2_without_gaps_or_repeats(monitored_run: MonitoredRun) ->
 
 def test_gpu_window_mean_max_min_equal_the_known_sequence(monitored_run: MonitoredRun) -> None:
     windows = len(monitored_run.histories[GPU_KEY.format(gpu=0)])
-    # One NVML read per sample (the cache), every full window 5 of them; the last window may be partial
-    # (closed at stop) and its final sample may be served from the cache: up to 5 reads.
+    # One NVML read per sample (the cache), every full window 5 of them (the first 2); the last window
+    # may be partial (closed at stop) and its final sample may be served from the cache: up to 5 reads.
     for gpu in (0, 1):
-        assert 5 * (windows - 1) + 1 <= monitored_run.reads[gpu] <= 5 * windows, monitored_run.reads
+        reads = monitored_run.reads[gpu]
+        assert samples_before(windows - 1) + 1 <= reads <= samples_before(windows), monitored_run.reads
     for gpu in ("0", "1"):
         key = GPU_KEY.format(gpu=gpu)
         means, maxes, mins = (monitored_run.histories[key + suffix] for suffix in ("", "_max", "_min"))
@@ -204,6 +211,7 @@ def test_timestamp_is_the_window_end(monitored_run: MonitoredRun) -> None:
         assert len(within) == 1, (timestamp, calls)
         closing.append(within[0])
     assert len(closing) >= 2, (timestamps, calls)
+    assert closing[0] == FIRST_WINDOW_SAMPLES - 1  # the first window: the baseline and the first sample
     assert [b - a for a, b in zip(closing, closing[1:], strict=False)] == [SAMPLES_PER_WINDOW] * (len(closing) - 1)
     # Every key of a step carries the step's timestamp (a key is not in every step: unchanged
     # values wait; the GPU utilization changes every window here).

@@ -371,6 +371,24 @@ def test_rates_cover_real_elapsed_time_without_gaps_between_windows() -> None:
     assert sum(r * d for r, d in zip(rates, durations, strict=False)) == pytest.approx(100.0)
 
 
+def test_the_first_window_is_the_baseline_and_first_sample_whatever_the_window() -> None:
+    # A 2,048-node job's 12-sample windows: the agent's baseline (t=0) and first sample (t=1 s) are
+    # window 0, rates and growth included; the windows after it have the job's length.
+    folder = WindowFolder(samples_per_window=12, first_window_samples=2)
+    times = [0.0, 1.0] + [1.0 + 10 * n for n in range(1, 25)]
+    windows = [
+        (i, w)
+        for i, t in enumerate(times)
+        if (w := folder.add({"g": (Fold.MEAN, t), "r": (Fold.RATE, 5 * t), "c": (Fold.SINCE_START, 2 * t)}, t))
+    ]
+
+    assert [i for i, _ in windows] == [1, 13, 25]
+    first = windows[0][1]
+    assert (first.index, first.timestamp_ms) == (0, 1000)
+    assert dict(first.values) == {"g": 0.5, "r": 5.0, "c": 2.0}
+    assert dict(windows[1][1].values)["r"] == pytest.approx(5.0)  # from the first sample on: no gap
+
+
 def test_a_counter_that_goes_backwards_gives_no_rate_for_that_window() -> None:
     folder = WindowFolder(samples_per_window=1)
     folder.add({"r": (Fold.RATE, 100.0)}, 0.0)

@@ -56,7 +56,9 @@ class MLflowMetricExporter(NonBlockingExporter):
         node_id: str | None = None,
         config: ForgeConfig | None = None,
         samples_per_window: int | None = None,
+        first_window_samples: int | None = None,
         delivery_phase_s: float = 0.0,
+        first_delivery_phase_s: float | None = None,
         refresh_windows: int = REFRESH_WINDOWS,
         known: RunInfo | None = None,
         node_run: bool = False,
@@ -68,7 +70,9 @@ class MLflowMetricExporter(NonBlockingExporter):
         ``node_run``: the node logs ``system/<key>`` into a child run of its own under the run
         (``node_run.py``), not ``system/<node>/<key>`` into the run. ``close_spread_s``: how long the
         close waits before its last calls (the node's share of a spread: nodes stop together). ``pod``:
-        on Kubernetes, the node's pod (``k8s.pod.name``, ``k8s.node.name``), tagged beside its host."""
+        on Kubernetes, the node's pod (``k8s.pod.name``, ``k8s.node.name``), tagged beside its host.
+        ``first_window_samples``: samples in the first window (the agent's baseline and first sample);
+        ``first_delivery_phase_s``: its delivery phase (a spread shorter than a long window's)."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         config = config or ForgeConfig.resolve()
@@ -80,9 +84,10 @@ class MLflowMetricExporter(NonBlockingExporter):
         node_run_name = key_segment(node_id or "node") if node_run else None
         prefix = SYSTEM_PREFIX if node_run else system_prefix(node_id)
         self._mapper = KeyMapper(prefix)
-        self._folder = WindowFolder(samples_per_window, config.mlflow_stats)
+        self._folder = WindowFolder(samples_per_window, config.mlflow_stats, first_window_samples)
         self._changed = ChangedValues(refresh_windows)
         self.delivery_phase_s = delivery_phase_s
+        self.first_delivery_phase_s = delivery_phase_s if first_delivery_phase_s is None else first_delivery_phase_s
         self.close_spread_s = close_spread_s
         root = spool_root(config.spool_dir)
         self.spool = WindowSpool(
@@ -109,7 +114,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             classify=classify,
             overflow=self.spool,
             write_ahead=True,
-            due=lambda window: window.timestamp_ms / 1000 + self.delivery_phase_s,
+            due=self._due,
         )
         self._shut_down = False
         self._pid = os.getpid()  # a forked child exports nothing of the parent's run
@@ -118,6 +123,11 @@ class MLflowMetricExporter(NonBlockingExporter):
         self.standing_down = False
         if run_id is not None:
             self.attach(run_id, known)
+
+    def _due(self, window: Window) -> float:
+        """When ``window`` is sent: its end, plus the node's phase (the first window's own)."""
+        phase_s = self.first_delivery_phase_s if window.index == 0 else self.delivery_phase_s
+        return window.timestamp_ms / 1000 + phase_s
 
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """The run the windows go to, once it is open: windows made before wait in the spool.

@@ -17,7 +17,7 @@ from otel_forge.mlflow.companion import CompanionProcess
 from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run, fluent_run_id
 from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
-from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
+from otel_forge.mlflow.system_metrics.windows import FIRST_WINDOW_SPREAD_S, delivery_phase_s
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError
 
@@ -143,14 +143,16 @@ class SystemMetricsMonitor:
         c = self.config
         samples_per_window = c.mlflow_samples_per_window(self.node.node_count)
         node = self.node.node_id or self.node.hostname
-        phase_s = delivery_phase_s(node, samples_per_window * c.sampling_interval_s)
+        window_s = samples_per_window * c.sampling_interval_s
         return MLflowMetricExporter(
             c.run_id,
             tracking_uri=c.tracking_uri,
             node_id=self.node.node_id,
             config=c,
             samples_per_window=samples_per_window,
-            delivery_phase_s=phase_s,
+            first_window_samples=2,  # the agent's baseline at its start and its first sample, a second later
+            delivery_phase_s=delivery_phase_s(node, window_s),
+            first_delivery_phase_s=delivery_phase_s(node, min(window_s, FIRST_WINDOW_SPREAD_S)),
             known=RunInfo(c.experiment_id, "", c.experiment_name),
             node_run=c.mlflow_node_runs(self.node.node_count),
             # A job's nodes stop together: their last calls spread over a third of the drain deadline.

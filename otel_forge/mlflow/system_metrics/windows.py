@@ -46,11 +46,16 @@ class WindowFolder:
     """Folds samples into windows: gauges to mean (and max/min), counters to growth or rates.
 
     Rates span from the last sample of the previous window, so consecutive windows cover time
-    without gaps; ``since_start`` values grow from the first sample the exporter ever saw.
+    without gaps; ``since_start`` values grow from the first sample the exporter ever saw. The first
+    window may close sooner (``first_window_samples``) than the later ones: a run holds its hardware
+    from its first seconds, at any job size.
     """
 
-    def __init__(self, samples_per_window: int, stats: tuple[str, ...] = ("mean",)) -> None:
+    def __init__(
+        self, samples_per_window: int, stats: tuple[str, ...] = ("mean",), first_window_samples: int | None = None
+    ) -> None:
         self.samples_per_window = samples_per_window
+        self.first_window_samples = first_window_samples or samples_per_window
         self._extra_stats = tuple(s for s in stats if s != "mean")
         self._next_index = 0
         self._count = 0
@@ -74,7 +79,8 @@ class WindowFolder:
             self._latest[key] = (fold, time_s, value)
         self._count += 1
         self._last_time_s = time_s
-        return self.flush() if self._count >= self.samples_per_window else None
+        window_samples = self.first_window_samples if self._next_index == 0 else self.samples_per_window
+        return self.flush() if self._count >= window_samples else None
 
     def flush(self) -> Window | None:
         """Close the current window now (at shutdown); None when it holds no sample."""
@@ -170,6 +176,11 @@ class ChangedValues:
         for key, value in held:
             self._sent[key] = (value, last.index)
         return Window(last.index, last.timestamp_ms, held) if held else None
+
+
+# The nodes' first windows spread over this long at most, whatever the window: every node run holds its
+# hardware within seconds of the start (a 2,048-node job's first calls queue at the server instead).
+FIRST_WINDOW_SPREAD_S = 15.0
 
 
 def delivery_phase_s(node: str, window_s: float) -> float:
