@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 _logger = logging.getLogger(__name__)
 
+
 def _no_exemplar_views() -> list:
     """Views giving every instrument a reservoir that keeps nothing.
 
@@ -60,7 +61,7 @@ def parent_only_reader(exporter: Any, first_collect_s: float | None = None, **op
             if first_collect_s is not None and not self._shutdown_event.wait(first_collect_s):
                 try:
                     self.collect(timeout_millis=self._export_timeout_millis)
-                except Exception:  # noqa: BLE001 - a timeout, as the SDK's ticker would; the ticker goes on
+                except Exception:  # a timeout, as the SDK's ticker would: the ticker goes on
                     _logger.warning("the first metric collection failed", exc_info=True)
             super()._ticker()
 
