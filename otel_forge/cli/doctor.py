@@ -20,6 +20,7 @@ from otel_forge.kubernetes import KubernetesIdentity
 from otel_forge.mlflow.keys import system_prefix
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.node import NodeIdentity
+from otel_forge.scheduler_grace import close_deadline
 from otel_forge.scrub import scrub
 
 _PROBE_TIMEOUT_S = 2.0
@@ -83,7 +84,7 @@ def _tracking_check(config: ForgeConfig) -> dict[str, Any]:
 def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
     """Spool directories left by a close: what is pending and how delivery went. A run's journal
     counts the metric values not delivered yet and says whether the run still has to be ended."""
-    from otel_forge.mlflow.spool_files import HEADER, STATS, spool_root
+    from otel_forge.mlflow.spool_files import HEADER, STATS, spool_root, writer_alive
     from otel_forge.mlflow.training.run_journal import KIND as JOURNAL
     from otel_forge.mlflow.training.run_journal import undelivered
 
@@ -107,6 +108,7 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
                 "node_id": info.get("node_id"),
                 "pending_windows": pending,
                 "stats": stats,
+                "writer": f"running (pid {info['pid']})" if writer_alive(info) else "ended",
                 "replay": f"otel-forge replay {directory}",
             }
         )
@@ -139,6 +141,9 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
             "value": config.mlflow_samples_per_window(node.node_count),
             "source": f"default for a job of {node.node_count or 1} node(s)",
         }
+    if config.drain_deadline_s is None:
+        seconds, why = close_deadline(config, node.node_count, node.kubernetes)
+        settings["drain_deadline_s"] = {"value": seconds, "source": f"default for {why}"}
     return {
         "collectors": collectors,
         "node": asdict(node),
@@ -227,8 +232,14 @@ def _print_text(report: dict[str, Any]) -> None:
     for spool in report["spools"]:
         counts = ", ".join(f"{k} {v}" for k, v in spool["stats"].items())
         print(
-            f"  run {spool['run_id']} node {spool['node_id']}: {spool['pending_windows']} window(s) pending"
-            f"{' (' + counts + ')' if counts else ''}; {spool['replay']}"
+            f"  run {spool['run_id'] or 'not open'} node {spool['node_id'] or 'this host'}: "
+            f"{spool['pending_windows']} pending{' (' + counts + ')' if counts else ''}; writer {spool['writer']}; "
+            f"{spool['replay']}"
+        )
+    if left := sum(spool["writer"] == "ended" for spool in report["spools"]):
+        print(
+            f"  {left} left by ended processes: the next otel-forge process on this node delivers them in the "
+            "background, or now: otel-forge replay --all"
         )
 
 

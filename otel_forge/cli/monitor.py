@@ -45,6 +45,14 @@ def _agent(config: ForgeConfig) -> Agent | SystemMetricsMonitor:
     return SystemMetricsMonitor(config)
 
 
+def _deliver_leftovers(config: ForgeConfig, node: str) -> None:
+    """What ended processes left in this node's spools, in the background (a daemon thread)."""
+    from otel_forge.mlflow.leftovers import LeftoverDelivery
+    from otel_forge.mlflow.spool_files import spool_root
+
+    LeftoverDelivery(spool_root(config.spool_dir), node).start()
+
+
 def run(args: argparse.Namespace) -> int:
     duration_s = _duration_s(args.duration)
     config = config_from_args(args)
@@ -60,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"otel-forge: serving {endpoint}", flush=True)
         for name, reason in agent.absent_collectors.items():
             print(f"otel-forge: collector {name} absent: {reason}", file=sys.stderr, flush=True)
+        if isinstance(agent, Agent):  # with a run, the MLflow monitor delivers them
+            _deliver_leftovers(config, agent.node.node_id or agent.node.hostname)
         stop.wait(duration_s)
     finally:
         agent.stop()

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.config import ConfigError, ForgeConfig
-from otel_forge.mlflow.spool_files import remove_if_empty
 from otel_forge.scrub import error_line
 
 
@@ -54,35 +53,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _replay_path(path: Path, tracking_uri: str | None, busy_ok: bool = False) -> int:
-    """One spool or a job's directory of them: the launcher's journal first (it opens the job's run)."""
-    from otel_forge.mlflow.replay import is_launchers_journal, spools_in
+    """One spool or a job's directory of them (the launcher's journal first: it opens the job's run)."""
+    from otel_forge.mlflow.replay import replay_in
 
-    job_run_id: str | None = None  # the run `otel-forge run`'s journal opened: its command's journals go there
-    for spool in spools_in(path):
-        code, run_id = _replay_one(spool, tracking_uri, job_run_id, busy_ok)
-        if code != 0:
-            return code
-        if is_launchers_journal(spool):
-            job_run_id = run_id
-    remove_if_empty(path)  # a job's directory, all delivered
+    try:
+        for spool, result in replay_in(path, tracking_uri):
+            if result is None:
+                print(f"otel-forge: another process is delivering {spool} now: left to it", file=sys.stderr)
+                if not busy_ok:
+                    return 1
+            elif (code := _said(spool, result)) != 0:
+                return code
+    except FileNotFoundError as error:
+        raise ConfigError(f"invalid path (from PATH): {error}") from None
+    except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
+        print(f"otel-forge: replay stopped, the spool is kept: {error_line(error)}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _replay_one(
-    path: Path, tracking_uri: str | None, job_run_id: str | None, busy_ok: bool = False
-) -> tuple[int, str | None]:
-    from otel_forge.mlflow.replay import JournalBusy, replay
-
-    try:
-        result = replay(path, tracking_uri, job_run_id)
-    except FileNotFoundError as error:
-        raise ConfigError(f"invalid path (from PATH): {error}") from None
-    except JournalBusy as busy:
-        print(f"otel-forge: {busy}: left to it", file=sys.stderr)
-        return (0 if busy_ok else 1), None
-    except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
-        print(f"otel-forge: replay stopped, the spool is kept: {error_line(error)}", file=sys.stderr)
-        return 1, None
+def _said(path: Path, result: Any) -> int:
     print(
         f"otel-forge: delivered {result.delivered} {result.unit} to run {result.run_id}"
         f"{f' and ended it {result.ended}' if result.ended else ''}"
@@ -93,5 +83,5 @@ def _replay_one(
             f"otel-forge: {result.set_aside} file(s) in {path} were not windows and are left there as *.corrupt",
             file=sys.stderr,
         )
-        return 1, result.run_id
-    return 0, result.run_id
+        return 1
+    return 0

@@ -4,15 +4,16 @@ windows, or a run's journal (a TrainingRun's metrics, records and end)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import RunGone, RunInfo, make_client
-from otel_forge.mlflow.spool_files import HEADER, writer_alive
+from otel_forge.mlflow.spool_files import HEADER, SpoolBusy, claim, remove_if_empty, writer_alive
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
-from otel_forge.mlflow.training.journal_delivery import Delivered, JournalBusy, JournalDelivery
+from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
 from otel_forge.mlflow.training.run_journal import is_journal, read_header
 
@@ -35,6 +36,24 @@ def replay(path: Path, tracking_uri: str | None = None, job_run_id: str | None =
     if is_journal(path):
         return replay_journal(path, tracking_uri, job_run_id)
     return replay_spool(path, tracking_uri)
+
+
+def replay_in(path: Path, tracking_uri: str | None = None) -> Iterator[tuple[Path, ReplayResult | None]]:
+    """Deliver one spool or a job's directory of them, in order, yielding each spool and what it
+    delivered (None: another process delivers it now, left to it); a job's directory is removed once
+    all of it is delivered. The first failure raises, and what is left stays."""
+    job_run_id: str | None = None  # the run `otel-forge run`'s journal opened: its command's journals go there
+    for spool in spools_in(path):
+        launchers = is_launchers_journal(spool)
+        try:
+            result = replay(spool, tracking_uri, job_run_id)
+        except SpoolBusy:
+            yield spool, None
+            continue
+        if launchers:
+            job_run_id = result.run_id
+        yield spool, result
+    remove_if_empty(path)
 
 
 def spools_in(path: Path) -> list[Path]:
@@ -78,7 +97,7 @@ def replay_journal(path: Path, tracking_uri: str | None = None, job_run_id: str 
     delivery = JournalDelivery(path, tracking_uri=tracking_uri, fsync_s=0.0, patience_s=0.0, job_run=lambda: job_run_id)
     outcome = delivery.run()
     if outcome is Delivered.BUSY:
-        raise JournalBusy(f"another process is delivering {path} now")
+        raise SpoolBusy(f"another process is delivering {path} now")
     if outcome is not Delivered.ALL:
         raise RuntimeError(f"MLflow at {delivery.where}: {delivery.cause or 'delivery stopped'}")
     return ReplayResult(delivery.delivered_values, 0, delivery.run_id or "", 0, delivery.ended, "metric value(s)")
@@ -91,6 +110,11 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     window is set aside and skipped. Removes the spool once nothing is left in it.
     ``tracking_uri`` overrides the one recorded (which has no credentials).
     """
+    with claim(path):
+        return _replay_windows(path, tracking_uri)
+
+
+def _replay_windows(path: Path, tracking_uri: str | None) -> ReplayResult:
     spool = WindowSpool.open(path)
     header = spool.header
     if "prefix" not in header:
@@ -112,11 +136,14 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     log_window.on_first_step.append(
         lambda step: spool.update_header(first_step=step, node_run_id=log_window.node_run_id)
     )
-    delivered = 0
+    delivered, ended = 0, False
     while (window := spool.peek()) is not None:
         log_window(window)
         spool.pop()
-        delivered += 1
+        delivered, ended = delivered + 1, ended or window.last
+    if not ended and log_window.node_run_id is not None and not writer_alive(header):
+        # Its agent died without its last window (SIGKILL, a node lost): the node's run ends here.
+        make_client(uri).set_terminated(log_window.node_run_id, "KILLED")
     if not spool.set_aside:
         spool.remove_if_empty()
     return ReplayResult(delivered, len(spool), run_id, spool.set_aside)
@@ -134,4 +161,14 @@ def _job_run_id(client: Any, header: dict[str, Any]) -> str:
     return str(run_id)
 
 
-__all__ = ["JournalBusy", "ReplayResult", "RunGone", "left_in", "replay", "replay_spool", "replay_journal", "spools_in"]
+__all__ = [
+    "ReplayResult",
+    "RunGone",
+    "SpoolBusy",
+    "left_in",
+    "replay",
+    "replay_in",
+    "replay_spool",
+    "replay_journal",
+    "spools_in",
+]

@@ -13,17 +13,23 @@ the spool" line says why, and nothing is written there.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from otel_forge.config import TOLD_SPOOL_ENV
 from otel_forge.private_dirs import check_base, open_private_file, private_dir
 
 HEADER = "spool.json"
 STATS = "stats.json"
+DELIVERY_LOCK = "delivery.lock"
+
+
+class SpoolBusy(RuntimeError):
+    """Another process is delivering this spool."""
 
 
 def default_spool_root() -> Path:
@@ -96,3 +102,15 @@ def writer_alive(header: Mapping[str, Any]) -> bool:
         return process.create_time() == header.get("started") and process.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, KeyError, TypeError, ValueError):
         return False
+
+
+def claim(spool: Path) -> contextlib.closing[IO[str]]:
+    """This process delivers ``spool`` until the returned handle is closed; ``SpoolBusy`` where
+    another process does (two processes of a node taking what an earlier one left)."""
+    fd = os.open(spool / DELIVERY_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SpoolBusy(f"another process is delivering {spool} now") from None
+    return contextlib.closing(os.fdopen(fd))

@@ -25,7 +25,7 @@ from otel_forge.mlflow.spool_files import kept_notice_level, spool_root, writer_
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
-from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window, WindowFolder
+from otel_forge.mlflow.system_metrics.windows import CLOSE_SPREAD_SHARE, ChangedValues, Window, WindowFolder
 from otel_forge.mlflow.system_metrics.writer_lock import NodeWriterLock
 from otel_forge.mlflow.worker import DeliveryWorker
 from otel_forge.pipeline.fanout import NonBlockingExporter
@@ -63,13 +63,15 @@ class MLflowMetricExporter(NonBlockingExporter):
         known: RunInfo | None = None,
         node_run: bool = False,
         close_spread_s: float = 0.0,
+        close_deadline_s: float | None = None,
         pod: Mapping[str, str] | None = None,
     ) -> None:
         """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
         from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own.
         ``node_run``: the node logs ``system/<key>`` into a child run of its own under the run
         (``node_run.py``), not ``system/<node>/<key>`` into the run. ``close_spread_s``: how long the
-        close waits before its last calls (the node's share of a spread: nodes stop together). ``pod``:
+        close waits before its last calls (the node's share of a spread: nodes stop together);
+        ``close_deadline_s``: how long the close waits in all (default: the config's, for one node). ``pod``:
         on Kubernetes, the node's pod (``k8s.pod.name``, ``k8s.node.name``), tagged beside its host.
         ``first_window_samples``: samples in the first window (the agent's baseline and first sample);
         ``first_delivery_phase_s``: its delivery phase (a spread shorter than a long window's)."""
@@ -80,7 +82,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         samples_per_window = samples_per_window or config.mlflow_samples_per_window(node_count=None)
         self.run_id = run_id
         self.node_id = node_id
-        self._drain_deadline_s = config.drain_deadline_s
+        self._drain_deadline_s = config.close_deadline_s() if close_deadline_s is None else close_deadline_s
         node_run_name = key_segment(node_id or "node") if node_run else None
         prefix = SYSTEM_PREFIX if node_run else system_prefix(node_id)
         self._mapper = KeyMapper(prefix)
@@ -228,7 +230,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             return
         timeout_s = kwargs.get("timeout", timeout_millis)  # the SDK passes `timeout` (ms left)
         drain_s = min(self._drain_deadline_s, float(timeout_s) / 1000)  # type: ignore[arg-type]
-        left = self.worker.close(drain_s, spread_s=min(self.close_spread_s, drain_s / 3))
+        left = self.worker.close(drain_s, spread_s=min(self.close_spread_s, drain_s * CLOSE_SPREAD_SHARE))
         self._report_leftovers(left)
         if self._writer_lock is not None:
             self._writer_lock.release()

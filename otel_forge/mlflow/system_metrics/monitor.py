@@ -15,11 +15,14 @@ from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.companion import CompanionProcess
 from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run, fluent_run_id
+from otel_forge.mlflow.leftovers import LeftoverDelivery
+from otel_forge.mlflow.spool_files import spool_root
 from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
-from otel_forge.mlflow.system_metrics.windows import FIRST_WINDOW_SPREAD_S, delivery_phase_s
+from otel_forge.mlflow.system_metrics.windows import CLOSE_SPREAD_SHARE, FIRST_WINDOW_SPREAD_S, delivery_phase_s
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError
+from otel_forge.scheduler_grace import close_deadline
 
 _logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ class SystemMetricsMonitor:
         self.agent: Agent | None = None
         self._watch: FluentRunWatch | None = None
         self._pid = os.getpid()
+        self.close_deadline_s = config.close_deadline_s()
+        self._leftovers: LeftoverDelivery | None = None
 
     @property
     def run_id(self) -> str | None:
@@ -93,6 +98,8 @@ class SystemMetricsMonitor:
         if self.agent is not None or not self.node.runs_agent:
             return self
         self._pid = os.getpid()
+        self.close_deadline_s, why = close_deadline(self.config, self.node.node_count, self.node.kubernetes)
+        _logger.info("the last window's deadline: %g s (%s)", self.close_deadline_s, why)
         if self.config.run_id is None and not self._run_pending:
             if (run := fluent_run()) is not None:
                 self.config = self.config.replace(
@@ -120,6 +127,8 @@ class SystemMetricsMonitor:
             self.exporter.record_inventory(node_inventory(self.agent.collectors.present, self.node.kubernetes))
         if self._watch is not None:
             self._watch.start()
+        node = self.node.node_id or self.node.hostname
+        self._leftovers = LeftoverDelivery(spool_root(self.config.spool_dir), node).start()
         return self
 
     def _tracking_uri(self) -> str:
@@ -144,6 +153,7 @@ class SystemMetricsMonitor:
         samples_per_window = c.mlflow_samples_per_window(self.node.node_count)
         node = self.node.node_id or self.node.hostname
         window_s = samples_per_window * c.sampling_interval_s
+        spread = (self.node.node_count or 1) > 1
         return MLflowMetricExporter(
             c.run_id,
             tracking_uri=c.tracking_uri,
@@ -155,8 +165,9 @@ class SystemMetricsMonitor:
             first_delivery_phase_s=delivery_phase_s(node, min(window_s, FIRST_WINDOW_SPREAD_S)),
             known=RunInfo(c.experiment_id, "", c.experiment_name),
             node_run=c.mlflow_node_runs(self.node.node_count),
-            # A job's nodes stop together: their last calls spread over a third of the drain deadline.
-            close_spread_s=delivery_phase_s(node, c.drain_deadline_s / 3) if (self.node.node_count or 1) > 1 else 0.0,
+            # A job's nodes stop together: their last calls spread over a share of the close's deadline.
+            close_spread_s=delivery_phase_s(node, self.close_deadline_s * CLOSE_SPREAD_SHARE) if spread else 0.0,
+            close_deadline_s=self.close_deadline_s,
             pod=self.node.kubernetes.pod_attributes() if self.node.kubernetes is not None else None,
         )
 
@@ -202,8 +213,10 @@ class SystemMetricsMonitor:
             return  # a forked child's copy: the parent's agent, the parent stops it
         if self._watch is not None:
             self._watch.stop()
+        if self._leftovers is not None:
+            self._leftovers.stop()
         if self.agent is not None:
-            self.agent.shutdown(timeout_s=self.config.drain_deadline_s + 5)
+            self.agent.shutdown(timeout_s=self.close_deadline_s + 5)
             self.agent = None
 
     def __enter__(self) -> SystemMetricsMonitor:

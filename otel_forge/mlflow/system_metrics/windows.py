@@ -181,6 +181,8 @@ class ChangedValues:
 # The nodes' first windows spread over this long at most, whatever the window: every node run holds its
 # hardware within seconds of the start (a 2,048-node job's first calls queue at the server instead).
 FIRST_WINDOW_SPREAD_S = 15.0
+# A job's nodes, stopped together, spread their last calls over this share of the close's deadline.
+CLOSE_SPREAD_SHARE = 0.5
 
 
 def delivery_phase_s(node: str, window_s: float) -> float:

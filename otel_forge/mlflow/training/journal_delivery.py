@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import fcntl
 import itertools
 import json
 import logging
@@ -43,7 +42,7 @@ from otel_forge.mlflow.client import (
     outage_cause,
     unanswered_reason,
 )
-from otel_forge.mlflow.spool_files import kept_notice_level, write_atomically, writer_alive
+from otel_forge.mlflow.spool_files import SpoolBusy, claim, kept_notice_level, write_atomically, writer_alive
 from otel_forge.mlflow.training.run_journal import (
     CHECKPOINT,
     CURSOR_FILE,
@@ -71,7 +70,6 @@ POLL_S = 0.1  # how often a quiet journal is read again
 _BACKOFF_S = (0.5, 10.0)  # as the windows' worker: first pause, longest pause
 _MAX_ITEMS = 20_000  # read no further ahead than this (memory stays bounded, the journal holds the rest)
 _READ_RECORDS = 1_000  # journal records a read takes at most (each holds one log() call's values)
-_LOCK_FILE = "delivery.lock"
 
 # (key, value, timestamp_ms, step)
 MetricRow = tuple[str, float, int, int]
@@ -83,10 +81,6 @@ class Delivered(enum.Enum):
     ALL = "all"  # everything, the run's end included: the journal is removed
     LEFT = "left"  # given up (deadline, patience, the run gone): the journal stays for replay
     BUSY = "busy"  # another process delivers this journal
-
-
-class JournalBusy(RuntimeError):
-    """Another process is delivering this journal."""
 
 
 @dataclass
@@ -205,8 +199,8 @@ class JournalDelivery:
         """Deliver until the run is ended (``ALL``) or it gives up (``LEFT``); ``BUSY`` at once when
         another process holds the journal."""
         try:
-            lock = self._lock()
-        except JournalBusy:
+            lock = claim(self.directory)
+        except SpoolBusy:
             return Delivered.BUSY
         with lock:
             outcome = self._deliver_all()
@@ -215,15 +209,6 @@ class JournalDelivery:
         else:
             self.say_left()
         return outcome
-
-    def _lock(self) -> Any:
-        fd = os.open(self.directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise JournalBusy(str(self.directory)) from None
-        return contextlib.closing(os.fdopen(fd))
 
     def _deliver_all(self) -> Delivered:
         backoff_s = _BACKOFF_S[0]
