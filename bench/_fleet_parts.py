@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.util
 import json
 import os
-import pwd
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 import uuid
@@ -28,8 +23,8 @@ from bench._common import REPO_ROOT, tree_cpu_s
 from testkit.gpu_fakes import fake_gpu_env
 from testkit.hermetic import hermetic_environ
 from testkit.mlflow_server import MlflowServer
+from testkit.postgres import Postgres
 from testkit.proxy import MlflowProxy
-from testkit.servers import free_port
 
 DEFAULT_INTERVAL_S = 10.0  # otel_forge's and MLflow's default sampling interval
 GPUS = 8
@@ -60,112 +55,6 @@ def cpu_delta_ms(after: dict[str, float], before: dict[str, float]) -> dict[str,
 
 
 # --- servers ----------------------------------------------------------------------------------------
-
-
-class Postgres:
-    """A throwaway PostgreSQL cluster on 127.0.0.1 (as user ``postgres`` when the bench runs as root)."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="fleet-pg-"))
-        self.data = self.root / "data"
-        self.port = free_port()
-        self.pid: int | None = None
-        self._as: list[str] = []
-        if os.geteuid() == 0:
-            user = pwd.getpwnam("postgres")
-            os.chown(self.root, user.pw_uid, user.pw_gid)
-            self._as = ["runuser", "-u", "postgres", "--"]
-
-    @staticmethod
-    def unavailable() -> str | None:
-        """Why PostgreSQL cannot run here, else None."""
-        missing = [tool for tool in ("initdb", "pg_ctl") if shutil.which(tool) is None]
-        if missing:
-            return f"{' and '.join(missing)} not on PATH"
-        if Postgres.driver() is None:
-            return (
-                "neither psycopg2 nor psycopg is importable (`pip install psycopg2-binary`): mlflow server "
-                "needs one to reach PostgreSQL"
-            )
-        if os.geteuid() == 0:
-            if shutil.which("runuser") is None:
-                return "running as root and no runuser to run PostgreSQL as another user"
-            try:
-                pwd.getpwnam("postgres")
-            except KeyError:
-                return "running as root and there is no 'postgres' user to run PostgreSQL as"
-        return None
-
-    @staticmethod
-    def driver() -> str | None:
-        """The PostgreSQL driver to name in the store URI (SQLAlchemy 2.1's default is psycopg 3)."""
-        return next((name for name in ("psycopg2", "psycopg") if importlib.util.find_spec(name) is not None), None)
-
-    def _run(self, *command: str) -> None:
-        done = subprocess.run(
-            [*self._as, *command],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            start_new_session=True,
-            cwd=self.root,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{command[0]} failed: {(done.stdout + done.stderr)[-2000:]}")
-
-    def start(self) -> Postgres:
-        self._run(
-            shutil.which("initdb") or "initdb",
-            "-D",
-            str(self.data),
-            "-U",
-            "mlflow",
-            "-A",
-            "trust",
-            "-E",
-            "UTF8",
-            "--no-sync",
-        )
-        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c max_connections=200"
-        self._run(
-            shutil.which("pg_ctl") or "pg_ctl",
-            "-D",
-            str(self.data),
-            "-l",
-            str(self.root / "postgres.log"),
-            "-o",
-            options,
-            "-w",
-            "-t",
-            "60",
-            "start",
-        )
-        self.pid = int((self.data / "postmaster.pid").read_text().split()[0])
-        return self
-
-    def create_database(self, name: str) -> str:
-        """A fresh database; its store URI."""
-        driver = self.driver()
-        module = importlib.import_module(driver or "psycopg2")
-        connection = module.connect(host="127.0.0.1", port=self.port, user="mlflow", dbname="postgres")
-        try:
-            connection.autocommit = True
-            with connection.cursor() as cursor:
-                cursor.execute(f"CREATE DATABASE {name}")
-        finally:
-            connection.close()
-        return f"postgresql+{driver}://mlflow@127.0.0.1:{self.port}/{name}"
-
-    def stop(self) -> None:
-        if self.pid is not None:
-            try:
-                self._run(shutil.which("pg_ctl") or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
-            except (RuntimeError, subprocess.TimeoutExpired):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pid, signal.SIGKILL)
-            self.pid = None
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 # --- what reached the server ---------------------------------------------------------------------------

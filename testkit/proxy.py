@@ -160,6 +160,12 @@ class MlflowProxy:
         with self._lock:
             return [(r.method, r.path, r.body) for r in self._requests if path is None or r.path == path]
 
+    def accepted(self, path: str) -> list[Any]:
+        """The parsed JSON bodies of the requests on ``path`` the server answered 2xx, as answered."""
+        with self._lock:
+            done = [r for r in self._requests if r.path == path and r.status is not None and 200 <= r.status < 300]
+        return [r.body for r in sorted(done, key=lambda r: r.answered_at or 0.0)]
+
     def arrivals(self, path: str) -> list[tuple[float, Any]]:
         """(time.time() at arrival, parsed JSON body) of every request on ``path``, as they arrived."""
         with self._lock:

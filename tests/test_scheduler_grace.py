@@ -95,7 +95,7 @@ class _ApiServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 server.paths.append(self.path)
                 allowed = self.headers.get("Authorization") == "Bearer sa-token"
                 body = json.dumps(pod if allowed else {"kind": "Status", "code": 403}).encode()

@@ -58,7 +58,9 @@ def test_the_next_agent_on_the_node_delivers_what_stopped_agents_left(mlflow_ser
     job_run = client.create_run(experiment_id).info.run_id
     with MlflowProxy(mlflow_server.uri) as proxy:
         proxy.set_mode(Mode.ERROR_500)
-        stopped, killed = (_agent(job_run, experiment_id, proxy.uri, node, root) for node in ("node_stopped", "node_killed"))
+        stopped, killed = (
+            _agent(job_run, experiment_id, proxy.uri, node, root) for node in ("node_stopped", "node_killed")
+        )
         wait_for(lambda: min(_windows(root, n) for n in ("node_stopped", "node_killed")) >= 3, 60, 0.1, "spooled")
         killed.send_signal(signal.SIGKILL)
         stopped.send_signal(signal.SIGTERM)
