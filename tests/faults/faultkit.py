@@ -26,13 +26,19 @@ class ExportRecorder:
 
     def __init__(self) -> None:
         self.calls = 0
-        self.windows = 0  # exports that returned SUCCESS: with samples_per_window=1, one window each
+        self.successes = 0  # exports that returned SUCCESS
         self._lock = threading.Lock()
+
+    @property
+    def windows(self) -> int:
+        """The windows the successful exports made with samples_per_window=1: one each, but the first
+        window is the agent's baseline and its first sample, two exports."""
+        return max(self.successes - 1, 0)
 
     def record(self, success: bool) -> None:
         with self._lock:
             self.calls += 1
-            self.windows += success
+            self.successes += success
 
 
 class ThreadWatch:

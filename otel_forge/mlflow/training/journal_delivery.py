@@ -448,7 +448,8 @@ class JournalDelivery:
             self._client = make_client(self._uri)
         known = self._cursor.opened or self._cursor.run
         if known is None and (job_run := self._job_run() if self._job_run else None) is not None:
-            known = {"run_id": job_run, "experiment": self._cursor.plan.get("experiment")}
+            # The launcher's run, opened by its own journal's delivery: this journal describes it too.
+            known = {"run_id": job_run, "experiment": self._cursor.plan.get("experiment"), "describe": True}
         if known is None:
             if not self._writer_done:
                 raise _RunPending()
