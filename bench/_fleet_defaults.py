@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
+import subprocess
 import tempfile
 import time
 import uuid
@@ -37,10 +39,12 @@ from bench._fleet_size import call_costs, old_layout_run, pages, projection, run
 from testkit.mlflow_server import MlflowServer
 
 MINUTE_S = 60.0
+UPDATE_RUN = "/api/2.0/mlflow/runs/update"
 JOB_EXPERIMENT = "0"  # MLflow's default experiment: the standalone case, no MLFLOW_EXPERIMENT_ID
 PARENT_RUN_TAG, NODE_TAG = "mlflow.parentRunId", "otel_forge.node.id"
 ISSUE_PHASE = (1, 4)  # the issue's figure: server CPU from minute 1 to minute 4
 GOAL_MS_PER_NODE_MINUTE = 60.0  # ... at most this, on sqlite
+START_GOAL_S, STOP_GOAL_S = 30.0, 90.0  # every node's first window after the start, last after the stop
 STOP_SLACK_S = 2.0
 # The ways a node's windows can fall short, each a list of nodes (see completeness()).
 COMPLETENESS_CHECKS = (
@@ -139,9 +143,10 @@ def run_fleet(
     exited_early = fleet.exited()
     lags = [time.time() - log.newest_ms / 1e3 for log in deliveries.nodes.values()]
 
-    stop_wall, live_s, reaped_s = time.time(), fleet.cpu_s(), reaped_cpu_s()
+    stop_wall, stop_at, live_s, reaped_s = time.time(), time.monotonic(), fleet.cpu_s(), reaped_cpu_s()
     exit_codes = fleet.stop(args.stop_timeout)
     wait_until(lambda: sum(proxy.counts().values()) >= proxy.total(), 30)
+    end = after_the_stop(args, tmp, proxy, job_id, stop_at)
     stopped = Mark.now(started, meter, deliveries, fleet)
     # The agents are gone: what they spent closing is their whole CPU, reaped, less what they had spent.
     stopped.agents_cpu_s = marks[-1].agents_cpu_s + (reaped_cpu_s() - reaped_s) - live_s
@@ -165,7 +170,8 @@ def run_fleet(
         "lag_at_stop_s": max(lags, default=None),
         "start_wall": start_wall,
         "stop_wall": stop_wall,
-        "spooled_at_exit": spooled(tmp / "spool"),
+        "spooled_at_exit": end["left_by_the_agents"],
+        "end": end,
         "error_answers": error_answers(proxy),
         "agent_messages": fleet.messages(),
         "server_messages": server_messages(server),
@@ -173,6 +179,44 @@ def run_fleet(
         "nodes_killed_at_stop": fleet.killed,
         "nonzero_exit_codes": [code for code in exit_codes if code != 0],
     }
+
+
+def after_the_stop(args: argparse.Namespace, tmp: Path, proxy: Any, job_id: str, stop_at: float) -> dict[str, Any]:
+    """What the stopped agents left in their spools, then the next job's agent on this machine (node 0
+    of a new job's run, the same spool root), as the next job on these nodes would start: it delivers
+    what was left in the background. Until every node run is ended FINISHED and no window is left, or
+    ``--stop-timeout`` after the stop."""
+    from mlflow import MlflowClient
+
+    left = spooled(tmp / "spool")
+    result: dict[str, Any] = {"left_by_the_agents": left, "next_agent": left > 0}
+    if left:
+        next_run = MlflowClient(proxy.uri).create_run(JOB_EXPERIMENT, run_name="next-job").info.run_id
+        env = node_env(0, args, f"{job_id}-next", tmp)
+        with open(tmp / "next_agent.log", "wb") as log:
+            agent = subprocess.Popen(
+                ours_command(next_run, proxy.uri, 0, None), env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+    ended = wait_until(
+        lambda: finished_node_runs(proxy) >= args.nodes and not spooled(tmp / "spool"),
+        max(0.0, stop_at + args.stop_timeout - time.monotonic()),
+        0.5,
+    )
+    result.update(
+        every_last_window_in_s=time.monotonic() - stop_at if ended else None,
+        node_runs_finished=finished_node_runs(proxy),
+        left_at_the_end=spooled(tmp / "spool"),
+    )
+    if left:
+        os.killpg(agent.pid, signal.SIGTERM)
+        agent.wait(args.stop_timeout)
+    return result
+
+
+def finished_node_runs(proxy: Any) -> int:
+    """Runs the server ended FINISHED (``runs/update``, answered): the node runs, at the stop."""
+    return len({body["run_id"] for body in proxy.accepted(UPDATE_RUN) if body.get("status") == "FINISHED"})
 
 
 def phase(before: Mark, after: Mark, deliveries: Deliveries, answers: list[Any], k: int, name: str) -> dict[str, Any]:
@@ -218,7 +262,8 @@ def phases(
         # The first windows took every minute but the last (long windows): that one, said so.
         last_name = f"last minute {minutes - 1}-{minutes} (first windows until {every_first_s:.0f} s)"
         result.append(phase(marks[minutes - 1], marks[minutes], deliveries, answers, k, last_name))
-    result.append(phase(marks[minutes], marks[-1], deliveries, answers, k, "stop (SIGTERM, drain)"))
+    result.append(phase(marks[minutes], marks[-1], deliveries, answers, k, "stop (SIGTERM, to the last window in)"))
+    result.append(phase(marks[0], marks[-1], deliveries, answers, k, "whole run (start to the last window in)"))
     return result
 
 
@@ -466,6 +511,20 @@ def notes(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
                 f"experiment took {costs['built_s']:.0f} s to make."
             )
     for row in rows:
+        end = row["end"]
+        by = (
+            "the closing agents"
+            if not end["next_agent"]
+            else (
+                f"the closing agents, and the next job's agent for the {end['left_by_the_agents']} window(s) they left"
+            )
+        )
+        lines.append(
+            f"- {row['backend']}: the stop: every node's last window in its node run "
+            f"{fmt(end['every_last_window_in_s'], 1)} s after it (goal <= 90 s), from {by}; node runs ended FINISHED "
+            f"{end['node_runs_finished']} / {row['nodes']}, windows left at the end {end['left_at_the_end']}."
+        )
+    for row in rows:
         c = row["completeness"]
         if short := {name: len(c[name]) for name in COMPLETENESS_CHECKS if c[name]}:
             lines.append(f"- {row['backend']}: nodes short of complete, by why: {short}.")
@@ -487,8 +546,29 @@ def notes(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
             drawn = f" ({page['drawn']}/{page['cards']} chart cards drawn)" if page["outcome"] == "charts" else ""
             lines.append(f"- {row['backend']}: {label}: {page['outcome']}{when}{drawn}.")
     lines.append(goal(rows))
+    lines += start_and_stop_goals(rows)
     lines.append(f"\nWhole bench: {result['total_s']:.0f} s.")
     return lines
+
+
+def start_and_stop_goals(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 32's: every node's first window within 30 s of the start, every last window within 90 s of
+    the stop, the whole run's server CPU at most 60 ms per node-minute."""
+    lines = []
+    for row in rows:
+        first, last = row["every_first_window_s"], row["end"]["every_last_window_in_s"]
+        whole = next(p for p in row["phases"] if p["name"].startswith("whole run"))["ms_per_node_minute"]
+        checks = (
+            f"first windows in {fmt(first, 1)} s ({_met(first is not None and first <= START_GOAL_S)})",
+            f"last windows in {fmt(last, 1)} s ({_met(last is not None and last <= STOP_GOAL_S)})",
+            f"whole run {whole:.1f} ms per node-minute ({_met(whole <= GOAL_MS_PER_NODE_MINUTE)})",
+        )
+        lines.append(f"- Goals (issue 32), {row['backend']}: {'; '.join(checks)}.")
+    return lines
+
+
+def _met(met: bool) -> str:
+    return "met" if met else "NOT met"
 
 
 def goal(rows: list[dict[str, Any]]) -> str:

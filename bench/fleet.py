@@ -513,7 +513,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         help="server idle CPU measured before the nodes, s (default 2; 10 with --at-defaults)",
     )
-    parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds the nodes get to drain at stop")
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        help="seconds the nodes get to drain at stop (default 30; 90 with --at-defaults, the next agent's included)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--save", type=Path, help="also write the result as JSON to this file")
     compressed = parser.add_argument_group("the compressed mode")
@@ -559,6 +563,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.at_defaults:
         args.interval, args.anchor = DEFAULT_INTERVAL_S, False
     args.nodes = args.nodes or (32 if args.at_defaults else 16)
+    args.stop_timeout = args.stop_timeout or (90.0 if args.at_defaults else 30.0)
     args.experiment_runs = args.fleet if args.experiment_runs is None else args.experiment_runs
     args.idle_seconds = args.idle_seconds if args.idle_seconds is not None else (10.0 if args.at_defaults else 2.0)
     args.backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
