@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
             break
     if delivery is not None and delivering is not None:
         if stopped:
-            delivery.finish(config.close_deadline_s())
+            delivery.finish(config.close_deadline_s(node.node_count))
         # The training process died: its windows wait for the run its journal opens (or gives up on).
         while delivering.is_alive() and delivery.run_id is None:
             delivering.join(0.1)
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
         monitor.stop()
     if delivering is not None:
         # Stopped: a call hung past the drain deadline is not waited for (the journal keeps its items).
-        delivering.join(config.close_deadline_s() + _HUNG_CALL_MARGIN_S if stopped else None)
+        delivering.join(config.close_deadline_s(node.node_count) + _HUNG_CALL_MARGIN_S if stopped else None)
         if delivering.is_alive() and delivery is not None:
             delivery.say_left()
     return 0

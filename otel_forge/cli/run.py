@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             stopping = threading.Thread(target=monitor.stop, name="otel-forge-monitor-stop", daemon=True)
             stopping.start()
     status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
-    journals.finish(config.close_deadline_s())  # what CMD logged reaches the run before its end
+    journals.finish(config.close_deadline_s(node.node_count))  # what CMD logged reaches the run before its end
     _end(training_run, status, watchdog, stopping)
     remove_if_empty(spool)
     return code if code >= 0 else 128 - code
@@ -286,7 +286,7 @@ def _cmd_environ(
 def _end(training_run: Any, status: str, watchdog: Watchdog | None, stopping: threading.Thread | None = None) -> None:
     training_run.close(status)
     if stopping is not None:
-        stopping.join(training_run.forge_config.close_deadline_s())
+        stopping.join(training_run.forge_config.close_deadline_s(training_run.plan.node.node_count))
     if watchdog is None:
         return
     if training_run.ended:

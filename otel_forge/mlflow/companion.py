@@ -77,7 +77,7 @@ class CompanionProcess:
         if self._process.stdin is not None:
             self._process.stdin.close()
         try:
-            self._process.wait(2 * self.config.close_deadline_s() + _STOP_MARGIN_S)
+            self._process.wait(2 * self.config.close_deadline_s(self.node.node_count) + _STOP_MARGIN_S)
         except subprocess.TimeoutExpired:
             _logger.warning("the otel-forge companion (pid %d) did not stop in time; killed", self._process.pid)
             self._process.kill()

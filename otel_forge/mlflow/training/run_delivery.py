@@ -59,7 +59,7 @@ class RunDelivery:
         reached the server; False where it is left in the journal (or is delivered elsewhere)."""
         if self._thread is not None:
             delivery, thread = self._thread
-            delivery.finish(self._plan.forge_config.close_deadline_s())
+            delivery.finish(self._plan.forge_config.close_deadline_s(self._plan.node.node_count))
             thread.join()
             return delivery.ended is not None
         if self._companion is not None:

@@ -190,7 +190,7 @@ class TrainingRun:
             return
         self._exit_handlers.remove()
         self._opener.leave_process()
-        drain_s = self.forge_config.close_deadline_s()
+        drain_s = self.forge_config.close_deadline_s(self.plan.node.node_count)
         self._opener.close(min(drain_s, 1.0) if self._opener.state is OpenerState.UNANSWERED else drain_s)
         if self._journal is not None:  # not closed: a signal handler may end us inside an append of ours
             self._journal.end(status, self._checker.rejected)
