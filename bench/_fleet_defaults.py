@@ -178,6 +178,10 @@ def run_fleet(
         "nodes_exited_early": exited_early,
         "nodes_killed_at_stop": fleet.killed,
         "nonzero_exit_codes": [code for code in exit_codes if code != 0],
+        # Why a node ended early or badly: the end of its output (its traceback, if any).
+        "failed_node_output": {
+            f"node_{i}": fleet.log_tail(i) for i, code in enumerate(exit_codes) if code != 0 or i in exited_early
+        },
     }
 
 
@@ -510,6 +514,10 @@ def notes(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
                 f"minutes; the server's idle CPU not included); the {costs['runs_in_experiment']:,}-run "
                 f"experiment took {costs['built_s']:.0f} s to make."
             )
+    for row in rows:
+        for node, output in row["failed_node_output"].items():
+            tail = " / ".join(output.strip().splitlines()[-6:])
+            lines.append(f"- {row['backend']}: {node} ended early or badly; its output ends: `{tail}`")
     for row in rows:
         end = row["end"]
         by = (

@@ -606,6 +606,14 @@ SETTINGS: tuple[Setting, ...] = (
         "that does not answer, before it leaves the run's journal for `otel-forge replay`.",
     ),
     Setting(
+        "exit_grace_s",
+        ("OTEL_FORGE_EXIT_GRACE",),
+        _float_within(0.0, 600.0, " s"),
+        5.0,
+        "How long the processes CMD started may take to exit once CMD has (a DDP rank finishing a moment "
+        "after rank 0) before `otel-forge run` calls them left over: warned about by command line, stopped.",
+    ),
+    Setting(
         "drain_deadline_s",
         ("OTEL_FORGE_DRAIN_DEADLINE",),
         _deadline,
@@ -740,6 +748,7 @@ class ForgeConfig:
     start_wait_s: float
     journal_fsync_s: float
     delivery_patience_s: float
+    exit_grace_s: float
     drain_deadline_s: float | None
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 

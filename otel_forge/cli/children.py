@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import psutil
 
 from otel_forge.config import env_name
 from otel_forge.node import NodeIdentity
+from otel_forge.scrub import scrub
 
 _logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -57,16 +59,19 @@ def dies_with_us() -> Callable[[], None] | None:
     return arm
 
 
-def stop_leftovers(keep: Collection[int] = ()) -> None:
-    """SIGTERM what CMD left running, SIGKILL it after a grace period, and reap it."""
+def stop_leftovers(keep: Collection[int] = (), grace_s: float = 0.0) -> None:
+    """What CMD left running ``grace_s`` after it exited (a rank still exiting is not left over):
+    named, SIGTERMed, SIGKILLed after a grace period of its own, and reaped."""
     # git is ours: the run's metadata is read on the delivery worker.
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep and _name(p) != "git"]
+    _, left = psutil.wait_procs(left, timeout=grace_s) if left and grace_s > 0 else ([], left)
     if not left:
         return
     _logger.warning(
-        "CMD left %d process(es) running (pids %s): stopping them before the run ends",
+        "CMD left %d process(es) running %g s after it exited, stopping them before the run ends: %s",
         len(left),
-        ", ".join(str(p.pid) for p in left),
+        grace_s,
+        "; ".join(f"pid {p.pid} ({_command_line(p)})" for p in left),
     )
     for process in left:
         _signal(process, signal.SIGTERM)
@@ -74,6 +79,14 @@ def stop_leftovers(keep: Collection[int] = ()) -> None:
     for process in alive:
         _signal(process, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=1.0)
+
+
+def _command_line(process: psutil.Process, most: int = 160) -> str:
+    try:
+        line = shlex.join(process.cmdline()) or _name(process)
+    except psutil.Error:
+        return "exited"
+    return scrub(line if len(line) <= most else line[: most - 3] + "...")
 
 
 def _name(process: psutil.Process) -> str:

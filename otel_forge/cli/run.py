@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         code = child.wait()
         watchdog = watchdogs.finish()
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
-        stop_leftovers(keep={watchdog.pid} if watchdog else ())
+        stop_leftovers(keep={watchdog.pid} if watchdog else (), grace_s=config.exit_grace_s)
     finally:
         if (monitor := sampling.monitor) is not None:
             if monitor.exporter is not None and (key := training_run.node.job_key) is not None:

@@ -286,6 +286,44 @@ def test_a_healthy_run_writes_nothing_to_stderr(mlflow_server, tmp_path) -> None
     assert result.stderr == ""
 
 
+# A rank CMD started that ends a moment after CMD, as Lightning's rank 1 does after rank 0's `fit`.
+LATE_RANK = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep({seconds}); open(sys.argv[1], 'w').write('done')",
+                  {marker!r}])
+"""
+
+
+def test_a_rank_still_exiting_after_cmd_is_waited_for_not_warned_about(mlflow_server, tmp_path) -> None:
+    marker = tmp_path / "rank-1-done"
+    options = ["--tracking-uri", mlflow_server.uri, "--no-prometheus", "--experiment", unique("late-rank")]
+    result = run_forge(
+        [*options, "--", sys.executable, "-c", LATE_RANK.format(seconds=1.5, marker=str(marker))],
+        cwd=tmp_path,
+        env=forge_environ(tmp_path),
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no warning: it was exiting, not left over
+    assert marker.read_text() == "done"  # and it was not stopped: it finished on its own
+
+
+def test_a_process_alive_after_the_exit_grace_is_named_and_stopped(mlflow_server, tmp_path) -> None:
+    marker = tmp_path / "never"
+    options = ["--tracking-uri", mlflow_server.uri, "--no-prometheus", "--experiment", unique("left-over")]
+    started = time.monotonic()
+    result = run_forge(
+        [*options, "--", sys.executable, "-c", LATE_RANK.format(seconds=120, marker=str(marker))],
+        cwd=tmp_path,
+        env=forge_environ(tmp_path, OTEL_FORGE_EXIT_GRACE="1"),
+    )
+
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "CMD left 1 process(es) running 1 s after it exited" in line and "time.sleep(120)" in line, line
+    assert not marker.exists() and time.monotonic() - started < 60
+
+
 # --- signals -----------------------------------------------------------------------------------
 
 

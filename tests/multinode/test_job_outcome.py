@@ -125,7 +125,7 @@ def test_cmd_leftovers_cannot_rewrite_the_final_status(mlflow_server, client, tm
             "--exit-code",
             "3",
             "--orphan-s",
-            "2",
+            "8",  # still alive after the exit grace (5 s): a leftover
         ],
         check=False,
         cwd=tmp_path,
@@ -138,7 +138,7 @@ def test_cmd_leftovers_cannot_rewrite_the_final_status(mlflow_server, client, tm
     assert result.returncode == 3, result.stderr
     assert "left 1 process(es) running" in result.stderr
     run_id = the_run(client, experiment).info.run_id
-    time.sleep(3)  # past the moment the orphan would have ended the run
+    time.sleep(4)  # past the moment the orphan would have ended the run
     assert client.get_run(run_id).info.status == "FAILED"
     assert not [
         p for p in psutil.process_iter(["cmdline"]) if "mlflow.start_run()" in " ".join(p.info["cmdline"] or [])
