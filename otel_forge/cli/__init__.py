@@ -70,6 +70,13 @@ def _without_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
+# What otel-forge's own processes never import, though MLflow's client would where it is installed
+# (its imports of both are guarded, and mlflow-skinny has neither): pandas, with MLflow's own import
+# (0.8 CPU-s), and IPython, which its first call asks whether it runs in a Databricks notebook
+# (0.5 CPU-s). On every node of a job at once. Our processes run no user code (CMD is its own).
+NOT_IMPORTED = ("pandas", "IPython")
+
+
 def configure_process(verbose: int) -> None:
     """Logging and MLflow's client as an otel-forge process (the CLI, the sampler) wants them."""
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
@@ -86,11 +93,8 @@ def configure_process(verbose: int) -> None:
         os.environ.setdefault(MLFLOW_LOGGING_LEVEL_VAR, "ERROR")  # read when mlflow is imported
     # In the agent's own process our worker does the retrying: one attempt per call.
     os.environ.setdefault(MLFLOW_RETRIES_VAR, "0")
-    # MLflow's client runs without pandas, as mlflow-skinny's does (its imports of it are guarded):
-    # where pandas is installed, importing it cost every agent 0.8 CPU-seconds at its first call, on
-    # every node of a job at once. Our processes run no user code (CMD is a process of its own).
-    if "pandas" not in sys.modules:
-        sys.modules["pandas"] = None  # type: ignore[assignment]
+    for name in NOT_IMPORTED:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
 
 
 def exit_now(code: int) -> NoReturn:

@@ -10,14 +10,14 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from otel_forge.collectors import Collector, CollectorUnavailable, OpenedCollectors, open_collectors
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.node import NodeIdentity, build_resource
 from otel_forge.pipeline.instruments import INSTRUMENTATION_SCOPE, InstrumentSet
-from otel_forge.pipeline.provider import build_meter_provider, parent_only_reader
+from otel_forge.pipeline.provider import begin_sampling, build_meter_provider, parent_only_reader
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
@@ -32,9 +32,10 @@ _logger = logging.getLogger(__name__)
 # Builds an extra sink (the MLflow exporter) at each start: a shut-down exporter is not reused.
 ExporterFactory = Callable[[], "MetricExporter"]
 
-# The first sample, this long after the start (or one interval, if shorter), then one each interval:
-# with the baseline the start takes, a run holds its hardware after a second, rates included.
-FIRST_SAMPLE_S = 1.0
+# A baseline this long after the start (the counters' start, and an endpoint with values; a moment
+# later, as CPU time counts in 10 ms ticks), the first sample this long after it, then one each
+# interval (each at most an interval): a run holds its hardware after a second, rates included.
+BASELINE_S, FIRST_SAMPLE_S = 0.25, 1.0
 
 
 _PORT_FIX = (
@@ -86,7 +87,6 @@ class Agent:
         self.endpoints: list[str] = []
         self._prometheus: PrometheusEndpoint | None = None
         self.fan_out: FanOutExporter | None = None  # the one collect's sinks
-        self._sampling_reader: MetricReader | None = None  # the fan-out's
         self._pid = os.getpid()
 
     @property
@@ -115,15 +115,8 @@ class Agent:
             (*self.collectors.present, *self._extra_collectors),
             self.config.snapshot_max_age_s,
         )
-        self._take_baseline()
+        begin_sampling(readers, self.instruments.expire)
         return self
-
-    def _take_baseline(self) -> None:
-        """One collect now, to every sink: the counters' start (the first window's rates and growth
-        span from here) and an endpoint with values at once; the first sample then reads afresh."""
-        if self._sampling_reader is not None:
-            self._sampling_reader.collect(timeout_millis=self.config.export_timeout_s * 1000)
-            self.instruments.expire()  # type: ignore[union-attr]
 
     def _build_readers(self) -> list[MetricReader]:
         """One periodic reader whose one collect per interval goes to every sink (Prometheus's
@@ -132,15 +125,15 @@ class Agent:
 
         # Ours, not the SDK's reading of OTEL_METRIC_EXPORT_*: the settings table resolved those.
         interval_ms, timeout_ms = self.config.sampling_interval_s * 1000, self.config.export_timeout_s * 1000
-        timing = dict(
+        baseline_s, first_s = (min(s, self.config.sampling_interval_s) for s in (BASELINE_S, FIRST_SAMPLE_S))
+        timing: dict[str, Any] = dict(
             export_interval_millis=interval_ms,
             export_timeout_millis=timeout_ms,
-            first_collect_s=min(FIRST_SAMPLE_S, self.config.sampling_interval_s),
+            first_collects_s=(baseline_s, baseline_s + first_s),
         )
         sinks: list[MetricExporter] = []
         readers: list[MetricReader] = []
         self.endpoints = []
-        self._sampling_reader = None
         rendering = None
         if self.config.prometheus:
             from otel_forge.pipeline.prometheus_rendering import PrometheusRendering
@@ -161,10 +154,10 @@ class Agent:
         sinks.extend(factory() for factory in self._extra_exporters)
         if sinks:
             self.fan_out = FanOutExporter(sinks)
-            self._sampling_reader = parent_only_reader(self.fan_out, **timing)
+            reader = parent_only_reader(self.fan_out, **timing)
             if rendering is not None:
-                rendering.collect_now = self._sampling_reader.collect
-            readers.append(self._sampling_reader)
+                rendering.collect_now = reader.collect
+            readers.append(reader)
         return readers
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -42,10 +44,18 @@ def build_meter_provider(readers: Sequence[MetricReader], resource: Any = None) 
     )
 
 
-def parent_only_reader(exporter: Any, first_collect_s: float | None = None, **options: Any) -> MetricReader:
+def begin_sampling(readers: Sequence[MetricReader], expire: Callable[[], None]) -> None:
+    """The instruments exist: the readers' first collects count from now, each reading the hardware
+    afresh (``expire``: the instruments' cached snapshots), however close together."""
+    for reader in readers:
+        if (begin := getattr(reader, "begin", None)) is not None:
+            begin(expire)
+
+
+def parent_only_reader(exporter: Any, first_collects_s: Sequence[float] = (), **options: Any) -> MetricReader:
     """A ``PeriodicExportingMetricReader`` whose timer stays in the process that made it, and whose
-    first collect comes ``first_collect_s`` after its start (then one each interval): a run's first
-    window need not wait a whole interval.
+    first collects come ``first_collects_s`` after ``begin()`` (then one each interval after the last
+    of them): a run's first window need not wait a whole interval.
 
     The SDK restarts a reader's timer thread in every forked child (``os.register_at_fork``): each
     ``DataLoader`` worker would sample the node and export into the parent's run and spool. A
@@ -54,15 +64,36 @@ def parent_only_reader(exporter: Any, first_collect_s: float | None = None, **op
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
     class _ParentOnlyReader(PeriodicExportingMetricReader):
+        def __init__(self) -> None:
+            self._begun = threading.Event()  # before the SDK starts the ticker's thread
+            self._expire: Callable[[], None] = lambda: None
+            super().__init__(exporter, **options)
+
         def _at_fork_reinit(self) -> None:
             pass
 
+        def begin(self, expire: Callable[[], None]) -> None:
+            """The instruments exist: the first collects count from now."""
+            self._expire = expire
+            self._begun.set()
+
         def _ticker(self) -> None:
-            if first_collect_s is not None and not self._shutdown_event.wait(first_collect_s):
-                try:
-                    self.collect(timeout_millis=self._export_timeout_millis)
-                except Exception:  # a timeout, as the SDK's ticker would: the ticker goes on
-                    _logger.warning("the first metric collection failed", exc_info=True)
+            if first_collects_s:
+                while not self._begun.wait(0.05):
+                    if self._shutdown_event.is_set():
+                        return
+                begun = time.monotonic()
+                for offset_s in first_collects_s:
+                    if self._shutdown_event.wait(max(0.0, begun + offset_s - time.monotonic())):
+                        break  # the SDK's ticker collects one last time below
+                    self._expire()
+                    self._collect_now()
             super()._ticker()
 
-    return _ParentOnlyReader(exporter, **options)
+        def _collect_now(self) -> None:
+            try:
+                self.collect(timeout_millis=self._export_timeout_millis)
+            except Exception:  # a timeout, as the SDK's ticker would: the ticker goes on
+                _logger.warning("a metric collection failed", exc_info=True)
+
+    return _ParentOnlyReader()
