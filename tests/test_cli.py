@@ -1,6 +1,7 @@
 """The CLI in-process: doctor's report and the one-line usage errors."""
 
 import json
+import os
 
 import pytest
 
@@ -104,17 +105,19 @@ def test_unknown_command_is_a_usage_error(capsys):
 
 def test_doctor_shows_pending_spools_with_their_delivery_counts(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path))
+    from otel_forge.mlflow.spool_files import writer_identity
     from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
     from otel_forge.mlflow.system_metrics.windows import Window
 
-    spool = WindowSpool(tmp_path / "run1-node_0-1", max_bytes=1 << 20, header={"run_id": "run1", "node_id": "node_0"})
+    header = {"run_id": "run1", "node_id": "node_0", **writer_identity()}  # this process writes it
+    spool = WindowSpool(tmp_path / "run1-node_0-1", max_bytes=1 << 20, header=header)
     assert spool.append(Window(0, 1000, (("system/node_0/cpu_utilization_percentage", 12.5),)))
     spool.write_stats({"delivered": 3, "retried": 2, "spooled": 1, "dropped": 0})
     assert main(["doctor", "--collectors", "cpu", "--tracking-uri", "http://user:pw@127.0.0.1:9"]) == 0
     out = capsys.readouterr().out
     assert (
         f"run run1 node node_0: 1 window(s) pending (delivered 3, retried 2, spooled 1, dropped 0); "
-        f"otel-forge replay {tmp_path / 'run1-node_0-1'}"
+        f"writer running (pid {os.getpid()}); otel-forge replay {tmp_path / 'run1-node_0-1'}"
     ) in out
     assert "pw" not in out and "http://***@127.0.0.1:9: does not answer" in out
 
@@ -135,6 +138,7 @@ def test_doctor_json_lists_the_spool(tmp_path, capsys, monkeypatch):
             "run_id": "r",
             "node_id": None,
             "pending_windows": 2,
+            "writer": "ended",
             "stats": {},
             "replay": f"otel-forge replay {tmp_path / 'r-n-1'}",
         }

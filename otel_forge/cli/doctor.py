@@ -233,7 +233,8 @@ def _print_text(report: dict[str, Any]) -> None:
         counts = ", ".join(f"{k} {v}" for k, v in spool["stats"].items())
         print(
             f"  run {spool['run_id'] or 'not open'} node {spool['node_id'] or 'this host'}: "
-            f"{spool['pending_windows']} pending{' (' + counts + ')' if counts else ''}; writer {spool['writer']}; "
+            f"{spool['pending_windows']} window(s) pending{' (' + counts + ')' if counts else ''}; "
+            f"writer {spool['writer']}; "
             f"{spool['replay']}"
         )
     if left := sum(spool["writer"] == "ended" for spool in report["spools"]):
