@@ -179,8 +179,9 @@ class ChangedValues:
 
 
 # The nodes' first windows spread over this long at most, whatever the window: every node run holds its
-# hardware within seconds of the start (a 2,048-node job's first calls queue at the server instead).
-FIRST_WINDOW_SPREAD_S = 15.0
+# hardware within seconds of the start. Not less: 32 agents sharing 2 cores, each importing MLflow's
+# client at its first window, all held a window after 25-28 s at 20 s, 33-35 s at 15 s.
+FIRST_WINDOW_SPREAD_S = 20.0
 # A job's nodes, stopped together, spread their last calls over this share of the close's deadline.
 CLOSE_SPREAD_SHARE = 0.5
 
