@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -360,6 +361,10 @@ def agent_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     A ``PYTHONPATH`` in ``env`` is put in front of the inherited one.
     """
     merged = hermetic_environ()
+    # A spool root of its own: an agent delivers in the background what ended processes left in its
+    # root (threads and CPU a test of the agent does not expect), and the default one holds what other
+    # tests left.
+    merged["OTEL_FORGE_SPOOL_DIR"] = tempfile.mkdtemp(prefix="otel-forge-agent-spool-")
     for key, value in (env or {}).items():
         if key == "PYTHONPATH" and merged.get("PYTHONPATH"):
             value = os.pathsep.join([value, merged["PYTHONPATH"]])
