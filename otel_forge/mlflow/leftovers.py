@@ -35,7 +35,6 @@ class LeftoverDelivery:
         self, root: Path, node: str, *, max_spools: int = MAX_SPOOLS, spread_s: float = START_SPREAD_S
     ) -> None:
         self.root = root
-        self.delivered: list[Path] = []
         self._max_spools = max_spools
         self._delay_s = delivery_phase_s(node, spread_s)
         self._stop = threading.Event()
@@ -48,9 +47,6 @@ class LeftoverDelivery:
     def stop(self) -> None:
         """Take no further spool (a call under way ends on its own)."""
         self._stop.set()
-
-    def join(self, timeout_s: float | None = None) -> None:
-        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         from otel_forge.mlflow.replay import left_in
@@ -79,4 +75,3 @@ class LeftoverDelivery:
                 error_line(error),
             )
             return
-        self.delivered.append(path)

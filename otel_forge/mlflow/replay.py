@@ -3,6 +3,7 @@ windows, or a run's journal (a TrainingRun's metrics, records and end)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -71,12 +72,13 @@ def left_in(root: Path) -> list[Path]:
     writers have all ended, oldest first (a spool a running process writes is its own)."""
     if not root.is_dir():
         return []
-    left = []
+    left: dict[Path, float] = {}  # entry -> when its oldest spool was made
     for entry in root.iterdir():
         spools = spools_in(entry) if entry.is_dir() else []
         if spools and not any(writer_alive(_header(spool)) for spool in spools):
-            left.append(entry)
-    return sorted(left, key=lambda entry: min((spool / HEADER).stat().st_mtime for spool in spools_in(entry)))
+            with contextlib.suppress(OSError):  # delivered by another process meanwhile: not left
+                left[entry] = min((spool / HEADER).stat().st_mtime for spool in spools)
+    return sorted(left, key=left.__getitem__)
 
 
 def _header(spool: Path) -> dict[str, Any]:
