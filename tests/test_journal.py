@@ -5,6 +5,7 @@ whole, cut at any byte, corrupted, with a reserved range not yet written, writte
 once, left by a process killed in the middle of its loop.
 """
 
+import json
 import os
 import signal
 import stat
@@ -416,3 +417,30 @@ def test_a_forked_child_cannot_append_to_its_parents_journal(journal):
     writer.close()
     records, _ = _read_all(journal)
     assert [payload for payload, _ in records] == [b"parent", b"parent again"]
+
+
+# --- which worker failed a launcher's job (worker_ends) -----------------------------------------------
+
+
+def test_a_workers_failure_record_names_the_first_failure_of_the_last_attempt(tmp_path) -> None:
+    from otel_forge.mlflow.training.worker_ends import ENDS_DIR, UNKNOWN_WORKER, take_failed_worker
+
+    assert take_failed_worker(tmp_path) == UNKNOWN_WORKER
+    ends = tmp_path / ENDS_DIR
+    ends.mkdir()
+    records = [(0, 3, 10.0), (1, 2, 30.0), (1, 5, 20.0)]  # (attempt, rank, time): attempt 1 is torchrun's last
+    for attempt, rank, at in records:
+        (ends / f"{attempt}-{rank}.json").write_text(json.dumps({"rank": rank, "attempt": attempt, "time": at}))
+    (ends / "1-9.json").write_text("{half a reco")
+    assert take_failed_worker(tmp_path) == "rank 5"
+    assert not [p for p in ends.glob("*.json") if p.name != "1-9.json"]  # read once
+
+
+def test_a_worker_records_its_uncaught_exception_and_python_still_reports_it(tmp_path) -> None:
+    from otel_forge.mlflow.training.worker_ends import take_failed_worker
+
+    code = "from otel_forge.mlflow.training.worker_ends import install_failure_record as i; i(); raise KeyError('x')"
+    env = {"RANK": "3", "OTEL_FORGE_SPOOL_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "KeyError: 'x'" in result.stderr
+    assert take_failed_worker(tmp_path) == "rank 3"

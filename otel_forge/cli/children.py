@@ -145,9 +145,10 @@ class Watchdog:
         except subprocess.TimeoutExpired:
             self.process.kill()
 
-    def hand_over(self, status: str) -> None:
-        """We could not end the run: the watchdog ends it with ``status`` when the server answers."""
-        self._say(f"end {status}\n".encode())
+    def hand_over(self, status: str, worker: str | None = None) -> None:
+        """We could not end the run: the watchdog ends it with ``status`` when the server answers
+        (``worker``: CMD was a launcher, and that worker ended the job)."""
+        self._say(f"end {status}{' ' + worker if worker else ''}\n".encode())
         _logger.info(
             "the run could not be ended now; a watchdog (pid %d) ends it %s once the tracking server answers",
             self.pid,

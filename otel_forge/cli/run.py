@@ -48,6 +48,7 @@ from otel_forge.config import (
 from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.spool_files import kept_notice_level, remove_if_empty, spool_root, told_spool
 from otel_forge.mlflow.training.launched_run import LaunchedRun
+from otel_forge.mlflow.training.worker_ends import take_failed_worker
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials
 
@@ -181,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
             stopping.start()
     status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
     journals.finish(config.close_deadline_s(node.node_count))  # what CMD logged reaches the run before its end
-    _end(training_run, status, watchdog, stopping)
+    # CMD is a launcher: the job's outcome names its worker that failed, never our own rank.
+    worker = take_failed_worker(spool) if launch.workers_here else None
+    _end(training_run, status, watchdog, stopping, worker if status != "FINISHED" else None)
     remove_if_empty(spool)
     return code if code >= 0 else 128 - code
 
@@ -283,8 +286,14 @@ def _cmd_environ(
     return env
 
 
-def _end(training_run: Any, status: str, watchdog: Watchdog | None, stopping: threading.Thread | None = None) -> None:
-    training_run.close(status)
+def _end(
+    training_run: Any,
+    status: str,
+    watchdog: Watchdog | None,
+    stopping: threading.Thread | None = None,
+    worker: str | None = None,
+) -> None:
+    training_run.close(status, worker=worker)
     if stopping is not None:
         stopping.join(training_run.forge_config.close_deadline_s(training_run.plan.node.node_count))
     if watchdog is None:
@@ -292,7 +301,7 @@ def _end(training_run: Any, status: str, watchdog: Watchdog | None, stopping: th
     if training_run.ended:
         watchdog.disarm()
     else:
-        watchdog.hand_over(status)
+        watchdog.hand_over(status, worker)
 
 
 def _launched_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:

@@ -21,6 +21,7 @@ def main(argv: list[str]) -> int:
     if said[:1] == ["ended"]:
         return 0
     status, detail = (said[1], None) if said[:1] == ["end"] else ("KILLED", "otel-forge run died")
+    worker = " ".join(said[2:]) if said[:1] == ["end"] and len(said) > 2 else None  # CMD was a launcher
     from otel_forge.config import env_name
     from otel_forge.mlflow.client import make_client
     from otel_forge.mlflow.training.outcome import end_run
@@ -38,6 +39,7 @@ def main(argv: list[str]) -> int:
                 status,
                 node,
                 detail=detail,
+                worker=worker,
             )
             return 0
         except Exception as error:  # noqa: BLE001 - nobody is left to tell but stderr

@@ -10,96 +10,34 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from framework_jobs import (
+    FORGE_RUN,
+    HF_STEPS,
+    SCRIPTS,
+    TIMEOUT_S,
+    Job,
+    job_environ,
+    python,
+    run_job,
+    runs_of,
+    steps,
+    the_one_run,
+)
 from run_reading import anchor_steps
 
-from testkit.hermetic import hermetic_environ
-
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 SKLEARN_FITS = Path(__file__).resolve().parents[1] / "cli_run" / "scripts" / "sklearn_fits.py"
-FORGE_RUN = [sys.executable, "-m", "otel_forge.cli", "run"]
-RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) in experiment", re.MULTILINE)
-TIMEOUT_S = 180.0
-HF_STEPS = 6  # hf_trainer.py's max_steps
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
-
-
-@dataclass
-class Job:
-    result: subprocess.CompletedProcess[str]
-    experiment: str
-
-    @property
-    def run_id(self) -> str:
-        found = RUN_LINE.search(self.result.stdout)
-        assert found, f"no 'otel-forge: run' line:\n{self.result.stdout}\n{self.result.stderr}"
-        return found.group(1)
-
-
-def job_environ(tmp: Path, uri: str, experiment: str, **extra: str) -> dict[str, str]:
-    own = {
-        "OTEL_FORGE_SPOOL_DIR": str(tmp / "spool"),
-        "OTEL_FORGE_SAMPLING_INTERVAL": "0.3",
-        "OTEL_FORGE_PROMETHEUS": "false",
-        "MLFLOW_TRACKING_URI": uri,
-        "MLFLOW_EXPERIMENT_NAME": experiment,
-        "TMPDIR": str(tmp),
-        "HF_HUB_OFFLINE": "1",
-    }
-    return hermetic_environ(own, prefixes=("OTEL_", "MLFLOW_"), **extra)
-
-
-def run_job(tmp: Path, uri: str, command: list[str], forge: bool, **extra: str) -> Job:
-    """``command`` under ``otel-forge run`` (``forge``) or alone (otel_forge in its code, if at all)."""
-    experiment = f"frameworks-{uuid.uuid4().hex[:8]}"
-    result = subprocess.run(
-        [*FORGE_RUN, "--", *command] if forge else command,
-        cwd=tmp,
-        env=job_environ(tmp, uri, experiment, **extra),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        stdin=subprocess.DEVNULL,
-    )
-    return Job(result, experiment)
-
-
-def runs_of(client: Any, job: Job) -> list[Any]:
-    experiment = client.get_experiment_by_name(job.experiment)
-    assert experiment is not None, job.result.stderr
-    return client.search_runs([experiment.experiment_id])
-
-
-def the_one_run(client: Any, job: Job) -> Any:
-    """The job's one top-level run, asserted to hold training metrics and the node's system metrics."""
-    runs = runs_of(client, job)
-    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    assert len(top) == 1, [(r.info.run_name, r.data.tags.get("mlflow.parentRunId")) for r in runs]
-    [run] = top
-    keys = set(run.data.metrics)
-    assert any(k.startswith("system/") for k in keys), sorted(keys)
-    return run
-
-
-def steps(client: Any, run_id: str, key: str) -> list[int]:
-    return sorted(m.step for m in client.get_metric_history(run_id, key))
-
-
-def python(script: Path, *args: str) -> list[str]:
-    return [sys.executable, str(script), *args]
-
 
 # --- HF Trainer --------------------------------------------------------------------------------
 
@@ -268,11 +206,15 @@ with otel_forge.TrainingRun():
 """
 
 
-def test_lightning_default_logger_lands_elsewhere_and_the_job_says_so(mlflow_server, client, tmp_path) -> None:
+def test_lightning_default_logger_lands_elsewhere_and_the_job_says_so_as_it_opens(
+    mlflow_server, client, tmp_path
+) -> None:
     job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "lightning_fit.py", "default"), True)
     assert job.result.returncode == 0, job.result.stderr
-    warned = [line for line in job.result.stderr.splitlines() if "lightning_logs" in line and "job_run_id" in line]
-    assert len(warned) == 1, job.result.stderr
+    lines = job.result.stderr.splitlines()
+    warned = [i for i, line in enumerate(lines) if "lightning_logs" in line and "job_run_id" in line]
+    assert len(warned) == 1, job.result.stderr  # once: not again at the job's end
+    assert warned[0] < lines.index("fit ended"), job.result.stderr  # as its run opens, before training
     elsewhere = client.search_runs(
         [client.get_experiment_by_name("lightning_logs").experiment_id],
         f"tags.mlflow.parentRunId = '{job.run_id}'",

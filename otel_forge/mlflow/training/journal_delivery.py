@@ -70,6 +70,7 @@ POLL_S = 0.1  # how often a quiet journal is read again
 _BACKOFF_S = (0.5, 10.0)  # as the windows' worker: first pause, longest pause
 _MAX_ITEMS = 20_000  # read no further ahead than this (memory stays bounded, the journal holds the rest)
 _READ_RECORDS = 1_000  # journal records a read takes at most (each holds one log() call's values)
+_DESCRIBED_POLL_S = 0.02  # how often a TrainingRun looks whether its description is in
 
 # (key, value, timestamp_ms, step)
 MetricRow = tuple[str, float, int, int]
@@ -106,6 +107,25 @@ class Cursor:
 
     def save(self, directory: Path) -> None:
         write_atomically(directory / CURSOR_FILE, json.dumps(dataclasses.asdict(self)))
+
+
+def wait_described(directory: Path, timeout_s: float) -> bool:
+    """Wait, at most ``timeout_s``, until the delivery of the journal in ``directory`` has described
+    its run (or delivered the journal whole); True then."""
+    deadline = time.monotonic() + timeout_s
+    while not _described(directory):
+        if time.monotonic() >= deadline:
+            _logger.info("MLflow: the run's description is not delivered yet; it follows in the background")
+            return False
+        time.sleep(_DESCRIBED_POLL_S)
+    return True
+
+
+def _described(directory: Path) -> bool:
+    if not directory.exists():
+        return True
+    cursor = Cursor.load(directory)
+    return cursor.run is not None and not cursor.undescribed
 
 
 @dataclass
@@ -303,6 +323,10 @@ class JournalDelivery:
             self._cursor.describe = dict(entry[1])
         elif kind == OPENED and entry is not None:
             self._cursor.opened = dict(entry[1])
+            # Described at once, not with the first value: a framework's own params (the same config)
+            # follow the block's start, and find ours there (``wait_described``).
+            self._items.append(_Item(OPENED, None, end))
+            return
         elif kind == DISABLED:
             self._disabled = True
         self._items.append(_Item("mark", None, end))  # nothing to send: the cursor moves past it
@@ -362,7 +386,7 @@ class JournalDelivery:
     def _send(self, item: _Item) -> None:
         if item.kind == "mark":
             return
-        run = self._live_run()
+        run = self._live_run()  # opens and describes the run (``OPENED``: nothing more)
         if item.kind == "rows":
             self._send_rows(run, [row.data for row in item.data if self._kept_step(run, row.data[3])])
         elif item.kind == RECORD:
@@ -408,16 +432,15 @@ class JournalDelivery:
         model_id = find_or_create_external_model(run, model_name, step, Path(path))
         self._cursor.models[str(step)] = model_id
 
-    def _end(self, run: OpenRun, status: str, rejected: int) -> None:
+    def _end(self, run: OpenRun, status: str, rejected: int, worker: str | None = None) -> None:
         from otel_forge.mlflow.training.outcome import end_run
         from otel_forge.mlflow.training.run_metadata import REJECTED_TAG
 
         if rejected or self._cursor.refused:
             run.client.set_tag(run.run_id, REJECTED_TAG, str(rejected + self._cursor.refused), synchronous=True)
         node = NodeIdentity(**self._cursor.plan["node"]) if self._cursor.plan.get("node") else NodeIdentity.detect()
-        end_run(
-            run.client, run.run_id, run.experiment_id, status, node, environ=self._cursor.plan.get("attempt_environ")
-        )
+        attempt_environ = self._cursor.plan.get("attempt_environ")
+        end_run(run.client, run.run_id, run.experiment_id, status, node, environ=attempt_environ, worker=worker)
         self.ended = status
         if status == "FINISHED" and not self._cursor.plan.get("launched"):
             _warn_runs_elsewhere(run)

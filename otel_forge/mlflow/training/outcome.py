@@ -35,10 +35,13 @@ def end_run(
     node: NodeIdentity,
     detail: str | None = None,
     environ: Mapping[str, str] | None = None,
+    worker: str | None = None,
 ) -> None:
     """End the run as this process of the job ended: ``status`` FINISHED, FAILED or KILLED.
 
     ``environ``: this process's variables (default ``os.environ``), which say its torchrun attempt.
+    ``worker``: the process ran a launcher, not a rank: the worker that ended the job (``rank 1``,
+    or ``a worker`` where none said so), named in the outcome instead of this process's rank.
     """
     attempt = torchrun_attempt(environ)
     if status != "FINISHED" and attempt is not None and attempt.restarts_remain:
@@ -54,11 +57,10 @@ def end_run(
         client.set_terminated(run_id, status)
     elif status != "FINISHED":
         run_tag = import_mlflow().entities.RunTag
-        name = node.node_id or (f"rank_{node.rank}" if node.rank is not None else "node")
-        what = f"{status} (rank {node.rank}{', ' + detail if detail else ''})"
+        what = f"{status} ({worker or f'rank {node.rank}'}{', ' + detail if detail else ''})"
         client.log_batch(
             run_id,
-            tags=[run_tag(OUTCOME_TAG_PREFIX + key_segment(name), what), run_tag(JOB_OUTCOME_TAG, status)],
+            tags=[run_tag(OUTCOME_TAG_PREFIX + outcome_name(node, worker), what), run_tag(JOB_OUTCOME_TAG, status)],
             synchronous=True,
         )
         client.set_terminated(run_id, status)
@@ -67,6 +69,14 @@ def end_run(
             # The run was described in the first attempt: the attempt that finished says which it was.
             client.set_tag(run_id, TORCHRUN_RESTART_TAG, str(attempt.restart_count), synchronous=True)
         client.set_terminated(run_id, job_outcome(client, run_id, experiment_id) or status)
+
+
+def outcome_name(node: NodeIdentity, worker: str | None = None) -> str:
+    """The outcome tag's suffix: the node, else the rank that ended (``rank_1``), else ``node``."""
+    if node.node_id:
+        return key_segment(node.node_id)
+    rank = worker.removeprefix("rank ") if worker else str(node.rank) if node.rank is not None else None
+    return f"rank_{rank}" if rank is not None and rank.isdigit() else "node"
 
 
 def job_outcome(client: Any, run_id: str, experiment_id: str) -> str | None:

@@ -15,6 +15,7 @@ of MLflow but the base class.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from mlflow.tracking.context.abstract_context import RunContextProvider
@@ -24,6 +25,9 @@ from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
 _logger = logging.getLogger(__name__)
 
 PARENT_RUN_TAG = "mlflow.parentRunId"
+WARNED_AT_OPEN_TAG = "otel_forge.elsewhere_warned"  # said as the run opened: not again at the job's end
+_LIGHTNING_LOGGER_MODULES = ("lightning.pytorch.loggers.mlflow", "pytorch_lightning.loggers.mlflow")
+_CALLER_FRAMES = 8  # how far up a run's creation MLflow's tag resolution is from the logger that asks
 _RECENT_EXPERIMENTS = 20  # where a job's runs in other experiments are looked for, at its end
 _RUNS_NAMED = 10
 
@@ -50,7 +54,17 @@ class LaunchedRunContext(RunContextProvider):
 
     def tags(self) -> dict[str, str]:
         run_id = launched_run_id()
-        return {PARENT_RUN_TAG: run_id} if run_id is not None else {}
+        if run_id is None:
+            return {}
+        if (experiment := _lightning_logger_experiment()) is None:
+            return {PARENT_RUN_TAG: run_id}
+        _logger.warning(
+            "MLflow: Lightning's MLFlowLogger opens a run of its own in experiment %s, not the job's run %s: "
+            "MLFlowLogger(run_id=otel_forge.job_run_id()) logs into the job's run",
+            experiment,
+            run_id,
+        )
+        return {PARENT_RUN_TAG: run_id, WARNED_AT_OPEN_TAG: "true"}
 
     def _say_pending(self) -> None:
         launched = LaunchedRun.from_environ()
@@ -58,6 +72,24 @@ class LaunchedRunContext(RunContextProvider):
             return
         self._pending_said = True
         _logger.debug("otel-forge run is still opening its run: runs started now are not nested under it")
+
+
+def _lightning_logger_experiment() -> str | None:
+    """The experiment of Lightning's ``MLFlowLogger`` if it is the one creating a run now, else None.
+
+    It creates its run with ``MlflowClient.create_run`` in an experiment of its own (``lightning_logs``
+    by default), whatever run is open, and asks MLflow for the context's tags on the way: its frame is
+    a few calls up from here, and the moment is when its run opens, before training, not at the end.
+    """
+    frame = sys._getframe(1)  # noqa: SLF001 - the caller's frames, only as a run is created
+    for _ in range(_CALLER_FRAMES):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if type(caller).__module__ in _LIGHTNING_LOGGER_MODULES:
+            return str(getattr(caller, "_experiment_name", None) or getattr(caller, "_experiment_id", "?"))
+        frame = frame.f_back
+    return None
 
 
 def _one_sampler_in_cmd() -> None:
@@ -70,8 +102,17 @@ def _one_sampler_in_cmd() -> None:
         stand_down_mlflow_sampler(launched.run_id)
 
 
+def _record_worker_failure() -> None:
+    """A launcher's worker under ``otel-forge run`` records its own failure (``worker_ends``)."""
+    if LaunchedRun.from_environ() is not None:
+        from otel_forge.mlflow.training.worker_ends import install_failure_record
+
+        install_failure_record()
+
+
 # MLflow imports this module as it imports itself, in every process of the job that uses it.
 _one_sampler_in_cmd()
+_record_worker_failure()
 
 
 def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[str, str]]:
@@ -85,4 +126,6 @@ def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[s
         return []
     nested = f"tags.`{PARENT_RUN_TAG}` = '{run_id}'"
     found = client.search_runs(list(others), nested, max_results=_RUNS_NAMED)
-    return [(run.info.run_id, others[run.info.experiment_id]) for run in found]
+    return [
+        (run.info.run_id, others[run.info.experiment_id]) for run in found if WARNED_AT_OPEN_TAG not in run.data.tags
+    ]

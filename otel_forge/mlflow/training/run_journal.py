@@ -12,7 +12,8 @@ An entry is a JSON list whose first item says what it is:
 ``["plan", {...}]`` how to open the run, ``["describe", {...}]`` what a new run records,
 ``["opened", {...}]`` the run the training process opened, ``["m", step, timestamp_ms, {key: value}]``
 one ``log()``, ``["rec", kind, payload]`` a ``Record``, ``["ckpt", step, path, model_name]`` a checkpoint,
-``["end", status, rejected]`` the run's end as the training process ended it, ``["disabled", why]``
+``["end", status, rejected(, worker)]`` the run's end as the training process ended it (``worker``: the
+launcher's worker that ended the job, for ``otel-forge run`` around a launcher), ``["disabled", why]``
 the run is not to be opened (logging was disabled: a run id that names no run, a store that refuses).
 """
 
@@ -101,11 +102,12 @@ class RunJournal:
     def disabled(self, why: str) -> None:
         self._append(DISABLED, why)
 
-    def end(self, status: str, rejected: int) -> bool:
+    def end(self, status: str, rejected: int, worker: str | None = None) -> bool:
         """The run's end; False where a signal handler interrupted an append of this thread: the
         journal then has no end, and its delivery ends the run KILLED, as the signal means."""
         try:
-            self._writer.append(_encode([END, status, rejected]).encode(), timeout_s=_END_WAIT_S)
+            entry = [END, status, rejected] if worker is None else [END, status, rejected, worker]
+            self._writer.append(_encode(entry).encode(), timeout_s=_END_WAIT_S)
         except TimeoutError:
             return False
         return True

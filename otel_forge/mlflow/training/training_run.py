@@ -19,6 +19,7 @@ from otel_forge.forking import forked_from
 from otel_forge.mlflow.fluent_runs import fluent_run_id
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers, exit_status
 from otel_forge.mlflow.training.job_run import MissingRun
+from otel_forge.mlflow.training.journal_delivery import wait_described
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
@@ -180,8 +181,9 @@ class TrainingRun:
         if self._recorder is not None:
             self._recorder.checkpoint(step, Path(directory), self.checkpoint_model_name(step))
 
-    def close(self, status: str = "FINISHED") -> None:
-        """Journal the run's end and hand it to its delivery, bounded whatever the server does. Idempotent."""
+    def close(self, status: str = "FINISHED", *, worker: str | None = None) -> None:
+        """Journal the run's end and hand it to its delivery, bounded whatever the server does. Idempotent.
+        ``worker``: this process ran a launcher, and that worker ended the job (``outcome.end_run``)."""
         if forked_from(self._pid):
             return  # a forked child's copy (a DataLoader worker leaving the block): the parent ends it
         with self._lock:
@@ -193,7 +195,7 @@ class TrainingRun:
         drain_s = self.forge_config.close_deadline_s(self.plan.node.node_count)
         self._opener.close(min(drain_s, 1.0) if self._opener.state is OpenerState.UNANSWERED else drain_s)
         if self._journal is not None:  # not closed: a signal handler may end us inside an append of ours
-            self._journal.end(status, self._checker.rejected)
+            self._journal.end(status, self._checker.rejected, worker)
         self.ended = self._delivery.finish() if self._delivery is not None else False
         if self._journal is None:
             self.ended = self._opener.end_here(status)
@@ -201,9 +203,13 @@ class TrainingRun:
 
     def __enter__(self) -> TrainingRun:
         """Open the run: every rank finds it and its node is sampled. Rank 0 waits for it a while
-        (``start_wait_s``), so that the run a framework opens inside the block is this one."""
+        (``start_wait_s``), so that the run a framework opens inside the block is this one, and for
+        its description: a framework that logs the same params then finds them there (MLflow refuses
+        one of two writers inserting a param at once, and the loser is the framework's call)."""
         if self.plan.owns_run and not self.plan.launcher_opens and self.forge_config.start_wait_s > 0:
-            self.start(self.start_wait_s)
+            waited_until = time.monotonic() + self.start_wait_s
+            if self.start(self.start_wait_s) and self.described and self.journal_directory is not None:
+                wait_described(self.journal_directory, waited_until - time.monotonic())
         else:
             self._begin()
         return self

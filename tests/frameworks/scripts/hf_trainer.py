@@ -7,12 +7,14 @@ download), random data, CPU. HF's ``MLflowCallback`` opens (or resumes) the run 
     python hf_trainer.py raise              trainer.train(), then an exception
 
 ``--step-sleep S`` makes each step last S seconds more and print ``step N`` (a job to signal mid-way).
+``--fail-rank R`` makes global rank R raise at step 3 (under ``torchrun``: a worker that fails).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -32,6 +34,15 @@ class RandomSequences(torch.utils.data.Dataset):
         return {"input_ids": torch.randint(0, 32, (8,), generator=generator), "labels": torch.tensor(index % 2)}
 
 
+class FailingRank(TrainerCallback):
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == 3 and int(os.environ.get("RANK", "0")) == self.rank:
+            raise ValueError(f"rank {self.rank} fails at step 3")
+
+
 class SlowSteps(TrainerCallback):
     def __init__(self, sleep_s: float) -> None:
         self.sleep_s = sleep_s
@@ -41,7 +52,7 @@ class SlowSteps(TrainerCallback):
         time.sleep(self.sleep_s)
 
 
-def train(step_sleep_s: float) -> None:
+def train(step_sleep_s: float, fail_rank: int | None = None) -> None:
     config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     with tempfile.TemporaryDirectory() as output_dir:
         args = TrainingArguments(
@@ -54,7 +65,9 @@ def train(step_sleep_s: float) -> None:
             use_cpu=True,
             disable_tqdm=True,
         )
-        callbacks = [SlowSteps(step_sleep_s)] if step_sleep_s else []
+        callbacks: list[TrainerCallback] = [SlowSteps(step_sleep_s)] if step_sleep_s else []
+        if fail_rank is not None:
+            callbacks.append(FailingRank(fail_rank))
         model = BertForSequenceClassification(config)
         Trainer(model=model, args=args, train_dataset=RandomSequences(), callbacks=callbacks).train()
 
@@ -64,6 +77,7 @@ def main() -> int:
     parser.add_argument("mode", choices=["plain", "trainingrun", "monitor", "raise"])
     parser.add_argument("--exit", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--fail-rank", type=int, default=None)
     args = parser.parse_args()
     import otel_forge
 
@@ -73,7 +87,7 @@ def main() -> int:
     elif args.mode == "monitor":
         around = otel_forge.monitor(prometheus=False)
     with around:
-        train(args.step_sleep)
+        train(args.step_sleep, args.fail_rank)
         if args.mode == "raise":
             raise RuntimeError("after training")
     return args.exit

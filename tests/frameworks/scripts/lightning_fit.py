@@ -51,6 +51,7 @@ def main(mode: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(Regression(), data)
+    print("fit ended", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
