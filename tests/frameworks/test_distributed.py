@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 import pytest
-from framework_jobs import HF_STEPS, SCRIPTS, Job, job_environ, run_job, steps
+from framework_jobs import HF_STEPS, SCRIPTS, Job, job_environ, python, run_job, steps
 
 pytest.importorskip("accelerate")
 
@@ -85,3 +85,24 @@ def test_accelerate_ranks_with_trainingrun_never_lose_the_param_race(mlflow_serv
     for run in runs:
         assert run.info.status == "FINISHED"
         assert set(run.data.params) >= ACCELERATE_CONFIG and "loss" in run.data.metrics
+
+
+@pytest.mark.parametrize("mode", ["job-run", "autolog"])
+def test_lightning_ddp_is_one_run_without_a_warning(mlflow_server, client, tmp_path, mode) -> None:
+    """Lightning's DDP on the CPU, 2 processes (Lightning starts rank 1 itself) with the documented
+    line; with ``mlflow.pytorch.autolog()`` too, whose Lightning integration opens a run and logs the
+    model in every rank: rank 1 adds nothing, the job's run holds one model."""
+    pytest.importorskip("lightning")
+    job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "lightning_fit.py", mode, "--ddp"), True)
+    assert job.result.returncode == 0, job.result.stderr[-3000:]
+    ours = [line for line in job.result.stderr.splitlines() if "otel-forge" in line or "otel_forge" in line]
+    assert not [line for line in ours if "WARNING" in line], ours  # no rank is a leftover, nothing elsewhere
+    runs = [run for runs in server_runs(client).values() for run in runs if run.info.run_id != job.run_id]
+    assert [r for r in runs if r.data.tags.get("mlflow.parentRunId") == job.run_id] == []
+    run = client.get_run(job.run_id)
+    assert run.info.status == "FINISHED" and "train_loss" in run.data.metrics
+    history = [(m.step, m.value) for m in client.get_metric_history(job.run_id, "train_loss")]
+    assert len(history) == len(set(history)) >= 5  # rank 0's steps, once (autolog adds its epoch's value)
+    experiment = run.info.experiment_id
+    models = client.search_logged_models([experiment])
+    assert [m.source_run_id for m in models] == ([job.run_id] if mode == "autolog" else [])

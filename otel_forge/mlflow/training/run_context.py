@@ -21,6 +21,7 @@ from typing import Any
 from mlflow.tracking.context.abstract_context import RunContextProvider
 
 from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
+from otel_forge.node import NodeIdentity
 
 _logger = logging.getLogger(__name__)
 
@@ -110,9 +111,32 @@ def _record_worker_failure() -> None:
         install_failure_record()
 
 
+def _autolog_only_in_rank_zero() -> None:
+    """MLflow's autologging logs from every process that trains: under DDP its Lightning integration
+    opens a run and logs the model in each rank. In a job's rank other than 0 it stands down, as
+    Lightning's own loggers do (``rank_zero_only``): rank 0 logs the job's model, once.
+
+    MLflow has no public switch that outlasts a script's own ``mlflow.<flavor>.autolog()`` call; its
+    global one is what ``autologging_utils.disable_autologging()`` sets while MLflow logs a model.
+    """
+    node = NodeIdentity.detect()
+    # Lightning's DDP gives the ranks it starts LOCAL_RANK, not RANK.
+    if LaunchedRun.from_environ() is None or (node.is_global_zero and node.local_rank in (None, 0)):
+        return
+    try:
+        from mlflow.utils import autologging_utils
+    except Exception as error:  # noqa: BLE001 - never raise into MLflow's import
+        _logger.debug("MLflow autologging left on in this rank: %s", error)
+        return
+    if hasattr(autologging_utils, "_AUTOLOGGING_GLOBALLY_DISABLED"):
+        autologging_utils._AUTOLOGGING_GLOBALLY_DISABLED = True  # noqa: SLF001 - see above
+        _logger.debug("MLflow autologging is off in this rank: rank 0 logs the job's run")
+
+
 # MLflow imports this module as it imports itself, in every process of the job that uses it.
 _one_sampler_in_cmd()
 _record_worker_failure()
+_autolog_only_in_rank_zero()
 
 
 def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[str, str]]:
