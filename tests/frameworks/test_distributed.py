@@ -67,6 +67,16 @@ def test_a_failing_launcher_with_no_worker_record_names_a_worker(mlflow_server, 
     assert outcomes == {"otel_forge.outcome.node": "FAILED (a worker)"}
 
 
+def test_accelerate_in_two_processes_under_otel_forge_run_is_one_run(mlflow_server, client, tmp_path) -> None:
+    job = run_job(tmp_path, mlflow_server.uri, [*TORCHRUN, str(SCRIPTS / "accelerate_job.py"), "plain"], True)
+    assert job.result.returncode == 0, job.result.stderr[-3000:]
+    [run] = server_runs(client)[job.experiment]
+    assert run.info.run_id == job.run_id and run.info.status == "FINISHED"
+    assert set(run.data.params) >= ACCELERATE_CONFIG
+    assert steps(client, run.info.run_id, "loss") == list(range(5))  # the main process's, once
+    assert any(key.startswith("system/") for key in run.data.metrics)
+
+
 def test_accelerate_ranks_with_trainingrun_never_lose_the_param_race(mlflow_server, client, tmp_path) -> None:
     """``TrainingRun(config=CONFIG)`` in both ranks and accelerate's ``init_trackers(config=CONFIG)``:
     MLflow fails one of two writers inserting the same param at once. The run's description is in

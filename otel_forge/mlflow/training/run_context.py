@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import FrameType
 from typing import Any
 
 from mlflow.tracking.context.abstract_context import RunContextProvider
@@ -82,7 +83,7 @@ def _lightning_logger_experiment() -> str | None:
     by default), whatever run is open, and asks MLflow for the context's tags on the way: its frame is
     a few calls up from here, and the moment is when its run opens, before training, not at the end.
     """
-    frame = sys._getframe(1)  # noqa: SLF001 - the caller's frames, only as a run is created
+    frame: FrameType | None = sys._getframe(1)  # noqa: SLF001 - the caller's frames, only as a run is created
     for _ in range(_CALLER_FRAMES):
         if frame is None:
             return None
