@@ -93,6 +93,10 @@ class FanOutExporter(MetricExporter):
         """Per threaded sink, the collects a newer one replaced while it was busy."""
         return {type(thread.exporter).__name__: thread.skipped for thread in self._threads}
 
+    def skipped_by(self, exporter: MetricExporter) -> int:
+        """The collects a newer one replaced while ``exporter`` (a threaded sink) was busy."""
+        return sum(thread.skipped for thread in self._threads if thread.exporter is exporter)
+
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return all(sink.force_flush(timeout_millis) for sink in self.sinks)
 
