@@ -1,11 +1,13 @@
 """The CLI in-process: doctor's report and the one-line usage errors."""
 
+import argparse
 import json
 import os
+import shlex
 
 import pytest
 
-from otel_forge.cli import main
+from otel_forge.cli import build_parser, main
 
 
 def test_doctor_json_reports_collectors_config_sources_and_endpoints(capsys, monkeypatch):
@@ -100,7 +102,63 @@ def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["frobnicate"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.count("\n") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("usage: otel-forge ")  # the usage, then one line saying what is wrong
+    assert [line for line in err.splitlines() if "error" in line] == [err.splitlines()[-1]]
+
+
+@pytest.mark.parametrize(
+    ("argv", "last_line"),
+    [
+        (["run", "--experimnt", "x", "--", "true"], "unrecognized arguments: --experimnt; did you mean --experiment?"),
+        (["monitor", "--intervl", "3"], "unrecognized arguments: --intervl 3; did you mean --interval?"),
+        (["doctor", "--jsn"], "unrecognized arguments: --jsn; did you mean --json?"),
+    ],
+)
+def test_a_mistyped_flag_prints_the_commands_usage_and_the_flag_meant(argv, last_line, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: otel-forge {argv[0]} "), err
+    assert err.splitlines()[-1] == f"otel-forge {argv[0]}: error: {last_line}", err
+
+
+def test_a_flag_like_no_other_gets_no_guess(capsys):
+    with pytest.raises(SystemExit):
+        main(["monitor", "--zzzzzz"])
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(commands.choices)
+
+
+@pytest.mark.parametrize("name", ["run", "monitor", "doctor", "replay"])
+def test_every_command_has_a_wrapped_description_and_examples_that_parse(name):
+    command = _subcommands()[name]
+    text = command.format_help()
+    assert command.description, name
+    examples = [line.strip() for line in text.splitlines() if line.startswith("  otel-forge ")]
+    assert examples, text
+    for example in examples:
+        build_parser().parse_args(shlex.split(example)[1:])  # exits 2 on an example that does not parse
+    prose = [line for line in text.splitlines() if not line.startswith("  otel-forge ")]
+    assert max(len(line) for line in prose) <= 100, text
+
+
+def test_doctor_with_nothing_detected_never_prints_none(capsys, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "PMI", "OTEL_", "MLFLOW_", "KUBERNETES_")) or name in (
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "TORCHELASTIC_RUN_ID",
+        ):  # fmt: skip
+            monkeypatch.delenv(name)
+    assert main(["doctor", "--collectors", "cpu", "--no-prometheus"]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out, [line for line in out.splitlines() if "None" in line]
+    assert "node: id none (one node) host=" in out and "job: none" in out
 
 
 def test_doctor_shows_pending_spools_with_their_delivery_counts(tmp_path, capsys, monkeypatch):

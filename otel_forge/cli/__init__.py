@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import logging
@@ -15,10 +14,9 @@ from importlib.metadata import version
 from typing import NoReturn
 
 from otel_forge.cli import doctor, monitor, replay, run
+from otel_forge.cli.parser import USAGE_ERROR, CommandParser
 from otel_forge.config import MLFLOW_LOGGING_LEVEL_VAR, MLFLOW_RETRIES_VAR, ConfigError
 from otel_forge.pipeline import EndpointError
-
-USAGE_ERROR = 2
 
 
 class RepeatFilter(logging.Filter):
@@ -41,21 +39,14 @@ class RepeatFilter(logging.Filter):
         return True
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+def build_parser() -> CommandParser:
+    parser = CommandParser(
         prog="otel-forge",
         description="Hardware metrics of a training machine, to MLflow, Prometheus and OpenTelemetry.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument("--version", action="version", version=f"otel-forge {version('otel-forge')}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     for command in (run, monitor, doctor, replay):
         command.add_parser(commands)
     return parser
@@ -121,7 +112,7 @@ def console_main() -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     # CMD of `otel-forge run` gets the environment as the user set it, not our defaults below.
     child_environ = dict(os.environ)
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_command_line(argv)
     args.child_environ = child_environ
     configure_process(args.verbose)
     try:

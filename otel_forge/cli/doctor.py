@@ -28,7 +28,16 @@ DEFAULT_TRACKING = "MLflow's default (./mlflow.db)"
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("doctor", help="explain what the agent finds on this machine")
+    parser = commands.add_parser(
+        "doctor",
+        help="explain what the agent finds on this machine",
+        description=(
+            "Say what the agent finds here and why: each collector, present or absent and the reason; the "
+            "node and job it belongs to; every setting with its value and where it came from; the "
+            "endpoints; and what waits in spools for a tracking server."
+        ),
+        epilog="examples:\n  otel-forge doctor\n  otel-forge doctor --json",
+    )
     add_agent_options(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(run=run)
@@ -182,10 +191,10 @@ def _print_inventory(inventory: dict[str, Any]) -> None:
         gpus = vendor.get("gpus") or []
         names = ", ".join(sorted({str(gpu.get("name")) for gpu in gpus})) or "none"
         print(
-            f"  gpu      {len(gpus)} x {names} ({vendor.get('vendor')}, driver {vendor.get('driver_version')}, "
-            f"CUDA {vendor.get('cuda_version')})"
+            f"  gpu      {len(gpus)} x {names} ({vendor.get('vendor')}, driver {_shown(vendor.get('driver_version'))}, "
+            f"CUDA {_shown(vendor.get('cuda_version'))})"
         )
-    print("  packages " + ", ".join(f"{name} {version}" for name, version in inventory["packages"].items()))
+    print("  packages " + ", ".join(f"{name} {_shown(version)}" for name, version in inventory["packages"].items()))
     if inventory.get("kubernetes"):
         print(f"  k8s      {KubernetesIdentity(**inventory['kubernetes']).describe()}")
 
@@ -194,6 +203,11 @@ def _not_used(setting: Setting, source: Source) -> list[str]:
     """The setting's variables that are set but lost to the source that won (e.g.
     ``OTEL_METRIC_EXPORT_INTERVAL`` under ``OTEL_FORGE_SAMPLING_INTERVAL``)."""
     return [name for name in setting.env_set(os.environ) if source != Source(Origin.ENV, name)]
+
+
+def _shown(value: Any) -> str:
+    """A value as the text report shows it: "none" where there is none, never Python's ``None``."""
+    return "none" if value is None or value == "" else str(value)
 
 
 def _plain(value: Any) -> Any:
@@ -214,17 +228,18 @@ def _print_text(report: dict[str, Any]) -> None:
         else:
             print(f"  {name:<8} absent: {entry['reason']}")
     node = report["node"]
-    print(
-        f"node: id={node['node_id']} ({node['node_id_source']}) host={node['hostname']} rank={node['rank']} "
-        f"local_rank={node['local_rank']} world_size={node['world_size']}"
-    )
-    print(f"job: key={node['job_key']} ({node['job_key_source']})")
+    # A plain process has no launcher: what it would set is left out, not shown as None.
+    places = [f"{name}={node[name]}" for name in ("rank", "local_rank", "world_size") if node[name] is not None]
+    node_id = f"id={node['node_id']} ({node['node_id_source']}) " if node["node_id"] else "id none (one node) "
+    print(f"node: {node_id}host={node['hostname']}{''.join(' ' + place for place in places)}")
+    job_key = f"key={node['job_key']} ({node['job_key_source']})" if node["job_key"] else "none (no launcher names one)"
+    print(f"job: {job_key}")
     print(f"mlflow: {report['mlflow_keys']['keys']} ({report['mlflow_keys']['why']})")
     _print_inventory(report["inventory"])
     print("config:")
     for name, entry in report["config"].items():
         lost = f"; set but not used: {', '.join(entry['not_used'])}" if entry.get("not_used") else ""
-        print(f"  {name:<22} {entry['value']!s:<30} ({entry['source']}{lost})")
+        print(f"  {name:<22} {_shown(entry['value']):<30} ({entry['source']}{lost})")
     print("endpoints:")
     for name, status in report["endpoints"].items():
         print(f"  {name:<10} {status}")

@@ -18,7 +18,20 @@ if TYPE_CHECKING:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("monitor", help="run the node agent")
+    parser = commands.add_parser(
+        "monitor",
+        help="run the node agent",
+        description=(
+            "Sample this node (CPU, memory, disk, network, NVIDIA and AMD GPUs, a process tree) once per "
+            "interval and hand each sample to every sink: /metrics for Prometheus, OTLP to a Collector "
+            "(--otlp-endpoint), and an MLflow run as system/... metrics (--run-id). Runs until stopped."
+        ),
+        epilog=(
+            "examples:\n"
+            "  otel-forge monitor --prometheus-port 9464\n"
+            "  otel-forge monitor --run-id 0123456789abcdef0123456789abcdef --duration 600"
+        ),
+    )
     add_agent_options(parser)
     parser.add_argument("--duration", metavar="S", help="stop after S seconds (default: until stopped)")
     parser.set_defaults(run=run)

@@ -14,7 +14,19 @@ from otel_forge.scrub import error_line
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("replay", help="deliver what a spool directory keeps")
+    parser = commands.add_parser(
+        "replay",
+        help="deliver what a spool directory keeps",
+        description=(
+            "Deliver to MLflow what a process kept while the tracking server did not answer: a job's "
+            "values, windows and run end, each once, in the run it would have had."
+        ),
+        epilog=(
+            "examples:\n"
+            "  otel-forge replay ~/.cache/otel-forge/spool/run-20261204-101500-4242\n"
+            "  otel-forge replay --all"
+        ),
+    )
     parser.add_argument(
         "path", nargs="?", help="the spool directory otel-forge named (one spool, or a job's directory of spools)"
     )

@@ -67,11 +67,11 @@ def add_parser(commands: Any) -> None:
             "sampled into it as system/... metrics and served on /metrics while CMD runs."
         ),
         epilog=(
-            "example:\n"
+            "examples:\n"
             "  otel-forge run --experiment llm -- python train.py --lr 3e-4\n"
-            "  torchrun --nnodes 2 --nproc-per-node 8 ... : otel-forge run -- python train.py  (one per node)"
+            "  otel-forge run -- torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-id job7 train.py\n"
+            "Under a launcher, run it once per node, around the launcher (torchrun's options name the node)."
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--experiment", help="experiment name (default: MLFLOW_EXPERIMENT_NAME, else otel-forge)")
     parser.add_argument("--run-name", help="name of a new run")
