@@ -94,6 +94,7 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
     """Spool directories left by a close: what is pending and how delivery went. A run's journal
     counts the metric values not delivered yet and says whether the run still has to be ended."""
     from otel_forge.mlflow.spool_files import HEADER, STATS, spool_root, writer_alive
+    from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
     from otel_forge.mlflow.training.run_journal import KIND as JOURNAL
     from otel_forge.mlflow.training.run_journal import undelivered
 
@@ -105,7 +106,7 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
         directory = header.parent
         info = json.loads(header.read_text())
         stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}
-        pending = len(list(directory.glob("*.window.json")))
+        pending = len(WindowSpool.pending_files(directory))
         if info.get("kind") == JOURNAL:
             left = undelivered(directory)
             pending = left.values

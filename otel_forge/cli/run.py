@@ -185,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     # CMD is a launcher: the job's outcome names its worker that failed, never our own rank.
     worker = take_failed_worker(spool) if launch.workers_here else None
     _end(training_run, status, watchdog, stopping, worker if status != "FINISHED" else None)
+    if training_run.run_id is None:
+        _say_nothing_delivered(training_run, spool)
     remove_if_empty(spool)
     return code if code >= 0 else 128 - code
 
@@ -245,6 +247,19 @@ def _say_unanswered(training_run: Any, command: list[str], error: BaseException)
         f"otel-forge: MLflow at {uri_without_credentials(training_run.tracking_uri)} does not answer: "
         f"{unanswered_reason(error)}; {scrub(' '.join(command[:2]))} runs, everything is kept in {spool}, "
         f"otel-forge replay {spool} delivers it",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _say_nothing_delivered(training_run: Any, spool: Path) -> None:
+    """The job's last line when its run never opened: what waits, where, and the command that delivers it."""
+    from otel_forge.mlflow.replay import kept_in
+
+    values, windows = kept_in(spool)
+    print(
+        f"otel-forge: nothing reached MLflow at {uri_without_credentials(training_run.tracking_uri)}: {values} "
+        f"value(s) and {windows} system-metrics window(s) are kept in {spool}; otel-forge replay {spool} delivers them",
         file=sys.stderr,
         flush=True,
     )

@@ -16,7 +16,7 @@ from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
-from otel_forge.mlflow.training.run_journal import is_journal, read_header
+from otel_forge.mlflow.training.run_journal import is_journal, read_header, undelivered
 
 _logger = logging.getLogger(__name__)
 
@@ -65,6 +65,17 @@ def spools_in(path: Path) -> list[Path]:
         return [path]
     found = sorted(header.parent for header in path.glob(f"*/{HEADER}"))
     return sorted(found, key=lambda spool: (not is_journal(spool), not is_launchers_journal(spool)))
+
+
+def kept_in(path: Path) -> tuple[int, int]:
+    """The metric values (in runs' journals) and system-metrics windows the spools in ``path`` keep."""
+    values = windows = 0
+    for spool in spools_in(path) if path.is_dir() else []:
+        if is_journal(spool):
+            values += undelivered(spool).values
+        else:
+            windows += len(WindowSpool.pending_files(spool))
+    return values, windows
 
 
 def left_in(root: Path) -> list[Path]:

@@ -822,6 +822,47 @@ def test_without_a_tracking_uri_the_run_lands_in_mlflow_db_of_the_working_direct
 # --- no server ---------------------------------------------------------------------------------------
 
 
+def test_a_job_whose_server_never_answered_says_so_last_and_its_replay_keeps_the_scripts_run_name(
+    mlflow_server, client, tmp_path
+) -> None:
+    experiment = unique("never-answered")
+    down = f"http://127.0.0.1:{free_port()}"
+    env = forge_environ(
+        tmp_path,
+        MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+        OTEL_FORGE_CALL_DEADLINE="1",
+        OTEL_FORGE_START_WAIT="2",
+        OTEL_FORGE_DRAIN_DEADLINE="2",
+    )
+    example = [sys.executable, str(EXAMPLES / "train_with_trainingrun.py"), "--steps", "20"]
+    result = run_forge(
+        ["--tracking-uri", down, "--no-prometheus", "--interval", INTERVAL, "--experiment", experiment, "--", *example],
+        cwd=tmp_path,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    # The script says where its run will be, not None; the job's last line says nothing was delivered.
+    assert f"MLflow run 'example-trainingrun' in experiment {experiment}, once otel-forge replay" in result.stdout
+    last = result.stderr.splitlines()[-1]
+    found = re.fullmatch(
+        rf"otel-forge: nothing reached MLflow at {down}: (\d+) value\(s\) and (\d+) system-metrics window\(s\) "
+        r"are kept in (\S+); otel-forge replay (\S+) delivers them",
+        last,
+    )
+    assert found and found.group(3) == found.group(4), last
+    assert int(found.group(1)) == 20 * 3  # the example logs 3 values a step
+    assert int(found.group(2)) >= 1
+    replayed = subprocess.run(
+        [sys.executable, "-m", "otel_forge.cli", "replay", found.group(3), "--tracking-uri", mlflow_server.uri],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert run.info.run_name == "example-trainingrun"  # the name the script gave, as online
+    assert run.info.status == "FINISHED"
+    assert steps_of(client, run.info.run_id, "train/loss") == list(range(20))
+
+
 def test_server_down_at_start_cmd_still_runs_and_its_exit_code_is_returned(tmp_path) -> None:
     seen = tmp_path / "env.json"
     # Credentials in the URI: they must not reach a message.
@@ -853,10 +894,13 @@ def test_server_down_at_start_cmd_still_runs_and_its_exit_code_is_returned(tmp_p
     assert "cmd ran" in result.stdout
     assert "Traceback" not in result.stderr
     assert "MLflow logging disabled" not in result.stderr  # an outage, waited for, not a reason to give up
-    # One line: what the run would have held is kept for `otel-forge replay` (the server never answered).
-    (said,) = result.stderr.splitlines()
+    # A line at the start: what the run would have held is kept for `otel-forge replay`; one at the end:
+    # nothing reached the server, what waits where, the command that delivers it.
+    said, ended = result.stderr.splitlines()
     assert said.startswith("otel-forge: MLflow at http://127.0.0.1:") and "does not answer: connection refused" in said
     job_dir = Path(said.rsplit("otel-forge replay ", 1)[1].removesuffix(" delivers it"))
+    assert ended.startswith("otel-forge: nothing reached MLflow at http://127.0.0.1:"), ended
+    assert ended.endswith(f"are kept in {job_dir}; otel-forge replay {job_dir} delivers them"), ended
     kept = sorted(path.name.split("-")[0] for path in job_dir.iterdir())
     assert kept == ["journal", "pending"], kept  # the run's journal (its description and end); the node's windows
     assert "s3cr3t-token" not in result.stderr + result.stdout

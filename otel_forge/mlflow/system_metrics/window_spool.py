@@ -70,6 +70,11 @@ class WindowSpool:
     def __len__(self) -> int:
         return len(self._sequences)
 
+    @staticmethod
+    def pending_files(path: Path) -> list[Path]:
+        """The windows a spool directory keeps, without opening it (another process may write it)."""
+        return sorted(path.glob(f"*{_SUFFIX}"))
+
     def _file(self, sequence: int) -> Path:
         return self.path / f"{sequence:012d}{_SUFFIX}"
 

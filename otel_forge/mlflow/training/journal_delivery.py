@@ -471,8 +471,12 @@ class JournalDelivery:
             self._client = make_client(self._uri)
         known = self._cursor.opened or self._cursor.run
         if known is None and (job_run := self._job_run() if self._job_run else None) is not None:
-            # The launcher's run, opened by its own journal's delivery: this journal describes it too.
+            # The launcher's run, opened by its own journal's delivery: this journal describes it too,
+            # and names it as the script did (online, the script's TrainingRun renames the run handed to it).
             known = {"run_id": job_run, "experiment": self._cursor.plan.get("experiment"), "describe": True}
+            if name := self._cursor.plan.get("named"):
+                Record("run_name", name).deliver(self._client, job_run)
+                known["run_name"] = name
         if known is None:
             if not self._writer_done:
                 raise _RunPending()

@@ -127,6 +127,7 @@ class RunPlan:
             "experiment_id": self.forge_config.experiment_id,
             "run_id": self.requested_run_id,
             "run_name": self.run_name or default_run_name,
+            "named": self.run_name,  # the name the script gave: the launcher's run takes it, as online
             "tags": dict(tags),
             "node": dataclasses.asdict(self.node),
             "launched": self.launched,
