@@ -1,7 +1,9 @@
 """Session fixtures: one real ``mlflow server``, its client, a basic-auth ``mlflow server`` and a TLS
 proxy in front of the first (started only for the tests that ask for them), and the socket watch
-(tests/socket_io.py); the ``slow`` marker on every test that needs a server process."""
+(tests/socket_io.py); the ``slow`` marker on every test that needs a server process; what
+``./run-tests --no-system`` leaves out."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -59,9 +61,75 @@ _SLOW_FOLDERS = {
 _SLOW_FIXTURES = {"mlflow_server", "client", "auth_server", "tls_proxy"}
 
 
+# `./run-tests --no-system` (OTEL_FORGE_NO_SYSTEM=1) installs no Debian package, and leaves out the tests
+# that run a program of the system's: by a part of their id (a file, a parameter) or a fixture they use.
+# Where torch's CPU build cannot be installed (OTEL_FORGE_NO_TORCH=1), the tests that need torch go too.
+NO_SYSTEM_ENV, NO_TORCH_ENV = "OTEL_FORGE_NO_SYSTEM", "OTEL_FORGE_NO_TORCH"
+_TORCH_TESTS = {
+    "frameworks/": "torch",
+    "multinode/test_torchrun.py": "torch",
+    "multinode/test_torchrun_elastic.py": "torch",
+    "multinode/test_pytorchjob.py": "torch",
+}
+_SYSTEM_PROGRAM_TESTS = {
+    "collector_config/test_alert_rules_live.py": "Prometheus",
+    "collector_config/test_promtool.py": "promtool",
+    "collector_config/test_rule_units.py": "promtool",
+    "conformance/test_promtool.py": "promtool",
+    "dashboards/test_dashboard_queries.py": "Prometheus",
+    "integration/test_prometheus_scrape.py": "Prometheus",
+    "mlflow/test_ui_reads_well.py": "Chromium",
+    "multinode/test_fleet_start_stop.py::test_a_big_jobs_first_and_last_windows[postgresql]": "PostgreSQL",
+    "deploy/test_deploy_files.py::test_the_unit_passes_systemd_analyze_verify": "systemd-analyze",
+    "deploy/test_deploy_files.py::test_verify_as_run_here_fails_a_unit_with_an_unknown_directive": "systemd-analyze",
+}
+_SYSTEM_PROGRAM_FIXTURES = {"browser": "Chromium"}
+_left_out: dict[str, list[str]] = {}  # program -> the test ids left out for it
+
+
+def _system_program(item: pytest.Item, tests: Path) -> str | None:
+    """What the test needs that this run was told is missing (``NO_SYSTEM_ENV``, ``NO_TORCH_ENV``)."""
+    test_id = "::".join([item.path.relative_to(tests).as_posix(), *item.nodeid.split("::")[1:]])
+    missing: dict[str, str] = {}
+    if os.environ.get(NO_SYSTEM_ENV) == "1":
+        missing.update(_SYSTEM_PROGRAM_TESTS)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if found := next((program for name, program in _SYSTEM_PROGRAM_FIXTURES.items() if name in fixtures), None):
+            return found
+    if os.environ.get(NO_TORCH_ENV) == "1":
+        missing.update(_TORCH_TESTS)
+    for part, program in missing.items():
+        if (
+            test_id == part
+            or test_id.startswith((part + "::", part + "["))
+            or (part.endswith("/") and test_id.startswith(part))
+        ):
+            return program
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     for item in items:
         folder = item.path.relative_to(tests).parts[0]
         if folder in _SLOW_FOLDERS or _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get(NO_SYSTEM_ENV) != "1" and os.environ.get(NO_TORCH_ENV) != "1":
+        return
+    kept = []
+    for item in items:
+        if (program := _system_program(item, tests)) is None:
+            kept.append(item)
+        else:
+            _left_out.setdefault(program, []).append(item.nodeid)
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for program, test_ids in sorted(_left_out.items()):
+        files = sorted({test_id.split("::")[0] for test_id in test_ids})
+        terminalreporter.write_line(
+            f"left out {len(test_ids)} test(s) that need {program} (not installed here), in {', '.join(files)}"
+        )

@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import tomllib
 import yaml
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the package's own dependency, tomli, is the same parser
+    import tomli as tomllib
 
 from otel_forge.mlflow.training.run_metadata import redact
 from otel_forge.scrub import SecretKeys, scrub, uri_without_credentials

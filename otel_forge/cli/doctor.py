@@ -7,9 +7,11 @@ import argparse
 import json
 import os
 import socket
+import sys
 import urllib.parse
 import urllib.request
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from otel_forge.cli.options import add_agent_options, config_from_args
@@ -167,7 +169,19 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
         },
         "tracking": tracking,
         "spools": _spools(config),
+        "files": _shipped_files(),
     }
+
+
+def _shipped_files() -> str | None:
+    """Where the dashboards and Collector configs are: the wheel installs them under
+    ``<prefix>/share/otel-forge``; a checkout has them at its root."""
+    import otel_forge
+
+    for where in (Path(sys.prefix) / "share" / "otel-forge", Path(otel_forge.__file__).resolve().parents[1]):
+        if (where / "dashboards").is_dir() and (where / "collector-config").is_dir():
+            return str(where)
+    return None
 
 
 def _mlflow_keys(config: ForgeConfig, node: NodeIdentity) -> dict[str, Any]:
@@ -244,6 +258,7 @@ def _print_text(report: dict[str, Any]) -> None:
     print("endpoints:")
     for name, status in report["endpoints"].items():
         print(f"  {name:<10} {status}")
+    print(f"files: dashboards/ and collector-config/ in {_shown(report['files'])}")
     print("mlflow spools:" if report["spools"] else "mlflow spools: none pending")
     for spool in report["spools"]:
         counts = ", ".join(f"{k} {v}" for k, v in spool["stats"].items())

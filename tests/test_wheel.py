@@ -1,0 +1,52 @@
+"""The wheel as a user who has only it installs it: built with one command, installed into a fresh
+virtual environment, it answers ``--version``, says where its dashboards and Collector configs are,
+and holds them there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow  # builds a wheel and a virtual environment: seconds, not the inner loop
+
+
+def _run(*command: str | Path, cwd: Path | None = None) -> str:
+    result = subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment holding the wheel (its dependencies seen from this Python's)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    # The README's one command, with the build isolation off: no index to fetch setuptools from.
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", REPO_ROOT)
+    [wheel] = (tmp / "dist").glob("otel_forge-*.whl")
+    _run(sys.executable, "-m", "venv", "--system-site-packages", tmp / "venv")
+    _run(tmp / "venv" / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", wheel)
+    return tmp / "venv"
+
+
+def test_the_installed_wheel_answers_its_version(installed: Path) -> None:
+    from importlib.metadata import version
+
+    assert _run(installed / "bin" / "otel-forge", "--version").strip() == f"otel-forge {version('otel-forge')}"
+
+
+def test_the_wheel_installs_its_dashboards_and_collector_configs_and_doctor_names_them(installed: Path) -> None:
+    share = installed / "share" / "otel-forge"
+    shipped = {path.relative_to(REPO_ROOT / "dashboards") for path in (REPO_ROOT / "dashboards").glob("*.json")}
+    assert shipped and {p.relative_to(share / "dashboards") for p in (share / "dashboards").glob("*.json")} == shipped
+    for name in ("agent.yaml", "gateway.yaml", "prometheus.yml", "alert-rules.yml", "recording-rules.yml"):
+        assert (share / "collector-config" / name).read_text() == (REPO_ROOT / "collector-config" / name).read_text()
+    doctor = json.loads(
+        _run(installed / "bin" / "otel-forge", "doctor", "--json", "--collectors", "cpu", "--no-prometheus", cwd=share)
+    )
+    assert Path(doctor["files"]) == share
