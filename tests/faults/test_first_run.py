@@ -71,7 +71,7 @@ def test_a_fresh_local_store_opens_before_the_command_without_a_warning(tmp_path
     assert (tmp_path / "mlflow.db").exists()
 
 
-def test_an_unreachable_server_is_one_line_and_the_job_runs(tmp_path) -> None:
+def test_an_unreachable_server_is_one_line_at_the_start_one_at_the_end_and_the_job_runs(tmp_path) -> None:
     down = f"http://127.0.0.1:{free_port()}"
     spool = tmp_path / "spool"
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(spool)}, prefixes=("OTEL_", "MLFLOW_"))
@@ -86,7 +86,10 @@ def test_an_unreachable_server_is_one_line_and_the_job_runs(tmp_path) -> None:
     assert forge.returncode == 0, lines
     assert "cmd started None" in out  # CMD ran, with no run to attach to yet
     (job_dir,) = spool.iterdir()
-    assert lines == [
+    assert lines[0] == (
         f"otel-forge: MLflow at {down} does not answer: connection refused; {sys.executable} -c runs, "
         f"everything is kept in {job_dir}, otel-forge replay {job_dir} delivers it\n"
-    ]
+    )
+    # The job's last line: nothing was delivered, what waits where, and the command (issue 34).
+    assert len(lines) == 2 and lines[1].startswith(f"otel-forge: nothing reached MLflow at {down}: "), lines
+    assert lines[1].endswith(f"are kept in {job_dir}; otel-forge replay {job_dir} delivers them\n"), lines
