@@ -6,6 +6,7 @@ answers."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import uuid
@@ -57,7 +58,8 @@ def test_a_job_whose_server_never_answers_keeps_everything_for_replay(named, mlf
 
     assert job.returncode == 0, job.stderr
     assert "Traceback" not in job.stderr
-    # One line says it all: what happened, where everything is kept, the command that delivers it.
+    # One line says it all: what happened, where everything is kept, the command that delivers it; the
+    # job's last line says nothing was delivered, and what waits there.
     (job_dir,) = [path for path in spool.iterdir() if path.is_dir()]
     said = [
         f"otel-forge: MLflow at {down} does not answer: connection refused; {sys.executable} -c runs, "
@@ -69,7 +71,13 @@ def test_a_job_whose_server_never_answers_keeps_everything_for_replay(named, mlf
             f"run opened, in experiment {experiment}; experiment {named}, named here, is not used (otel-forge run "
             f"--experiment {named} puts the job there)"
         )
-    assert job.stderr.splitlines() == said, job.stderr
+    *lines, last = job.stderr.splitlines()
+    assert lines == said, job.stderr
+    kept_line = re.escape(f"otel-forge: nothing reached MLflow at {down}: {STEPS} value(s) and ") + r"([1-9]\d*)"
+    kept_line += re.escape(
+        f" system-metrics window(s) are kept in {job_dir}; otel-forge replay {job_dir} delivers them"
+    )
+    assert re.fullmatch(kept_line, last), last
     kept = sorted(path for path in job_dir.iterdir() if path.is_dir())
     journals = [path for path in kept if is_journal(path)]
     windows = [path for path in kept if not is_journal(path)]
