@@ -5,6 +5,7 @@ and holds them there."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,11 @@ pytestmark = pytest.mark.slow  # builds a wheel and a virtual environment: secon
 
 
 def _run(*command: str | Path, cwd: Path | None = None) -> str:
-    result = subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True, text=True, timeout=300)
+    # As a user's shell runs it: no PYTHONPATH pointing into a checkout.
+    environ = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    result = subprocess.run(
+        [str(part) for part in command], cwd=cwd, env=environ, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -30,7 +35,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", REPO_ROOT)
     [wheel] = (tmp / "dist").glob("otel_forge-*.whl")
     _run(sys.executable, "-m", "venv", "--system-site-packages", tmp / "venv")
-    _run(tmp / "venv" / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", wheel)
+    # --ignore-installed: this Python's own otel-forge (an editable checkout) is seen through the
+    # system site-packages, and must not stand for the wheel.
+    _run(tmp / "venv" / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel)
     return tmp / "venv"
 
 
