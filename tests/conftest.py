@@ -130,6 +130,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for program, test_ids in sorted(_left_out.items()):
         files = sorted({test_id.split("::")[0] for test_id in test_ids})
-        terminalreporter.write_line(
-            f"left out {len(test_ids)} test(s) that need {program}, in {', '.join(files)}"
-        )
+        terminalreporter.write_line(f"left out {len(test_ids)} test(s) that need {program}, in {', '.join(files)}")
