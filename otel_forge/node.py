@@ -62,6 +62,13 @@ def _first_int(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None
     return None
 
 
+def is_first_process(environ: Mapping[str, str] | None = None) -> bool:
+    """Global rank 0 of the job, or a process outside any launcher; read from the variables alone (no
+    ``NodeIdentity``). Lightning's DDP gives the ranks it starts ``LOCAL_RANK`` only, so that counts too."""
+    environ = os.environ if environ is None else environ
+    return _first_int(environ, _RANK_VARS) in (None, 0) and _first_int(environ, _LOCAL_RANK_VARS) in (None, 0)
+
+
 def host_node_id(hostname: str) -> str:
     """A node id from a host name (``gpu-07.cluster.local`` -> ``gpu-07``): stable, key-safe."""
     short = hostname.split(".")[0] or hostname

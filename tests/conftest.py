@@ -87,7 +87,7 @@ _SYSTEM_PROGRAM_FIXTURES = {"browser": "Chromium"}
 _left_out: dict[str, list[str]] = {}  # program -> the test ids left out for it
 
 
-def _system_program(item: pytest.Item, tests: Path) -> str | None:
+def _missing_need(item: pytest.Item, tests: Path) -> str | None:
     """What the test needs that this run was told is missing (``NO_SYSTEM_ENV``, ``NO_TORCH_ENV``)."""
     test_id = "::".join([item.path.relative_to(tests).as_posix(), *item.nodeid.split("::")[1:]])
     missing: dict[str, str] = {}
@@ -118,7 +118,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     kept = []
     for item in items:
-        if (program := _system_program(item, tests)) is None:
+        if (program := _missing_need(item, tests)) is None:
             kept.append(item)
         else:
             _left_out.setdefault(program, []).append(item.nodeid)

@@ -176,9 +176,7 @@ def diagnose(config: ForgeConfig) -> dict[str, Any]:
 def _shipped_files() -> str | None:
     """Where the dashboards and Collector configs are: the wheel installs them under
     ``<prefix>/share/otel-forge``; a checkout has them at its root."""
-    import otel_forge
-
-    for where in (Path(sys.prefix) / "share" / "otel-forge", Path(otel_forge.__file__).resolve().parents[1]):
+    for where in (Path(sys.prefix) / "share" / "otel-forge", Path(__file__).resolve().parents[2]):
         if (where / "dashboards").is_dir() and (where / "collector-config").is_dir():
             return str(where)
     return None

@@ -22,7 +22,7 @@ from typing import Any
 from mlflow.tracking.context.abstract_context import RunContextProvider
 
 from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
-from otel_forge.node import NodeIdentity
+from otel_forge.node import is_first_process
 
 _logger = logging.getLogger(__name__)
 
@@ -94,25 +94,26 @@ def _lightning_logger_experiment() -> str | None:
     return None
 
 
-def _one_sampler_in_cmd() -> None:
-    """Under ``otel-forge run``, whose agent samples the node: MLflow's own monitor stands down in
-    CMD, also where its code asks for it (``start_run(log_system_metrics=True)``)."""
+def _in_a_process_of_the_job() -> None:
+    """In a process handed the job's run (under ``otel-forge run``, or a ``TrainingRun``'s children):
+    MLflow's own monitor stands down where our agent samples the node, also where the code asks for it
+    (``start_run(log_system_metrics=True)``); a launcher's worker records its own failure
+    (``worker_ends``); and MLflow's autologging logs from rank 0 only."""
     launched = LaunchedRun.from_environ()
-    if launched is not None and launched.run_id is not None and launched.sampled_node is not None:
+    if launched is None:
+        return
+    if launched.run_id is not None and launched.sampled_node is not None:
         from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 
         stand_down_mlflow_sampler(launched.run_id)
+    from otel_forge.mlflow.training.worker_ends import install_failure_record
+
+    install_failure_record()
+    if not is_first_process():
+        _autologging_off()
 
 
-def _record_worker_failure() -> None:
-    """A launcher's worker under ``otel-forge run`` records its own failure (``worker_ends``)."""
-    if LaunchedRun.from_environ() is not None:
-        from otel_forge.mlflow.training.worker_ends import install_failure_record
-
-        install_failure_record()
-
-
-def _autolog_only_in_rank_zero() -> None:
+def _autologging_off() -> None:
     """MLflow's autologging logs from every process that trains: under DDP its Lightning integration
     opens a run and logs the model in each rank. In a job's rank other than 0 it stands down, as
     Lightning's own loggers do (``rank_zero_only``): rank 0 logs the job's model, once.
@@ -120,10 +121,6 @@ def _autolog_only_in_rank_zero() -> None:
     MLflow has no public switch that outlasts a script's own ``mlflow.<flavor>.autolog()`` call; its
     global one is what ``autologging_utils.disable_autologging()`` sets while MLflow logs a model.
     """
-    node = NodeIdentity.detect()
-    # Lightning's DDP gives the ranks it starts LOCAL_RANK, not RANK.
-    if LaunchedRun.from_environ() is None or (node.is_global_zero and node.local_rank in (None, 0)):
-        return
     try:
         from mlflow.utils import autologging_utils
     except Exception as error:  # noqa: BLE001 - never raise into MLflow's import
@@ -135,9 +132,7 @@ def _autolog_only_in_rank_zero() -> None:
 
 
 # MLflow imports this module as it imports itself, in every process of the job that uses it.
-_one_sampler_in_cmd()
-_record_worker_failure()
-_autolog_only_in_rank_zero()
+_in_a_process_of_the_job()
 
 
 def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[str, str]]:
