@@ -4,12 +4,28 @@ proxy in front of the first (started only for the tests that ask for them), and 
 ``./run-tests --no-system`` leaves out."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from socket_io import socket_io  # noqa: F401 - a fixture for every test
 
 from testkit.mlflow_server import MlflowServer
+
+_CACHE = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # What the tests' processes leave in the default spool root stays in the session's own cache: in
+    # the user's ~/.cache, every later otel-forge process (a test's, the user's) would try to deliver
+    # it to a test server long gone.
+    config.stash[_CACHE] = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="otel-forge-tests-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if cache := config.stash.get(_CACHE, None):
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -107,7 +107,9 @@ def replay_journal(path: Path, tracking_uri: str | None = None, job_run_id: str 
     """A run's journal, delivered as its delivery process would have: the run opened as the training
     process would have opened it, every record in order, the run ended as it ended (KILLED where
     its process died without ending it)."""
-    delivery = JournalDelivery(path, tracking_uri=tracking_uri, fsync_s=0.0, patience_s=0.0, job_run=lambda: job_run_id)
+    delivery = JournalDelivery(
+        path, tracking_uri=tracking_uri, fsync_s=0.0, patience_s=0.0, job_run=lambda: job_run_id, caller_reports=True
+    )
     outcome = delivery.run()
     if outcome is Delivered.BUSY:
         raise SpoolBusy(f"another process is delivering {path} now")

@@ -8,6 +8,7 @@ window); then the server answers, and two agents of the next job start on the sa
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -16,9 +17,10 @@ from typing import Any
 
 from run_reading import anchor_steps
 
-from testkit.hermetic import hermetic_environ
+from otel_forge.mlflow.leftovers import LeftoverDelivery
+from testkit.hermetic import fail_fast_http, hermetic_environ
 from testkit.proxy import LOG_BATCH, MlflowProxy, Mode
-from testkit.servers import REPO_ROOT, wait_for
+from testkit.servers import REPO_ROOT, free_port, wait_for
 
 PARENT_TAG, NODE_TAG = "mlflow.parentRunId", "otel_forge.node.id"
 
@@ -110,3 +112,35 @@ def _ended(client: Any, experiment_id: str, job_run: str, nodes: dict[str, int])
 
 def _statuses(client: Any, experiment_id: str, job_run: str) -> dict[str, str]:
     return {node: run.info.status for node, run in _node_runs(client, experiment_id, job_run).items()}
+
+
+LEAVE_A_JOURNAL = """
+from otel_forge import ForgeConfig, TrainingRun
+with TrainingRun(tracking_uri={uri!r}, experiment="gone", system_metrics=False,
+                 forge_config=ForgeConfig.resolve(start_wait_s=0)) as run:
+    run.log({{"loss": 1.0}}, step=0)
+"""
+
+
+def test_a_spool_whose_server_is_gone_is_kept_quietly_by_every_later_start(tmp_path, caplog, monkeypatch):
+    """The process that could not deliver says so once (a WARNING with the replay command); a later
+    process's background delivery that fails again says so at INFO only, so a user's every later job
+    does not warn about a server that is gone."""
+    root, dead = tmp_path / "spool", f"http://127.0.0.1:{free_port()}"
+    fail_fast_http(monkeypatch, 5)
+    env = hermetic_environ(
+        {"OTEL_FORGE_SPOOL_DIR": str(root), "OTEL_FORGE_DELIVERY_PATIENCE": "1", "PYTHONPATH": str(REPO_ROOT)},
+    )
+    first = subprocess.run(
+        [sys.executable, "-c", LEAVE_A_JOURNAL.format(uri=dead)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert first.returncode == 0 and "WARNING" in first.stderr and "otel-forge replay" in first.stderr, first.stderr
+    (journal,) = root.glob("journal-*")
+
+    caplog.set_level(logging.INFO, logger="otel_forge")
+    LeftoverDelivery(root, "next-job", spread_s=0.0).start()
+    wait_for(lambda: "is kept" in caplog.text, 60, 0.1, lambda: f"the leftover tried: {caplog.text}")
+    ours = [record for record in caplog.records if record.name.startswith("otel_forge")]
+    assert [record for record in ours if record.levelno >= logging.WARNING] == [], caplog.text
+    assert journal.exists() and f"{journal} is kept (" in caplog.text

@@ -160,8 +160,12 @@ class JournalDelivery:
         patience_s: float = 600.0,
         on_run: Callable[[OpenRun], None] | None = None,
         job_run: Callable[[], str | None] | None = None,
+        caller_reports: bool = False,
     ) -> None:
         self.directory = directory
+        # A replay's caller says what was delivered and what is kept (the CLI's line, the leftovers'
+        # INFO): the lines meant for a live run's user would repeat it at every start.
+        self._caller_reports = caller_reports
         self._header = read_header(directory)
         self._uri = tracking_uri or self._header.get("tracking_uri")
         self._flush_interval_s = flush_interval_s
@@ -261,11 +265,13 @@ class JournalDelivery:
                 experiment = (self._run.experiment if self._run else None) or self._cursor.plan.get("experiment")
                 self.cause = outage_cause(error, experiment) or unanswered_reason(error)
                 if outcome is Outcome.STOP:
-                    _logger.warning("MLflow: delivery of %s stopped: %s", self.directory, error_line(error))
+                    _logger.log(
+                        self._notice_level(), "MLflow: delivery of %s stopped: %s", self.directory, error_line(error)
+                    )
                     return Delivered.LEFT
                 if outcome is not Outcome.DROP:
                     self._warnings.log(
-                        kept_notice_level(self.directory), "retry", "MLflow at %s: %s; retrying, everything is kept "
+                        self._notice_level(), "retry", "MLflow at %s: %s; retrying, everything is kept "
                         "in %s", self.where, self.cause, self.directory,
                     )  # fmt: skip
                     if self._gave_up():
@@ -561,7 +567,7 @@ class JournalDelivery:
         """The one line naming what is kept in the journal, and the command that delivers it."""
         values = self.pending_values()
         _logger.log(
-            kept_notice_level(self.directory),
+            self._notice_level(),
             "MLflow: %d metric value(s)%s of run %s were not delivered to %s%s; they are kept in %s. "
             "Deliver them with: otel-forge replay %s",
             values,
@@ -572,6 +578,9 @@ class JournalDelivery:
             self.directory,
             self.directory,
         )
+
+    def _notice_level(self) -> int:
+        return logging.INFO if self._caller_reports else kept_notice_level(self.directory)
 
     @property
     def where(self) -> str:
