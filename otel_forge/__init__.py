@@ -4,7 +4,7 @@
 """
 
 from otel_forge.config import SETTINGS, ConfigError, ForgeConfig
-from otel_forge.mlflow.training.launched_run import launched_run_id as job_run_id
+from otel_forge.mlflow.training.script_run import job_run_id
 from otel_forge.names import METRICS, MetricSpec
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError, Instrumentation, instrument

@@ -589,6 +589,16 @@ SETTINGS: tuple[Setting, ...] = (
         "goes on opening in the background, and CMD finds it by a job key.",
     ),
     Setting(
+        "experiment_wait_s",
+        ("OTEL_FORGE_EXPERIMENT_WAIT",),
+        _float_within(0.0, 3_600.0, " s"),
+        30.0,
+        "Where nothing outside the script names the experiment (no `--experiment`, no `MLFLOW_EXPERIMENT_NAME` "
+        "or `_ID`), how long the job's run waits for the script to name it (its first MLflow run, "
+        "`TrainingRun(experiment=...)`) before it opens in `otel-forge`; a `TrainingRun` also opens at its "
+        "first `log()`. A single-node job only: nodes of a larger one find the run in the experiment they know.",
+    ),
+    Setting(
         "journal_fsync_s",
         ("OTEL_FORGE_JOURNAL_FSYNC",),
         _float_within(0.0, 3_600.0, " s"),
@@ -648,6 +658,9 @@ def env_name(setting: str) -> str:
 # it (mlflow/training/run_context.py).
 LAUNCHED_RUN_ENV = "OTEL_FORGE_LAUNCHED_RUN_ID"
 LAUNCHER_OPENS = "pending"
+# ... or SCRIPT_OPENS: the first run the command opens is the job's, in the experiment the command
+# names; the launcher adopts it (mlflow/training/script_run.py).
+SCRIPT_OPENS = "script"
 # That run again if the launcher described it just now (the command's TrainingRun adds its config).
 DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
 # The node the launcher samples already (NodeIdentity.sampling_key): the command's TrainingRun does not.
@@ -746,6 +759,7 @@ class ForgeConfig:
     flush_interval_s: float
     call_deadline_s: float
     start_wait_s: float
+    experiment_wait_s: float
     journal_fsync_s: float
     delivery_patience_s: float
     exit_grace_s: float

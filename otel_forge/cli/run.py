@@ -48,6 +48,7 @@ from otel_forge.config import (
 from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.spool_files import kept_notice_level, remove_if_empty, spool_root, told_spool
 from otel_forge.mlflow.training.launched_run import LaunchedRun
+from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT
 from otel_forge.mlflow.training.worker_ends import take_failed_worker
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials
@@ -124,20 +125,24 @@ def run(args: argparse.Namespace) -> int:
     # What no server takes, from us and from CMD, is kept in one directory of this job.
     spool = job_spool_dir(config)
     config = config.replace(spool_dir=str(spool))
-    training_run = _training_run(args, command, config, node)
+    script_names = _script_names_experiment(args, config, node)
+    training_run = _training_run(args, command, config, node, DEFAULT_EXPERIMENT if script_names else None)
     # The node is served from now on (/metrics answers while the run opens); its process tree is
     # CMD's once CMD runs, its windows go to the run once the run is open.
     sampling = _NodeSampling(_start_system_metrics(config, training_run.tracking_uri, node))
     training_run.on_open.append(lambda: sampling.run_opened(training_run))
     training_run.on_unanswered.append(lambda error: _say_unanswered(training_run, command, error))
-    live = training_run.start(training_run.start_wait_s)
+    script = _script_run(training_run, spool) if script_names else None
+    if script is not None:
+        _ask_server(training_run, command)
+    live = script is None and training_run.start(training_run.start_wait_s)
     if isinstance(training_run.open_error, MissingRun):
         _end_before_cmd(training_run, sampling, "FAILED")
         source = config.source("run_id")
         raise ConfigError(
             f"invalid run_id (from {source}): {training_run.open_error}; --create-if-missing starts a new run instead"
         )
-    env = _cmd_environ(args.child_environ, training_run, node, live, sampling)
+    env = _cmd_environ(args.child_environ, training_run, node, live, sampling, script)
     env.update(launch.cmd_environ(node))  # the workers name this node as we do
     if signals.received:
         _end_before_cmd(training_run, sampling, "KILLED")
@@ -161,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
     sampling.cmd_started(child.pid)
+    script_watch = _ScriptRunWatch(script, training_run, config.experiment_wait_s).start() if script else None
     journals = _cmd_journals(training_run, spool)
     if launch.rank_pending and training_run.run_id is None:
         # Whether this node holds rank 0 is known once its workers run: if so, it makes the run.
@@ -169,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     stopping: threading.Thread | None = None
     try:
         code = child.wait()
+        if script_watch is not None:
+            script_watch.finish()  # the run CMD made (or claimed), else ours in the default experiment
         watchdog = watchdogs.finish()
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
         stop_leftovers(keep={watchdog.pid} if watchdog else (), grace_s=config.exit_grace_s)
@@ -187,11 +195,54 @@ def run(args: argparse.Namespace) -> int:
     _end(training_run, status, watchdog, stopping, worker if status != "FINISHED" else None)
     if training_run.run_id is None:
         _say_nothing_delivered(training_run, spool)
+    if script is not None:
+        script.remove()
     remove_if_empty(spool)
     return code if code >= 0 else 128 - code
 
 
-def _training_run(args: argparse.Namespace, command: list[str], config: ForgeConfig, node: NodeIdentity) -> Any:
+def _script_names_experiment(args: argparse.Namespace, config: ForgeConfig, node: NodeIdentity) -> bool:
+    """Nothing names the experiment but the script, and the job is this node's alone: its run
+    opens once the script names one (the other nodes of a larger job look for it in theirs)."""
+    named = args.experiment or config.experiment_name or config.experiment_id or config.run_id
+    return not named and (node.node_count or 1) <= 1
+
+
+def _script_run(training_run: Any, spool: Path) -> Any:
+    from otel_forge.mlflow.training.script_run import ScriptRun
+
+    if (key := training_run.node.job_key) is None:
+        key = f"otel-forge-{uuid.uuid4().hex}"
+        training_run.adopt_job_key(key, "otel-forge run (the experiment the script names)")
+    return ScriptRun(spool, key)
+
+
+def _ask_server(training_run: Any, command: list[str]) -> None:
+    """Before CMD starts, as when the run opens then: the store is made (a local one, once) and a
+    server that does not answer is said at once (``start_wait_s``), not at the job's end."""
+    from otel_forge.mlflow.client import Outcome, classify, make_client
+    from otel_forge.mlflow.training.rendezvous import find_experiment
+
+    failed: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            find_experiment(make_client(training_run.tracking_uri), DEFAULT_EXPERIMENT)
+        except Exception as error:  # noqa: BLE001 - said below, or left to the run's own open
+            failed.append(error)
+
+    asking = threading.Thread(target=ask, name="otel-forge-ask-server", daemon=True)
+    asking.start()
+    asking.join(training_run.start_wait_s)
+    if asking.is_alive():
+        _say_unanswered(training_run, command, TimeoutError(f"no answer within {training_run.start_wait_s:.0f} s"))
+    elif failed and classify(failed[0]) is Outcome.RETRY:
+        _say_unanswered(training_run, command, failed[0])
+
+
+def _training_run(
+    args: argparse.Namespace, command: list[str], config: ForgeConfig, node: NodeIdentity, experiment: str | None
+) -> Any:
     from otel_forge.mlflow.training.run_description import source_name
     from otel_forge.mlflow.training.run_metadata import launch_config_path, load_launch_config
     from otel_forge.mlflow.training.training_run import TrainingRun
@@ -205,7 +256,7 @@ def _training_run(args: argparse.Namespace, command: list[str], config: ForgeCon
     training_run = TrainingRun(
         config=load_launch_config(launch_file) if launch_file else None,
         tracking_uri=config.tracking_uri,
-        experiment=args.experiment,
+        experiment=args.experiment or experiment,
         run_name=args.run_name,
         run_id=config.run_id,
         description=args.description,
@@ -242,6 +293,8 @@ def _say_unanswered(training_run: Any, command: list[str], error: BaseException)
     from otel_forge.mlflow.client import unanswered_reason
 
     spool = training_run.forge_config.spool_dir
+    if os.environ.get(TOLD_SPOOL_ENV) == str(Path(spool)):
+        return  # said when the server was first asked
     told_spool(Path(spool))
     print(
         f"otel-forge: MLflow at {uri_without_credentials(training_run.tracking_uri)} does not answer: "
@@ -272,7 +325,7 @@ def _end_before_cmd(training_run: Any, sampling: _NodeSampling, status: str) -> 
 
 
 def _cmd_environ(
-    environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool, sampling: _NodeSampling
+    environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool, sampling: _NodeSampling, script: Any
 ) -> dict[str, str]:
     """CMD's environment: the run (or how to find it once open) and who samples its node."""
     # Never another store behind the user's back: CMD talks to ours, whether the run is open or not,
@@ -288,7 +341,17 @@ def _cmd_environ(
     if live or training_run.open_error is None:
         # The user's MLFLOW_RUN_ID is the run we opened (resumed); nothing else may stand for it.
         env.pop(env_name("run_id"), None)
-    if live:
+    if script is not None:
+        handed = LaunchedRun(
+            run_id=None,
+            tracking_uri=training_run.tracking_uri,
+            job_key=script.key,
+            sampled_node=node.sampling_key,
+            script_opens=True,
+            directory=str(script.directory),
+        )
+        training_run.on_open.append(lambda: _announce(training_run, sampling))
+    elif live:
         handed = _launched_run(training_run, node)
         _announce(training_run, sampling)
     elif training_run.open_error is None:
@@ -348,6 +411,48 @@ def _stand_down_mlflow_sampler(env: dict[str, str], handed: LaunchedRun) -> None
         file=sys.stderr,
         flush=True,
     )
+
+
+class _ScriptRunWatch:
+    """Where the script names the experiment, the job's run opens once CMD's process publishes the
+    run it made, or when a process of CMD asks for it (``job_run_id()``), or after ``wait_s`` if CMD
+    has not imported MLflow (a script that names none: ours, in the default experiment); else at
+    CMD's end (``finish``)."""
+
+    _POLL_S = 0.1
+
+    def __init__(self, script: Any, training_run: Any, wait_s: float) -> None:
+        self._script = script
+        self._training_run = training_run
+        self._open_after = time.monotonic() + wait_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="otel-forge-script-run", daemon=True)
+
+    def start(self) -> _ScriptRunWatch:
+        self._thread.start()
+        return self
+
+    def finish(self) -> None:
+        """Open the run now if it is not (a run opened meanwhile stays), and wait for it a while:
+        the node's last windows and CMD's values go to it."""
+        self._stop.set()
+        self._thread.join()
+        self._training_run.open_script_run(self._script)
+        self._training_run.wait_open(self._training_run.start_wait_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._POLL_S):
+            if self._due():
+                self._training_run.open_script_run(self._script)
+                return
+
+    def _due(self) -> bool:
+        script = self._script
+        if script.published() is not None or script.asked():
+            return True
+        if script.claimed() is not None:
+            return False  # a process of CMD is opening it: its publication follows
+        return time.monotonic() >= self._open_after and not script.mlflow_imported()
 
 
 class _RunWatchdog:

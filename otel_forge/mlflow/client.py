@@ -268,7 +268,14 @@ def context_tags(tags: Mapping[str, str]) -> dict[str, str]:
     from mlflow.tracking.context.git_context import GitRunContext
     from mlflow.tracking.context.registry import resolve_tags
 
-    return resolve_tags(dict(tags), ignore=[GitRunContext])  # type: ignore[list-item]  # MLflow takes classes
+    from otel_forge.mlflow.training import script_run
+
+    ignore: list[type] = [GitRunContext]
+    if script_run.current() is not None:  # a run of ours is not the script's first run
+        from otel_forge.mlflow.training.run_context import LaunchedRunContext
+
+        ignore.append(LaunchedRunContext)
+    return resolve_tags(dict(tags), ignore=ignore)  # type: ignore[arg-type]  # MLflow takes classes
 
 
 def upload_texts(artifact_uri: str, tracking_uri: str | None, texts: Mapping[str, str]) -> None:

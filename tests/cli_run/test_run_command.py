@@ -905,5 +905,5 @@ def test_server_down_at_start_cmd_still_runs_and_its_exit_code_is_returned(tmp_p
     assert kept == ["journal", "pending"], kept  # the run's journal (its description and end); the node's windows
     assert "s3cr3t-token" not in result.stderr + result.stdout
     cmd_env = json.loads(seen.read_text())
-    assert cmd_env["MLFLOW_RUN_ID"] is None  # nothing to attach to yet: CMD finds it by the job key
-    assert cmd_env["OTEL_FORGE_LAUNCHED_RUN_ID"] == "pending"  # MLflow's runs in CMD start unparented
+    assert cmd_env["MLFLOW_RUN_ID"] is None  # no experiment named: the first run CMD opens is the job's
+    assert cmd_env["OTEL_FORGE_LAUNCHED_RUN_ID"] == "script"

@@ -11,7 +11,7 @@ from pathlib import Path
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.spool_files import HEADER
 from otel_forge.mlflow.training.journal_delivery import JournalDelivery
-from otel_forge.mlflow.training.run_journal import is_journal
+from otel_forge.mlflow.training.run_journal import is_journal, read_header
 
 _SCAN_S = 0.5  # how often the job's directory is looked at for a new journal
 
@@ -55,6 +55,8 @@ class JobJournals:
             journal = header.parent
             if journal in self._deliveries or journal == self._own or not is_journal(journal):
                 continue
+            if read_header(journal).get("launcher", False):
+                continue  # ours, begun after the command started (the script names the experiment)
             delivery = JournalDelivery.for_config(journal, self._config, self._tracking_uri, job_run=self._job_run)
             thread = threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True)
             self._deliveries[journal] = (delivery, thread)

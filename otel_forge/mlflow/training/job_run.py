@@ -22,10 +22,13 @@ from otel_forge.mlflow.training.rendezvous import (
 )
 from otel_forge.mlflow.training.run_metadata import DESCRIBED_TAG
 from otel_forge.mlflow.training.run_owner import OpenRun
+from otel_forge.mlflow.training.script_run import ScriptRun
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import error_line, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
+
+_ADOPT_POLL_S = 0.05
 
 
 class MissingRun(LookupError):
@@ -46,6 +49,9 @@ class JobRunRequest:
     create_if_missing: bool  # a run_id that names no run: a new run rather than an error
     samples_node: bool  # this process samples its node into the run: say so when none can be found
     late_after_s: float  # when a process waiting for rank 0's run says it still waits
+    # Another process of the job claimed the run where the script names the experiment: its
+    # publication names the run (script_run.py).
+    adopts: ScriptRun | None = None
 
 
 class JobRunFinder:
@@ -73,6 +79,8 @@ class JobRunFinder:
     def open(self, client: Any) -> OpenRun | None:
         """The job's run (explicit id > job key > new); None when none can be found."""
         r, node = self.request, self._node()
+        if r.adopts is not None and (adopted := self._adopt(client, r.adopts, node.is_global_zero)) is not None:
+            return adopted
         if not node.is_global_zero or r.launcher_opens:
             if r.run_id:
                 return OpenRun(r.run_id, None, r.experiment_id, r.experiment, True, None, client)
@@ -92,6 +100,17 @@ class JobRunFinder:
         if (key := self._node().job_key) is not None:  # `otel-forge run` may hand one out meanwhile
             publish(client, experiment_id, key, run.run_id)
         return run
+
+    def _adopt(self, client: Any, record: ScriptRun, resume: bool) -> OpenRun | None:
+        """The run the claiming process publishes; None if it gave its claim up (its run failed to
+        open): the job key's run, or ours, then."""
+        while (published := record.published()) is None:
+            if self._stopping.wait(_ADOPT_POLL_S) or record.claimed() is None:
+                return None
+        if resume:
+            return self._resume(client, published.run_id)
+        experiment = published.experiment or self.request.experiment
+        return OpenRun(published.run_id, None, published.experiment_id, experiment, True, None, client)
 
     def _wait_for_job_run(self, client: Any, node: NodeIdentity) -> OpenRun | None:
         key, r = node.job_key, self.request

@@ -473,10 +473,13 @@ class JournalDelivery:
         return self._run
 
     def _find_run(self) -> OpenRun:
+        known = self._cursor.opened or self._cursor.run
+        job_run = self._job_run() if self._job_run and known is None else None
+        if known is None and job_run is None and not self._writer_done:
+            raise _RunPending()  # no client before there is a run: a local store is made once, by its opener
         if self._client is None:
             self._client = make_client(self._uri)
-        known = self._cursor.opened or self._cursor.run
-        if known is None and (job_run := self._job_run() if self._job_run else None) is not None:
+        if known is None and job_run is not None:
             # The launcher's run, opened by its own journal's delivery: this journal describes it too,
             # and names it as the script did (online, the script's TrainingRun renames the run handed to it).
             known = {"run_id": job_run, "experiment": self._cursor.plan.get("experiment"), "describe": True}
@@ -484,8 +487,6 @@ class JournalDelivery:
                 Record("run_name", name).deliver(self._client, job_run)
                 known["run_name"] = name
         if known is None:
-            if not self._writer_done:
-                raise _RunPending()
             known = self._open_from_plan()
         run = OpenRun(
             known["run_id"],

@@ -19,6 +19,7 @@ from otel_forge.config import (
     LAUNCHED_RUN_ENV,
     LAUNCHER_OPENS,
     SAMPLED_NODE_ENV,
+    SCRIPT_OPENS,
     env_name,
 )
 from otel_forge.mlflow.fluent_runs import fluent_run_id
@@ -29,7 +30,8 @@ class LaunchedRun:
     """The job's run as a parent process hands it to its command.
 
     ``run_id`` None: the launcher is still opening it (the tracking server was late); the command
-    finds it by ``job_key`` in ``experiment`` once it opens.
+    finds it by ``job_key`` in ``experiment`` once it opens. ``script_opens``: nothing outside the
+    command named the experiment, so the command's first run is the job's (``script_run``).
     """
 
     run_id: str | None
@@ -39,14 +41,17 @@ class LaunchedRun:
     job_key: str | None = None
     sampled_node: str | None = None  # NodeIdentity.sampling_key of the node the launcher samples
     described: bool = False  # the launcher recorded config, git and command just now
+    script_opens: bool = False
+    directory: str | None = None  # where the job's processes share files: the launcher's job directory
 
     @property
     def pending(self) -> bool:
-        return self.run_id is None
+        """The launcher is opening the run: the command finds it by key."""
+        return self.run_id is None and not self.script_opens
 
     def environ(self) -> dict[str, str]:
         """The variables the command inherits."""
-        env = {LAUNCHED_RUN_ENV: self.run_id or LAUNCHER_OPENS}
+        env = {LAUNCHED_RUN_ENV: self.run_id or (SCRIPT_OPENS if self.script_opens else LAUNCHER_OPENS)}
         if self.run_id is not None:
             env[env_name("run_id")] = self.run_id
         if self.tracking_uri is not None:
@@ -64,6 +69,8 @@ class LaunchedRun:
             env[SAMPLED_NODE_ENV] = self.sampled_node
         if self.described and self.run_id is not None:
             env[DESCRIBE_RUN_ENV] = self.run_id
+        if self.directory is not None:
+            env[env_name("spool_dir")] = self.directory
         return env
 
     @classmethod
@@ -73,7 +80,7 @@ class LaunchedRun:
         handed = environ.get(LAUNCHED_RUN_ENV, "").strip()
         if not handed:
             return None
-        run_id = None if handed == LAUNCHER_OPENS else handed
+        run_id = None if handed in (LAUNCHER_OPENS, SCRIPT_OPENS) else handed
         return cls(
             run_id=run_id,
             tracking_uri=environ.get(env_name("tracking_uri")),
@@ -81,6 +88,8 @@ class LaunchedRun:
             job_key=environ.get(env_name("job_id")),
             sampled_node=environ.get(SAMPLED_NODE_ENV),
             described=run_id is not None and environ.get(DESCRIBE_RUN_ENV) == run_id,
+            script_opens=handed == SCRIPT_OPENS,
+            directory=environ.get(env_name("spool_dir")),
         )
 
 

@@ -20,8 +20,12 @@ from types import FrameType
 from typing import Any
 
 from mlflow.tracking.context.abstract_context import RunContextProvider
+from mlflow.tracking.default_experiment.abstract_context import DefaultExperimentProvider
 
+from otel_forge.mlflow.training import script_run
 from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
+from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG
+from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT
 from otel_forge.node import is_first_process
 
 _logger = logging.getLogger(__name__)
@@ -32,6 +36,7 @@ _LIGHTNING_LOGGER_MODULES = ("lightning.pytorch.loggers.mlflow", "pytorch_lightn
 _CALLER_FRAMES = 8  # how far up a run's creation MLflow's tag resolution is from the logger that asks
 _RECENT_EXPERIMENTS = 20  # where a job's runs in other experiments are looked for, at its end
 _RUNS_NAMED = 10
+_CLAIMED_WAIT_S = 10.0  # for the run another process of the job claimed to be published
 
 
 class LaunchedRunContext(RunContextProvider):
@@ -47,6 +52,10 @@ class LaunchedRunContext(RunContextProvider):
         self._pending_said = False
 
     def in_context(self) -> bool:
+        if script_run.current() is not None:
+            from mlflow.tracking.fluent import active_run
+
+            return active_run() is None
         if launched_run_id() is None:
             self._say_pending()
             return False
@@ -55,6 +64,8 @@ class LaunchedRunContext(RunContextProvider):
         return active_run() is None
 
     def tags(self) -> dict[str, str]:
+        if (record := script_run.current()) is not None:
+            return _first_run_tags(record)
         run_id = launched_run_id()
         if run_id is None:
             return {}
@@ -74,6 +85,37 @@ class LaunchedRunContext(RunContextProvider):
             return
         self._pending_said = True
         _logger.debug("otel-forge run is still opening its run: runs started now are not nested under it")
+
+
+def _first_run_tags(record: script_run.ScriptRun) -> dict[str, str]:
+    """The script's first run is the job's, where the script names the experiment: it carries the
+    job key, and is published once MLflow has made it. A run another process claimed first nests
+    under that one, as a job's later runs do."""
+    if not is_first_process():
+        return {}
+    published = record.published()
+    if published is None and record.claim(None, "the script's first MLflow run"):
+        script_run.publish_once_created(record)
+        return {JOB_KEY_TAG: record.key}
+    published = published or record.wait_published(_CLAIMED_WAIT_S)
+    return {PARENT_RUN_TAG: published.run_id} if published is not None else {}
+
+
+class JobDefaultExperiment(DefaultExperimentProvider):
+    """Where the script names no experiment, MLflow's choice for its run (``Default``) is the job's
+    default, ``otel-forge``: MLflow asks only after ``set_experiment`` and ``MLFLOW_EXPERIMENT_*``."""
+
+    def in_context(self) -> bool:
+        return script_run.current() is not None
+
+    def get_experiment_id(self) -> str:
+        from mlflow import MlflowClient
+
+        from otel_forge.mlflow.training.rendezvous import create_experiment, find_experiment
+
+        client = MlflowClient()
+        found = find_experiment(client, DEFAULT_EXPERIMENT)
+        return str(found.experiment_id) if found is not None else create_experiment(client, DEFAULT_EXPERIMENT)
 
 
 def _lightning_logger_experiment() -> str | None:
@@ -102,6 +144,8 @@ def _in_a_process_of_the_job() -> None:
     launched = LaunchedRun.from_environ()
     if launched is None:
         return
+    if launched.script_opens:
+        launched = _script_run_at_import(launched)
     if launched.run_id is not None and launched.sampled_node is not None:
         from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 
@@ -111,6 +155,26 @@ def _in_a_process_of_the_job() -> None:
     install_failure_record()
     if not is_first_process():
         _autologging_off()
+
+
+def _script_run_at_import(launched: LaunchedRun) -> LaunchedRun:
+    """Say that MLflow is here (a run may start at any moment: ``otel-forge run`` does not open one
+    in its default experiment behind the script's back); a run it opened meanwhile is the job's."""
+    record = script_run.current()
+    if record is None:
+        return launched
+    try:
+        record.mark_mlflow_imported()
+        published = record.published()
+        if published is None and (record.claimed() or {}).get("by") == script_run.LAUNCHER:
+            published = record.wait_published(_CLAIMED_WAIT_S)
+    except OSError as error:  # never raise into MLflow's import
+        _logger.debug("the job's shared directory is not usable: %s", error)
+        return launched
+    if published is None:
+        return launched
+    script_run.take_published(published)
+    return LaunchedRun.from_environ() or launched
 
 
 def _autologging_off() -> None:

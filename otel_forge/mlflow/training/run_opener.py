@@ -24,6 +24,7 @@ from otel_forge.mlflow.training.launched_run import make_process_run
 from otel_forge.mlflow.training.outcome import end_run
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
 from otel_forge.mlflow.training.run_plan import RunPlan, is_remote
+from otel_forge.mlflow.training.script_run import ScriptRun
 from otel_forge.mlflow.worker import Outcome
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import error_line, uri_without_credentials
@@ -68,6 +69,7 @@ class RunOpener:
         self._asking = threading.Event()  # MLflow is imported: the server is being asked
         self._warnings = RateLimitedLogger(_logger)
         self.script_run_id: str | None = None  # the MLflow run the script had open when we began
+        self.adopts: ScriptRun | None = None  # another process of the job claimed the run: its publication
         self._restore_environ: Callable[[], None] | None = None
         if os.environ.get(TOLD_SPOOL_ENV):
             self._unanswered.set()  # `otel-forge run` found the server down before starting us
@@ -92,7 +94,7 @@ class RunOpener:
         if self._owner is not None:
             self._owner.submit(task)
 
-    def wait(self, timeout_s: float) -> bool:
+    def wait(self, timeout_s: float, say_late: bool = True) -> bool:
         """Wait for the server's answer, at most ``timeout_s`` once MLflow is asked (importing it is
         not counted), or until it fails once; True when the run is open."""
         asked_at: float | None = None
@@ -100,6 +102,8 @@ class RunOpener:
             if asked_at is None and self._asking.is_set():
                 asked_at = time.monotonic()
             if asked_at is not None and time.monotonic() - asked_at >= timeout_s:
+                if not say_late:
+                    return False
                 self._warnings.warning(
                     "open",
                     "MLflow: the run did not open within %.0f s; it goes on opening in the background",
@@ -220,6 +224,7 @@ class RunOpener:
             create_if_missing=plan.create_if_missing,
             samples_node=plan.system_metrics and plan.node.runs_agent and not plan.node_sampled_by_launcher,
             late_after_s=plan.init_deadline_s,
+            adopts=self.adopts,
         )
         return JobRunFinder(
             request, self._new_run, lambda: self.plan.node, self._stopping, self._wake, self._unanswered

@@ -51,6 +51,10 @@ class RunPlan:
     launcher_opens: bool  # `otel-forge run` is still opening the run: find it by key, never make one
     node_sampled_by_launcher: bool  # `otel-forge run` samples this node already
     delivered_by_launcher: bool  # `otel-forge run` delivers our journal (it reads its job's directory)
+    # Nothing named the experiment before the script ran (a single-node job): the script's first run,
+    # or this TrainingRun, opens the job's run in the experiment the script names (script_run.py).
+    script_names_experiment: bool
+    experiment_named: bool  # ... and this TrainingRun names it (the argument, MLFLOW_EXPERIMENT_*)
     init_deadline_s: float
     end_deadline_s: float
 
@@ -75,6 +79,7 @@ class RunPlan:
         uri = tracking_uri or forge_config.tracking_uri or embedded_tracking_uri()
         node = node or NodeIdentity.from_config(forge_config)
         launchers = forge_config.experiment_name or forge_config.experiment_id
+        named = bool(experiment or launchers)
         if launched is not None and experiment and launchers and experiment != launchers:
             # One job, one run: the one `otel-forge run` opened, online as in replay.
             _logger.warning(
@@ -98,6 +103,10 @@ class RunPlan:
             launcher_opens=not requested and launched is not None and launched.pending,
             node_sampled_by_launcher=launched is not None and launched.sampled_node == node.sampling_key,
             delivered_by_launcher=_launcher_delivers(),
+            script_names_experiment=not requested
+            and (node.node_count or 1) <= 1
+            and (launched.script_opens if launched is not None else not named),
+            experiment_named=named,
             init_deadline_s=deadlines[0],
             end_deadline_s=deadlines[1],
         )
@@ -109,6 +118,11 @@ class RunPlan:
     def owns_run(self) -> bool:
         """Global rank 0 creates the run and logs training metrics; other ranks only attach."""
         return self.node.is_global_zero
+
+    @property
+    def waits_for_script(self) -> bool:
+        """The run opens once the script names its experiment (or does not, in time)."""
+        return self.script_names_experiment and not self.experiment_named
 
     @property
     def start_wait_s(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from otel_forge.scrub import error_line, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
 
+_DESCRIBE_WAIT_S = 10.0
+
 
 class RunRecorder:
     """The journal of ``plan``'s run as this process writes it (``journal`` None: it could not be made)."""
@@ -27,6 +30,8 @@ class RunRecorder:
         self._description = description
         self._checkpoints: set[int] = set()  # steps journaled
         self._model_ids: dict[int, str] = {}  # their models, once the delivery has registered them
+        self._describing = threading.Lock()
+        self._described = False
         if self.journal is not None:
             self.plan(plan)
 
@@ -39,9 +44,17 @@ class RunRecorder:
             self.journal.plan(plan.journal_entry(self._description.default_run_name(), self._description.own_tags()))
 
     def describe(self, plan: RunPlan) -> None:
-        """What a new run records, for the process that opens it (ours, or the delivery if we die first)."""
-        if self.journal is not None:
-            self.journal.describe(self._description.journal_entry(plan.node))
+        """What a new run records, for the process that opens it (ours, or the delivery if we die first).
+        Once: on the opener's thread, or by the close that comes before it got there (which waits
+        a while for one under way: a close may come from a signal handler)."""
+        if not self._describing.acquire(timeout=_DESCRIBE_WAIT_S):
+            return
+        try:
+            if self.journal is not None and not self._described:
+                self.journal.describe(self._description.journal_entry(plan.node))
+            self._described = True
+        finally:
+            self._describing.release()
 
     def disabled(self, error: BaseException) -> None:
         if self.journal is not None:

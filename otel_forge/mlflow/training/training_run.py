@@ -17,6 +17,7 @@ from typing import Any
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.fluent_runs import fluent_run_id
+from otel_forge.mlflow.spool_files import spool_root
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers, exit_status
 from otel_forge.mlflow.training.job_run import MissingRun
 from otel_forge.mlflow.training.journal_delivery import wait_described
@@ -28,6 +29,7 @@ from otel_forge.mlflow.training.run_opener import OpenerState, RunOpener
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT, RunPlan, embedded_tracking_uri
 from otel_forge.mlflow.training.run_recorder import RunRecorder, checkpoint_model_name
+from otel_forge.mlflow.training.script_run import LAUNCHER, PublishedRun, ScriptRun, expect, stop_expecting
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import SecretKeys, uri_without_credentials
@@ -75,6 +77,8 @@ class TrainingRun:
         self._pid = os.getpid()  # a forked child (a DataLoader worker) logs and ends nothing
         self._lock = threading.Lock()  # begin and close; never held across the journal's I/O
         self._closed = False
+        self._script: ScriptRun | None = None  # the job's record where the script names the experiment
+        self._script_timer: threading.Timer | None = None  # set while the run waits for the script
         self._exit_handlers = ExitHandlers(self.close, handle_sigterm)
         self.described = False
         self.ended = False  # the run's end reached the server (as far as this process knows)
@@ -113,6 +117,17 @@ class TrainingRun:
         """This process turned out to hold global rank 0 (known once the launcher's rendezvous is done)."""
         self._opener.take_rank_zero()
 
+    def open_script_run(self, script: ScriptRun) -> None:
+        """Open the job's run where the script names the experiment (``otel-forge run``): the one the
+        script's process claimed and publishes, else this process claims it, in our experiment."""
+        with self._lock:
+            self._script = script
+        self._begin()
+
+    def wait_open(self, timeout_s: float) -> bool:
+        """Wait for the run a while, silently (the job's end says what did not reach it)."""
+        return self._opener.wait(timeout_s, say_late=False)
+
     def adopt_job_key(self, key: str, source: str) -> None:
         """Find or make the run by ``key`` from the next attempt on (one the caller shares)."""
         self._opener.adopt_job_key(key, source)
@@ -121,18 +136,59 @@ class TrainingRun:
 
     def _begin(self) -> None:
         with self._lock:
-            if self._opener.state is not OpenerState.IDLE or self._closed:
+            if self._opener.state is not OpenerState.IDLE or self._closed or self._script_timer is not None:
                 return
+            script_run_id = fluent_run_id()
             if self.plan.owns_run:
-                self._opener.key_the_run(fluent_run_id())
+                self._opener.key_the_run(script_run_id)
                 self._recorder = recorder = RunRecorder(self.plan, self._description, self._deliver_here)
                 self._opener.before_open.append(lambda: recorder.describe(self.plan))
                 self._opener.on_fail.append(recorder.disabled)
                 self._journal = recorder.journal
-            self._opener.begin()
+            if self.plan.script_names_experiment and script_run_id is None and (key := self.plan.node.job_key):
+                self._script = ScriptRun(spool_root(self.forge_config.spool_dir), key)
+            if self._script is not None and self.plan.waits_for_script and self.plan.owns_run:
+                self._wait_for_script(self._script)
+            else:
+                self._open(self._script)
             self._delivery = RunDelivery(self.plan, self.journal_directory, self._deliver_here)
             self._delivery.start()
             self._exit_handlers.install()
+
+    def _wait_for_script(self, script: ScriptRun) -> None:
+        """The script may name the experiment yet: the run opens at its first MLflow run, at our first
+        value (or when the run is asked for), else after ``experiment_wait_s``."""
+        self._script_timer = threading.Timer(self.forge_config.experiment_wait_s, self._open_waiting)
+        self._script_timer.daemon = True
+        self._script_timer.start()
+        expect(script, self._open_waiting)
+
+    def _open_waiting(self) -> None:
+        with self._lock:
+            timer, self._script_timer = self._script_timer, None
+            if timer is None or self._opener.state is not OpenerState.IDLE:
+                return
+            timer.cancel()
+            stop_expecting(self._open_waiting)
+            self._open(self._script)
+
+    def _open(self, script: ScriptRun | None) -> None:
+        """Open the run; where the script names the experiment, the first process to claim the run
+        opens it and publishes it, the others adopt it."""
+        if script is not None:
+            by = LAUNCHER if self._deliver_here else "TrainingRun"
+            if self.plan.owns_run and script.claim(self.plan.experiment, by):
+                self._opener.on_open.append(lambda run: script.publish(PublishedRun.of(run)))
+                self._opener.on_fail.append(lambda error: script.release())
+            else:
+                self._opener.adopts = script
+                # Described by its maker as its maker sees it: ours is added (as to a launched run),
+                # and a replay opens it where it would have opened.
+                claimed = (script.claimed() or {}).get("experiment") or self.plan.experiment
+                self._opener.plan = self.plan.replace(experiment=claimed, describe_launched=self.plan.owns_run)
+                if self._recorder is not None:
+                    self._recorder.plan(self.plan)
+        self._opener.begin()
 
     def _opened(self, run: OpenRun) -> None:
         plan = self.plan
@@ -154,6 +210,8 @@ class TrainingRun:
                 return
         elif self._closed or forked_from(self._pid):
             return
+        if self._script_timer is not None:
+            self._open_waiting()  # a value before the script named an experiment: its default it is
         if (checked := checked_step(step)) is None:
             self._checker.reject(len(metrics), "step %r is not an integer from 0 to 2**63-1", step)
         elif values := self._checker.values(metrics):
@@ -178,6 +236,8 @@ class TrainingRun:
         if not plan.register_checkpoints or self._closed or not plan.owns_run or forked_from(self._pid):
             return
         self._begin()
+        if self._script_timer is not None:
+            self._open_waiting()
         if self._recorder is not None:
             self._recorder.checkpoint(step, Path(directory), self.checkpoint_model_name(step))
 
@@ -186,6 +246,8 @@ class TrainingRun:
         ``worker``: this process ran a launcher, and that worker ended the job (``outcome.end_run``)."""
         if forked_from(self._pid):
             return  # a forked child's copy (a DataLoader worker leaving the block): the parent ends it
+        if self._script_timer is not None:
+            self._open_waiting()  # the script named none: the run's end goes to the default experiment
         with self._lock:
             begun, self._closed = not self._closed and self._opener.state is not OpenerState.IDLE, True
         if not begun:
@@ -195,11 +257,15 @@ class TrainingRun:
         drain_s = self.forge_config.close_deadline_s(self.plan.node.node_count)
         self._opener.close(min(drain_s, 1.0) if self._opener.state is OpenerState.UNANSWERED else drain_s)
         if self._journal is not None:  # not closed: a signal handler may end us inside an append of ours
+            if self._recorder is not None:
+                self._recorder.describe(self.plan)  # a short job's end may come before its opener described it
             self._journal.end(status, self._checker.rejected, worker)
         self.ended = self._delivery.finish() if self._delivery is not None else False
         if self._journal is None:
             self.ended = self._opener.end_here(status)
         self._checker.say_total()
+        if self._script is not None and self.plan.owns_run and not self.plan.delivered_by_launcher:
+            self._script.remove()  # ours alone (`otel-forge run` reads its own, and removes it)
 
     def __enter__(self) -> TrainingRun:
         """Open the run: every rank finds it and its node is sampled. Rank 0 waits for it a while
