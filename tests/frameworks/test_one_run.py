@@ -222,6 +222,22 @@ def test_lightning_default_logger_lands_elsewhere_and_the_job_says_so_as_it_open
     assert len(elsewhere) == 1
 
 
+def test_lightning_default_logger_is_the_job_run_where_no_experiment_is_named(mlflow_server, client, tmp_path) -> None:
+    """Nothing names the experiment but the script: Lightning's logger names its own (``lightning_logs``),
+    so its run is the job's, holding the node's charts beside the loss, with no line to add."""
+    env = job_environ(tmp_path, mlflow_server.uri, "unused")
+    del env["MLFLOW_EXPERIMENT_NAME"]
+    result = subprocess.run(
+        [*FORGE_RUN, "--", *python(SCRIPTS / "lightning_fit.py", "default")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0 and "WARNING" not in result.stderr, result.stderr
+    run = client.get_run(Job(result, "lightning_logs").run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "lightning_logs"
+    assert run.info.status == "FINISHED" and "system/cpu_utilization_percentage" in run.data.metrics
+    assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 5
+
+
 # --- scikit-learn autolog and a plain mlflow.log_metric loop, in code ----------------------------
 
 

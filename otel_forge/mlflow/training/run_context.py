@@ -64,13 +64,15 @@ class LaunchedRunContext(RunContextProvider):
         return active_run() is None
 
     def tags(self) -> dict[str, str]:
+        lightning = _lightning_logger()
         if (record := script_run.current()) is not None:
-            return _first_run_tags(record)
+            return _first_run_tags(record, lightning)
         run_id = launched_run_id()
         if run_id is None:
             return {}
-        if (experiment := _lightning_logger_experiment()) is None:
+        if lightning is None:
             return {PARENT_RUN_TAG: run_id}
+        experiment = str(getattr(lightning, "_experiment_name", None) or getattr(lightning, "_experiment_id", "?"))
         _logger.warning(
             "MLflow: Lightning's MLFlowLogger opens a run of its own in experiment %s, not the job's run %s: "
             "MLFlowLogger(run_id=otel_forge.job_run_id()) logs into the job's run",
@@ -87,15 +89,17 @@ class LaunchedRunContext(RunContextProvider):
         _logger.debug("otel-forge run is still opening its run: runs started now are not nested under it")
 
 
-def _first_run_tags(record: script_run.ScriptRun) -> dict[str, str]:
-    """The script's first run is the job's, where the script names the experiment: it carries the
-    job key, and is published once MLflow has made it. A run another process claimed first nests
-    under that one, as a job's later runs do."""
+def _first_run_tags(record: script_run.ScriptRun, lightning: Any) -> dict[str, str]:
+    """The script's first run is the job's, where the script names the experiment (Lightning's
+    ``MLFlowLogger`` names its own, ``lightning_logs`` by default): it carries the job key, and is
+    published once made. A run another process claimed first nests under that one, as a job's later
+    runs do."""
     if not is_first_process():
         return {}
     published = record.published()
     if published is None and record.claim(None, "the script's first MLflow run"):
-        script_run.publish_once_created(record)
+        made = script_run.fluent_run_made if lightning is None else lambda: _lightning_run(lightning)
+        script_run.publish_once_created(record, made)
         return {JOB_KEY_TAG: record.key}
     published = published or record.wait_published(_CLAIMED_WAIT_S)
     return {PARENT_RUN_TAG: published.run_id} if published is not None else {}
@@ -118,8 +122,8 @@ class JobDefaultExperiment(DefaultExperimentProvider):
         return str(found.experiment_id) if found is not None else create_experiment(client, DEFAULT_EXPERIMENT)
 
 
-def _lightning_logger_experiment() -> str | None:
-    """The experiment of Lightning's ``MLFlowLogger`` if it is the one creating a run now, else None.
+def _lightning_logger() -> Any | None:
+    """Lightning's ``MLFlowLogger`` if it is the one creating a run now, else None.
 
     It creates its run with ``MlflowClient.create_run`` in an experiment of its own (``lightning_logs``
     by default), whatever run is open, and asks MLflow for the context's tags on the way: its frame is
@@ -131,9 +135,17 @@ def _lightning_logger_experiment() -> str | None:
             return None
         caller = frame.f_locals.get("self")
         if type(caller).__module__ in _LIGHTNING_LOGGER_MODULES:
-            return str(getattr(caller, "_experiment_name", None) or getattr(caller, "_experiment_id", "?"))
+            return caller
         frame = frame.f_back
     return None
+
+
+def _lightning_run(lightning: Any) -> script_run.PublishedRun | None:
+    """The run Lightning's logger made, once ``create_run`` has returned it."""
+    run_id = getattr(lightning, "_run_id", None)
+    if run_id is None:
+        return None
+    return script_run.PublishedRun(str(run_id), getattr(lightning, "_experiment_id", None), None)
 
 
 def _in_a_process_of_the_job() -> None:

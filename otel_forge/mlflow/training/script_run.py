@@ -206,22 +206,22 @@ def take_published(run: PublishedRun) -> None:
         open_now()
 
 
-def publish_once_created(record: ScriptRun) -> None:
-    """The script's ``start_run`` is making the job's run: publish it once MLflow has it (on MLflow's
-    active-run stack when ``start_run`` returns, or its last ended run: no hook runs after a run is
-    made). A script that ends at once publishes it on its way out."""
+def publish_once_created(record: ScriptRun, made: Callable[[], PublishedRun | None]) -> None:
+    """The script is making the job's run: publish it once ``made`` returns it (no hook runs after
+    MLflow makes a run: ``start_run`` leaves it on MLflow's active-run stack). A script that ends at
+    once publishes it on its way out."""
     lock, done = threading.Lock(), threading.Event()
 
     def publish_if_made() -> bool:
         with lock:
             if done.is_set():
                 return True
-            if (made := _made_run()) is None:
+            if (run := made()) is None:
                 return False
             done.set()
-        record.publish(made)
-        _logger.info("MLflow: the script's run %s is the job's run", made.run_id)
-        take_published(made)
+        record.publish(run)
+        _logger.info("MLflow: the script's run %s is the job's run", run.run_id)
+        take_published(run)
         return True
 
     def watch() -> None:
@@ -237,7 +237,8 @@ def publish_once_created(record: ScriptRun) -> None:
     threading.Thread(target=watch, name="otel-forge-script-run", daemon=True).start()
 
 
-def _made_run() -> PublishedRun | None:
+def fluent_run_made() -> PublishedRun | None:
+    """The run the script's ``start_run`` made: the active one, or the one it ended already."""
     if (active := fluent_run()) is not None:
         return PublishedRun(active.info.run_id, active.info.experiment_id, None)
     ended = fluent_ended_run_ids()
