@@ -10,10 +10,15 @@ import threading
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from testkit.hermetic import hermetic_environ
 from testkit.servers import free_port, wait_for
 
-CMD = "import os, time; print('cmd started', os.environ.get('MLFLOW_RUN_ID'), flush=True); time.sleep(1)"
+CMD = (
+    "import os, time; print('cmd started', os.environ.get('MLFLOW_RUN_ID'), os.path.exists('mlflow.db'), flush=True);"
+    " time.sleep(1)"
+)
 
 
 def _scrape(port: int) -> str | None:
@@ -58,17 +63,19 @@ def test_metrics_are_served_while_the_run_is_still_opening(pausable_server, tmp_
     assert "cmd started" in out
 
 
-def test_a_fresh_local_store_opens_before_the_command_without_a_warning(tmp_path) -> None:
+@pytest.mark.parametrize("experiment", [None, "first-run"], ids=["script-names-it", "given"])
+def test_a_fresh_local_store_opens_before_the_command_without_a_warning(tmp_path, experiment) -> None:
     # A start wait far shorter than creating a store's tables: the wait is the server's, not the store's.
     env = hermetic_environ({"OTEL_FORGE_START_WAIT": "0.2"}, prefixes=("OTEL_", "MLFLOW_"))
-    forge = _forge(["--no-prometheus"], tmp_path, env)
+    forge = _forge(["--no-prometheus", *(["--experiment", experiment] if experiment else [])], tmp_path, env)
     out, err = forge.communicate(timeout=180)
 
     assert forge.returncode == 0, err
     assert err == "", err
     (started,) = [line for line in out.splitlines() if line.startswith("cmd started")]
-    assert started != "cmd started None", out  # CMD was handed the open run
-    assert (tmp_path / "mlflow.db").exists()
+    assert started.endswith(" True"), out  # the store was made before CMD started
+    # Given an experiment, CMD is handed the open run; else its first run is the job's (none here).
+    assert (started == "cmd started None True") == (experiment is None), out
 
 
 def test_an_unreachable_server_is_one_line_at_the_start_one_at_the_end_and_the_job_runs(tmp_path) -> None:

@@ -82,6 +82,14 @@ class ScriptRun:
             json.dump({"experiment": experiment, "by": by, "pid": os.getpid()}, file)
         return True
 
+    def abandoned(self) -> bool:
+        """Claimed by a process that ended without publishing the run (the server never answered it,
+        or it was killed): the claim's experiment stands, and whoever comes next opens the run there."""
+        import psutil
+
+        claim = self.claimed()
+        return claim is not None and self.published() is None and not psutil.pid_exists(int(claim.get("pid", 0)))
+
     def release(self) -> None:
         """The claimed run was never made (the script's start_run failed): another may claim it."""
         with contextlib.suppress(OSError):

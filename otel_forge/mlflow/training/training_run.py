@@ -175,19 +175,10 @@ class TrainingRun:
     def _open(self, script: ScriptRun | None) -> None:
         """Open the run; where the script names the experiment, the first process to claim the run
         opens it and publishes it, the others adopt it."""
-        if script is not None:
-            by = LAUNCHER if self._deliver_here else "TrainingRun"
-            if self.plan.owns_run and script.claim(self.plan.experiment, by):
-                self._opener.on_open.append(lambda run: script.publish(PublishedRun.of(run)))
-                self._opener.on_fail.append(lambda error: script.release())
-            else:
-                self._opener.adopts = script
-                # Described by its maker as its maker sees it: ours is added (as to a launched run),
-                # and a replay opens it where it would have opened.
-                claimed = (script.claimed() or {}).get("experiment") or self.plan.experiment
-                self._opener.plan = self.plan.replace(experiment=claimed, describe_launched=self.plan.owns_run)
-                if self._recorder is not None:
-                    self._recorder.plan(self.plan)
+        if script is not None and self._claims(script):
+            self._opener.on_open.append(lambda run: script.publish(PublishedRun.of(run)))
+        elif script is not None:
+            self._adopt(script)
         self._opener.begin()
 
     def _opened(self, run: OpenRun) -> None:
@@ -199,6 +190,32 @@ class TrainingRun:
             self._delivery.attach(run)
         for callback in self.on_open:
             callback()
+
+    def _claims(self, script: ScriptRun) -> bool:
+        """Whether this process opens the job's run: it claimed it first, or took over a claim its
+        process left unpublished (in the experiment that claim names: the script's)."""
+        if not self.plan.owns_run:
+            return False
+        if script.claim(self.plan.experiment, LAUNCHER if self._deliver_here else "TrainingRun"):
+            self._opener.on_fail.append(lambda error: script.release())
+            return True
+        if not script.abandoned():
+            return False
+        self._replan(experiment=(script.claimed() or {}).get("experiment") or self.plan.experiment)
+        return True
+
+    def _adopt(self, script: ScriptRun) -> None:
+        """The run another process of the job claimed, where its claim says (a replay opens it there
+        too); its maker described it as it saw it, and ours is added, as to a launched run."""
+        self._opener.adopts = script
+        self._replan(
+            experiment=(script.claimed() or {}).get("experiment") or self.plan.experiment, describe_launched=True
+        )
+
+    def _replan(self, **changes: Any) -> None:
+        self._opener.plan = self.plan.replace(**changes)
+        if self._recorder is not None:
+            self._recorder.plan(self.plan)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Journal ``metrics`` at ``step`` and return: a check and an append, never a wait."""
@@ -271,7 +288,9 @@ class TrainingRun:
         """Open the run: every rank finds it and its node is sampled. Rank 0 waits for it a while
         (``start_wait_s``), so that the run a framework opens inside the block is this one, and for
         its description: a framework that logs the same params then finds them there (MLflow refuses
-        one of two writers inserting a param at once, and the loser is the framework's call)."""
+        one of two writers inserting a param at once, and the loser is the framework's call). Where
+        nothing names the experiment, the run opens later, in the experiment the script names
+        (``_wait_for_script``): the run a framework opens in the block is the job's."""
         if self.plan.owns_run and not self.plan.launcher_opens and self.forge_config.start_wait_s > 0:
             waited_until = time.monotonic() + self.start_wait_s
             if self.start(self.start_wait_s) and self.described and self.journal_directory is not None:
