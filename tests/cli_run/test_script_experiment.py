@@ -63,6 +63,17 @@ with TrainingRun(config={{"lr": 0.3}}) as run:
     accelerator.end_training()
 """
 
+ASKS_FOR_THE_RUN = """
+import otel_forge
+print("asked", otel_forge.job_run_id(), flush=True)
+"""
+
+ASKS_IN_A_TRAINING_RUN = """
+import otel_forge
+with otel_forge.TrainingRun() as run:
+    print("asked", otel_forge.job_run_id(), run.run_id, flush=True)
+"""
+
 NO_MLFLOW = """
 import time
 time.sleep(3)
@@ -184,3 +195,20 @@ def test_a_replay_opens_the_run_in_the_experiment_the_script_named(mlflow_server
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2, 3]
     assert run.data.params["lr"] == "0.2" and run.data.tags["case"] == experiment
     assert _runs_of(client, experiment) == []
+
+
+@pytest.mark.parametrize("forge", [True, False], ids=["otel-forge-run", "in-code"])
+def test_asking_for_the_job_run_opens_it_in_the_default_experiment(mlflow_server, client, tmp_path, forge):
+    """Lightning's ``MLFlowLogger(run_id=otel_forge.job_run_id())`` needs the run before any is open."""
+    case = _unique("asked")
+    _script(tmp_path, ASKS_FOR_THE_RUN if forge else ASKS_IN_A_TRAINING_RUN)
+    command = _forge_run(case) if forge else [sys.executable, "train.py"]
+    result = _run(command, tmp_path, _environ(tmp_path, mlflow_server.uri))
+
+    (asked,) = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("asked")]
+    run = client.get_run(asked[0])
+    assert client.get_experiment(run.info.experiment_id).name == "otel-forge"
+    assert asked == [run.info.run_id] * len(asked)  # the TrainingRun's own run, in code
+    if forge:
+        assert f"otel-forge: run {run.info.run_id} in experiment otel-forge" in result.stdout
+        assert run.data.tags["case"] == case
