@@ -35,6 +35,7 @@ from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, st
 from otel_forge.cli.launchers import read_launch
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.cli.rank_watch import RankZeroWatch
+from otel_forge.cli.script_run_watch import ScriptRunWatch, script_names_experiment, script_run_of
 from otel_forge.config import (
     JOURNALS_DELIVERED_BY_ENV,
     MLFLOW_SYSTEM_METRICS_VAR,
@@ -125,14 +126,14 @@ def run(args: argparse.Namespace) -> int:
     # What no server takes, from us and from CMD, is kept in one directory of this job.
     spool = job_spool_dir(config)
     config = config.replace(spool_dir=str(spool))
-    script_names = _script_names_experiment(args, config, node)
+    script_names = script_names_experiment(args.experiment, config, node)
     training_run = _training_run(args, command, config, node, DEFAULT_EXPERIMENT if script_names else None)
     # The node is served from now on (/metrics answers while the run opens); its process tree is
     # CMD's once CMD runs, its windows go to the run once the run is open.
     sampling = _NodeSampling(_start_system_metrics(config, training_run.tracking_uri, node))
     training_run.on_open.append(lambda: sampling.run_opened(training_run))
     training_run.on_unanswered.append(lambda error: _say_unanswered(training_run, command, error))
-    script = _script_run(training_run, spool) if script_names else None
+    script = script_run_of(training_run, spool) if script_names else None
     if script is not None:
         _ask_server(training_run, command)
     live = script is None and training_run.start(training_run.start_wait_s)
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
     sampling.cmd_started(child.pid)
-    script_watch = _ScriptRunWatch(script, training_run, config.experiment_wait_s).start() if script else None
+    script_watch = ScriptRunWatch(script, training_run, config.experiment_wait_s).start() if script else None
     journals = _cmd_journals(training_run, spool)
     if launch.rank_pending and training_run.run_id is None:
         # Whether this node holds rank 0 is known once its workers run: if so, it makes the run.
@@ -199,22 +200,6 @@ def run(args: argparse.Namespace) -> int:
         script.remove()
     remove_if_empty(spool)
     return code if code >= 0 else 128 - code
-
-
-def _script_names_experiment(args: argparse.Namespace, config: ForgeConfig, node: NodeIdentity) -> bool:
-    """Nothing names the experiment but the script, and the job is this node's alone: its run
-    opens once the script names one (the other nodes of a larger job look for it in theirs)."""
-    named = args.experiment or config.experiment_name or config.experiment_id or config.run_id
-    return not named and (node.node_count or 1) <= 1
-
-
-def _script_run(training_run: Any, spool: Path) -> Any:
-    from otel_forge.mlflow.training.script_run import ScriptRun
-
-    if (key := training_run.node.job_key) is None:
-        key = f"otel-forge-{uuid.uuid4().hex}"
-        training_run.adopt_job_key(key, "otel-forge run (the experiment the script names)")
-    return ScriptRun(spool, key)
 
 
 def _ask_server(training_run: Any, command: list[str]) -> None:
@@ -411,48 +396,6 @@ def _stand_down_mlflow_sampler(env: dict[str, str], handed: LaunchedRun) -> None
         file=sys.stderr,
         flush=True,
     )
-
-
-class _ScriptRunWatch:
-    """Where the script names the experiment, the job's run opens once CMD's process publishes the
-    run it made, or when a process of CMD asks for it (``job_run_id()``), or after ``wait_s`` if CMD
-    has not imported MLflow (a script that names none: ours, in the default experiment); else at
-    CMD's end (``finish``)."""
-
-    _POLL_S = 0.1
-
-    def __init__(self, script: Any, training_run: Any, wait_s: float) -> None:
-        self._script = script
-        self._training_run = training_run
-        self._open_after = time.monotonic() + wait_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="otel-forge-script-run", daemon=True)
-
-    def start(self) -> _ScriptRunWatch:
-        self._thread.start()
-        return self
-
-    def finish(self) -> None:
-        """Open the run now if it is not (a run opened meanwhile stays), and wait for it a while:
-        the node's last windows and CMD's values go to it."""
-        self._stop.set()
-        self._thread.join()
-        self._training_run.open_script_run(self._script)
-        self._training_run.wait_open(self._training_run.start_wait_s)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._POLL_S):
-            if self._due():
-                self._training_run.open_script_run(self._script)
-                return
-
-    def _due(self) -> bool:
-        script = self._script
-        if script.published() is not None or script.asked():
-            return True
-        if script.claimed() is not None:
-            return False  # a process of CMD is opening it: its publication follows
-        return time.monotonic() >= self._open_after and not script.mlflow_imported()
 
 
 class _RunWatchdog:

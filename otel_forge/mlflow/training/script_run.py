@@ -82,6 +82,10 @@ class ScriptRun:
             json.dump({"experiment": experiment, "by": by, "pid": os.getpid()}, file)
         return True
 
+    def claimed_experiment(self) -> str | None:
+        """The experiment the claim names (None: MLflow's choice, or no claim)."""
+        return (self.claimed() or {}).get("experiment")
+
     def abandoned(self) -> bool:
         """Claimed by a process that ended without publishing the run (the server never answered it,
         or it was killed): the claim's experiment stands, and whoever comes next opens the run there."""

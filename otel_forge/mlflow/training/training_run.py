@@ -201,16 +201,14 @@ class TrainingRun:
             return True
         if not script.abandoned():
             return False
-        self._replan(experiment=(script.claimed() or {}).get("experiment") or self.plan.experiment)
+        self._replan(experiment=script.claimed_experiment() or self.plan.experiment)
         return True
 
     def _adopt(self, script: ScriptRun) -> None:
         """The run another process of the job claimed, where its claim says (a replay opens it there
         too); its maker described it as it saw it, and ours is added, as to a launched run."""
         self._opener.adopts = script
-        self._replan(
-            experiment=(script.claimed() or {}).get("experiment") or self.plan.experiment, describe_launched=True
-        )
+        self._replan(experiment=script.claimed_experiment() or self.plan.experiment, describe_launched=True)
 
     def _replan(self, **changes: Any) -> None:
         self._opener.plan = self.plan.replace(**changes)
