@@ -199,21 +199,21 @@ def job_run_id() -> str | None:
         if not waiting:
             record.ask()
         published = record.wait_published(_ASKED_WAIT_S)
-    if published is None:
-        return None
-    if not waiting:
+    if published is not None and not waiting:
         take_published(published)
-    return published.run_id
+    return published.run_id if published is not None else None
 
 
 def take_published(run: PublishedRun) -> None:
-    """The job's run is ``run``: this process's next MLflow runs resume or nest under it, as under a
-    launched run, and a ``TrainingRun`` waiting here adopts it."""
-    os.environ[LAUNCHED_RUN_ENV] = run.run_id
-    if fluent_run_id() is None:
-        os.environ.setdefault(env_name("run_id"), run.run_id)
+    """The job's run is ``run``: a ``TrainingRun`` waiting here adopts it (and makes it the process's
+    run while it lasts), else this process's next MLflow runs resume or nest under it, as under a
+    launched run."""
     with _lock:
         waiting = list(_expecting)
+    if not waiting:
+        os.environ[LAUNCHED_RUN_ENV] = run.run_id
+        if fluent_run_id() is None:
+            os.environ.setdefault(env_name("run_id"), run.run_id)
     for open_now in waiting:
         open_now()
 
