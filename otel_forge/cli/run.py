@@ -205,24 +205,23 @@ def run(args: argparse.Namespace) -> int:
 def _ask_server(training_run: Any, command: list[str]) -> None:
     """Before CMD starts, as when the run opens then: the store is made (a local one, once) and a
     server that does not answer is said at once (``start_wait_s``), not at the job's end."""
+    import concurrent.futures
+
     from otel_forge.mlflow.client import Outcome, classify, make_client
     from otel_forge.mlflow.training.rendezvous import find_experiment
+    from otel_forge.mlflow.training.run_owner import RunOwner
 
-    failed: list[BaseException] = []
-
-    def ask() -> None:
-        try:
-            find_experiment(make_client(training_run.tracking_uri), DEFAULT_EXPERIMENT)
-        except Exception as error:  # noqa: BLE001 - said below, or left to the run's own open
-            failed.append(error)
-
-    asking = threading.Thread(target=ask, name="otel-forge-ask-server", daemon=True)
-    asking.start()
-    asking.join(training_run.start_wait_s)
-    if asking.is_alive():
-        _say_unanswered(training_run, command, TimeoutError(f"no answer within {training_run.start_wait_s:.0f} s"))
-    elif failed and classify(failed[0]) is Outcome.RETRY:
-        _say_unanswered(training_run, command, failed[0])
+    owner = RunOwner("otel-forge-ask-server")
+    wait_s = training_run.start_wait_s
+    try:
+        owner.call(lambda: find_experiment(make_client(training_run.tracking_uri), DEFAULT_EXPERIMENT), wait_s)
+    except concurrent.futures.TimeoutError:
+        _say_unanswered(training_run, command, TimeoutError(f"no answer within {wait_s:.0f} s"))
+    except Exception as error:  # noqa: BLE001 - an outage is said; anything else is left to the run's own open
+        if classify(error) is Outcome.RETRY:
+            _say_unanswered(training_run, command, error)
+    finally:
+        owner.close()
 
 
 def _training_run(

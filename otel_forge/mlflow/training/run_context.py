@@ -64,13 +64,12 @@ class LaunchedRunContext(RunContextProvider):
         return active_run() is None
 
     def tags(self) -> dict[str, str]:
-        lightning = _lightning_logger()
         if (record := script_run.current()) is not None:
-            return _first_run_tags(record, lightning)
+            return _first_run_tags(record, _lightning_logger())
         run_id = launched_run_id()
         if run_id is None:
             return {}
-        if lightning is None:
+        if (lightning := _lightning_logger()) is None:
             return {PARENT_RUN_TAG: run_id}
         experiment = str(getattr(lightning, "_experiment_name", None) or getattr(lightning, "_experiment_id", "?"))
         _logger.warning(
@@ -178,7 +177,7 @@ def _script_run_at_import(launched: LaunchedRun) -> LaunchedRun:
     try:
         record.mark_mlflow_imported()
         published = record.published()
-        if published is None and (record.claimed() or {}).get("by") == script_run.LAUNCHER:
+        if published is None and record.claimed_by() == script_run.LAUNCHER:
             published = record.wait_published(_CLAIMED_WAIT_S)
     except OSError as error:  # never raise into MLflow's import
         _logger.debug("the job's shared directory is not usable: %s", error)

@@ -86,6 +86,9 @@ class ScriptRun:
         """The experiment the claim names (None: MLflow's choice, or no claim)."""
         return (self.claimed() or {}).get("experiment")
 
+    def claimed_by(self) -> str | None:
+        return (self.claimed() or {}).get("by")
+
     def abandoned(self) -> bool:
         """Claimed by a process that ended without publishing the run (the server never answered it,
         or it was killed): the claim's experiment stands, and whoever comes next opens the run there."""
