@@ -509,6 +509,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="sqlite")
     parser.add_argument(
+        "--pg-driver",
+        choices=("psycopg", "psycopg2"),
+        help="the server's PostgreSQL driver (default: psycopg 3 where installed, as docs/fleet.md advises)",
+    )
+    parser.add_argument(
         "--idle-seconds",
         type=float,
         help="server idle CPU measured before the nodes, s (default 2; 10 with --at-defaults)",
@@ -567,6 +572,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.experiment_runs = args.fleet if args.experiment_runs is None else args.experiment_runs
     args.idle_seconds = args.idle_seconds if args.idle_seconds is not None else (10.0 if args.at_defaults else 2.0)
     args.backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
+    args.pg_driver = args.pg_driver or Postgres.driver()
     return args
 
 
@@ -576,7 +582,7 @@ def on_backend(ctx: Context, backend: str, measure_one: Any, names: list[str]) -
     reason = Postgres.unavailable() if backend == "postgresql" else None
     try:
         if backend == "postgresql" and reason is None:
-            ctx.postgres = Postgres()
+            ctx.postgres = Postgres(ctx.args.pg_driver)
             reason = start_postgres(ctx.postgres)
         rows = []
         for name in names:
@@ -632,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             subjects = ["otel_forge", "mlflow"] if args.anchor else ["otel_forge"]
             rows += on_backend(ctx, backend, functools.partial(run_phase, ctx, backend=backend), subjects)
-    settings = ["nodes", "fleet", "interval", "backend", "idle_seconds"]
+    settings = ["nodes", "fleet", "interval", "backend", "pg_driver", "idle_seconds"]
     settings += (
         ["minutes", "old_layout_keys", "old_layout_steps", "experiment_runs", "pages", "page_timeout"]
         if args.at_defaults

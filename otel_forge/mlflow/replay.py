@@ -14,9 +14,11 @@ from otel_forge.mlflow.client import RunGone, RunInfo, make_client
 from otel_forge.mlflow.spool_files import HEADER, SpoolBusy, claim, remove_if_empty, writer_alive
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+from otel_forge.mlflow.system_metrics.windows import Window
 from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
 from otel_forge.mlflow.training.run_journal import is_journal, read_header, undelivered
+from otel_forge.mlflow.worker import MOST_JOINED
 
 _logger = logging.getLogger(__name__)
 
@@ -153,15 +155,28 @@ def _replay_windows(path: Path, tracking_uri: str | None) -> ReplayResult:
     )
     delivered, ended = 0, False
     while (window := spool.peek()) is not None:
+        window, count = _joined(spool, window)
         log_window(window)
-        spool.pop()
-        delivered, ended = delivered + 1, ended or window.last
+        for _ in range(count):
+            spool.pop()
+        delivered, ended = delivered + count, ended or window.last
     if not ended and log_window.node_run_id is not None and not writer_alive(header):
         # Its agent died without its last window (SIGKILL, a node lost): the node's run ends here.
         make_client(uri).set_terminated(log_window.node_run_id, "KILLED")
     if not spool.set_aside:
         spool.remove_if_empty()
     return ReplayResult(delivered, len(spool), run_id, spool.set_aside)
+
+
+def _joined(spool: WindowSpool, oldest: Window) -> tuple[Window, int]:
+    """The oldest window and those after it that fit in the same call (a backlog goes in few calls):
+    the call, and how many windows it holds."""
+    window, count = oldest, 1
+    for later in spool.peek_many(MOST_JOINED)[1:]:
+        if (joined := WindowLogger.joined(window, later)) is None:
+            break
+        window, count = joined, count + 1
+    return window, count
 
 
 def _job_run_id(client: Any, header: dict[str, Any]) -> str:

@@ -2,16 +2,18 @@
 
 ``DeliveryWorker.submit`` never blocks: it appends to a bounded queue (or, when the queue is full,
 to an ``Overflow`` such as the on-disk spool) and returns. A sender thread delivers the oldest item
-first; each call runs on a call thread under a deadline, so a hung server costs one thread and a
-warning, never the caller. An item whose call passed its deadline is never sent again while that call
-may still be running: the retry awaits it. A failure is classified: retried with jittered backoff (the
-item stays first in line), dropped, or the end of delivery (e.g. the run was deleted).
+first (with the items due after it, where ``join`` makes them one call); each call runs on a call
+thread under a deadline, so a hung server costs one thread and a warning, never the caller. An item
+whose call passed its deadline is never sent again while that call may still be running: the retry
+awaits it. A failure is classified: retried with jittered backoff (the item stays first in line),
+dropped, or the end of delivery (e.g. the run was deleted).
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import logging
 import random
 import threading
@@ -26,6 +28,7 @@ from otel_forge.scrub import scrub
 _logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+MOST_JOINED = 16  # items one call may hold: the spool reads this many files to choose
 
 
 class Outcome(enum.Enum):
@@ -51,6 +54,9 @@ class Overflow(Protocol[T]):
         """Keep ``items`` (older than those held) before the others; how many fit."""
 
     def peek(self) -> T | None: ...
+
+    def peek_many(self, count: int) -> list[T]:
+        """The oldest ``count`` items (fewer where fewer are held, or where one cannot be read)."""
 
     def pop(self) -> None: ...
 
@@ -88,8 +94,12 @@ class DeliveryWorker(Generic[T]):
         backoff_max_s: float = 10.0,
         write_ahead: bool = False,
         due: Callable[[T], float] | None = None,
+        join: Callable[[T, T], T | None] | None = None,
     ) -> None:
         self.name = name
+        # join(item, later): both as one call, or None where they cannot be one (too large).
+        self._join = join
+        self._alone = 0  # items to send one by one: a joined call that the server refused
         # due(item): the wall-clock time before which the item is not sent (until close hurries it).
         self._due = due
         self._hurry = threading.Event()  # set at close and during a flush: nothing waits for its due time
@@ -234,25 +244,47 @@ class DeliveryWorker(Generic[T]):
                 self._cond.wait()
             return None
 
-    def _pop(self, item: T) -> None:
+    def _pop(self, head: T, count: int = 1) -> None:
+        """Remove ``head`` and the ``count - 1`` items after it, from where ``head`` came."""
         with self._cond:
-            if self._queue and self._queue[0] is item:
-                self._queue.popleft()
-            elif self._overflow is not None:
-                self._overflow.pop()
+            from_queue = bool(self._queue) and self._queue[0] is head
+            for _ in range(count):
+                if from_queue:
+                    self._queue.popleft()
+                elif self._overflow is not None:
+                    self._overflow.pop()
+            self._alone = max(self._alone - count, 0)
             self._cond.notify_all()  # flush() waits for the queue to empty
 
-    def _deliver_until_done(self, item: T) -> None:
+    def _joined(self, head: T) -> tuple[T, int]:
+        """``head`` and the items after it that are due too, as one call where ``join`` allows: the
+        call, and how many items it holds."""
+        if self._join is None or self._alone:
+            return head, 1
+        with self._cond:
+            if self._queue and self._queue[0] is head:
+                later = list(itertools.islice(self._queue, 1, MOST_JOINED))
+            else:
+                later = self._overflow.peek_many(MOST_JOINED)[1:] if self._overflow is not None else []
+        item, count = head, 1
+        for follower in later:
+            if not self._is_due(follower) or (joined := self._join(item, follower)) is None:
+                break
+            item, count = joined, count + 1
+        return item, count
+
+    def _deliver_until_done(self, head: T) -> None:
         if self._due is not None:
-            self._wait_until_due(item)
+            self._wait_until_due(head)
+        item, count = self._joined(head)
         backoff_s = self._backoff[0]
         while not self._abandon.is_set():
             error = self._call(item)
             if not self._answered:
                 self._first_answer(error)
             if error is None:
-                self.stats.delivered += 1
-                self._pop(item)
+                self.stats.delivered += count
+                self._pop(head, count)
                 return
             if self._abandon.is_set():
                 return  # closing gave up on it: close() keeps what is left, and says so
@@ -265,10 +297,13 @@ class DeliveryWorker(Generic[T]):
             if outcome is Outcome.STOP:
                 self._stop(error)
                 return
+            if outcome is Outcome.DROP and count > 1:
+                self._alone = count  # which of them is refused: each alone, the others are delivered
+                return
             if outcome is Outcome.DROP:
                 self.stats.dropped += 1
                 self._warnings.warning(f"{self.name}-drop", "%s: dropped an item: %s", self.name, scrub(str(error)))
-                self._pop(item)
+                self._pop(head)
                 return
             self.stats.retried += 1
             self._warnings.warning(
@@ -281,12 +316,18 @@ class DeliveryWorker(Generic[T]):
                 continue
             backoff_s = min(backoff_s * 2, self._backoff[1])
 
-    def _wait_until_due(self, item: T) -> None:
+    def _due_at(self, item: T) -> float:
+        """When ``item`` may be sent: its due time, or at a close, the close's own time if sooner."""
         assert self._due is not None
+        return min(self._due(item), self._close_not_before) if self._closing else self._due(item)
+
+    def _is_due(self, item: T) -> bool:
+        return self._due is None or self._hurry.is_set() or self._due_at(item) <= time.time()
+
+    def _wait_until_due(self, item: T) -> None:
         with self._cond:
             while not self._hurry.is_set():
-                due = min(self._due(item), self._close_not_before) if self._closing else self._due(item)
-                wait_s = due - time.time()
+                wait_s = self._due_at(item) - time.time()
                 if wait_s <= 0:
                     return
                 self._cond.wait(wait_s)

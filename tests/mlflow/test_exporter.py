@@ -94,6 +94,7 @@ class MonitoredRun:
     reads: dict[int, int]  # GPU index -> nvmlDeviceGetUtilizationRates calls
     counts: dict[str, int]  # proxy: requests by path
     log_batch_arrivals: list[float]  # proxy: when each log-batch arrived (s since the epoch)
+    log_batches: list[Any]  # proxy: each log-batch's body, in the order sent
     stopped_at: float  # when the monitor was stopped (s since the epoch): later windows are hurried
     export_calls: list[tuple[float, float]]  # each export() call: when it began and returned (s since the epoch)
     warnings: list[str] = field(default_factory=list)
@@ -141,6 +142,7 @@ def monitored_run(mlflow_server, tmp_path_factory) -> MonitoredRun:
             reads = {i: nvml.calls("nvmlDeviceGetUtilizationRates", i) for i in (0, 1)}
         counts = proxy.counts()
         arrivals = [t for t, _, path, _ in proxy.log() if path == LOG_BATCH]
+        batches = [body for _, _, body in proxy.requests(LOG_BATCH)]
     logging.getLogger("otel_forge").removeHandler(handler)
     keys = keys_of(client, run_id)
     return MonitoredRun(
@@ -149,6 +151,7 @@ def monitored_run(mlflow_server, tmp_path_factory) -> MonitoredRun:
         reads,
         counts,
         arrivals,
+        batches,
         stopped_at,
         export_calls,
         handler.messages,
@@ -232,11 +235,19 @@ def test_timestamp_is_the_window_end(monitored_run: MonitoredRun) -> None:
         assert arrival - timestamp >= phase_ms - CLOCK_SLACK_MS, (timestamp, arrival, phase_ms)
 
 
+def windows_per_call(log_batches: list[Any], anchor: str) -> list[list[int]]:
+    """Per log_batch call, the steps of the anchor key it carried (one per window: every window sends it)."""
+    return [[int(m["step"]) for m in body["metrics"] if m["key"] == anchor] for body in log_batches]
+
+
 def test_one_log_batch_per_window_and_one_key_history_in_all(monitored_run: MonitoredRun) -> None:
     windows = len(monitored_run.histories[GPU_KEY.format(gpu=0)])
+    calls = windows_per_call(monitored_run.log_batches, min(monitored_run.histories))
+    assert [step for call in calls for step in call] == list(range(windows))  # every window once, in order
+    # One call per window while the agent runs; the window not yet due at the stop rides in the last one.
+    assert [len(call) for call in calls[:-1]] == [1] * (len(calls) - 1) and len(calls[-1]) in (1, 2), calls
     assert monitored_run.counts.get(GET_HISTORY) == 1  # the resume point, read once at start
-    assert monitored_run.counts.get(LOG_BATCH) == windows
-    assert sum(monitored_run.counts.values()) == windows + 1, monitored_run.counts
+    assert sum(monitored_run.counts.values()) == len(calls) + 1, monitored_run.counts
 
 
 def test_a_window_of_more_than_1000_metrics_takes_ceil_n_over_1000_log_batches(
@@ -459,11 +470,13 @@ def test_a_slow_server_never_blocks_export_and_no_window_is_sent_twice(
     assert exporter.worker.stats.hung_calls >= 1
     assert len([r for r in caplog.records if "exceeded its" in r.getMessage()]) == 1
     # A call past its deadline is awaited, never sent again while the server may still work on it:
-    # one log_batch per window, however slow the server.
+    # each window in one log_batch, however slow the server; those that waited meanwhile go together.
     points = history(client, run_id, key)
     assert [m.step for m in points] == list(range(11))
     assert [m.value for m in points] == pytest.approx([i for i in range(11)])
-    assert proxy.count(LOG_BATCH) == 11
+    calls = windows_per_call([body for _, _, body in proxy.requests(LOG_BATCH)], key)
+    assert sorted(step for call in calls for step in call) == list(range(11))
+    assert len(calls) < 11, calls
 
 
 # --- an outage at close: the spool, its replay, and no credential anywhere -------------------------
@@ -505,6 +518,35 @@ def test_windows_left_at_close_are_spooled_without_credentials_and_replayed(
     assert not spool_dir.exists()
     points = history(client, run_id, "system/node_0/cpu_utilization_percentage")
     assert [(m.step, m.value) for m in points] == [(0, 25.0)]
+
+
+def test_a_backlog_is_replayed_in_few_calls_each_window_at_its_step(
+    client, experiment_id, mlflow_server, tmp_path
+) -> None:
+    from otel_forge.mlflow.replay import replay_spool
+
+    run_id = new_run(client, experiment_id)
+    exporter = MLflowMetricExporter(
+        run_id,
+        tracking_uri=f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        node_id="node_0",
+        config=ForgeConfig.resolve(environ={}, drain_deadline_s=0.2, spool_dir=str(tmp_path / "spool")),
+    )
+    for i in range(12):  # 12 windows of one changing value: an outage's backlog
+        exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, i / 100)])))
+        time.sleep(0.002)
+    exporter.shutdown()
+
+    with MlflowProxy(mlflow_server.uri) as proxy:
+        result = replay_spool(exporter.spool.path, tracking_uri=proxy.uri)
+        key = "system/node_0/cpu_utilization_percentage"
+        calls = windows_per_call([body for _, _, body in proxy.requests(LOG_BATCH)], key)
+
+    assert (result.delivered, result.remaining) == (12, 0)
+    assert calls == [list(range(12))]  # one call: 12 values fit in one log_batch
+    points = history(client, run_id, key)
+    assert [m.step for m in points] == list(range(12))
+    assert [m.value for m in points] == pytest.approx([float(i) for i in range(12)])
 
 
 def test_no_credential_reaches_a_warning(client, experiment_id, tmp_path, caplog) -> None:

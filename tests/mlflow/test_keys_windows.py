@@ -592,6 +592,54 @@ def test_windows_behind_a_first_call_that_fails_are_spooled(tmp_path: Path) -> N
     assert calls == [0, 0, 1, 2, 3]
 
 
+def _joining_worker(tmp_path: Path, deliver, due_s: float, room: int) -> DeliveryWorker[Window]:
+    """Write-ahead, every window due ``due_s`` from now; windows of at most ``room`` values in all join."""
+    due_at = time.time() + due_s
+    spool = WindowSpool(tmp_path / "spool", max_bytes=1 << 20)
+    return DeliveryWorker(
+        deliver,
+        name="joining",
+        overflow=spool,
+        write_ahead=True,
+        due=lambda item: due_at,
+        join=lambda item, later: item.joined(later) if item.size + later.size <= room else None,
+        backoff_initial_s=0.01,
+        backoff_max_s=0.01,
+    )
+
+
+def test_windows_due_together_go_in_one_call_as_far_as_it_holds_them(tmp_path: Path) -> None:
+    calls: list[list[int]] = []
+    worker = _joining_worker(tmp_path, lambda item: calls.append([p.index for p in item.parts]), 60.0, room=5)
+    for i in range(7):
+        worker.submit(window(i, n_values=2))
+    time.sleep(0.2)
+    assert calls == []  # nothing is due before the close
+
+    assert worker.close(5) == 0
+    assert calls == [[0, 1], [2, 3], [4, 5], [6]]  # 2 values each: two windows a call
+    assert worker.stats.delivered == 7 and len(worker._overflow) == 0  # type: ignore[arg-type]
+
+
+def test_a_joined_call_the_server_refuses_is_sent_window_by_window(tmp_path: Path) -> None:
+    calls: list[list[int]] = []
+
+    def deliver(item: Window) -> None:
+        calls.append([p.index for p in item.parts])
+        if 2 in calls[-1]:
+            raise ValueError("window 2 is refused")
+
+    worker = _joining_worker(tmp_path, deliver, 60.0, room=100)
+    worker._classify = lambda error: Outcome.DROP  # type: ignore[method-assign]
+    for i in range(4):
+        worker.submit(window(i))
+
+    assert worker.close(5) == 0
+    # One refused window does not cost the three others: each is tried alone, and only 2 is dropped.
+    assert calls == [[0, 1, 2, 3], [0], [1], [2], [3]]
+    assert (worker.stats.delivered, worker.stats.dropped) == (3, 1)
+
+
 def test_a_hung_deliver_costs_one_thread_and_a_warning_never_the_caller(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.worker")
     release = threading.Event()

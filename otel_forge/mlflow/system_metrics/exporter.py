@@ -117,6 +117,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             overflow=self.spool,
             write_ahead=True,
             due=self._due,
+            join=self.window_logger.joined,
         )
         self._shut_down = False
         self._pid = os.getpid()  # a forked child exports nothing of the parent's run

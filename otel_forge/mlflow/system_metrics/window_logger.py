@@ -157,18 +157,14 @@ class WindowLogger:
             raise TrackingOutage(cause) from error
 
     def _deliver(self, window: Window) -> None:
-        client, run_id, first_step = self._ensure_ready(window)
-        entities = import_mlflow().entities
-        if window.values:
-            step = first_step + window.index
-            metrics = [
-                entities.Metric(key, value, window.before_timestamp_ms, step - 1) for key, value in window.before
-            ]
-            metrics += [entities.Metric(key, value, window.timestamp_ms, step) for key, value in window.values]
+        parts = window.parts
+        client, run_id, first_step = self._ensure_ready(parts[0])
+        metrics = [metric for part in parts for metric in self._metrics(part, first_step)]
+        if metrics:
             with self._lock:
                 version, tag_items, artifacts = self._version, list(self._tags.items()), dict(self._artifacts)
             unrecorded = self._recorded != (run_id, version)
-            tags = [entities.RunTag(k, v) for k, v in tag_items] if unrecorded else []
+            tags = [import_mlflow().entities.RunTag(k, v) for k, v in tag_items] if unrecorded else []
             # The tags ride in the first call, in room its metrics leave: a call carries 1000 entries.
             first = MAX_METRICS_PER_BATCH - len(tags)
             client.log_batch(run_id, metrics=metrics[:first], tags=tags, synchronous=True)
@@ -179,3 +175,17 @@ class WindowLogger:
             self._recorded = (run_id, version)
         if window.last and self.node_run_id is not None:
             client.set_terminated(self.node_run_id, "FINISHED", end_time=window.timestamp_ms)
+
+    @staticmethod
+    def _metrics(window: Window, first_step: int) -> list[Any]:
+        """A window's MLflow metrics: its held-back values at the step before, then its own."""
+        metric, step = import_mlflow().entities.Metric, first_step + window.index
+        if not window.values:
+            return []
+        earlier = [metric(key, value, window.before_timestamp_ms, step - 1) for key, value in window.before]
+        return earlier + [metric(key, value, window.timestamp_ms, step) for key, value in window.values]
+
+    @staticmethod
+    def joined(window: Window, later: Window) -> Window | None:
+        """``window`` and ``later`` as one call, where their metrics fit in one (else None)."""
+        return window.joined(later) if window.size + later.size <= MAX_METRICS_PER_BATCH else None

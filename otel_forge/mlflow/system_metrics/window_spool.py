@@ -9,6 +9,7 @@ being written. The total size of the window files is capped; past the cap ``appe
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import shutil
@@ -155,6 +156,18 @@ class WindowSpool:
                 except (OSError, ValueError, KeyError, TypeError) as error:
                     self._set_aside(path, error)
             return None
+
+    def peek_many(self, count: int) -> list[Window]:
+        """The oldest ``count`` windows, up to the first that cannot be read (``peek`` sets that
+        one aside once it is the oldest)."""
+        with self._lock:
+            windows = []
+            for sequence in itertools.islice(self._sequences, count):
+                try:
+                    windows.append(Window.from_json(json.loads(self._file(sequence).read_text())))
+                except (OSError, ValueError, KeyError, TypeError):
+                    break
+            return windows
 
     def _set_aside(self, path: Path, error: Exception) -> None:
         self._sequences.popleft()

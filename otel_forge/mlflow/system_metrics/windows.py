@@ -3,6 +3,7 @@ sends (only the values that changed) and when (each node at its own phase of the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ class Window:
 
     ``before``: values of the previous step (at ``before_timestamp_ms``) that were held back there,
     sent now that they change: MLflow draws 100, 100, 90 as a step, not as a slope from the last 100 sent.
+
+    ``earlier``: windows that go to the server in the same call, before this one (``joined``): windows
+    due together (a close after a window not yet sent, a backlog after an outage) cost the server one
+    call, and one update of each key's latest value, instead of one per window.
     """
 
     index: int
@@ -25,6 +30,21 @@ class Window:
     last: bool = False  # the exporter's last: a node's own run ends with it
     before: tuple[tuple[str, float], ...] = ()
     before_timestamp_ms: int = 0
+    earlier: tuple[Window, ...] = ()  # never spooled: each stays in the spool until the call answers
+
+    @property
+    def parts(self) -> tuple[Window, ...]:
+        """The windows this one delivers, oldest first."""
+        return (*self.earlier, dataclasses.replace(self, earlier=())) if self.earlier else (self,)
+
+    @property
+    def size(self) -> int:
+        """The MLflow metrics it makes."""
+        return sum(len(part.values) + len(part.before) for part in self.parts)
+
+    def joined(self, later: Window) -> Window:
+        """This window, then ``later``, as one delivery."""
+        return dataclasses.replace(later, earlier=(*self.parts, *later.earlier))
 
     def to_json(self) -> dict:
         data: dict = {"index": self.index, "timestamp_ms": self.timestamp_ms, "values": [list(v) for v in self.values]}
