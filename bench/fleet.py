@@ -66,9 +66,10 @@ Setup, per subject and backend (a fresh server and a fresh run each, so neither 
 other's rows): a private ``mlflow server`` on 127.0.0.1 (sqlite: testkit.mlflow_server.MlflowServer, one
 worker; postgresql: a PostgreSQL cluster the bench starts with ``initdb``/``pg_ctl`` in a temp dir on a
 free 127.0.0.1 port, run as user ``postgres`` when the bench is root, a fresh database per subject,
-``mlflow server --workers 4``), warmed up with a few calls into a throwaway run; one counting proxy in
-front of it (testkit.proxy.MlflowProxy: forwards every request, keeps its path and JSON body); a run created
-with ``MlflowClient``; then K simulated nodes started together, each in its own process group:
+through ``--pg-driver`` (psycopg 3 by default, as docs/fleet.md advises), ``mlflow server --workers 4``),
+warmed up with a few calls into a throwaway run; one counting proxy in front of it (testkit.proxy.MlflowProxy:
+forwards every request, keeps its path and JSON body); a run created with ``MlflowClient``; then K simulated
+nodes started together, each in its own process group:
 
 - ``otel_forge``: ``python -m otel_forge.cli monitor --run-id RUN --tracking-uri PROXY --node-id node_<i>
   --no-prometheus --collectors cpu,memory,disk,network,process,nvidia --interval <compressed>``,

@@ -264,8 +264,10 @@ class DeliveryWorker(Generic[T]):
         with self._cond:
             if self._queue and self._queue[0] is head:
                 later = list(itertools.islice(self._queue, 1, MOST_JOINED))
+            elif self._overflow is not None and len(self._overflow) > 1:  # the usual one: no file read
+                later = self._overflow.peek_many(MOST_JOINED)[1:]
             else:
-                later = self._overflow.peek_many(MOST_JOINED)[1:] if self._overflow is not None else []
+                later = []
         item, count = head, 1
         for follower in later:
             if not self._is_due(follower) or (joined := self._join(item, follower)) is None:

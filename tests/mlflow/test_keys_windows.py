@@ -455,6 +455,17 @@ def test_spool_keeps_order_across_reopen(tmp_path: Path) -> None:
     assert again.remove_if_empty() and not path.exists()
 
 
+def test_spool_reads_ahead_up_to_a_window_it_cannot_read(tmp_path: Path) -> None:
+    spool = WindowSpool(tmp_path / "spool", max_bytes=1 << 20)
+    for i in range(4):
+        assert spool.append(window(i))
+    assert spool.peek_many(3) == [window(0), window(1), window(2)]
+    WindowSpool.pending_files(spool.path)[2].write_text("{not json")
+
+    assert spool.peek_many(10) == [window(0), window(1)]  # up to the unreadable one, which stays
+    assert len(spool) == 4 and spool.set_aside == 0
+
+
 def test_spool_cap_refuses_and_the_worker_counts_the_drop(tmp_path: Path) -> None:
     one = len(json.dumps(window(0).to_json()))
     spool = WindowSpool(tmp_path / "spool", max_bytes=3 * one)
