@@ -14,11 +14,10 @@ from otel_forge.mlflow.client import RunGone, RunInfo, make_client
 from otel_forge.mlflow.spool_files import HEADER, SpoolBusy, claim, remove_if_empty, writer_alive
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
-from otel_forge.mlflow.system_metrics.windows import Window
 from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
 from otel_forge.mlflow.training.run_journal import is_journal, read_header, undelivered
-from otel_forge.mlflow.worker import MOST_JOINED
+from otel_forge.mlflow.worker import MOST_JOINED, join_while
 
 _logger = logging.getLogger(__name__)
 
@@ -154,8 +153,9 @@ def _replay_windows(path: Path, tracking_uri: str | None) -> ReplayResult:
         lambda step: spool.update_header(first_step=step, node_run_id=log_window.node_run_id)
     )
     delivered, ended = 0, False
-    while (window := spool.peek()) is not None:
-        window, count = _joined(spool, window)
+    while (oldest := spool.peek()) is not None:
+        # A backlog goes in few calls: the windows after it that fit in the same one.
+        window, count = join_while(oldest, spool.peek_many(MOST_JOINED)[1:], WindowLogger.joined)
         log_window(window)
         for _ in range(count):
             spool.pop()
@@ -166,17 +166,6 @@ def _replay_windows(path: Path, tracking_uri: str | None) -> ReplayResult:
     if not spool.set_aside:
         spool.remove_if_empty()
     return ReplayResult(delivered, len(spool), run_id, spool.set_aside)
-
-
-def _joined(spool: WindowSpool, oldest: Window) -> tuple[Window, int]:
-    """The oldest window and those after it that fit in the same call (a backlog goes in few calls):
-    the call, and how many windows it holds."""
-    window, count = oldest, 1
-    for later in spool.peek_many(MOST_JOINED)[1:]:
-        if (joined := WindowLogger.joined(window, later)) is None:
-            break
-        window, count = joined, count + 1
-    return window, count
 
 
 def _job_run_id(client: Any, header: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -29,6 +29,19 @@ _logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MOST_JOINED = 16  # items one call may hold: the spool reads this many files to choose
+
+
+def join_while(
+    head: T, later: Iterable[T], join: Callable[[T, T], T | None], ready: Callable[[T], bool] = lambda _: True
+) -> tuple[T, int]:
+    """``head`` joined with the ``later`` items in turn, while each is ``ready`` and ``join`` takes it:
+    the one item, and how many it holds."""
+    item, count = head, 1
+    for follower in later:
+        if not ready(follower) or (joined := join(item, follower)) is None:
+            break
+        item, count = joined, count + 1
+    return item, count
 
 
 class Outcome(enum.Enum):
@@ -268,12 +281,7 @@ class DeliveryWorker(Generic[T]):
                 later = self._overflow.peek_many(MOST_JOINED)[1:]
             else:
                 later = []
-        item, count = head, 1
-        for follower in later:
-            if not self._is_due(follower) or (joined := self._join(item, follower)) is None:
-                break
-            item, count = joined, count + 1
-        return item, count
+        return join_while(head, later, self._join, self._is_due)
 
     def _deliver_until_done(self, head: T) -> None:
         if self._due is not None:
