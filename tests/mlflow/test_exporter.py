@@ -482,7 +482,10 @@ def test_a_slow_server_never_blocks_export_and_no_window_is_sent_twice(
 # --- an outage at close: the spool, its replay, and no credential anywhere -------------------------
 
 
-def _export_to_a_dead_server(run_id: str, tmp_path: Path) -> tuple[MLflowMetricExporter, str]:
+def _export_to_a_dead_server(
+    run_id: str, tmp_path: Path, values: tuple[float, ...] = (0.25,)
+) -> tuple[MLflowMetricExporter, str]:
+    """One window per value, to a server that is not there, then the close: the windows stay spooled."""
     dead = f"http://alice:s3cret-token@127.0.0.1:{free_port()}"  # nothing listens there
     exporter = MLflowMetricExporter(
         run_id,
@@ -490,7 +493,9 @@ def _export_to_a_dead_server(run_id: str, tmp_path: Path) -> tuple[MLflowMetricE
         node_id="node_0",
         config=ForgeConfig.resolve(environ={}, drain_deadline_s=0.5, spool_dir=str(tmp_path / "spool")),
     )
-    exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, 0.25)])))
+    for value in values:
+        exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, value)])))
+        time.sleep(0.002)  # distinct window timestamps (ms)
     wait_for(lambda: exporter.worker.stats.retried >= 1, 10, 0.05)
     exporter.shutdown()
     return exporter, dead
@@ -526,16 +531,8 @@ def test_a_backlog_is_replayed_in_few_calls_each_window_at_its_step(
     from otel_forge.mlflow.replay import replay_spool
 
     run_id = new_run(client, experiment_id)
-    exporter = MLflowMetricExporter(
-        run_id,
-        tracking_uri=f"http://127.0.0.1:{free_port()}",  # nothing listens there
-        node_id="node_0",
-        config=ForgeConfig.resolve(environ={}, drain_deadline_s=0.2, spool_dir=str(tmp_path / "spool")),
-    )
-    for i in range(12):  # 12 windows of one changing value: an outage's backlog
-        exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, i / 100)])))
-        time.sleep(0.002)
-    exporter.shutdown()
+    # 12 windows of one changing value: an outage's backlog
+    exporter, _ = _export_to_a_dead_server(run_id, tmp_path, tuple(i / 100 for i in range(12)))
 
     with MlflowProxy(mlflow_server.uri) as proxy:
         result = replay_spool(exporter.spool.path, tracking_uri=proxy.uri)
