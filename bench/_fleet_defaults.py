@@ -80,7 +80,7 @@ def measure_backend(args: argparse.Namespace, backend: str, postgres: Postgres |
 
     with tempfile.TemporaryDirectory(prefix=f"fleet-defaults-{backend}-") as directory:
         tmp = Path(directory)
-        server, meter = start_server(backend, tmp, "defaults", postgres)
+        server, meter = start_server(backend, tmp, "defaults", postgres, args.pg_workers)
         proxy = counting_proxy(server.uri)
         fleet = Fleet(tmp)
         try:
@@ -561,30 +561,33 @@ def notes(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
 
 def start_and_stop_goals(rows: list[dict[str, Any]]) -> list[str]:
     """Issue 32's: every node's first window within 30 s of the start, every last window within 90 s of
-    the stop, the whole run's server CPU at most 60 ms per node-minute."""
+    the stop, the whole run's server CPU at most 60 ms per node-minute of the job (``job_share``)."""
     lines = []
     for row in rows:
         first, last = row["every_first_window_s"], row["end"]["every_last_window_in_s"]
         whole = next(p for p in row["phases"] if p["name"].startswith("whole run"))
+        calls_ms, idle_ms = job_share(row, whole)
         checks = (
             f"first windows in {fmt(first, 1)} s ({_met(first is not None and first <= START_GOAL_S)})",
             f"last windows in {fmt(last, 1)} s ({_met(last is not None and last <= STOP_GOAL_S)})",
-            f"whole run {whole['ms_per_node_minute']:.1f} ms per node-minute "
-            f"({_met(whole['ms_per_node_minute'] <= GOAL_MS_PER_NODE_MINUTE)}; "
-            f"{idle_shared(row, whole):.1f} with the server's idle shared by the job's {row['fleet']:,} nodes)",
+            f"whole run {calls_ms + idle_ms:.1f} ms per node-minute of the {row['fleet']:,}-node job "
+            f"({_met(calls_ms + idle_ms <= GOAL_MS_PER_NODE_MINUTE)}: the nodes' calls {calls_ms:.1f}, the "
+            f"server's idle {idle_ms:.1f}; {whole['ms_per_node_minute']:.1f} with its idle charged to the "
+            f"{row['nodes']} agents alone)",
         )
         lines.append(f"- Goals (issue 32), {row['backend']}: {'; '.join(checks)}.")
     return lines
 
 
-def idle_shared(row: dict[str, Any], phase_row: dict[str, Any]) -> float:
-    """``phase_row``'s ms per node-minute with the server's idle CPU (measured before the start) shared by
-    every node of the job, not only by the K agents that stand for them: the server idles the same for
-    32 nodes as for 2,048."""
+def job_share(row: dict[str, Any], phase_row: dict[str, Any]) -> tuple[float, float]:
+    """``phase_row``'s server CPU per node-minute of the ``--fleet``-node job the K agents stand for: (what
+    the nodes' calls cost it, above its idle; its idle, measured before the start, shared by every node of
+    the job). The server idles alike for K nodes and for 2,048; charged to the K agents alone, a server
+    sized for the job (4 workers: ~9 ms of CPU a second) would weigh 2,048 / K times what it does."""
     minutes = (phase_row["to_s"] - phase_row["from_s"]) / MINUTE_S
     idle_ms = row["idle_cpu_ms_per_s"] * MINUTE_S * minutes
-    busy_ms = phase_row["cpu_ms"]["total"] - idle_ms
-    return (busy_ms / row["nodes"] + idle_ms / row["fleet"]) / minutes
+    calls_ms = phase_row["cpu_ms"]["total"] - idle_ms
+    return calls_ms / row["nodes"] / minutes, idle_ms / row["fleet"] / minutes
 
 
 def _met(met: bool) -> str:

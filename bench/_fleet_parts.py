@@ -321,8 +321,10 @@ def start_postgres(postgres: Postgres) -> str | None:
     return None
 
 
-def start_server(backend: str, tmp: Path, name: str, postgres: Postgres | None) -> tuple[MlflowServer, CpuMeter]:
-    """A fresh ``mlflow server`` (sqlite: one worker; postgresql: a fresh database, 4 workers) and the
+def start_server(
+    backend: str, tmp: Path, name: str, postgres: Postgres | None, pg_workers: int = 4
+) -> tuple[MlflowServer, CpuMeter]:
+    """A fresh ``mlflow server`` (sqlite: one worker; postgresql: a fresh database, ``pg_workers``) and the
     meter of its CPU."""
     (tmp / "server").mkdir()
     if backend == "sqlite":
@@ -332,7 +334,7 @@ def start_server(backend: str, tmp: Path, name: str, postgres: Postgres | None) 
     assert postgres is not None
     try:
         uri = postgres.create_database(f"fleet_{name}_{uuid.uuid4().hex[:8]}")
-        server = MlflowServer(tmp / "server", backend_uri=uri, workers=4).start()
+        server = MlflowServer(tmp / "server", backend_uri=uri, workers=pg_workers).start()
     except Exception as error:  # the driver's own errors too: whatever it is, that backend is out
         raise BackendUnavailable(f"mlflow server on PostgreSQL did not start: {str(error).strip()[-500:]}") from error
     assert server.process is not None
