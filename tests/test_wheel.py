@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,16 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The README's one command, with the build isolation off: no index to fetch setuptools from.
     _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", REPO_ROOT)
     [wheel] = (tmp / "dist").glob("otel_forge-*.whl")
-    _run(sys.executable, "-m", "venv", "--system-site-packages", tmp / "venv")
-    # --ignore-installed: this Python's own otel-forge (an editable checkout) is seen through the
-    # system site-packages, and must not stand for the wheel.
-    _run(tmp / "venv" / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel)
-    return tmp / "venv"
+    venv = tmp / "venv"
+    _run(sys.executable, "-m", "venv", "--system-site-packages", venv)
+    # A venv made from a venv sees the base interpreter's packages, which on a fresh machine hold none
+    # of the dependencies: a path file hands it this environment's too. A path line adds the folder
+    # without running its own path files, so this environment's editable otel-forge stays out.
+    [site_packages] = (venv / "lib").glob("python*/site-packages")
+    (site_packages / "test_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # --ignore-installed: this Python's own otel-forge (an editable checkout) must not stand for the wheel.
+    _run(venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel)
+    return venv
 
 
 def test_the_installed_wheel_answers_its_version(installed: Path) -> None:
