@@ -6,9 +6,9 @@ import argparse
 import math
 import signal
 import sys
-import threading
 from typing import TYPE_CHECKING, Any
 
+from otel_forge.cli.main_thread import sleep_until
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.pipeline import Agent
@@ -70,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
     duration_s = _duration_s(args.duration)
     config = config_from_args(args)
     agent = _agent(config)
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stopping: list[int] = []  # the handler only records: it may run inside a lock the main thread holds
+    previous = {
+        sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         agent.start()
         if not agent.node.runs_agent:
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"otel-forge: collector {name} absent: {reason}", file=sys.stderr, flush=True)
         if isinstance(agent, Agent):  # with a run, the MLflow monitor delivers them
             _deliver_leftovers(config, agent.node.node_id or agent.node.hostname)
-        stop.wait(duration_s)
+        sleep_until(lambda: bool(stopping), duration_s)
     finally:
         agent.stop()
         for sig, handler in previous.items():

@@ -33,6 +33,7 @@ from typing import Any
 
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
 from otel_forge.cli.launchers import read_launch
+from otel_forge.cli.main_thread import sleep_until
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.cli.rank_watch import RankZeroWatch
 from otel_forge.cli.script_run_watch import ScriptRunWatch, script_names_experiment, script_run_of
@@ -175,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         training_run.on_open.append(rank_watch.stop)
     stopping: threading.Thread | None = None
     try:
-        code = child.wait()
+        sleep_until(lambda: child.poll() is not None)  # a SIGTERM for CMD is passed on while it runs
+        code = child.returncode
         if script_watch is not None:
             script_watch.finish()  # the run CMD made (or claimed), else ours in the default experiment
         watchdog = watchdogs.finish()

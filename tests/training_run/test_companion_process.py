@@ -4,6 +4,7 @@ run, or by itself once the training process is gone, its windows delivered."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import textwrap
@@ -20,11 +21,12 @@ CPU_KEY = "system/cpu_utilization_percentage"
 
 def _samplers(parent: psutil.Process, but: frozenset[int] = frozenset()) -> list[psutil.Process]:
     """The companions ``parent`` runs, ``but`` those (an earlier test's may still be finishing)."""
-    return [
-        child
-        for child in parent.children()
-        if "otel_forge.cli.companion" in " ".join(child.cmdline()) and child.pid not in but
-    ]
+    found = []
+    for child in parent.children():
+        with contextlib.suppress(psutil.Error):  # a child gone, or a zombie an earlier test left unreaped
+            if "otel_forge.cli.companion" in " ".join(child.cmdline()) and child.pid not in but:
+                found.append(child)
+    return found
 
 
 def _running() -> frozenset[int]:
