@@ -35,6 +35,7 @@ from run_reading import anchor_steps
 from testkit.git_repo import commit_all, git
 from testkit.hermetic import hermetic_environ
 from testkit.servers import free_port
+from testkit.thread_signal import send_to_another_thread
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
@@ -414,20 +415,24 @@ def _child_pid(forge: Background) -> int:
 
 
 @pytest.mark.parametrize(
-    ("mode", "cmd_exit", "forge_exit"),
+    ("mode", "cmd_exit", "forge_exit", "to_a_thread"),
     [
-        ("exit:7", 7, 7),  # CMD handles SIGTERM, cleans up, exits 7: otel-forge exits 7
-        ("default", -signal.SIGTERM, 128 + signal.SIGTERM),  # CMD dies by SIGTERM: otel-forge exits 143
+        ("exit:7", 7, 7, False),  # CMD handles SIGTERM, cleans up, exits 7: otel-forge exits 7
+        ("default", -signal.SIGTERM, 128 + signal.SIGTERM, False),  # CMD dies by SIGTERM: otel-forge exits 143
+        ("exit:7", 7, 7, True),  # the kernel hands otel-forge's SIGTERM to a thread other than the main one
     ],
-    ids=["cmd-handles-it", "cmd-dies-by-it"],
+    ids=["cmd-handles-it", "cmd-dies-by-it", "handed-to-another-thread"],
 )
 def test_sigterm_is_forwarded_to_cmd_run_killed_and_exit_mirrored(
-    mode, cmd_exit, forge_exit, mlflow_server, client, tmp_path, background
+    mode, cmd_exit, forge_exit, to_a_thread, mlflow_server, client, tmp_path, background
 ) -> None:
     forge, record = _start_signal_child(mlflow_server, tmp_path, background, mode, unique("sigterm"))
     cmd = psutil.Process(_child_pid(forge))
 
-    forge.process.send_signal(signal.SIGTERM)  # to otel-forge only, as `kill PID` or a scheduler does
+    if to_a_thread:
+        send_to_another_thread(forge.process.pid, signal.SIGTERM)
+    else:
+        forge.process.send_signal(signal.SIGTERM)  # to otel-forge only, as `kill PID` or a scheduler does
     code = forge.wait()
 
     # otel-forge did not die by the signal: it exited with CMD's code (a Popen of a process killed by

@@ -3,18 +3,16 @@ signals stop it promptly and free the port, ``--duration`` ends it by itself."""
 
 from __future__ import annotations
 
-import ctypes
-import os
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from testkit.servers import AgentProcess, agent_environment, free_port, monitor_command, start_agent
+from testkit.thread_signal import send_to_another_thread
 
 USAGE_ERROR = 2
 RUN_TIMEOUT_S = 20.0
@@ -148,21 +146,12 @@ def test_signal_stops_the_monitor_and_frees_the_port(
     assert _can_bind(port), f"port {port} still taken after the monitor exited"
 
 
-def _send_to_another_thread(pid: int, sig: signal.Signals) -> int:
-    """``sig`` to one of ``pid``'s threads other than its main one (tgkill), as the kernel may hand a
-    process's signal to any of its threads; that thread's id."""
-    [tid, *_] = sorted(int(task.name) for task in Path(f"/proc/{pid}/task").iterdir() if int(task.name) != pid)
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.tgkill(pid, tid, int(sig)) == 0, os.strerror(ctypes.get_errno())
-    return tid
-
-
 def test_a_sigterm_handed_to_another_thread_stops_the_monitor(
     running_agent: Callable[[], tuple[AgentProcess, int]],
 ) -> None:
     agent, port = running_agent()
 
-    tid = _send_to_another_thread(agent.pid, signal.SIGTERM)
+    tid = send_to_another_thread(agent.pid, signal.SIGTERM)
     code = agent.wait(timeout_s=STOP_WAIT_S)  # CPython runs the handler in the main thread, once it wakes
 
     assert code == 0, (tid, code, agent.stderr)
