@@ -322,7 +322,7 @@ def start_postgres(postgres: Postgres) -> str | None:
 
 
 def start_server(
-    backend: str, tmp: Path, name: str, postgres: Postgres | None, pg_workers: int = 4
+    backend: str, tmp: Path, name: str, postgres: Postgres | None, pg_workers: int
 ) -> tuple[MlflowServer, CpuMeter]:
     """A fresh ``mlflow server`` (sqlite: one worker; postgresql: a fresh database, ``pg_workers``) and the
     meter of its CPU."""
