@@ -36,9 +36,12 @@ def run_script(
     )
 
 
-def popen_script(code: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+def popen_script(
+    code: str, env: dict[str, str] | None = None, cwd: Path | None = None, stdin: int | None = None
+) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-u", "-c", code],
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -26,14 +26,12 @@ import os
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from otel_forge.config import ForgeConfig
-from otel_forge.journal import JournalReader
 from otel_forge.mlflow.client import (
     MAX_METRICS_PER_BATCH,
     classify,
@@ -42,20 +40,16 @@ from otel_forge.mlflow.client import (
     outage_cause,
     unanswered_reason,
 )
-from otel_forge.mlflow.spool_files import SpoolBusy, claim, kept_notice_level, write_atomically, writer_alive
+from otel_forge.mlflow.spool_files import SpoolBusy, claim, kept_notice_level, write_atomically
+from otel_forge.mlflow.training.journal_tail import MARK, Item, JournalTail, MetricRow
 from otel_forge.mlflow.training.run_journal import (
     CHECKPOINT,
     CURSOR_FILE,
-    DESCRIBE,
-    DISABLED,
     END,
     JOURNAL_FILE,
     METRICS,
-    OPENED,
-    PLAN,
     RECORD,
     Record,
-    decode,
     read_header,
 )
 from otel_forge.mlflow.training.run_owner import OpenRun
@@ -68,12 +62,7 @@ _logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a quiet journal is read again
 _BACKOFF_S = (0.5, 10.0)  # as the windows' worker: first pause, longest pause
-_MAX_ITEMS = 20_000  # read no further ahead than this (memory stays bounded, the journal holds the rest)
-_READ_RECORDS = 1_000  # journal records a read takes at most (each holds one log() call's values)
 _DESCRIBED_POLL_S = 0.02  # how often a TrainingRun looks whether its description is in
-
-# (key, value, timestamp_ms, step)
-MetricRow = tuple[str, float, int, int]
 
 
 class Delivered(enum.Enum):
@@ -128,15 +117,6 @@ def _described(directory: Path) -> bool:
     return cursor.run is not None and not cursor.undescribed
 
 
-@dataclass
-class _Item:
-    """One call's worth of the journal, in order; ``end``: the offset delivered once it is."""
-
-    kind: str
-    data: Any
-    end: int | None
-
-
 class _RunPending(Exception):
     """The training process has not opened the run yet: wait for it."""
 
@@ -174,16 +154,13 @@ class JournalDelivery:
         self._on_run = on_run
         self._job_run = job_run
         self._cursor = Cursor.load(directory)
-        self._reader = JournalReader(directory / JOURNAL_FILE, self._cursor.offset)
-        self._items: deque[_Item] = deque()
+        self._tail = JournalTail(directory, self._cursor.offset, self._header)
+        self._items = self._tail.items
         # When the last batch of values went: the next goes one flush interval later (the run's
         # first value at once, a full batch at once).
         self._flushed_at: float | None = None
         self._run: OpenRun | None = None
         self._client: Any = None
-        self._writer_done = False  # its end read, or it died and all it wrote is read: nothing more comes
-        self._end_read = False
-        self._disabled = False  # its writer said: no run (it warned why); nothing to deliver
         self._deadline: float | None = None  # monotonic: set by finish()
         self._done_at: float | None = None  # when the writer ended or died: patience counts from then
         self._wake = threading.Event()
@@ -227,7 +204,10 @@ class JournalDelivery:
         except SpoolBusy:
             return Delivered.BUSY
         with lock:
-            outcome = self._deliver_all()
+            try:
+                outcome = self._deliver_all()
+            finally:
+                self._tail.close()
         if outcome is Delivered.ALL:
             self._remove()
         else:
@@ -238,15 +218,15 @@ class JournalDelivery:
         backoff_s = _BACKOFF_S[0]
         while True:
             self._read()
-            if self._disabled:
+            if self._tail.control.disabled:
                 return Delivered.ALL
             self._sync_if_due()
             item = self._next_item()
             if item is None:
-                if self._writer_done and not self._items:
+                if self._tail.read_all and not self._items:
                     if self.ended is not None or not self._ending_is_ours():
                         return Delivered.ALL
-                    self._items.append(_Item(END, ("KILLED", 0), None))  # died without closing
+                    self._items.append(Item(END, ("KILLED", 0), None))  # died without closing
                     continue
                 if self._gave_up():
                     return Delivered.LEFT
@@ -292,52 +272,19 @@ class JournalDelivery:
     # --- reading --------------------------------------------------------------------------
 
     def _read(self) -> None:
-        if self._writer_done or len(self._items) >= _MAX_ITEMS:
-            return
-        alive = writer_alive(self._header)  # asked first: a final read only once the writer is gone
-        records = self._reader.read(final=not alive, limit=_READ_RECORDS)
-        for payload, end in records:
-            self._take(decode(payload), end)
-        if not alive and len(records) < _READ_RECORDS:  # the writer is gone and all it wrote is read
-            self._writer_done = True
-        if self._writer_done and self._done_at is None:
+        self._tail.read()
+        control = self._tail.control
+        self._cursor.plan = control.plan or self._cursor.plan
+        self._cursor.describe = control.describe or self._cursor.describe
+        self._cursor.opened = control.opened or self._cursor.opened
+        if self._tail.writer_done and self._done_at is None:
             self._done_at = time.monotonic()
-        if self._reader.skipped:
+        if self._tail.skipped:
             self._warnings.warning(
                 "torn", "MLflow: %s: a record torn by the writer's death was skipped", self.directory
             )
 
-    def _take(self, entry: list[Any] | None, end: int) -> None:
-        kind = entry[0] if entry else None
-        if kind == METRICS:
-            assert entry is not None
-            _, step, timestamp_ms, values = entry
-            rows = [_Item(METRICS, (key, float(value), timestamp_ms, step), None) for key, value in values.items()]
-            if rows:
-                rows[-1].end = end
-                self._items.extend(rows)
-                return
-        elif kind in (RECORD, CHECKPOINT, END):
-            assert entry is not None
-            self._items.append(_Item(kind, tuple(entry[1:]), end))
-            if kind == END:
-                self._end_read = self._writer_done = True
-            return
-        elif kind == PLAN and entry is not None:
-            self._cursor.plan = dict(entry[1])
-        elif kind == DESCRIBE and entry is not None:
-            self._cursor.describe = dict(entry[1])
-        elif kind == OPENED and entry is not None:
-            self._cursor.opened = dict(entry[1])
-            # Described at once, not with the first value: a framework's own params (the same config)
-            # follow the block's start, and find ours there (``wait_described``).
-            self._items.append(_Item(OPENED, None, end))
-            return
-        elif kind == DISABLED:
-            self._disabled = True
-        self._items.append(_Item("mark", None, end))  # nothing to send: the cursor moves past it
-
-    def _next_item(self) -> _Item | None:
+    def _next_item(self) -> Item | None:
         """The next call: a batch of rows once due (full, followed by something else, the flush
         interval passed, or the writer done), else the item first in line."""
         if not self._items:
@@ -351,16 +298,16 @@ class JournalDelivery:
         due = (
             count == MAX_METRICS_PER_BATCH
             or count < len(self._items)
-            or self._writer_done
+            or self._tail.writer_done
             or self._deadline is not None
             or self._flushed_at is None
             or time.monotonic() - self._flushed_at >= self._flush_interval_s
         )
         if not due:
             return None
-        return _Item("rows", rows, None)
+        return Item("rows", rows, None)
 
-    def _done(self, item: _Item) -> None:
+    def _done(self, item: Item) -> None:
         taken = item.data if item.kind == "rows" else [item]
         for _ in taken:
             self._items.popleft()
@@ -389,8 +336,8 @@ class JournalDelivery:
 
     # --- sending --------------------------------------------------------------------------
 
-    def _send(self, item: _Item) -> None:
-        if item.kind == "mark":
+    def _send(self, item: Item) -> None:
+        if item.kind == MARK:
             return
         run = self._live_run()  # opens and describes the run (``OPENED``: nothing more)
         if item.kind == "rows":
@@ -475,7 +422,7 @@ class JournalDelivery:
     def _find_run(self) -> OpenRun:
         known = self._cursor.opened or self._cursor.run
         job_run = self._job_run() if self._job_run and known is None else None
-        if known is None and job_run is None and not self._writer_done:
+        if known is None and job_run is None and not self._tail.writer_done:
             raise _RunPending()  # no client before there is a run: a local store is made once, by its opener
         if self._client is None:
             self._client = make_client(self._uri)
@@ -557,7 +504,11 @@ class JournalDelivery:
     # --- the end of the delivery ----------------------------------------------------------
 
     def pending_values(self) -> int:
-        return sum(1 for item in self._items if item.kind == METRICS)
+        """The metric values in the journal past what is delivered (those held in memory included)."""
+        try:
+            return self._tail.pending_values(self._cursor.offset)
+        except OSError:
+            return sum(1 for item in self._items if item.kind == METRICS)
 
     def _remove(self) -> None:
         import shutil

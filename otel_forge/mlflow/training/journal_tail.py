@@ -1,0 +1,157 @@
+"""``JournalTail``: a run's journal read by its delivery, two ways at once.
+
+The items to deliver (metric values, records, checkpoints, the end) are read in order and held no
+further ahead than ``MAX_ITEMS``: memory stays bounded, the journal holds the rest. The control
+entries (the plan, the description, the run opened, logging disabled, the end) are scanned ahead
+of them, as far as the file goes, and held alone: a backlog of values never hides the run they
+belong to, nor the writer's end (an outage at a job's start left 39,000 values behind an ``opened``
+entry that a bounded read never reached).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otel_forge.journal import JournalReader
+from otel_forge.mlflow.spool_files import writer_alive
+from otel_forge.mlflow.training.run_journal import (
+    CHECKPOINT,
+    DESCRIBE,
+    DISABLED,
+    END,
+    JOURNAL_FILE,
+    METRICS,
+    OPENED,
+    PLAN,
+    RECORD,
+    decode,
+)
+
+_logger = logging.getLogger(__name__)
+
+MAX_ITEMS = 20_000  # items held ahead of the delivery
+READ_RECORDS = 1_000  # journal records one read takes at most (each holds one log() call's values)
+_VALUES_PREFIX = b'["' + METRICS.encode() + b'",'  # a values entry, told apart without decoding it
+MARK = "mark"  # an item with nothing to send: its offset is delivered once it is reached
+
+# (key, value, timestamp_ms, step)
+MetricRow = tuple[str, float, int, int]
+
+
+@dataclass
+class Item:
+    """One entry's worth of the journal, in order; ``end``: the offset delivered once it is."""
+
+    kind: str
+    data: Any
+    end: int | None
+
+
+@dataclass
+class Control:
+    """The control entries read so far (the latest of each); ``ended``: the writer's end entry was read."""
+
+    plan: dict[str, Any] | None = None
+    describe: dict[str, Any] | None = None
+    opened: dict[str, Any] | None = None
+    disabled: bool = False
+    ended: bool = False
+
+
+class JournalTail:
+    """Reads the journal in ``directory`` from ``offset``; ``header``: its writer's identity."""
+
+    def __init__(self, directory: Path, offset: int, header: dict[str, Any]) -> None:
+        self._header = header
+        self._items_reader = JournalReader(directory / JOURNAL_FILE, offset)
+        self._control_reader = JournalReader(directory / JOURNAL_FILE, offset)
+        self.items: deque[Item] = deque()
+        self.control = Control()
+        self.writer_done = False  # nothing more will be written: its end read, or it is dead and all it wrote read
+
+    @property
+    def read_all(self) -> bool:
+        """Every item the journal will ever hold has been read into ``items``."""
+        return self.writer_done and self._items_reader.offset >= self._control_reader.offset
+
+    @property
+    def skipped(self) -> int:
+        """Stretches of the journal that held no whole record (torn by the writer's death, never written)."""
+        return self._items_reader.skipped
+
+    def read(self) -> None:
+        """Scan the control entries to the end of what is written, then read items while there is room."""
+        alive = writer_alive(self._header)  # asked first: a final read only once the writer is gone
+        self._scan_control(final=not alive)
+        if len(self.items) < MAX_ITEMS:
+            for payload, end in self._items_reader.read(final=not alive, limit=READ_RECORDS):
+                self._take(payload, end)
+
+    def pending_values(self, offset: int) -> int:
+        """The metric values the journal holds from ``offset`` on (a fresh read to its end)."""
+        values = 0
+        with JournalReader(self._items_reader.path, offset) as reader:
+            while records := reader.read(final=True, limit=READ_RECORDS):
+                values += sum(len(entry[3]) for entry in _values_entries(records))
+        return values
+
+    def _scan_control(self, final: bool) -> None:
+        while not self.writer_done:
+            records = self._control_reader.read(final=final, limit=READ_RECORDS)
+            for payload, _ in records:
+                if not payload.startswith(_VALUES_PREFIX):
+                    self._note(decode(payload))
+            if len(records) < READ_RECORDS:
+                # A dead writer's last record is read: nothing more comes.
+                self.writer_done = self.writer_done or final
+                return
+
+    def _note(self, entry: list[Any] | None) -> None:
+        kind = entry[0] if entry else None
+        if entry is None:
+            return
+        if kind == PLAN:
+            self.control.plan = dict(entry[1])
+        elif kind == DESCRIBE:
+            self.control.describe = dict(entry[1])
+        elif kind == OPENED:
+            self.control.opened = dict(entry[1])
+        elif kind == DISABLED:
+            self.control.disabled = True
+        elif kind == END:
+            self.control.ended = self.writer_done = True
+
+    def _take(self, payload: bytes, end: int) -> None:
+        entry = decode(payload)
+        kind = entry[0] if entry else None
+        if kind == METRICS and entry is not None:
+            _, step, timestamp_ms, values = entry
+            rows = [Item(METRICS, (key, float(value), timestamp_ms, step), None) for key, value in values.items()]
+            if rows:
+                rows[-1].end = end
+                self.items.extend(rows)
+                return
+        elif kind in (RECORD, CHECKPOINT, END) and entry is not None:
+            self.items.append(Item(kind, tuple(entry[1:]), end))
+            return
+        elif kind == OPENED:
+            # Described at once, not with the first value: a framework's own params (the same config)
+            # follow the block's start, and find ours there (``wait_described``).
+            self.items.append(Item(OPENED, None, end))
+            return
+        self.items.append(Item(MARK, None, end))  # nothing to send: the cursor moves past it
+
+    def close(self) -> None:
+        self._items_reader.close()
+        self._control_reader.close()
+
+
+def _values_entries(records: list[tuple[bytes, int]]) -> Iterator[list[Any]]:
+    for payload, _ in records:
+        if payload.startswith(_VALUES_PREFIX) and (entry := decode(payload)) is not None:
+            yield entry
