@@ -444,3 +444,74 @@ def test_a_worker_records_its_uncaught_exception_and_python_still_reports_it(tmp
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "KeyError: 'x'" in result.stderr
     assert take_failed_worker(tmp_path) == "rank 3"
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    from testkit.small_disk import can_mount, small_disk
+
+    if not can_mount():
+        pytest.skip("mounting a small tmpfs needs root")
+    with small_disk(tmp_path / "disk") as disk:
+        yield disk
+
+
+def test_a_disk_that_fills_then_frees_leaves_no_hole_every_kept_record_is_read(full_disk):
+    """Appends fail while the disk is full and succeed once space is freed: a live read (the writer
+    still writing) and a final one both return every record whose append returned, in order; the
+    failed ones leave nothing (before: a hole where a live read waited for ever, and a final read
+    resynced at the next block, losing the records there)."""
+    from testkit.small_disk import fill
+
+    path = full_disk / "journal.log"
+    kept, failed = [], 0
+    with JournalWriter(path) as writer:
+        for number in range(50):
+            writer.append(b"before %d " % number + b"x" * 200)
+            kept.append(b"before %d " % number + b"x" * 200)
+        filler = fill(full_disk)
+        for number in range(200):
+            payload = b"full %d " % number + b"y" * 300
+            try:
+                writer.append(payload)
+                kept.append(payload)
+            except OSError:
+                failed += 1
+        filler.unlink()
+        for number in range(50):
+            writer.append(b"after %d " % number + b"z" * 200)
+            kept.append(b"after %d " % number + b"z" * 200)
+        live, _ = _read_all(path)
+        assert [payload for payload, _ in live] == kept
+    assert failed > 150
+    final, reader = _read_all(path, final=True)
+    assert [payload for payload, _ in final] == kept
+    assert reader.skipped == 0
+
+
+def test_a_failed_write_with_a_later_range_reserved_is_filled_with_a_gap_record(journal, monkeypatch):
+    """Another thread reserved the range after the one whose write failed: the failed range cannot
+    be given back, so the next append fills it with a gap record, and readers pass over it."""
+    import errno
+
+    from otel_forge.journal import writer as writer_module
+
+    real_write = writer_module._write_at
+    with JournalWriter(journal) as writer:
+        writer.append(b"first")
+
+        def failing_write(fd, data, offset):
+            monkeypatch.setattr(writer_module, "_write_at", real_write)
+            writer.append(b"reserved after it, written at once")  # another thread's, meanwhile
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(writer_module, "_write_at", failing_write)
+        with pytest.raises(OSError):
+            writer.append(b'["m",1,0,{"lost":1.0}]')
+        live, _ = _read_all(journal)
+        assert [payload for payload, _ in live] == [b"first"]  # the hole: a live read waits there
+        writer.append(b"last")
+        live, _ = _read_all(journal)
+    payloads = [payload for payload, _ in live]
+    assert payloads[0] == b"first" and json.loads(payloads[1]) == ["gap"]
+    assert payloads[2:] == [b"reserved after it, written at once", b"last"]

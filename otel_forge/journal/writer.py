@@ -9,10 +9,17 @@ written yet", so a live tail never skips past it.
 
 The data is in the page cache when ``append`` returns: it survives the process's death, SIGKILL
 included. Only a crash of the node loses what ``sync`` has not forced to disk.
+
+A write that fails (a full disk, an I/O error) leaves no hole behind: a reader waits at a hole for
+ever while its writer lives, and a final read resyncs at the next block, losing the records after
+it there. The failed range is given back where nothing was reserved after it (the file is cut back
+to where it began), else it is filled with a record of ``GAP_KIND`` that readers pass over, by the
+next append that can write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -24,6 +31,8 @@ from otel_forge.journal.framing import frame
 # Not O_APPEND: every write says its offset (pwrite), which is how ranges are reserved.
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
 _MODE = 0o600
+GAP_KIND = "gap"  # the payload ``["gap"]`` (padded with spaces) of a record that fills a failed range
+_GAP_HEAD, _GAP_TAIL = b'["' + GAP_KIND.encode() + b'"', b"]"
 
 
 class JournalWriter:
@@ -43,6 +52,7 @@ class JournalWriter:
         self._idle = threading.Condition(self._lock)  # close() waits here for writes in flight
         self._writing = 0
         self._refusal: str | None = None  # why appends are refused, once they are
+        self._gaps: list[tuple[int, int]] = []  # (offset, payload size) of failed writes to fill
         _refuse_in_forked_children(self)
 
     @property
@@ -55,8 +65,8 @@ class JournalWriter:
         return self._end
 
     def append(self, payload: bytes, timeout_s: float = -1) -> None:
-        """Append ``payload`` as one record. Raises ``OSError`` when the write fails: the range
-        it reserved is left unwritten, where a live reader waits and a final read skips.
+        """Append ``payload`` as one record. Raises ``OSError`` when the write fails: the range it
+        reserved is given back, or filled with a gap record by a later append (see the module).
 
         ``timeout_s``: how long to wait for the reservation lock, for a caller that may have
         interrupted its own thread inside an append (a signal handler): ``TimeoutError`` then.
@@ -70,15 +80,44 @@ class JournalWriter:
             data = frame(offset, payload)
             self._end = offset + len(data)
             self._writing += 1
+            gaps, self._gaps = self._gaps, []
         finally:
             self._lock.release()
         try:
+            self._fill(self._fd, gaps)
             _write_at(self._fd, data, offset)
+        except OSError:
+            self._give_back(offset, len(data), len(payload))
+            raise
         finally:
             with self._lock:
                 self._writing -= 1
                 if self._refusal is not None and not self._writing:
                     self._idle.notify_all()
+
+    def _fill(self, fd: int, gaps: list[tuple[int, int]]) -> None:
+        """Write a gap record over each failed range; those that fail again are kept for the next append."""
+        for number, (offset, size) in enumerate(gaps):
+            try:
+                _write_at(fd, frame(offset, _gap_payload(size)), offset)
+            except OSError:
+                with self._lock:
+                    self._gaps[:0] = gaps[number:]
+                raise
+
+    def _give_back(self, offset: int, length: int, size: int) -> None:
+        """The range at ``offset`` could not be written: the file ends before it again, where nothing
+        was reserved after it; else it is a gap to fill."""
+        with self._lock:
+            if self._end == offset + length:
+                try:
+                    if os.fstat(self._fd).st_size > offset:
+                        os.ftruncate(self._fd, offset)  # what a short write left there would read as damage
+                    self._end = offset
+                    return
+                except OSError:
+                    pass
+            self._gaps.append((offset, size))
 
     def sync(self) -> None:
         """Force what was appended to disk (``fdatasync``): it then survives a crash of the node."""
@@ -101,7 +140,10 @@ class JournalWriter:
                 return
             self._refusal = self._refusal or f"{self._path}: the journal writer is closed"
             self._idle.wait_for(lambda: not self._writing)
+            gaps, self._gaps = self._gaps, []
             fd, self._fd = self._fd, -1
+        with contextlib.suppress(OSError):
+            self._fill(fd, gaps)  # the last chance: a final read skips what is left
         os.close(fd)
 
     def __enter__(self) -> JournalWriter:
@@ -131,6 +173,12 @@ def _refuse_in_forked_children(writer: JournalWriter) -> None:
             alive._after_fork_in_child()  # noqa: SLF001 - the writer's own hook
 
     os.register_at_fork(after_in_child=after_in_child)
+
+
+def _gap_payload(size: int) -> bytes:
+    """``["gap"]`` padded with spaces to ``size`` bytes: framed at the same offset, it takes the same
+    bytes as the record it stands for (framing depends on the offset and the payload's size alone)."""
+    return _GAP_HEAD + b" " * (size - len(_GAP_HEAD) - len(_GAP_TAIL)) + _GAP_TAIL
 
 
 def _write_at(fd: int, data: bytes, offset: int) -> None:

@@ -5,12 +5,9 @@ what the user is told is true."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from trun_helpers import popen_script, unique
@@ -84,9 +81,7 @@ def down_server(tmp_path):
     server.stop()
 
 
-def test_a_backlog_logged_before_the_server_answers_is_delivered_with_the_run_opened_behind_it(
-    down_server, tmp_path
-):
+def test_a_backlog_logged_before_the_server_answers_is_delivered_with_the_run_opened_behind_it(down_server, tmp_path):
     """30,000 values logged while the server refuses connections; it comes up; the run opens
     behind them in the journal (its ``opened`` entry after 300 records of 100 values). Before:
     0 of 39,000 values arrived, the run stayed RUNNING without its params."""
