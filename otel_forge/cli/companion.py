@@ -38,16 +38,16 @@ def main(argv: list[str]) -> int:
     delivering = threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True) if delivery else None
     if delivering is not None:
         delivering.start()
-    stopped = False
+    stopped, end = False, None
     while (message := _next_message(parent)) is not None:
         if message[0] == "attach":
             attach(message[1], message[2])
         elif message[0] == "stop":
-            stopped = True
+            stopped, end = True, message[1]
             break
     if delivery is not None and delivering is not None:
         if stopped:
-            delivery.finish(config.close_deadline_s(node.node_count))
+            delivery.finish(config.close_deadline_s(node.node_count), end)
         # The training process died: its windows wait for the run its journal opens (or gives up on).
         while delivering.is_alive() and delivery.run_id is None:
             delivering.join(0.1)

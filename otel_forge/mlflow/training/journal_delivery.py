@@ -50,6 +50,7 @@ from otel_forge.mlflow.training.run_journal import (
     METRICS,
     RECORD,
     Record,
+    RunEnd,
     read_header,
 )
 from otel_forge.mlflow.training.run_owner import OpenRun
@@ -162,6 +163,7 @@ class JournalDelivery:
         self._run: OpenRun | None = None
         self._client: Any = None
         self._deadline: float | None = None  # monotonic: set by finish()
+        self._told_end: RunEnd | None = None  # the end its writer could not journal
         self._done_at: float | None = None  # when the writer ended or died: patience counts from then
         self._wake = threading.Event()
         self._synced_at = time.monotonic()
@@ -180,8 +182,10 @@ class JournalDelivery:
 
     # --- control, from any thread ---------------------------------------------------------
 
-    def finish(self, deadline_s: float) -> None:
-        """Deliver what is there within ``deadline_s``, then stop (the journal keeps what is left)."""
+    def finish(self, deadline_s: float, end: RunEnd | None = None) -> None:
+        """Deliver what is there within ``deadline_s``, then stop (the journal keeps what is left).
+        ``end``: the run's end as its writer ended it, where the journal could not keep it."""
+        self._told_end = end
         self._deadline = time.monotonic() + deadline_s
         self._wake.set()
 
@@ -226,7 +230,9 @@ class JournalDelivery:
                 if self._tail.read_all and not self._items:
                     if self.ended is not None or not self._ending_is_ours():
                         return Delivered.ALL
-                    self._items.append(Item(END, ("KILLED", 0), None))  # died without closing
+                    # Its writer died without closing, or told us the end it could not journal.
+                    told = self._told_end or RunEnd("KILLED")
+                    self._items.append(Item(END, (told.status, told.rejected, told.worker), None))
                     continue
                 if self._gave_up():
                     return Delivered.LEFT

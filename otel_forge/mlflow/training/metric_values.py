@@ -46,7 +46,9 @@ class MetricChecker:
     """Checks one ``log()`` call's values; counts and warns (rate-limited) what it refuses."""
 
     def __init__(self, warnings: RateLimitedLogger) -> None:
-        self.rejected = 0  # values refused, each warned (at most once a minute)
+        self.refused = 0  # values refused as bad input, each warned (at most once a minute)
+        self.lost = 0  # good values the journal could not keep (a full or failing disk)
+        self._lost_why = ""
         self._warned = 0  # the count the last warning said
         self._warnings = warnings
         self._key_names: dict[Any, str | None] = {}
@@ -65,21 +67,37 @@ class MetricChecker:
                 values[name] = value
         return values
 
+    @property
+    def rejected(self) -> int:
+        """Every value ``log()`` took and did not keep, whatever the reason."""
+        return self.refused + self.lost
+
     def reject(self, count: int, message: str, *args: object) -> None:
-        self.rejected += count
-        if self._warnings.warning("log-rejected", "MLflow: " + message + "; dropped (%d value(s) so far)", *args,
-                                  self.rejected):  # fmt: skip
+        self.refused += count
+        self._warn(message + "; dropped", *args)
+
+    def lose(self, count: int, why: str) -> None:
+        """``count`` good values that the journal could not keep, because of ``why``."""
+        self.lost += count
+        self._lost_why = why
+        self._warn("the run's journal cannot be written (%s): values dropped", why)
+
+    def _warn(self, message: str, *args: object) -> None:
+        if self._warnings.warning("log-rejected", "MLflow: " + message + " (%d value(s) so far)", *args, self.rejected):
             self._warned = self.rejected
 
     def say_total(self) -> None:
         """The warnings per value are rate-limited: the total, once the run is closed."""
-        if self.rejected > self._warned:
-            _logger.warning(
-                "MLflow: %d metric value(s) were refused in all (bad step, key or value); tag %s of the run "
-                "holds the count",
-                self.rejected,
-                REJECTED_TAG,
-            )
+        if self.rejected == self._warned:
+            return
+        reasons = [f"{self.refused} refused (bad step, key or value)"] if self.refused else []
+        reasons += [f"{self.lost} lost (the run's journal could not be written: {self._lost_why})"] if self.lost else []
+        _logger.warning(
+            "MLflow: %d metric value(s) were dropped in all: %s; tag %s of the run holds the count",
+            self.rejected,
+            ", ".join(reasons),
+            REJECTED_TAG,
+        )
 
     def _key_name(self, key: Any) -> str | None:
         """The key as MLflow accepts it, or None; remembered, since the same keys come every step."""

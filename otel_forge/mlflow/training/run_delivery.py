@@ -12,6 +12,7 @@ from pathlib import Path
 from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.companion import CompanionProcess
 from otel_forge.mlflow.training.journal_delivery import JournalDelivery
+from otel_forge.mlflow.training.run_journal import RunEnd
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import RunPlan
 from otel_forge.scrub import error_line
@@ -54,15 +55,16 @@ class RunDelivery:
         if self._companion is not None:
             self._companion.attach(run.run_id, RunInfo(run.experiment_id, run.run_name or "", run.experiment))
 
-    def finish(self) -> bool:
-        """The journal has its end: deliver it within the drain deadline. True once the run's end
-        reached the server; False where it is left in the journal (or is delivered elsewhere)."""
+    def finish(self, end: RunEnd | None = None) -> bool:
+        """The journal has its end (or ``end``: the one it could not keep): deliver it within the drain
+        deadline. True once the run's end reached the server; False where it is left in the journal
+        (or is delivered elsewhere)."""
         if self._thread is not None:
             delivery, thread = self._thread
-            delivery.finish(self._plan.forge_config.close_deadline_s(self._plan.node.node_count))
+            delivery.finish(self._plan.forge_config.close_deadline_s(self._plan.node.node_count), end)
             thread.join()
             return delivery.ended is not None
         if self._companion is not None:
-            self._companion.stop()
+            self._companion.stop(end)
             return self._journal is not None and not self._journal.exists()
         return False

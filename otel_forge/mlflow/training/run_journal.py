@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -30,6 +31,9 @@ from typing import Any
 
 from otel_forge.journal import JournalWriter
 from otel_forge.mlflow.spool_files import HEADER, make_spool_dir, write_atomically, writer_identity
+from otel_forge.ratelimit import RateLimitedLogger
+
+_logger = logging.getLogger(__name__)
 
 KIND = "journal"
 JOURNAL_FILE = "journal.log"
@@ -40,6 +44,15 @@ DISABLED = "disabled"  # the run is not to be opened (a mistyped run id): nothin
 
 _END_WAIT_S = 1.0  # for the lock of an append in flight: another thread's ends within it
 _encode = json.JSONEncoder(separators=(",", ":")).encode  # NaN stays NaN: a diverged loss is worth seeing
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How the training process ended the run: what the journal's ``end`` entry holds."""
+
+    status: str
+    rejected: int = 0
+    worker: str | None = None  # the launcher's worker that ended the job (``otel-forge run`` around a launcher)
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,13 @@ class Record:
 
 
 class RunJournal:
-    """The training process's side: one append per call, no lock held across I/O, no MLflow."""
+    """The training process's side: one append per call, no lock held across I/O, no MLflow.
+
+    Only ``metrics`` raises (``OSError``: its caller counts the values lost); an entry that
+    describes or ends the run and cannot be written (a full or failing disk) is told, once a minute,
+    and the delivery makes do without it (the end: ``end`` returns False, and its caller hands the
+    status to the delivery by other means).
+    """
 
     def __init__(self, directory: Path, tracking_uri: str, launcher: bool = False) -> None:
         make_spool_dir(directory)
@@ -76,6 +95,7 @@ class RunJournal:
         write_atomically(directory / HEADER, json.dumps(header))
         self.directory = directory
         self._writer = JournalWriter(directory / JOURNAL_FILE)
+        self._warnings = RateLimitedLogger(_logger)
 
     @classmethod
     def create(cls, root: Path, tracking_uri: str, launcher: bool = False) -> RunJournal:
@@ -103,17 +123,23 @@ class RunJournal:
         self._append(DISABLED, why)
 
     def end(self, status: str, rejected: int, worker: str | None = None) -> bool:
-        """The run's end; False where a signal handler interrupted an append of this thread: the
-        journal then has no end, and its delivery ends the run KILLED, as the signal means."""
+        """The run's end; False where it is not journaled: a signal handler interrupted an append of
+        this thread (its delivery ends the run KILLED, as the signal means), or the disk refused it."""
+        entry = [END, status, rejected] if worker is None else [END, status, rejected, worker]
+        return self._append(*entry, timeout_s=_END_WAIT_S)
+
+    def _append(self, *entry: Any, timeout_s: float = -1) -> bool:
         try:
-            entry = [END, status, rejected] if worker is None else [END, status, rejected, worker]
-            self._writer.append(_encode(entry).encode(), timeout_s=_END_WAIT_S)
+            self._writer.append(_encode(list(entry)).encode(), timeout_s=timeout_s)
         except TimeoutError:
             return False
+        except (OSError, ValueError) as error:  # a full or failing disk; a writer closed under us
+            self._warnings.warning(
+                "entry", "MLflow: the run's journal in %s cannot be written (%s): its %r entry is not kept",
+                self.directory, getattr(error, "strerror", None) or error, entry[0],
+            )  # fmt: skip
+            return False
         return True
-
-    def _append(self, *entry: Any) -> None:
-        self._writer.append(_encode(list(entry)).encode())
 
 
 def decode(payload: bytes) -> list[Any] | None:

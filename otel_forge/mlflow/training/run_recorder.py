@@ -26,7 +26,8 @@ class RunRecorder:
     """The journal of ``plan``'s run as this process writes it (``journal`` None: it could not be made)."""
 
     def __init__(self, plan: RunPlan, description: RunDescription, launcher: bool) -> None:
-        self.journal = _new_journal(plan, launcher)
+        self.unwritable: str | None = None  # why there is no journal, where there is none
+        self.journal = self._new_journal(plan, launcher)
         self._description = description
         self._checkpoints: set[int] = set()  # steps journaled
         self._model_ids: dict[int, str] = {}  # their models, once the delivery has registered them
@@ -34,6 +35,18 @@ class RunRecorder:
         self._described = False
         if self.journal is not None:
             self.plan(plan)
+
+    def _new_journal(self, plan: RunPlan, launcher: bool) -> RunJournal | None:
+        root = spool_root(plan.forge_config.spool_dir)
+        try:
+            return RunJournal.create(root, uri_without_credentials(plan.tracking_uri), launcher)
+        except OSError as error:
+            self.unwritable = f"{root}: {error.strerror or error}"
+            _logger.warning(
+                "MLflow logging disabled: the run's journal cannot be written in %s (%s); set OTEL_FORGE_SPOOL_DIR "
+                "to a directory of your own", root, error.strerror or error
+            )  # fmt: skip
+            return None
 
     @property
     def directory(self) -> Path | None:
@@ -83,18 +96,6 @@ class RunRecorder:
 
 def checkpoint_model_name(run: OpenRun | None, run_name: str | None, step: int) -> str:
     return f"{key_segment((run.run_name or run.run_id) if run else (run_name or 'run'))}-step-{step}"
-
-
-def _new_journal(plan: RunPlan, launcher: bool) -> RunJournal | None:
-    root = spool_root(plan.forge_config.spool_dir)
-    try:
-        return RunJournal.create(root, uri_without_credentials(plan.tracking_uri), launcher)
-    except OSError as error:
-        _logger.warning(
-            "MLflow logging disabled: the run's journal cannot be written in %s (%s); set OTEL_FORGE_SPOOL_DIR "
-            "to a directory of your own", root, error.strerror or error
-        )  # fmt: skip
-        return None
 
 
 def _known(fields: list[tuple[str, Any]]) -> dict[str, Any]:

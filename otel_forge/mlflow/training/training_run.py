@@ -24,7 +24,7 @@ from otel_forge.mlflow.training.journal_delivery import wait_described
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
-from otel_forge.mlflow.training.run_journal import RunJournal
+from otel_forge.mlflow.training.run_journal import RunEnd, RunJournal
 from otel_forge.mlflow.training.run_opener import OpenerState, RunOpener
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT, RunPlan, embedded_tracking_uri
@@ -222,6 +222,8 @@ class TrainingRun:
                 return
             self._begin()
             if self._journal is None:
+                if self._recorder is not None:  # the journal could not be made: counted, as a full disk's are
+                    self._checker.lose(len(metrics), self._recorder.unwritable or "no journal")
                 return
         elif self._closed or forked_from(self._pid):
             return
@@ -232,8 +234,8 @@ class TrainingRun:
         elif values := self._checker.values(metrics):
             try:
                 self._journal.metrics(values, checked, int(time.time() * 1000))
-            except OSError as error:  # a full disk: the values are lost, never the training
-                self._checker.reject(len(values), "the run's journal cannot be written (%s)", error.strerror or error)
+            except (OSError, ValueError) as error:  # a full or failing disk: the values are lost, never the training
+                self._checker.lose(len(values), getattr(error, "strerror", None) or str(error))
 
     def checkpoint_model_name(self, step: int) -> str:
         return checkpoint_model_name(self._opener.run, self.run_name, step)
@@ -274,8 +276,10 @@ class TrainingRun:
         if self._journal is not None:  # not closed: a signal handler may end us inside an append of ours
             if self._recorder is not None:
                 self._recorder.describe(self.plan)  # a short job's end may come before its opener described it
-            self._journal.end(status, self._checker.rejected, worker)
-        self.ended = self._delivery.finish() if self._delivery is not None else False
+            journaled = self._journal.end(status, self._checker.rejected, worker)
+        # An end the journal could not keep (a full disk, a signal inside an append) goes to the delivery itself.
+        end = None if self._journal is None or journaled else RunEnd(status, self._checker.rejected, worker)
+        self.ended = self._delivery.finish(end) if self._delivery is not None else False
         if self._journal is None:
             self.ended = self._opener.end_here(status)
         self._checker.say_total()
