@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from otel_forge.cli.progress import ReplayProgress
 from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.scrub import error_line
 
@@ -66,10 +67,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay_path(path: Path, tracking_uri: str | None, busy_ok: bool = False) -> int:
     """One spool or a job's directory of them (the launcher's journal first: it opens the job's run)."""
-    from otel_forge.mlflow.replay import replay_in
+    from otel_forge.mlflow.replay import VALUES, WINDOWS, kept_in, replay_in
 
+    values, windows = kept_in(path)
+    progress = ReplayProgress(sys.stderr, {VALUES: values, WINDOWS: windows})
     try:
-        for spool, result in replay_in(path, tracking_uri):
+        for spool, result in replay_in(path, tracking_uri, progress):
+            progress.close()
             if result is None:
                 print(f"otel-forge: another process is delivering {spool} now: left to it", file=sys.stderr)
                 if not busy_ok:
@@ -78,7 +82,15 @@ def _replay_path(path: Path, tracking_uri: str | None, busy_ok: bool = False) ->
                 return code
     except FileNotFoundError as error:
         raise ConfigError(f"invalid path (from PATH): {error}") from None
+    except KeyboardInterrupt:
+        progress.close()
+        print(
+            f"otel-forge: replay interrupted; what is not delivered is kept, and `otel-forge replay {path}` "
+            "goes on from there", file=sys.stderr,
+        )  # fmt: skip
+        return 130
     except Exception as error:  # noqa: BLE001 - a server error is reported in one line; the spool stays
+        progress.close()
         print(f"otel-forge: replay stopped, the spool is kept: {error_line(error)}", file=sys.stderr)
         return 1
     return 0

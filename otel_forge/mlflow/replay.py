@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,8 @@ from otel_forge.mlflow.worker import MOST_JOINED, join_while
 
 _logger = logging.getLogger(__name__)
 
+VALUES, WINDOWS = "metric value(s)", "window(s)"  # what a journal's and a windows spool's replay count
+
 
 @dataclass(frozen=True)
 class ReplayResult:
@@ -29,18 +31,30 @@ class ReplayResult:
     run_id: str
     set_aside: int = 0  # files that were not windows, kept beside the spool as *.corrupt
     ended: str | None = None  # the status the run was ended with (a training spool)
-    unit: str = "window(s)"  # what ``delivered`` counts
+    unit: str = WINDOWS  # what ``delivered`` counts
 
 
-def replay(path: Path, tracking_uri: str | None = None, job_run_id: str | None = None) -> ReplayResult:
+# Told the spool's unit ("metric value(s)", "window(s)") and how many were delivered since the last call.
+Progress = Callable[[str, int], None]
+
+
+def _no_progress(unit: str, count: int) -> None:
+    pass
+
+
+def replay(
+    path: Path, tracking_uri: str | None = None, job_run_id: str | None = None, progress: Progress = _no_progress
+) -> ReplayResult:
     """Deliver whichever spool ``path`` is; ``job_run_id``: the job's run, where a journal leaves its
-    run to its launcher (``otel-forge run``'s, delivered first)."""
+    run to its launcher (``otel-forge run``'s, delivered first); ``progress``: told as it goes."""
     if is_journal(path):
-        return replay_journal(path, tracking_uri, job_run_id)
-    return replay_spool(path, tracking_uri)
+        return replay_journal(path, tracking_uri, job_run_id, progress)
+    return replay_spool(path, tracking_uri, progress)
 
 
-def replay_in(path: Path, tracking_uri: str | None = None) -> Iterator[tuple[Path, ReplayResult | None]]:
+def replay_in(
+    path: Path, tracking_uri: str | None = None, progress: Progress = _no_progress
+) -> Iterator[tuple[Path, ReplayResult | None]]:
     """Deliver one spool or a job's directory of them, in order, yielding each spool and what it
     delivered (None: another process delivers it now, left to it); a job's directory is removed once
     all of it is delivered. The first failure raises, and what is left stays."""
@@ -48,7 +62,7 @@ def replay_in(path: Path, tracking_uri: str | None = None) -> Iterator[tuple[Pat
     for spool in spools_in(path):
         launchers = is_launchers_journal(spool)
         try:
-            result = replay(spool, tracking_uri, job_run_id)
+            result = replay(spool, tracking_uri, job_run_id, progress)
         except SpoolBusy:
             yield spool, None
             continue
@@ -104,22 +118,25 @@ def is_launchers_journal(path: Path) -> bool:
     return is_journal(path) and read_header(path).get("launcher", False)
 
 
-def replay_journal(path: Path, tracking_uri: str | None = None, job_run_id: str | None = None) -> ReplayResult:
+def replay_journal(
+    path: Path, tracking_uri: str | None = None, job_run_id: str | None = None, progress: Progress = _no_progress
+) -> ReplayResult:
     """A run's journal, delivered as its delivery process would have: the run opened as the training
     process would have opened it, every record in order, the run ended as it ended (KILLED where
     its process died without ending it)."""
     delivery = JournalDelivery(
-        path, tracking_uri=tracking_uri, fsync_s=0.0, patience_s=0.0, job_run=lambda: job_run_id, caller_reports=True
-    )
+        path, tracking_uri=tracking_uri, fsync_s=0.0, patience_s=0.0, job_run=lambda: job_run_id, caller_reports=True,
+        on_delivered=lambda count: progress(VALUES, count),
+    )  # fmt: skip
     outcome = delivery.run()
     if outcome is Delivered.BUSY:
         raise SpoolBusy(f"another process is delivering {path} now")
     if outcome is not Delivered.ALL:
         raise RuntimeError(f"MLflow at {delivery.where}: {delivery.cause or 'delivery stopped'}")
-    return ReplayResult(delivery.delivered_values, 0, delivery.run_id or "", 0, delivery.ended, "metric value(s)")
+    return ReplayResult(delivery.delivered_values, 0, delivery.run_id or "", 0, delivery.ended, VALUES)
 
 
-def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
+def replay_spool(path: Path, tracking_uri: str | None = None, progress: Progress = _no_progress) -> ReplayResult:
     """Send the spool's windows in order to its run; delivered windows leave the spool.
 
     Stops at the first delivery failure (the rest stays for another try); a file that is not a
@@ -127,10 +144,10 @@ def replay_spool(path: Path, tracking_uri: str | None = None) -> ReplayResult:
     ``tracking_uri`` overrides the one recorded (which has no credentials).
     """
     with claim(path):
-        return _replay_windows(path, tracking_uri)
+        return _replay_windows(path, tracking_uri, progress)
 
 
-def _replay_windows(path: Path, tracking_uri: str | None) -> ReplayResult:
+def _replay_windows(path: Path, tracking_uri: str | None, progress: Progress) -> ReplayResult:
     spool = WindowSpool.open(path)
     header = spool.header
     if "prefix" not in header:
@@ -160,6 +177,7 @@ def _replay_windows(path: Path, tracking_uri: str | None) -> ReplayResult:
         for _ in range(count):
             spool.pop()
         delivered, ended = delivered + count, ended or window.last
+        progress(WINDOWS, count)
     if not ended and log_window.node_run_id is not None and not writer_alive(header):
         # Its agent died without its last window (SIGKILL, a node lost): the node's run ends here.
         make_client(uri).set_terminated(log_window.node_run_id, "KILLED")

@@ -5,7 +5,9 @@ what the user is told is true."""
 
 from __future__ import annotations
 
+import select
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -254,3 +256,92 @@ def _run_with_steps(client, experiment: str, steps: int):
     if len(runs) != 1:
         return None
     return runs[0] if len(client.get_metric_history(runs[0].info.run_id, "v0")) >= steps else None
+
+
+# Logs STEPS steps of WIDTH values while the server refuses connections, then waits to be killed.
+UNOPENED = """
+import time
+from otel_forge import TrainingRun
+run = TrainingRun(tracking_uri={uri!r}, experiment={experiment!r}, system_metrics=False)
+run.__enter__()
+for step in range({steps}):
+    run.log({{f"v{{i}}": step + i / 1000 for i in range({width})}}, step=step)
+print("logged", flush=True)
+time.sleep(600)
+"""
+
+
+def _replay_on_a_terminal(spool: Path, interrupt_after_s: float | None = None) -> tuple[int, str]:
+    """``otel-forge replay --all`` with its stderr on a pseudo-terminal: its exit code and what it showed
+    there (SIGINT after ``interrupt_after_s``, as Ctrl-C)."""
+    import os
+    import pty
+    import signal
+
+    from testkit.hermetic import hermetic_environ
+
+    main, secondary = pty.openpty()
+    environ = {**hermetic_environ(), "OTEL_FORGE_SPOOL_DIR": str(spool)}
+    replay = subprocess.Popen(
+        [str(Path(sys.executable).with_name("otel-forge")), "replay", "--all"],
+        stdout=subprocess.PIPE, stderr=secondary, env=environ, text=True,
+    )  # fmt: skip
+    os.close(secondary)
+    shown = b""
+    deadline = time.monotonic() + 300
+    interrupt_at = time.monotonic() + interrupt_after_s if interrupt_after_s else None
+    while time.monotonic() < deadline:
+        if interrupt_at and time.monotonic() >= interrupt_at and replay.poll() is None:
+            replay.send_signal(signal.SIGINT)
+            interrupt_at = None
+        try:
+            chunk = os.read(main, 65536) if select.select([main], [], [], 0.1)[0] else b""
+        except OSError:  # the terminal's other side closed: the replay exited
+            break
+        shown += chunk
+        if not chunk and replay.poll() is not None:
+            break
+    os.close(main)
+    out = replay.communicate(timeout=30)[0]
+    return replay.returncode, shown.decode(errors="replace") + out
+
+
+def test_a_journal_whose_run_never_opened_is_given_up_in_patience_then_replayed_whole_with_progress(
+    down_server, tmp_path
+):
+    """60,000 values, the server refusing, the training process SIGKILLed: its orphaned companion
+    gives up within OTEL_FORGE_DELIVERY_PATIENCE (the lock released), and `otel-forge replay --all`
+    once the server is up shows its progress on the terminal, is interrupted, goes on where it
+    stopped, and delivers every value into one run ended KILLED. Before: replay hung for ever with no
+    output, 0 delivered; the companion held the lock past its patience."""
+    import psutil
+    from mlflow import MlflowClient
+
+    experiment, spool = unique("unopened"), tmp_path / "spool"
+    code = UNOPENED.format(uri=down_server.uri, experiment=experiment, steps=600, width=WIDTH)
+    environ = {"OTEL_FORGE_SPOOL_DIR": str(spool), "OTEL_FORGE_DELIVERY_PATIENCE": "3"}
+    process = popen_script(textwrap.dedent(code), env=environ)
+    try:
+        _line(process, "logged")
+        companion = [child for child in psutil.Process(process.pid).children() if "companion" in child.cmdline()[2]]
+        process.kill()
+        process.wait(10)
+    finally:
+        process.kill()
+    gone_by = time.monotonic() + 60
+    psutil.wait_procs(companion, timeout=60)
+    assert time.monotonic() < gone_by and not any(c.is_running() for c in companion), (
+        "the companion outlived its patience"
+    )
+    down_server.start()
+    code, shown = _replay_on_a_terminal(spool, interrupt_after_s=4.0)
+    assert code == 130 and "goes on from there" in shown, shown[-2000:]
+    assert "metric value(s) delivered (" in shown and "/s), " in shown and " left" in shown
+    assert "Traceback" not in shown
+    code, shown = _replay_on_a_terminal(spool)
+    assert code == 0, shown[-2000:]
+    client = MlflowClient(down_server.uri)
+    run = _the_run(client, experiment)
+    assert run.info.status == "KILLED"
+    assert "and ended it KILLED" in shown
+    _assert_every_value_once(client, run, 600)

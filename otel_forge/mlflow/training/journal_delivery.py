@@ -52,6 +52,7 @@ from otel_forge.mlflow.training.run_journal import (
     Record,
     RunEnd,
     read_header,
+    undelivered,
 )
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.worker import Outcome
@@ -142,6 +143,7 @@ class JournalDelivery:
         on_run: Callable[[OpenRun], None] | None = None,
         job_run: Callable[[], str | None] | None = None,
         caller_reports: bool = False,
+        on_delivered: Callable[[int], None] | None = None,
     ) -> None:
         self.directory = directory
         # A replay's caller says what was delivered and what is kept (the CLI's line, the leftovers'
@@ -169,6 +171,7 @@ class JournalDelivery:
         self._synced_at = time.monotonic()
         self._warnings = RateLimitedLogger(_logger)
         self.delivered_values = 0
+        self._on_delivered = on_delivered  # called with the count after each call that delivered values
         self.ended: str | None = None  # the status the run was ended with
         self.cause: str | None = None  # why the last call failed, when it did
 
@@ -369,6 +372,8 @@ class JournalDelivery:
         try:
             run.client.log_batch(run.run_id, metrics=[metric(*row) for row in rows], synchronous=True)
             self.delivered_values += len(rows)
+            if self._on_delivered is not None:
+                self._on_delivered(len(rows))
         except Exception as error:
             if classify(error) is not Outcome.DROP:
                 raise
@@ -512,7 +517,7 @@ class JournalDelivery:
     def pending_values(self) -> int:
         """The metric values in the journal past what is delivered (those held in memory included)."""
         try:
-            return self._tail.pending_values(self._cursor.offset)
+            return undelivered(self.directory, self._cursor.offset).values
         except OSError:
             return sum(1 for item in self._items if item.kind == METRICS)
 

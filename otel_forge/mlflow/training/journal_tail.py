@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,14 +91,6 @@ class JournalTail:
             for payload, end in self._items_reader.read(final=not alive, limit=READ_RECORDS):
                 self._take(payload, end)
 
-    def pending_values(self, offset: int) -> int:
-        """The metric values the journal holds from ``offset`` on (a fresh read to its end)."""
-        values = 0
-        with JournalReader(self._items_reader.path, offset) as reader:
-            while records := reader.read(final=True, limit=READ_RECORDS):
-                values += sum(len(entry[3]) for entry in _values_entries(records))
-        return values
-
     def _scan_control(self, final: bool) -> None:
         while not self.writer_done:
             records = self._control_reader.read(final=final, limit=READ_RECORDS)
@@ -149,9 +140,3 @@ class JournalTail:
     def close(self) -> None:
         self._items_reader.close()
         self._control_reader.close()
-
-
-def _values_entries(records: list[tuple[bytes, int]]) -> Iterator[list[Any]]:
-    for payload, _ in records:
-        if payload.startswith(_VALUES_PREFIX) and (entry := decode(payload)) is not None:
-            yield entry

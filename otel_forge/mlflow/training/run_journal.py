@@ -42,6 +42,7 @@ CURSOR_FILE = "delivered.json"
 PLAN, DESCRIBE, OPENED, METRICS, RECORD, CHECKPOINT, END = "plan", "describe", "opened", "m", "rec", "ckpt", "end"
 DISABLED = "disabled"  # the run is not to be opened (a mistyped run id): nothing is delivered
 
+_COUNT_RECORDS = 10_000  # records a count reads at once
 _END_WAIT_S = 1.0  # for the lock of an append in flight: another thread's ends within it
 _encode = json.JSONEncoder(separators=(",", ":")).encode  # NaN stays NaN: a diverged loss is worth seeing
 
@@ -170,24 +171,24 @@ class Undelivered:
     open: bool  # the run's end is not delivered yet
 
 
-def undelivered(directory: Path) -> Undelivered:
+def undelivered(directory: Path, offset: int | None = None) -> Undelivered:
+    """What the journal in ``directory`` holds from ``offset`` on (default: its delivery's cursor)."""
     from otel_forge.journal import JournalReader
 
-    try:
-        offset = int(json.loads((directory / CURSOR_FILE).read_text())["offset"])
-    except (OSError, ValueError, KeyError, TypeError):
-        offset = 0
+    if offset is None:
+        try:
+            offset = int(json.loads((directory / CURSOR_FILE).read_text())["offset"])
+        except (OSError, ValueError, KeyError, TypeError):
+            offset = 0
     values, end = 0, None
-    reader = JournalReader(directory / JOURNAL_FILE, offset)
-    try:
-        for payload, _ in reader.read(final=True):
-            entry = decode(payload) or [""]
-            if entry[0] == METRICS:
-                values += len(entry[3])
-            elif entry[0] == END:
-                end = entry[1]
-    finally:
-        reader.close()
+    with JournalReader(directory / JOURNAL_FILE, offset) as reader:
+        while records := reader.read(final=True, limit=_COUNT_RECORDS):  # memory bounded, whatever the journal's size
+            for payload, _ in records:
+                entry = decode(payload) or [""]
+                if entry[0] == METRICS:
+                    values += len(entry[3])
+                elif entry[0] == END:
+                    end = entry[1]
     return Undelivered(values, end, True)
 
 
