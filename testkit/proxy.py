@@ -10,6 +10,8 @@ value):
 - ``Mode.ERROR_429`` / ``"429"``: answer 429 with a ``Retry-After`` header and MLflow's JSON error
   body (``RESOURCE_EXHAUSTED``), or, built with ``plain_429=True``, a plain-text body, as a
   rate-limiting gateway does;
+- ``Mode.ERROR_503`` / ``"503"``: answer 503 with a ``Retry-After`` header and a plain-text body, as a
+  server in maintenance or a load balancer with no backend does;
 - ``Mode.DELAY`` / ``"delay"``: sleep ``delay_s`` seconds, then forward (a slow server);
 - ``Mode.OVERLOAD_400`` / ``"overload"``: answer 400 with the body an overloaded ``mlflow server``
   gives when its store's connection pool is exhausted (SQLAlchemy's ``QueuePool limit ... reached``).
@@ -69,6 +71,7 @@ class Mode(enum.Enum):
     PASS = "pass"
     ERROR_500 = "500"
     ERROR_429 = "429"
+    ERROR_503 = "503"
     DELAY = "delay"
     OVERLOAD_400 = "overload"
 
@@ -282,6 +285,10 @@ class MlflowProxy:
                         answer = json.dumps(
                             {"error_code": "RESOURCE_EXHAUSTED", "message": "proxy answers 429"}
                         ).encode()
+                elif mode is Mode.ERROR_503:
+                    proxy._decided(request, mode.value)
+                    status, answer = 503, b"Service Unavailable (proxy answers 503)"
+                    headers = {"Retry-After": str(proxy.retry_after_s), "Content-Type": "text/plain"}
                 else:
                     proxy._decided(request, mode.value)
                     if mode is Mode.DELAY:

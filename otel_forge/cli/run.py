@@ -443,12 +443,14 @@ class _NodeSampling:
 
 def _announce(training_run: Any, sampling: _NodeSampling) -> None:
     entry = training_run.tracking_entry() or {}
+    # On stderr, as all of otel-forge run's lines: CMD's stdout is the job's output (a pipe, a file).
     print(
         f"otel-forge: run {entry.get('run_id')} in experiment {entry.get('experiment')} at {entry.get('tracking_uri')}",
+        file=sys.stderr,
         flush=True,
     )
     if sampling.monitor is not None:
-        print(f"otel-forge: serving {sampling.monitor.mlflow_endpoint}", flush=True)
+        print(f"otel-forge: serving {sampling.monitor.mlflow_endpoint}", file=sys.stderr, flush=True)
 
 
 def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
@@ -491,7 +493,7 @@ def _start_system_metrics(config: ForgeConfig, tracking_uri: str, node: NodeIden
     monitor = SystemMetricsMonitor(pending, node=node, run_pending=True)
     monitor.start()
     for endpoint in monitor.agent.endpoints if monitor.agent is not None else ():
-        print(f"otel-forge: serving {endpoint}", flush=True)
+        print(f"otel-forge: serving {endpoint}", file=sys.stderr, flush=True)
     if not config.source("collectors").is_default:
         for name, reason in monitor.absent_collectors.items():
             if name in config.collectors:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_forge.config import MLFLOW_CLIENT_DEFAULTS
+from otel_forge.mlflow.server_probe import RETRY_AFTER_STATUSES, ServerRefused, retry_after_s
 from otel_forge.mlflow.worker import Outcome
 from otel_forge.scrub import scrub
 
@@ -179,6 +180,7 @@ _UNANSWERED_REASONS = (
     (("timed out", "Timeout"), "no answer in time"),
     (("Connection reset", "RemoteDisconnected", "Connection aborted"), "connection closed"),
 )  # fmt: skip
+_NO_CONNECTION = ("connection refused", "host name not resolved", "no route to host", "network unreachable")
 # ssl's words for a TLS failure other than a refused certificate: `[SSL: WRONG_VERSION_NUMBER] wrong
 # version number (_ssl.c:1006)`.
 _TLS_FAILED = re.compile(r"\[SSL: [A-Z0-9_]{1,64}\] (?P<reason>[^()'\"]{1,200}?)\s*(?:\(_ssl|['\")]|$)")
@@ -206,7 +208,14 @@ def overloaded(error: BaseException) -> bool:
     return any(marker in text for marker in _OVERLOAD_MARKERS)
 
 
+# urllib3's words when MLflow's client ran out of its own retries of a status it retries (429, 5xx):
+# MLflow then reports the call as failed with 500, whatever the server answered.
+_RETRIED_STATUS = re.compile(r"too many (\d{3}) error responses")
+
+
 def _http_status(error: BaseException) -> int | None:
+    if (retried := _RETRIED_STATUS.search(str(error))) is not None:
+        return int(retried.group(1))
     get_status = getattr(error, "get_http_status_code", None)
     if get_status is None:
         return None
@@ -214,6 +223,19 @@ def _http_status(error: BaseException) -> int | None:
         return int(get_status())
     except (TypeError, ValueError):
         return None
+
+
+def asked_pause_s(tracking_uri: str | None, error: BaseException) -> float | None:
+    """How long the server asked callers to wait (its ``Retry-After``, capped), where ``error`` is
+    its 429 or 503; None otherwise."""
+    if _http_status(error) not in RETRY_AFTER_STATUSES:
+        return None
+    return retry_after_s(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+
+
+def refuses_connections(error: BaseException) -> bool:
+    """The server took no connection: nothing sent was received (a refused port, an unreachable host)."""
+    return isinstance(error, ServerRefused) or unanswered_reason(error) in _NO_CONNECTION
 
 
 _import_lock = threading.Lock()

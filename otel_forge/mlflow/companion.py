@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from otel_forge.config import ForgeConfig
+from otel_forge.config import MLFLOW_RETRIES_VAR, ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.training.run_journal import RunEnd
@@ -66,6 +66,7 @@ class CompanionProcess:
         environ = dict(os.environ)
         # The modules the parent sees (a script's directory, a test's fake NVML), the child sees.
         environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        environ[MLFLOW_RETRIES_VAR] = "0"  # its delivery retries, with its own backoff: one attempt a call
         self._process = process = subprocess.Popen(
             [sys.executable, "-m", COMPANION_MODULE, str(os.getpid())],
             stdin=subprocess.PIPE,

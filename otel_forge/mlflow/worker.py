@@ -53,6 +53,30 @@ class Outcome(enum.Enum):
     WAIT = "wait"  # not deliverable yet, and expected (the run is not open): try again, quietly
 
 
+class Backoff:
+    """The pause before a failed call is tried again: doubling from ``initial_s`` up to ``most_s``, half
+    fixed and half random (nodes failed by one overload come back spread, not together), and never
+    shorter than what the server asked (``asked(error)``: its ``Retry-After``, where it sent one)."""
+
+    def __init__(
+        self, initial_s: float, most_s: float, asked: Callable[[BaseException], float | None] | None = None
+    ) -> None:
+        self._initial_s, self._most_s = initial_s, most_s
+        self._asked = asked
+        self._next_s = initial_s
+        self.asked_s: float | None = None  # what the server asked before the last pause, if it did
+
+    def reset(self) -> None:
+        """A call went through: the next failure pauses briefly again."""
+        self._next_s = self._initial_s
+
+    def pause_s(self, error: BaseException) -> float:
+        jittered = self._next_s * (0.5 + random.random() / 2)
+        self._next_s = min(self._next_s * 2, self._most_s)
+        self.asked_s = self._asked(error) if self._asked is not None else None
+        return max(jittered, self.asked_s or 0.0)
+
+
 class DeadlineExceeded(TimeoutError):
     """A call did not return within its deadline; it may still complete later."""
 
@@ -108,6 +132,7 @@ class DeliveryWorker(Generic[T]):
         write_ahead: bool = False,
         due: Callable[[T], float] | None = None,
         join: Callable[[T, T], T | None] | None = None,
+        asked_pause: Callable[[BaseException], float | None] | None = None,
     ) -> None:
         self.name = name
         # join(item, later): both as one call, or None where they cannot be one (too large).
@@ -129,7 +154,8 @@ class DeliveryWorker(Generic[T]):
         self._answered = False
         self._max_queue = max_queue
         self._call_deadline_s = call_deadline_s
-        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._backoff = Backoff(backoff_initial_s, backoff_max_s, asked_pause)
+        self._first_pause_s = backoff_initial_s  # a WAIT (the run not open yet) is looked at again this often
         self._queue: collections.deque[T] = collections.deque()
         self._cond = threading.Condition()
         self._in_flight: _Call[T] | None = None  # a call past its deadline, awaited by the retry
@@ -287,7 +313,7 @@ class DeliveryWorker(Generic[T]):
         if self._due is not None:
             self._wait_until_due(head)
         item, count = self._joined(head)
-        backoff_s = self._backoff[0]
+        self._backoff.reset()
         while not self._abandon.is_set():
             error = self._call(item)
             if not self._answered:
@@ -302,7 +328,7 @@ class DeliveryWorker(Generic[T]):
                 continue  # past its deadline and still running: await it, it is not a new try
             outcome = self._classify(error)
             if outcome is Outcome.WAIT:
-                self._abandon.wait(self._backoff[0])
+                self._abandon.wait(self._first_pause_s)
                 continue
             if outcome is Outcome.STOP:
                 self._stop(error)
@@ -319,12 +345,9 @@ class DeliveryWorker(Generic[T]):
             self._warnings.warning(
                 f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name, scrub(str(error))
             )
-            # Half fixed, half random: nodes failed by one overload come back spread, not together.
-            if self._wake.wait(backoff_s * (0.5 + random.random() / 2)):
+            if self._wake.wait(self._backoff.pause_s(error)):
                 self._wake.clear()  # closing: try again now, and back off afresh within the drain deadline
-                backoff_s = self._backoff[0]
-                continue
-            backoff_s = min(backoff_s * 2, self._backoff[1])
+                self._backoff.reset()
 
     def _due_at(self, item: T) -> float:
         """When ``item`` may be sent: its due time, or at a close, the close's own time if sooner."""

@@ -19,7 +19,7 @@ from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 from otel_forge.collectors.inventory import inventory_tags
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
-from otel_forge.mlflow.client import RunInfo, classify
+from otel_forge.mlflow.client import RunInfo, asked_pause_s, classify
 from otel_forge.mlflow.keys import KeyMapper, key_segment, node_host_tags, system_prefix
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root, writer_identity
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
@@ -118,6 +118,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             write_ahead=True,
             due=self._due,
             join=self.window_logger.joined,
+            asked_pause=lambda error: asked_pause_s(tracking_uri, error),
         )
         self._shut_down = False
         self._pid = os.getpid()  # a forked child exports nothing of the parent's run

@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -34,12 +33,15 @@ from typing import Any
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.client import (
     MAX_METRICS_PER_BATCH,
+    asked_pause_s,
     classify,
     import_mlflow,
     make_client,
     outage_cause,
+    refuses_connections,
     unanswered_reason,
 )
+from otel_forge.mlflow.server_probe import check_connects
 from otel_forge.mlflow.spool_files import SpoolBusy, claim, kept_notice_level, write_atomically
 from otel_forge.mlflow.training.journal_tail import MARK, Item, JournalTail, MetricRow
 from otel_forge.mlflow.training.run_journal import (
@@ -55,7 +57,7 @@ from otel_forge.mlflow.training.run_journal import (
     undelivered,
 )
 from otel_forge.mlflow.training.run_owner import OpenRun
-from otel_forge.mlflow.worker import Outcome
+from otel_forge.mlflow.worker import Backoff, Outcome
 from otel_forge.node import NodeIdentity, torchrun_attempt
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import error_line, uri_without_credentials
@@ -170,6 +172,7 @@ class JournalDelivery:
         self._wake = threading.Event()
         self._synced_at = time.monotonic()
         self._warnings = RateLimitedLogger(_logger)
+        self._backoff = Backoff(*_BACKOFF_S, asked=lambda error: asked_pause_s(self._uri, error))
         self.delivered_values = 0
         self._on_delivered = on_delivered  # called with the count after each call that delivered values
         self.ended: str | None = None  # the status the run was ended with
@@ -222,7 +225,6 @@ class JournalDelivery:
         return outcome
 
     def _deliver_all(self) -> Delivered:
-        backoff_s = _BACKOFF_S[0]
         while True:
             self._read()
             if self._tail.control.disabled:
@@ -259,18 +261,26 @@ class JournalDelivery:
                     )
                     return Delivered.LEFT
                 if outcome is not Outcome.DROP:
+                    if self._deadline is not None and refuses_connections(error):
+                        return Delivered.LEFT  # closing, the server down: its deadline would bring nothing
+                    pause_s = self._backoff.pause_s(error)
+                    if self._backoff.asked_s:
+                        self.cause += f", Retry-After {self._backoff.asked_s:g} s"
                     self._warnings.log(
                         self._notice_level(), "retry", "MLflow at %s: %s; retrying, everything is kept "
                         "in %s", self.where, self.cause, self.directory,
                     )  # fmt: skip
                     if self._gave_up():
                         return Delivered.LEFT
-                    self._wake.wait(backoff_s * (0.5 + random.random() / 2))
-                    backoff_s = min(backoff_s * 2, _BACKOFF_S[1])
+                    if self._wake.wait(self._within_deadline(pause_s)):
+                        self._wake.clear()
                     continue
                 self._warnings.warning("drop", "MLflow: refused and dropped: %s", error_line(error))
-            backoff_s = _BACKOFF_S[0]
+            self._backoff.reset()
             self._done(item)
+
+    def _within_deadline(self, pause_s: float) -> float:
+        return pause_s if self._deadline is None else max(min(pause_s, self._deadline - time.monotonic()), 0.0)
 
     def _gave_up(self) -> bool:
         now = time.monotonic()
@@ -436,6 +446,7 @@ class JournalDelivery:
         if known is None and job_run is None and not self._tail.writer_done:
             raise _RunPending()  # no client before there is a run: a local store is made once, by its opener
         if self._client is None:
+            check_connects(self._uri)  # a server that is down costs no MLflow import (a second)
             self._client = make_client(self._uri)
         if known is None and job_run is not None:
             # The launcher's run, opened by its own journal's delivery: this journal describes it too,

@@ -17,6 +17,7 @@ from typing import Any
 from otel_forge.config import TOLD_SPOOL_ENV, ConfigError
 from otel_forge.mlflow.client import classify, make_client, outage_cause, unanswered_reason
 from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
+from otel_forge.mlflow.server_probe import ServerRefused, check_connects
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, MissingRun
@@ -136,6 +137,8 @@ class RunOpener:
         if self._unanswered.is_set():
             self._stopping.set()
             self._wake.set()
+            if self._refused_now():
+                timeout_s = 0.0  # no last attempt can succeed: nothing to wait for
         concurrent.futures.wait([self._future], timeout=timeout_s)
         self._stopping.set()
         self._wake.set()
@@ -169,11 +172,14 @@ class RunOpener:
         (refused, timed out, 5xx, 429, a refused credential) is retried with backoff until it does
         or the run is closed: the job outlives the server, and the journal keeps what it logs."""
         pause_s = _FIRST_OPEN_RETRY_S
+        self._refused_now()  # told before the description is made (it imports MLflow: a second or more)
         for prepare in self.before_open:
             prepare()
         finder = self._finder()
         while True:
             try:
+                # A server that takes no connection is told at once, not after MLflow's own retries.
+                check_connects(self.plan.tracking_uri)
                 client = make_client(self.plan.tracking_uri)
                 self._asking.set()
                 run = finder.open(client)
@@ -210,6 +216,17 @@ class RunOpener:
         for callback in self.on_open:
             callback(run)
         return run
+
+    def _refused_now(self) -> bool:
+        """Whether the server takes no connection now; told as an unanswered attempt, if so."""
+        try:
+            check_connects(self.plan.tracking_uri)
+        except ServerRefused as error:
+            if self._transient(error):
+                self.state = OpenerState.UNANSWERED
+                self._unanswered.set()
+            return True
+        return False
 
     def _finder(self) -> JobRunFinder:
         plan = self.plan
