@@ -195,12 +195,29 @@ def test_doctor_json_lists_the_spool(tmp_path, capsys, monkeypatch):
             "path": str(tmp_path / "r-n-1"),
             "run_id": "r",
             "node_id": None,
-            "pending_windows": 2,
+            "pending": 2,
+            "unit": "window(s)",
             "writer": "ended",
             "stats": {},
             "replay": f"otel-forge replay {tmp_path / 'r-n-1'}",
         }
     ]
+
+
+def test_doctor_names_a_running_jobs_journal_its_run_and_an_end_not_yet_come(monkeypatch, tmp_path, capsys):
+    """A journal whose writer (this process) runs and whose run is open: doctor names the run and says its
+    end has not come, not "not open" and "KILLED (its process died)"."""
+    from otel_forge.mlflow.training.run_journal import RunJournal
+
+    monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path))
+    journal = RunJournal.create(tmp_path, "http://127.0.0.1:5000")
+    journal.metrics({"loss": 0.5, "lr": 0.1}, step=0, timestamp_ms=1)
+    journal.opened({"run_id": "0123abcd", "experiment": "e"})
+    journal.metrics({"loss": 0.4}, step=1, timestamp_ms=2)
+    assert main(["doctor", "--collectors", "cpu"]) == 0
+    out = capsys.readouterr().out
+    said = "run 0123abcd node this host: 3 metric value(s) pending (run end not yet, its process runs); writer running"
+    assert f"{said} (pid {os.getpid()})" in out, out
 
 
 def test_repeated_sdk_errors_are_let_through_once_a_minute():

@@ -108,23 +108,32 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
         directory = header.parent
         info = json.loads(header.read_text())
         stats = json.loads((directory / STATS).read_text()) if (directory / STATS).exists() else {}
-        pending = len(WindowSpool.pending_files(directory))
+        alive, run_id = writer_alive(info), info.get("run_id")
+        pending, unit = len(WindowSpool.pending_files(directory)), "window(s)"
         if info.get("kind") == JOURNAL:
             left = undelivered(directory)
-            pending = left.values
-            stats = {**stats, **({"run end pending": left.end or "KILLED (its process died)"} if left.open else {})}
+            pending, unit, run_id = left.values, "metric value(s)", left.run_id
+            stats = {**stats, "run end": _journal_end(left.end, alive)}
         found.append(
             {
                 "path": str(directory),
-                "run_id": info.get("run_id"),
+                "run_id": run_id,
                 "node_id": info.get("node_id"),
-                "pending_windows": pending,
+                "pending": pending,
+                "unit": unit,
                 "stats": stats,
-                "writer": f"running (pid {info['pid']})" if writer_alive(info) else "ended",
+                "writer": f"running (pid {info['pid']})" if alive else "ended",
                 "replay": f"otel-forge replay {directory}",
             }
         )
     return found
+
+
+def _journal_end(end: str | None, writer_alive: bool) -> str:
+    """How the journal's run ends, as far as the journal says."""
+    if end is not None:
+        return f"{end}, not delivered yet"
+    return "not yet, its process runs" if writer_alive else "KILLED, not delivered yet: its process died"
 
 
 def diagnose(config: ForgeConfig) -> dict[str, Any]:
@@ -261,8 +270,8 @@ def _print_text(report: dict[str, Any]) -> None:
     for spool in report["spools"]:
         counts = ", ".join(f"{k} {v}" for k, v in spool["stats"].items())
         print(
-            f"  run {spool['run_id'] or 'not open'} node {spool['node_id'] or 'this host'}: "
-            f"{spool['pending_windows']} window(s) pending{' (' + counts + ')' if counts else ''}; "
+            f"  run {spool['run_id'] or 'not open yet'} node {spool['node_id'] or 'this host'}: "
+            f"{spool['pending']} {spool['unit']} pending{' (' + counts + ')' if counts else ''}; "
             f"writer {spool['writer']}; "
             f"{spool['replay']}"
         )

@@ -67,7 +67,8 @@ def test_metrics_left_at_close_are_replayed_and_the_run_ended(server, tmp_path, 
     assert "metric value(s) and the run's end of run" in message
     monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path / "spool"))
     assert main(["doctor", "--collectors", "cpu"]) == 0
-    assert "run end pending FINISHED" in capfd.readouterr().out
+    doctor = capfd.readouterr().out
+    assert f"run {run.run_id} " in doctor and "run end FINISHED, not delivered yet" in doctor, doctor
 
     server.start()
     result = _replay(path)

@@ -17,6 +17,7 @@ from otel_forge import ForgeConfig, TrainingRun
 from testkit.servers import wait_for
 
 CPU_KEY = "system/cpu_utilization_percentage"
+WATCH = "otel-forge-companion-watch"  # blocked in waitpid on the companion: no wake-up while it lives
 
 
 def _samplers(parent: psutil.Process, but: frozenset[int] = frozenset()) -> list[psutil.Process]:
@@ -46,7 +47,7 @@ def test_the_node_is_sampled_by_a_child_process_and_no_thread_of_the_training_pr
         ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
     # The run's owner and the watch that stands MLflow's own sampler down (a look at
     # a dict a second): no reader, collector or exporter thread.
-    assert set(ours) <= {"mlflow-run-owner", "otel-forge-mlflow-sampler"}, ours
+    assert set(ours) <= {"mlflow-run-owner", "otel-forge-mlflow-sampler", WATCH}, ours
     assert not sampler.is_running() or sampler.status() == psutil.STATUS_ZOMBIE  # stopped with the run
     after_close = len(client.get_metric_history(run.run_id, CPU_KEY))
     assert after_close >= 2
@@ -97,6 +98,6 @@ def test_monitor_samples_the_node_in_a_companion_process_too(mlflow_server, clie
         [companion] = _samplers(psutil.Process(), earlier)
         ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
     # At most the watch that stands MLflow's own sampler down: no reader, collector or exporter thread.
-    assert set(ours) <= {"otel-forge-mlflow-sampler"}, ours
+    assert set(ours) <= {"otel-forge-mlflow-sampler", WATCH}, ours
     assert not companion.is_running() or companion.status() == psutil.STATUS_ZOMBIE  # stopped with the block
     assert len(client.get_metric_history(run_id, CPU_KEY)) >= 2

@@ -74,7 +74,7 @@ def test_a_scalar_config_is_one_param_named_value():
 def test_values_are_cut_to_the_store_limit():
     assert PARAM_VALUE_MAX_CHARS == 6000
     flat = flatten_params({"long": "x" * 7000, "short": "y" * 6000})
-    assert flat["long"] == "x" * 6000
+    assert flat["long"] == "x" * 5975 + "...[1025 more characters]"
     assert flat["short"] == "y" * 6000
     assert flatten_params({"v": "abcdef"}, max_chars=3) == {"v": "abc"}
 
@@ -193,3 +193,14 @@ def test_a_launch_file_past_its_limits_is_neither_parsed_nor_uploaded(tmp_path, 
     aliased = tmp_path / "aliased.yaml"
     aliased.write_text("base: &base {lr: 0.1}\ntrain: *base\n")
     assert load_launch_config(aliased) == {"base": {"lr": 0.1}, "train": {"lr": 0.1}}  # aliases are fine
+
+
+def test_a_param_value_past_mlflows_limit_is_cut_with_a_marker_saying_how_much_is_missing():
+    value = "a" * 1_048_576
+    (param,) = flatten_params({"huge": value}).values()
+    assert len(param) <= 6000 and param.startswith("a" * 5900)
+    missing = int(param.rsplit("...[", 1)[1].split(" ")[0])
+    assert param.endswith(f"...[{missing} more characters]") and len(param) - len(
+        f"...[{missing} more characters]"
+    ) + missing == len(value)
+    assert flatten_params({"fits": "b" * 6000}) == {"fits": "b" * 6000}

@@ -57,7 +57,7 @@ EXPECTED_PARAMS = {
     "args.epochs": "3",
     "data.path": "/data/shards",
     "data.workers": "4",
-    "notes": "z" * 6000,
+    "notes": "z" * 5975 + "...[1025 more characters]",
     "by_id.1": "one",
     "by_id.2": "two",
     **{f"sweep.h{i:03d}": str(i) for i in range(150)},

@@ -117,9 +117,20 @@ def redact(data: Any, secret: SecretKeys, max_chars: int = CONFIG_VALUE_MAX_CHAR
             for index, item in enumerate(data)
         ]
     if isinstance(data, str):
-        cut = data if len(data) <= max_chars else f"{data[:max_chars]}...[{len(data) - max_chars} more characters]"
-        return scrub(cut)
+        return scrub(cut_with_marker(data, max_chars))
     return data
+
+
+def cut_with_marker(text: str, max_chars: int) -> str:
+    """``text``, or where it is longer than ``max_chars``, its start and a marker saying how much is
+    missing, in ``max_chars`` characters at most."""
+    if len(text) <= max_chars:
+        return text
+    longest = f"...[{len(text)} more characters]"  # the marker is never longer than this one
+    if len(longest) >= max_chars:
+        return text[:max_chars]  # no room for a marker
+    kept = max_chars - len(longest)
+    return f"{text[:kept]}...[{len(text) - kept} more characters]"
 
 
 def _secret_flag(item: Any, secret: SecretKeys) -> bool:
@@ -129,7 +140,7 @@ def _secret_flag(item: Any, secret: SecretKeys) -> bool:
 def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[str, str]:
     """Dotted params: ``{"model": {"dim": 8}, "lr": [1, 2]}`` -> ``model.dim``, ``lr.0``, ``lr.1``.
 
-    None is skipped; other values are stringified and cut to ``max_chars``.
+    None is skipped; other values are stringified and cut to ``max_chars``, with a marker.
     """
     flat: dict[str, str] = {}
 
@@ -143,7 +154,7 @@ def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[
             for index, item in enumerate(value):
                 walk(f"{prefix}.{index}" if prefix else str(index), item)
         else:
-            flat[prefix or "value"] = str(value)[:max_chars]
+            flat[prefix or "value"] = cut_with_marker(str(value), max_chars)
 
     walk("", config_as_dict(config))
     return flat
