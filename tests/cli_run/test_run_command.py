@@ -44,7 +44,9 @@ FORGE_RUN = [sys.executable, "-m", "otel_forge.cli", "run"]
 INTERVAL = "0.3"
 RUN_TIMEOUT_S = 60.0
 USAGE_ERROR = 2
+# otel-forge run's own lines are on its stderr (its stdout is CMD's): the run, once open, and what it serves.
 RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) in experiment (\S+) at (\S+)$", re.MULTILINE)
+SERVING_LINE = re.compile(r"^otel-forge: serving \S")
 
 # Bugs found by these tests (see the report that came with them).
 BUG_CMD_TRAININGRUN_DROPS_CONFIG = (
@@ -102,10 +104,15 @@ def run_forge(
     )
 
 
-def run_id_of(stdout: str) -> str:
-    found = RUN_LINE.search(stdout)
-    assert found, f"no 'otel-forge: run ...' line in stdout:\n{stdout}"
+def run_id_of(stderr: str) -> str:
+    found = RUN_LINE.search(stderr)
+    assert found, f"no 'otel-forge: run ...' line in stderr:\n{stderr}"
     return found.group(1)
+
+
+def beyond_announcements(stderr: str) -> list[str]:
+    """``stderr``'s lines but otel-forge's run line and serving lines: what else it (or CMD) said."""
+    return [line for line in stderr.splitlines() if not (RUN_LINE.match(line) or SERVING_LINE.match(line))]
 
 
 def unique(name: str) -> str:
@@ -175,13 +182,15 @@ def plain_run(mlflow_server, git_repo, tmp_path_factory) -> Launched:  # type: i
         cwd=git_repo,
         env=forge_environ(tmp),
     )
-    return Launched(result, run_id_of(result.stdout), git_repo, experiment)
+    return Launched(result, run_id_of(result.stderr), git_repo, experiment)
 
 
 def test_plain_mlflow_script_exits_0_and_the_run_is_finished(plain_run, client) -> None:
     result = plain_run.result
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
+    # otel-forge's own lines are on its stderr: CMD's stdout is the job's output, nothing of ours in it.
+    assert [line for line in result.stdout.splitlines() if line.startswith("otel-forge:")] == [], result.stdout
     run = client.get_run(plain_run.run_id)
     assert run.info.status == "FINISHED"
     assert "mlflow.parentRunId" not in run.data.tags
@@ -260,13 +269,13 @@ def test_exit_code_3_fails_the_run_and_otel_forge_exits_3(mlflow_server, git_rep
 
     assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
-    run_id = run_id_of(result.stdout)
+    run_id = run_id_of(result.stderr)
     # MLflow ends the run CMD resumed FINISHED at CMD's exit; the job's exit code decides after it.
     assert client.get_run(run_id).info.status == "FAILED"
     assert steps_of(client, run_id, "loss") == [0, 1]
 
 
-def test_a_healthy_run_writes_nothing_to_stderr(mlflow_server, tmp_path) -> None:
+def test_a_healthy_run_writes_nothing_to_stderr_but_its_own_lines(mlflow_server, tmp_path) -> None:
     # A short interval makes the race certain; at 0.3 s on 2 busy cores it shows about one run in three.
     options = [
         "--tracking-uri",
@@ -284,7 +293,8 @@ def test_a_healthy_run_writes_nothing_to_stderr(mlflow_server, tmp_path) -> None
     )
 
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
+    assert RUN_LINE.search(result.stderr), result.stderr
+    assert beyond_announcements(result.stderr) == [], result.stderr
 
 
 # A rank CMD started that ends a moment after CMD, as Lightning's rank 1 does after rank 0's `fit`.
@@ -305,7 +315,7 @@ def test_a_rank_still_exiting_after_cmd_is_waited_for_not_warned_about(mlflow_se
     )
 
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""  # no warning: it was exiting, not left over
+    assert beyond_announcements(result.stderr) == [], result.stderr  # no warning: it was exiting, not left over
     assert marker.read_text() == "done"  # and it was not stopped: it finished on its own
 
 
@@ -320,7 +330,7 @@ def test_a_process_alive_after_the_exit_grace_is_named_and_stopped(mlflow_server
     )
 
     assert result.returncode == 0, result.stderr
-    (line,) = result.stderr.splitlines()
+    (line,) = beyond_announcements(result.stderr)
     assert "CMD left 1 process(es) running 1 s after it exited" in line and "time.sleep(120)" in line, line
     assert not marker.exists() and time.monotonic() - started < 60
 
@@ -399,7 +409,7 @@ def _start_signal_child(
     ready = Path(f"{record}.ready")
     forge.wait_for(ready.exists, "CMD ready")
     # otel-forge installs its forwarding handlers right after printing the serving line.
-    forge.wait_for(lambda: "otel-forge: serving" in forge.stdout(), "the serving line")
+    forge.wait_for(lambda: "otel-forge: serving" in forge.stderr(), "the serving line")
     time.sleep(0.5)
     return forge, record
 
@@ -442,7 +452,7 @@ def test_sigterm_is_forwarded_to_cmd_run_killed_and_exit_mirrored(
     if cmd_exit >= 0:
         assert record.read_text().split() == [str(int(signal.SIGTERM))]  # CMD got it, once
     assert "Traceback" not in forge.stderr()
-    assert client.get_run(run_id_of(forge.stdout())).info.status == "KILLED"
+    assert client.get_run(run_id_of(forge.stderr())).info.status == "KILLED"
 
 
 def test_terminal_ctrl_c_reaches_cmd_once(mlflow_server, client, tmp_path, background) -> None:
@@ -457,7 +467,7 @@ def test_terminal_ctrl_c_reaches_cmd_once(mlflow_server, client, tmp_path, backg
     code = forge.wait()
 
     assert code == 7, forge.stderr()
-    assert client.get_run(run_id_of(forge.stdout())).info.status == "KILLED"
+    assert client.get_run(run_id_of(forge.stderr())).info.status == "KILLED"
     assert record.read_text().split() == [str(int(signal.SIGINT))]
 
 
@@ -474,8 +484,8 @@ def test_sigterm_right_after_the_run_opened_still_ends_run_and_cmd(mlflow_server
         ],
         cwd=tmp_path,
         env=forge_environ(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
@@ -489,13 +499,16 @@ def test_sigterm_right_after_the_run_opened_still_ends_run_and_cmd(mlflow_server
         return found
 
     try:
-        first_line = forge.stdout.readline()  # printed once the run is open, before CMD starts
+        # The run line, on stderr: printed once the run is open, before CMD starts.
+        run_line = ""
+        while not RUN_LINE.search(run_line) and (line := forge.stderr.readline()):
+            run_line = line
         forge.send_signal(signal.SIGTERM)
         code = forge.wait(timeout=RUN_TIMEOUT_S)
         time.sleep(0.5)
         orphans = survivors()
 
-        run_id = run_id_of(first_line)
+        run_id = run_id_of(run_line)
         assert code >= 0, f"otel-forge was killed by signal {-code}"
         assert client.get_run(run_id).info.status == "KILLED"
         assert orphans == []
@@ -527,7 +540,7 @@ def test_cmd_sees_the_launched_run_tracking_uri_and_experiment_id(mlflow_server,
 
     assert result.returncode == 0, result.stderr
     env = json.loads(seen.read_text())
-    run_id = run_id_of(result.stdout)
+    run_id = run_id_of(result.stderr)
     run = client.get_run(run_id)
     assert env["OTEL_FORGE_LAUNCHED_RUN_ID"] == run_id
     # MLflow resumes it at CMD's first start_run(): the first run CMD opens is the launched run.
@@ -561,7 +574,7 @@ def test_cmd_inherits_the_users_mlflow_run_id_as_the_resumed_run(mlflow_server, 
     )
 
     assert result.returncode == 0, result.stderr
-    assert run_id_of(result.stdout) == given  # otel-forge resumed it
+    assert run_id_of(result.stderr) == given  # otel-forge resumed it
     env = json.loads(seen.read_text())
     assert env["MLFLOW_RUN_ID"] == given
     assert env["OTEL_FORGE_LAUNCHED_RUN_ID"] == given
@@ -589,7 +602,7 @@ def _sklearn_job(mlflow_server, tmp_path_factory, mode: str, *options: str) -> L
         cwd=tmp,
         env=forge_environ(tmp),
     )
-    return Launched(result, run_id_of(result.stdout), tmp, experiment)
+    return Launched(result, run_id_of(result.stderr), tmp, experiment)
 
 
 @pytest.fixture(scope="module")
@@ -734,7 +747,7 @@ def trainingrun_under_forge(mlflow_server, tmp_path_factory) -> Launched:  # typ
         cwd=tmp,
         env=env,
     )
-    return Launched(result, run_id_of(result.stdout), tmp, experiment)
+    return Launched(result, run_id_of(result.stderr), tmp, experiment)
 
 
 def test_trainingrun_example_under_otel_forge_run_logs_into_its_run(trainingrun_under_forge, client) -> None:
@@ -815,9 +828,9 @@ def test_without_a_tracking_uri_the_run_lands_in_mlflow_db_of_the_working_direct
     assert "Traceback" not in result.stderr
     database = work / "mlflow.db"
     assert database.is_file()
-    assert RUN_LINE.search(result.stdout).group(3) == f"sqlite:///{database}"
+    assert RUN_LINE.search(result.stderr).group(3) == f"sqlite:///{database}"
     local = MlflowClient(f"sqlite:///{database}")
-    run = local.get_run(run_id_of(result.stdout))
+    run = local.get_run(run_id_of(result.stderr))
     assert run.info.status == "FINISHED"
     assert steps_of(local, run.info.run_id, "train/loss") == list(range(200))
     assert "system/cpu_utilization_percentage" in run.data.metrics

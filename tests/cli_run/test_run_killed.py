@@ -28,14 +28,14 @@ def _gone(pid: int) -> bool:
 
 
 def test_sigkill_takes_cmd_along_and_the_run_ends_killed(mlflow_server, client, tmp_path) -> None:
-    pid_file, out = tmp_path / "cmd.pid", tmp_path / "stdout.txt"
+    pid_file, err = tmp_path / "cmd.pid", tmp_path / "stderr.txt"  # otel-forge run's own lines: on its stderr
     cmd = [
         sys.executable,
         "-c",
         f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)",
     ]
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}, prefixes=("OTEL_", "MLFLOW_"))
-    with open(out, "w") as stdout:
+    with open(err, "w") as stderr:
         forge = subprocess.Popen(
             [
                 *FORGE_RUN,
@@ -50,13 +50,13 @@ def test_sigkill_takes_cmd_along_and_the_run_ends_killed(mlflow_server, client, 
                 *cmd,
             ],
             env=env,
-            stdout=stdout,
-            stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
             start_new_session=True,
         )
     try:
         cmd_pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60, 0.05, "CMD to start"))
-        run_id = wait_for(lambda: (found := RUN_LINE.search(out.read_text())) and found.group(1), 10, 0.05)
+        run_id = wait_for(lambda: (found := RUN_LINE.search(err.read_text())) and found.group(1), 10, 0.05)
         assert client.get_run(run_id).info.status == "RUNNING"
 
         os.kill(forge.pid, signal.SIGKILL)  # otel-forge alone, not its group
@@ -86,7 +86,7 @@ def test_a_normal_end_leaves_no_watchdog_behind(mlflow_server, client, tmp_path)
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    run_id = RUN_LINE.search(result.stdout).group(1)  # type: ignore[union-attr]
+    run_id = RUN_LINE.search(result.stderr).group(1)  # type: ignore[union-attr]
     assert client.get_run(run_id).info.status == "FINISHED"
     after = {p.pid for p in psutil.process_iter() if "otel_forge.cli.watchdog" in " ".join(_cmdline(p))}
     assert after <= before

@@ -75,9 +75,10 @@ with otel_forge.TrainingRun() as run:
 """
 
 NO_MLFLOW = """
-import time
+import sys, time
 time.sleep(3)
 print("cmd done", flush=True)
+print("cmd done", file=sys.stderr, flush=True)
 """
 
 
@@ -136,7 +137,9 @@ def test_the_job_run_is_in_the_experiment_the_script_names(mlflow_server, client
     result = _run(_forge_run(experiment), tmp_path, _environ(tmp_path, mlflow_server.uri))
 
     run = _the_jobs_run(client, experiment)
-    assert f"in experiment {experiment} at" in result.stdout, result.stdout
+    # otel-forge run's own lines are on its stderr; its stdout is CMD's.
+    assert f"in experiment {experiment} at" in result.stderr, result.stderr
+    assert "otel-forge: run " not in result.stdout, result.stdout
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2, 3]
     assert SYSTEM in run.data.metrics  # the node, sampled by otel-forge run, is in the same run
     assert run.data.tags["case"] == experiment  # described by otel-forge run
@@ -159,8 +162,10 @@ def test_a_script_that_names_no_experiment_gets_the_default_while_it_runs(mlflow
     env = _environ(tmp_path, mlflow_server.uri, OTEL_FORGE_EXPERIMENT_WAIT="0.5")
     result = _run(_forge_run(case), tmp_path, env)
 
-    # The run opened while CMD still ran (its hardware is there from its first seconds).
-    assert result.stdout.index("in experiment otel-forge at") < result.stdout.index("cmd done"), result.stdout
+    # The run opened while CMD still ran (its hardware is there from its first seconds): its line, on
+    # otel-forge's stderr, comes before CMD's last line on the same stderr (CMD inherits it).
+    assert "in experiment otel-forge at" not in result.stdout and "cmd done" in result.stdout, result.stdout
+    assert result.stderr.index("in experiment otel-forge at") < result.stderr.index("cmd done"), result.stderr
     (run,) = _runs_of(client, case)
     assert run.info.status == "FINISHED" and SYSTEM in run.data.metrics
 
@@ -210,5 +215,6 @@ def test_asking_for_the_job_run_opens_it_in_the_default_experiment(mlflow_server
     assert client.get_experiment(run.info.experiment_id).name == "otel-forge"
     assert asked == [run.info.run_id] * len(asked)  # the TrainingRun's own run, in code
     if forge:
-        assert f"otel-forge: run {run.info.run_id} in experiment otel-forge" in result.stdout
+        assert f"otel-forge: run {run.info.run_id} in experiment otel-forge" in result.stderr, result.stderr
+        assert "otel-forge: run " not in result.stdout, result.stdout
         assert run.data.tags["case"] == case

@@ -23,7 +23,7 @@ RUN_LINE = re.compile(r"^otel-forge: run ([0-9a-f]{32}) ", re.MULTILINE)
 def test_a_run_that_opens_late_is_ended_killed_by_its_watchdog(pausable_server, tmp_path) -> None:
     from mlflow import MlflowClient
 
-    out, pid_file = tmp_path / "stdout.txt", tmp_path / "cmd.pid"
+    err, pid_file = tmp_path / "stderr.txt", tmp_path / "cmd.pid"  # otel-forge run's own lines: on its stderr
     env = hermetic_environ(
         {
             "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"),
@@ -35,19 +35,19 @@ def test_a_run_that_opens_late_is_ended_killed_by_its_watchdog(pausable_server, 
     cmd = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write('x'); time.sleep(300)"]
     options = ["--tracking-uri", pausable_server.uri, "--experiment", f"late-{uuid.uuid4().hex[:8]}"]
     pausable_server.pause()
-    with open(out, "w") as stdout:
+    with open(err, "w") as stderr:
         forge = subprocess.Popen(
             [sys.executable, "-m", "otel_forge.cli", "run", *options, "--no-prometheus", "--", *cmd],
             env=env,
-            stdout=stdout,
-            stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
             start_new_session=True,
         )
     try:
         wait_for(pid_file.exists, 60, 0.05, "CMD to start while the server hangs")
-        assert not RUN_LINE.search(out.read_text())  # CMD started before the run opened
+        assert not RUN_LINE.search(err.read_text())  # CMD started before the run opened
         pausable_server.resume()
-        run_id = wait_for(lambda: (found := RUN_LINE.search(out.read_text())) and found.group(1), 90, 0.1)
+        run_id = wait_for(lambda: (found := RUN_LINE.search(err.read_text())) and found.group(1), 90, 0.1)
         client = MlflowClient(pausable_server.uri)
         assert client.get_run(run_id).info.status == "RUNNING"
 

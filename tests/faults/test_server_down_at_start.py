@@ -124,7 +124,7 @@ def test_otel_forge_run_starts_cmd_after_its_wait_and_both_meet_in_one_run(pausa
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert len(runs) == 1, [r.data.tags for r in runs]
     run_id = runs[0].info.run_id
-    assert re.search(rf"otel-forge: run {run_id} ", result.stdout), result.stdout
+    assert re.search(rf"otel-forge: run {run_id} ", result.stderr), result.stderr  # its own lines: on stderr
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(100))
     assert len(anchor_history(client, run_id)) >= 2
     assert client.get_run(run_id).info.status == "FINISHED"

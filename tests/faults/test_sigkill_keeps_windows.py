@@ -20,9 +20,9 @@ from testkit.servers import wait_for
 def test_windows_of_a_killed_run_survive_in_the_spool(pausable_server, tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
-    server, out, spool = pausable_server, tmp_path / "stdout.txt", tmp_path / "spool"
+    server, err, spool = pausable_server, tmp_path / "stderr.txt", tmp_path / "spool"
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(spool)}, prefixes=("OTEL_", "MLFLOW_"))
-    with open(out, "w") as stdout:
+    with open(err, "w") as stderr:  # otel-forge run's own lines (the run, what it serves) are on its stderr
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -42,14 +42,14 @@ def test_windows_of_a_killed_run_survive_in_the_spool(pausable_server, tmp_path:
                 "import time; time.sleep(120)",
             ],
             env=env,
-            stdout=stdout,
-            stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
     try:
-        wait_for(lambda: "serving mlflow run" in out.read_text(), 60, 0.05, "the run to be sampled")
-        run_id = re.search(r"otel-forge: run ([0-9a-f]{32})", out.read_text()).group(1)  # type: ignore[union-attr]
+        wait_for(lambda: "serving mlflow run" in err.read_text(), 60, 0.05, "the run to be sampled")
+        run_id = re.search(r"otel-forge: run ([0-9a-f]{32})", err.read_text()).group(1)  # type: ignore[union-attr]
         client = MlflowClient(server.uri)
         wait_for(lambda: client.get_run(run_id).data.metrics, 30, 0.1, "the first window")
         key = min(client.get_run(run_id).data.metrics)  # the anchor: in every window (the others when changed)

@@ -23,11 +23,10 @@ EXIT_WAIT_S = 120.0
 
 def test_sigterm_during_an_outage_exits_while_the_server_still_hangs(pausable_server, tmp_path: Path) -> None:
     server = pausable_server
-    out = tmp_path / "stdout.txt"
-    err = tmp_path / "stderr.txt"
+    err = tmp_path / "stderr.txt"  # otel-forge run's own lines too (the run, what it serves)
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}, prefixes=("OTEL_", "MLFLOW_"))
     cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
-    with open(out, "w") as stdout, open(err, "w") as stderr:
+    with open(err, "w") as stderr:
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -43,13 +42,13 @@ def test_sigterm_during_an_outage_exits_while_the_server_still_hangs(pausable_se
                 *cmd,
             ],
             env=env,
-            stdout=stdout,
+            stdout=subprocess.DEVNULL,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
     try:
-        wait_for(lambda: "serving mlflow run" in out.read_text(), 60, 0.05, "the run to open and be sampled")
+        wait_for(lambda: "serving mlflow run" in err.read_text(), 60, 0.05, "the run to open and be sampled")
         time.sleep(1.0)
         server.pause()
         time.sleep(1.0)  # windows and the end of the run now wait on a hung server
@@ -67,7 +66,7 @@ def test_sigterm_during_an_outage_exits_while_the_server_still_hangs(pausable_se
     assert "Traceback" not in stderr_text
     replay = [line for line in stderr_text.splitlines() if "otel-forge replay" in line]
     assert replay and re.search(r"otel-forge replay \S+", replay[-1]), stderr_text
-    run_id = re.search(r"otel-forge: run ([0-9a-f]{32})", out.read_text()).group(1)  # type: ignore[union-attr]
+    run_id = re.search(r"otel-forge: run ([0-9a-f]{32})", stderr_text).group(1)  # type: ignore[union-attr]
     from mlflow import MlflowClient
 
     client = MlflowClient(server.uri)

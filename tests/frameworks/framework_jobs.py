@@ -27,8 +27,8 @@ class Job:
 
     @property
     def run_id(self) -> str:
-        found = RUN_LINE.search(self.result.stdout)
-        assert found, f"no 'otel-forge: run' line:\n{self.result.stdout}\n{self.result.stderr}"
+        found = RUN_LINE.search(self.result.stderr)  # otel-forge run's own lines: on its stderr
+        assert found, f"no 'otel-forge: run' line in stderr:\n{self.result.stdout}\n{self.result.stderr}"
         return found.group(1)
 
 
