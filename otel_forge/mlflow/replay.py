@@ -14,7 +14,7 @@ from otel_forge.mlflow.client import RunGone, RunInfo, make_client
 from otel_forge.mlflow.spool_files import HEADER, SpoolBusy, claim, remove_if_empty, writer_alive
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
-from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
+from otel_forge.mlflow.training.journal_delivery import Delivered, DeliveryPace, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
 from otel_forge.mlflow.training.run_journal import is_journal, read_header, undelivered
 from otel_forge.mlflow.worker import MOST_JOINED, join_while
@@ -125,8 +125,8 @@ def replay_journal(
     process would have opened it, every record in order, the run ended as it ended (KILLED where
     its process died without ending it)."""
     delivery = JournalDelivery(
-        path, tracking_uri=tracking_uri, fsync_s=0.0, patience_s=0.0, job_run=lambda: job_run_id, caller_reports=True,
-        on_delivered=lambda count: progress(VALUES, count),
+        path, tracking_uri=tracking_uri, pace=DeliveryPace(fsync_s=0.0, patience_s=0.0), job_run=lambda: job_run_id,
+        caller_reports=True, on_delivered=lambda count: progress(VALUES, count),
     )  # fmt: skip
     outcome = delivery.run()
     if outcome is Delivered.BUSY:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from otel_forge.mlflow.training.journal_delivery import Delivered, JournalDelivery
+from otel_forge.mlflow.training.journal_delivery import Delivered, DeliveryPace, JournalDelivery
 from otel_forge.mlflow.training.outcome import JOB_OUTCOME_TAG, OUTCOME_TAG_PREFIX, begin_attempt, end_run
 from otel_forge.mlflow.training.run_journal import RunJournal
 from otel_forge.node import NodeIdentity
@@ -84,7 +84,7 @@ def _deliver(store: Any, run: Any, journals: Path, last_step: int, environ: dict
     journal.opened({"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "last_step": last_step})
     for step in range(5):
         journal.metrics({"loss": 1.0 / (step + 1)}, step, 1_000 + step)
-    delivery = JournalDelivery(journal.directory, tracking_uri=store.tracking_uri, fsync_s=0)
+    delivery = JournalDelivery(journal.directory, tracking_uri=store.tracking_uri, pace=DeliveryPace(fsync_s=0))
     delivery.finish(0)  # what is journaled, not the run's end (the process goes on)
     assert delivery.run() is Delivered.LEFT
     return sorted(m.step for m in store.get_metric_history(run.info.run_id, "loss"))

@@ -10,14 +10,16 @@ entry that a bounded read never reached).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from otel_forge.journal import JournalReader
-from otel_forge.mlflow.spool_files import writer_alive
 from otel_forge.mlflow.training.run_journal import (
     CHECKPOINT,
     DESCRIBE,
@@ -37,6 +39,7 @@ MAX_ITEMS = 20_000  # items held ahead of the delivery
 READ_RECORDS = 1_000  # journal records one read takes at most (each holds one log() call's values)
 _VALUES_PREFIX = b'["' + METRICS.encode() + b'",'  # a values entry, told apart without decoding it
 MARK = "mark"  # an item with nothing to send: its offset is delivered once it is reached
+ROWS = "rows"  # metric values taken together from the items, for one log_batch
 
 # (key, value, timestamp_ms, step)
 MetricRow = tuple[str, float, int, int]
@@ -63,15 +66,26 @@ class Control:
 
 
 class JournalTail:
-    """Reads the journal in ``directory`` from ``offset``; ``header``: its writer's identity."""
+    """Reads the journal in ``directory`` from ``offset``, while ``writer_alive()`` says whether more
+    may come; forces its pages to disk every ``fsync_s`` (0: never), which its writer never does."""
 
-    def __init__(self, directory: Path, offset: int, header: dict[str, Any]) -> None:
-        self._header = header
+    def __init__(
+        self, directory: Path, offset: int, writer_alive: Callable[[], bool], clock: Callable[[], float], fsync_s: float
+    ) -> None:
+        self._writer_alive = writer_alive
+        self._clock = clock
+        self._fsync_s = fsync_s
+        self._synced_at = clock()
         self._items_reader = JournalReader(directory / JOURNAL_FILE, offset)
         self._control_reader = JournalReader(directory / JOURNAL_FILE, offset)
         self.items: deque[Item] = deque()
         self.control = Control()
-        self.writer_done = False  # nothing more will be written: its end read, or it is dead and all it wrote read
+        # When it was known that nothing more comes: its end read, or it died and all it wrote is read.
+        self.writer_done_at: float | None = None
+
+    @property
+    def writer_done(self) -> bool:
+        return self.writer_done_at is not None
 
     @property
     def read_all(self) -> bool:
@@ -85,11 +99,24 @@ class JournalTail:
 
     def read(self) -> None:
         """Scan the control entries to the end of what is written, then read items while there is room."""
-        alive = writer_alive(self._header)  # asked first: a final read only once the writer is gone
+        alive = self._writer_alive()  # asked first: a final read only once the writer is gone
         self._scan_control(final=not alive)
         if len(self.items) < MAX_ITEMS:
             for payload, end in self._items_reader.read(final=not alive, limit=READ_RECORDS):
                 self._take(payload, end)
+        self._sync_if_due()
+
+    def _sync_if_due(self) -> None:
+        if self._fsync_s <= 0 or self._clock() - self._synced_at < self._fsync_s:
+            return
+        self._synced_at = self._clock()
+        # The training process never waits on the disk: its pages are forced out from here.
+        with contextlib.suppress(OSError):
+            fd = os.open(self._items_reader.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
 
     def _scan_control(self, final: bool) -> None:
         while not self.writer_done:
@@ -98,8 +125,8 @@ class JournalTail:
                 if not payload.startswith(_VALUES_PREFIX):
                     self._note(decode(payload))
             if len(records) < READ_RECORDS:
-                # A dead writer's last record is read: nothing more comes.
-                self.writer_done = self.writer_done or final
+                if final:  # a dead writer's last record is read: nothing more comes
+                    self._mark_writer_done()
                 return
 
     def _note(self, entry: list[Any] | None) -> None:
@@ -115,7 +142,12 @@ class JournalTail:
         elif kind == DISABLED:
             self.control.disabled = True
         elif kind == END:
-            self.control.ended = self.writer_done = True
+            self.control.ended = True
+            self._mark_writer_done()
+
+    def _mark_writer_done(self) -> None:
+        if self.writer_done_at is None:
+            self.writer_done_at = self._clock()
 
     def _take(self, payload: bytes, end: int) -> None:
         entry = decode(payload)

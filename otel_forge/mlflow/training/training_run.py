@@ -20,7 +20,7 @@ from otel_forge.mlflow.fluent_runs import fluent_run_id
 from otel_forge.mlflow.spool_files import spool_root
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers, exit_status
 from otel_forge.mlflow.training.job_run import MissingRun
-from otel_forge.mlflow.training.journal_delivery import wait_described
+from otel_forge.mlflow.training.journal_cursor import wait_described
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
