@@ -30,6 +30,7 @@ class Health(enum.Enum):
     TOO_MANY = "429"  # with a Retry-After
     FAILING = "500"
     APPLIES_THEN_TIMES_OUT = "timeout"  # the call is applied, its answer lost: the caller sees a timeout
+    REFUSES_VALUES = "400"  # a log_batch of metrics is refused as bad input (the other calls pass)
 
 
 _ERRORS = {
@@ -58,6 +59,7 @@ class SimServer:
         self.health = Health.UP
         self.retry_after_s = 7.0
         self.runs: dict[str, SimRun] = {}
+        self.refused: list[tuple[str, int, float]] = []  # values refused one by one: dropped by the delivery
         self.calls = 0
         self._ids = itertools.count()
 
@@ -72,7 +74,7 @@ class SimServer:
     def answer(self) -> bool:
         """Fail the call as the server's health says; True where it is to be applied, then time out."""
         self.calls += 1
-        if self.health is Health.UP:
+        if self.health in (Health.UP, Health.REFUSES_VALUES):
             return False
         if self.health is Health.REFUSED:
             raise MlflowException("API request failed: ConnectionError: [Errno 111] Connection refused")

@@ -32,6 +32,7 @@ class Cursor:
     models: dict[str, str] = field(default_factory=dict)
     refused: int = 0
     undescribed: bool = False  # the run is ours to describe, and its description is not delivered yet
+    ended: str | None = None  # the status the run was ended with: a delivery after that one ends nothing
 
     @classmethod
     def load(cls, directory: Path) -> Cursor:

@@ -171,12 +171,16 @@ class JournalDelivery:
                     if outcome > 0 and self._wake.wait(outcome):
                         self._wake.clear()  # finish() woke us: a pause ends, the deadline counts
             finally:
-                self._tail.close()
+                self.close()
         if outcome is Delivered.ALL:
             self._remove()
         else:
             self.say_left()
         return outcome
+
+    def close(self) -> None:
+        """Let go of the journal's files (``run`` does, at its end)."""
+        self._tail.close()
 
     def step(self) -> float | Delivered:
         """One move: read what is new, then send the next call that is due. How long to wait before

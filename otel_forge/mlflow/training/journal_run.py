@@ -50,8 +50,12 @@ class JournalRun:
         self._client: Any = None
         self.open_run: OpenRun | None = None
         self.told_end: RunEnd | None = None  # the end its writer could not journal, told by other means
-        self.ended: str | None = None  # the status the run was ended with
         self._warnings = RateLimitedLogger(_logger)
+
+    @property
+    def ended(self) -> str | None:
+        """The status the run was ended with, by this delivery or an earlier one of the journal."""
+        return self._cursor.ended
 
     @property
     def experiment(self) -> str | None:
@@ -125,7 +129,8 @@ class JournalRun:
         end_run(
             run.client, run.run_id, run.experiment_id, status, node, environ=plan.get("attempt_environ"), worker=worker
         )
-        self.ended = status
+        self._cursor.ended = status
+        self._save()
         if status == "FINISHED" and not plan.get("launched"):
             _warn_runs_elsewhere(run)
 
