@@ -80,11 +80,12 @@ class JournalWriter:
             data = frame(offset, payload)
             self._end = offset + len(data)
             self._writing += 1
-            gaps, self._gaps = self._gaps, []
+            gaps = self._take_gaps() if self._gaps else None
         finally:
             self._lock.release()
         try:
-            self._fill(self._fd, gaps)
+            if gaps:
+                self._fill(self._fd, gaps)
             _write_at(self._fd, data, offset)
         except OSError:
             self._give_back(offset, len(data), len(payload))
@@ -94,6 +95,10 @@ class JournalWriter:
                 self._writing -= 1
                 if self._refusal is not None and not self._writing:
                     self._idle.notify_all()
+
+    def _take_gaps(self) -> list[tuple[int, int]]:
+        gaps, self._gaps = self._gaps, []
+        return gaps
 
     def _fill(self, fd: int, gaps: list[tuple[int, int]]) -> None:
         """Write a gap record over each failed range; those that fail again are kept for the next append."""
@@ -140,7 +145,7 @@ class JournalWriter:
                 return
             self._refusal = self._refusal or f"{self._path}: the journal writer is closed"
             self._idle.wait_for(lambda: not self._writing)
-            gaps, self._gaps = self._gaps, []
+            gaps = self._take_gaps()
             fd, self._fd = self._fd, -1
         with contextlib.suppress(OSError):
             self._fill(fd, gaps)  # the last chance: a final read skips what is left

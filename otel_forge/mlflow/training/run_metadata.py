@@ -54,6 +54,7 @@ CONFIG_VALUE_MAX_CHARS = 64 * 1024
 LAUNCH_CONFIG_MAX_BYTES = 4 * 1024 * 1024
 LAUNCH_CONFIG_MAX_VALUES = 100_000  # YAML aliases expanded
 LAUNCH_CONFIG_SUFFIXES = (".toml", ".yaml", ".yml", ".json")  # the first three also without a config option
+_CUT_MARKER = re.compile(r"\.\.\.\[(\d+) more characters\]$")  # what cut_with_marker ends a cut text with
 _GIT_TIMEOUT_S = 10.0
 _GIT_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
@@ -123,14 +124,18 @@ def redact(data: Any, secret: SecretKeys, max_chars: int = CONFIG_VALUE_MAX_CHAR
 
 def cut_with_marker(text: str, max_chars: int) -> str:
     """``text``, or where it is longer than ``max_chars``, its start and a marker saying how much is
-    missing, in ``max_chars`` characters at most."""
+    missing, in ``max_chars`` characters at most (a marker it ends with already is counted in)."""
     if len(text) <= max_chars:
         return text
-    longest = f"...[{len(text)} more characters]"  # the marker is never longer than this one
+    missing_before = 0
+    if (marker := _CUT_MARKER.search(text)) is not None:
+        text, missing_before = text[: marker.start()], int(marker.group(1))
+    whole = len(text) + missing_before
+    longest = f"...[{whole} more characters]"  # the marker is never longer than this one
     if len(longest) >= max_chars:
         return text[:max_chars]  # no room for a marker
     kept = max_chars - len(longest)
-    return f"{text[:kept]}...[{len(text) - kept} more characters]"
+    return f"{text[:kept]}...[{whole - kept} more characters]"
 
 
 def _secret_flag(item: Any, secret: SecretKeys) -> bool:
