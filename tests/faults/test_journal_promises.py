@@ -5,7 +5,6 @@ what the user is told is true."""
 
 from __future__ import annotations
 
-import contextlib
 import select
 import subprocess
 import sys
@@ -434,89 +433,3 @@ def test_a_server_that_refuses_connections_costs_the_job_no_more_than_a_moment(t
     late_s = time.monotonic() - began - 2.0
     assert wrapped.returncode == 0, wrapped.stderr[-2000:]
     assert late_s < 6.0, f"otel-forge run exited {late_s:.1f} s after its command"  # its own start included
-
-
-# Logs STEPS steps of WIDTH values at RATE steps a second (5,000 values a second at 50 x 100),
-# printing each step once logged; the test kills it, its companion, or both, at random moments.
-KILLED_AT_RANDOM = """
-import time
-from otel_forge import TrainingRun
-run = TrainingRun(tracking_uri={uri!r}, experiment={experiment!r}, system_metrics=False)
-run.__enter__()
-for step in range(100_000):
-    run.log({{f"v{{i}}": step + i / 1000 for i in range({width})}}, step=step)
-    print(step, flush=True)
-    time.sleep(1 / {rate})
-"""
-SEEDS = 20
-
-
-def test_sigkill_at_random_moments_of_the_training_process_and_its_companion_loses_nothing(
-    mlflow_server, client, tmp_path
-):
-    """20 jobs at once, each killed at its own random moment (seeded): the training process alone,
-    or its companion first (a new one takes over) then the training process, or the training
-    process then its companion before it delivered everything (`otel-forge replay --all` finds the
-    journal). Every step each job printed is in its run exactly once, and every run ends KILLED."""
-    import random
-
-    import psutil
-
-    jobs = []
-    for seed in range(SEEDS):
-        experiment, spool = unique(f"random-kill-{seed}"), tmp_path / f"spool-{seed}"
-        code = KILLED_AT_RANDOM.format(uri=mlflow_server.uri, experiment=experiment, width=WIDTH, rate=50)
-        process = popen_script(textwrap.dedent(code), env={"OTEL_FORGE_SPOOL_DIR": str(spool)})
-        jobs.append((random.Random(seed), experiment, spool, process))
-    began = time.monotonic()
-    plans = [
-        (rng.uniform(1.0, 6.0), rng.choice(["training", "companion-first", "companion-after"])) for rng, *_ in jobs
-    ]
-    logged = {}
-    for (rng, experiment, _, process), (kill_at_s, how) in sorted(zip(jobs, plans, strict=True), key=lambda j: j[1][0]):
-        time.sleep(max(kill_at_s - (time.monotonic() - began), 0))
-        companions = [c for c in psutil.Process(process.pid).children() if "companion" in " ".join(c.cmdline())]
-        if how == "companion-first" and companions:
-            companions[0].kill()
-            time.sleep(rng.uniform(0.2, 1.0))
-        process.kill()
-        if how == "companion-after":
-            time.sleep(rng.uniform(0.0, 0.3))
-            for companion in companions:
-                with contextlib.suppress(psutil.Error):
-                    companion.kill()
-        out = process.communicate(timeout=30)[0]
-        logged[experiment] = max((int(line) for line in out.split() if line.isdigit()), default=-1)
-    for _, _, spool, _ in jobs:
-        _wait_quiet(spool)
-        replay = subprocess.run(
-            [str(Path(sys.executable).with_name("otel-forge")), "replay", "--all"],
-            capture_output=True, text=True, timeout=300, env=_environ(spool),
-        )  # fmt: skip
-        assert replay.returncode == 0 and "Traceback" not in replay.stderr, replay.stderr[-2000:]
-    for (_, experiment, _, _), (kill_at_s, how) in zip(jobs, plans, strict=True):
-        run = _the_run(client, experiment)
-        assert run.info.status == "KILLED", (experiment, how)
-        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "v0"))
-        assert steps[: logged[experiment] + 1] == list(range(logged[experiment] + 1)), (how, kill_at_s)
-        assert len(steps) == len(set(steps)), (how, kill_at_s)
-
-
-def _wait_quiet(spool: Path) -> None:
-    """Until no process delivers a journal in ``spool`` (a companion may still be at it)."""
-    import psutil
-
-    def quiet() -> bool:
-        return not any(
-            "companion" in " ".join(p.info["cmdline"] or [])
-            and str(spool) in (p.info["environ"] or {}).get("OTEL_FORGE_SPOOL_DIR", "")
-            for p in psutil.process_iter(["cmdline", "environ"])
-        )
-
-    wait_for(quiet, 120, 0.5, message=f"the companions of {spool} done")
-
-
-def _environ(spool: Path) -> dict[str, str]:
-    from testkit.hermetic import hermetic_environ
-
-    return hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(spool)})
