@@ -97,8 +97,8 @@ def _spools(config: ForgeConfig) -> list[dict[str, Any]]:
     counts the metric values not delivered yet and says whether the run still has to be ended."""
     from otel_forge.mlflow.spool_files import HEADER, STATS, spool_root, writer_alive
     from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+    from otel_forge.mlflow.training.journal_cursor import undelivered
     from otel_forge.mlflow.training.run_journal import KIND as JOURNAL
-    from otel_forge.mlflow.training.run_journal import undelivered
 
     root = spool_root(config.spool_dir)
     found = []

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_forge.config import MLFLOW_CLIENT_DEFAULTS
-from otel_forge.mlflow.server_probe import RETRY_AFTER_STATUSES, ServerRefused, retry_after_s
+from otel_forge.mlflow.server_probe import RETRY_AFTER_STATUSES, ServerRefused, insecure_tls, retry_after_s
 from otel_forge.mlflow.worker import Outcome
 from otel_forge.scrub import scrub
 
@@ -262,8 +262,7 @@ def _insecure_tls_notice(tracking_uri: str | None) -> None:
     """Under ``MLFLOW_TRACKING_INSECURE_TLS`` an HTTPS server's certificate is not checked: said once
     per process, in place of the warning urllib3 gives on every call."""
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").strip().lower() in ("true", "1")  # as MLflow reads it
-    if insecure and uri.lower().startswith("https:"):
+    if insecure_tls() and uri.lower().startswith("https:"):
         _tell_insecure_tls()
 
 

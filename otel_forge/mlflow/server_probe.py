@@ -101,9 +101,12 @@ def _behind_a_proxy(host: str) -> bool:
     return bool(urllib.request.getproxies()) and not urllib.request.proxy_bypass(host)
 
 
+def insecure_tls() -> bool:
+    """``MLFLOW_TRACKING_INSECURE_TLS`` is set, as MLflow reads it: certificates are not checked."""
+    return os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").strip().lower() in ("true", "1")
+
+
 def _verify() -> bool | str:
     """Certificate checking as MLflow's client does it (``MLFLOW_TRACKING_INSECURE_TLS``,
     ``MLFLOW_TRACKING_SERVER_CERT_PATH``)."""
-    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").strip().lower() in ("true", "1"):
-        return False
-    return os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
+    return False if insecure_tls() else os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True

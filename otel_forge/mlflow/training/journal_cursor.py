@@ -1,5 +1,6 @@
 """``Cursor``: how far a journal's delivery has got, kept beside the journal (``delivered.json``) after
-every call, so that a delivery that starts again (a new companion, a replay) sends nothing twice."""
+every call, so that a delivery that starts again (a new companion, a replay) sends nothing twice; and
+what the journal holds past it (``undelivered``)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otel_forge.journal import JournalReader
 from otel_forge.mlflow.spool_files import write_atomically
-from otel_forge.mlflow.training.run_journal import CURSOR_FILE
+from otel_forge.mlflow.training.run_journal import CURSOR_FILE, END, JOURNAL_FILE, METRICS, OPENED, decode
 
 _logger = logging.getLogger(__name__)
 
 _DESCRIBED_POLL_S = 0.02  # how often a TrainingRun looks whether its description is in
+_COUNT_RECORDS = 10_000  # records a count reads at once
 
 
 @dataclass
@@ -62,3 +65,35 @@ def _described(directory: Path) -> bool:
         return True
     cursor = Cursor.load(directory)
     return cursor.run is not None and not cursor.undescribed
+
+
+@dataclass(frozen=True)
+class Undelivered:
+    """What a journal holds past its delivery's cursor: metric values, the run's end, and its run."""
+
+    values: int
+    end: str | None  # the status it was ended with, where the journal has its end
+    run_id: str | None = None  # the run it is delivered into, where one is known (opened, or found by its delivery)
+
+
+def undelivered(directory: Path, offset: int | None = None) -> Undelivered:
+    """What the journal in ``directory`` holds from ``offset`` on (default: its delivery's cursor)."""
+    cursor = Cursor.load(directory)
+    run_id = (cursor.run or cursor.opened or {}).get("run_id")
+    values, end = 0, None
+    with JournalReader(directory / JOURNAL_FILE, cursor.offset if offset is None else offset) as reader:
+        while records := reader.read(final=True, limit=_COUNT_RECORDS):  # memory bounded, whatever the journal's size
+            for payload, _ in records:
+                entry = decode(payload) or [""]
+                if entry[0] == METRICS:
+                    values += len(entry[3])
+                elif entry[0] == END:
+                    end = entry[1]
+                elif entry[0] == OPENED and isinstance(entry[1], dict):
+                    run_id = entry[1].get("run_id", run_id)
+    return Undelivered(values, end, run_id)
+
+
+def registered_models(directory: Path) -> dict[int, str]:
+    """The checkpoints the journal's delivery has registered so far: step -> model id."""
+    return {int(step): model_id for step, model_id in Cursor.load(directory).models.items()}

@@ -38,7 +38,7 @@ from otel_forge.mlflow.client import (
 )
 from otel_forge.mlflow.spool_files import SpoolBusy, claim, kept_notice_level
 from otel_forge.mlflow.training.delivery_world import REAL_WORLD, DeliveryWorld
-from otel_forge.mlflow.training.journal_cursor import Cursor, wait_described
+from otel_forge.mlflow.training.journal_cursor import Cursor, undelivered, wait_described
 from otel_forge.mlflow.training.journal_run import JournalRun, RunNotOpenYet
 from otel_forge.mlflow.training.journal_tail import MARK, ROWS, Item, JournalTail
 from otel_forge.mlflow.training.run_journal import (
@@ -46,7 +46,6 @@ from otel_forge.mlflow.training.run_journal import (
     METRICS,
     RunEnd,
     read_header,
-    undelivered,
 )
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.worker import Backoff, Outcome

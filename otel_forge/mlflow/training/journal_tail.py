@@ -56,13 +56,12 @@ class Item:
 
 @dataclass
 class Control:
-    """The control entries read so far (the latest of each); ``ended``: the writer's end entry was read."""
+    """The control entries read so far (the latest of each)."""
 
     plan: dict[str, Any] | None = None
     describe: dict[str, Any] | None = None
     opened: dict[str, Any] | None = None
     disabled: bool = False
-    ended: bool = False
 
 
 class JournalTail:
@@ -130,9 +129,9 @@ class JournalTail:
                 return
 
     def _note(self, entry: list[Any] | None) -> None:
-        kind = entry[0] if entry else None
-        if entry is None:
+        if not entry:
             return
+        kind = entry[0]
         if kind == PLAN:
             self.control.plan = dict(entry[1])
         elif kind == DESCRIBE:
@@ -142,7 +141,6 @@ class JournalTail:
         elif kind == DISABLED:
             self.control.disabled = True
         elif kind == END:
-            self.control.ended = True
             self._mark_writer_done()
 
     def _mark_writer_done(self) -> None:

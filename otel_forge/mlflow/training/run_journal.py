@@ -42,7 +42,6 @@ CURSOR_FILE = "delivered.json"
 PLAN, DESCRIBE, OPENED, METRICS, RECORD, CHECKPOINT, END = "plan", "describe", "opened", "m", "rec", "ckpt", "end"
 DISABLED = "disabled"  # the run is not to be opened (a mistyped run id): nothing is delivered
 
-_COUNT_RECORDS = 10_000  # records a count reads at once
 _END_WAIT_S = 1.0  # for the lock of an append in flight: another thread's ends within it
 _encode = json.JSONEncoder(separators=(",", ":")).encode  # NaN stays NaN: a diverged loss is worth seeing
 
@@ -160,49 +159,3 @@ def is_journal(path: Path) -> bool:
 
 def read_header(path: Path) -> dict[str, Any]:
     return dict(json.loads((path / HEADER).read_text()))
-
-
-@dataclass(frozen=True)
-class Undelivered:
-    """What a journal holds past its delivery's cursor: metric values, the run's end, and its run."""
-
-    values: int
-    end: str | None  # the status it was ended with, where the journal has its end
-    run_id: str | None = None  # the run it is delivered into, where one is known (opened, or found by its delivery)
-
-
-def undelivered(directory: Path, offset: int | None = None) -> Undelivered:
-    """What the journal in ``directory`` holds from ``offset`` on (default: its delivery's cursor)."""
-    from otel_forge.journal import JournalReader
-
-    cursor = _cursor(directory)
-    run = cursor.get("run") or cursor.get("opened") or {}
-    run_id = run.get("run_id") if isinstance(run, dict) else None
-    if offset is None:
-        offset = cursor.get("offset", 0) if isinstance(cursor.get("offset"), int) else 0
-    values, end = 0, None
-    with JournalReader(directory / JOURNAL_FILE, offset) as reader:
-        while records := reader.read(final=True, limit=_COUNT_RECORDS):  # memory bounded, whatever the journal's size
-            for payload, _ in records:
-                entry = decode(payload) or [""]
-                if entry[0] == METRICS:
-                    values += len(entry[3])
-                elif entry[0] == END:
-                    end = entry[1]
-                elif entry[0] == OPENED and isinstance(entry[1], dict):
-                    run_id = entry[1].get("run_id", run_id)
-    return Undelivered(values, end, run_id)
-
-
-def _cursor(directory: Path) -> dict[str, Any]:
-    try:
-        cursor = json.loads((directory / CURSOR_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return cursor if isinstance(cursor, dict) else {}
-
-
-def registered_models(directory: Path) -> dict[int, str]:
-    """The checkpoints the journal's delivery has registered so far: step -> model id."""
-    models = _cursor(directory).get("models")
-    return {int(step): model_id for step, model_id in models.items()} if isinstance(models, dict) else {}

@@ -172,14 +172,18 @@ class RunOpener:
         (refused, timed out, 5xx, 429, a refused credential) is retried with backoff until it does
         or the run is closed: the job outlives the server, and the journal keeps what it logs."""
         pause_s = _FIRST_OPEN_RETRY_S
-        self._refused_now()  # told before the description is made (it imports MLflow: a second or more)
+        # Told before the description is made (it imports MLflow: a second or more); the first
+        # attempt goes on from this look, the later ones look again.
+        connects = not self._refused_now()
         for prepare in self.before_open:
             prepare()
         finder = self._finder()
         while True:
             try:
                 # A server that takes no connection is told at once, not after MLflow's own retries.
-                check_connects(self.plan.tracking_uri)
+                if not connects:
+                    check_connects(self.plan.tracking_uri)
+                connects = False
                 client = make_client(self.plan.tracking_uri)
                 self._asking.set()
                 run = finder.open(client)

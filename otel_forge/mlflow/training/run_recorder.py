@@ -11,8 +11,9 @@ from typing import Any
 
 from otel_forge.mlflow.keys import key_segment
 from otel_forge.mlflow.spool_files import spool_root
+from otel_forge.mlflow.training.journal_cursor import registered_models
 from otel_forge.mlflow.training.run_description import RunDescription
-from otel_forge.mlflow.training.run_journal import Record, RunJournal, registered_models
+from otel_forge.mlflow.training.run_journal import Record, RunJournal
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import RunPlan
 from otel_forge.scrub import error_line, uri_without_credentials
