@@ -249,9 +249,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
 # --- evaluation -----------------------------------------------------------------------------------------
 
 
-def _query(stack: Stack, expr: str, instant: bool) -> list[dict[str, Any]]:
-    """The result of ``expr`` as Grafana asks for it: instant at now, or over the last 30 s."""
-    now = time.time()
+def _query(stack: Stack, expr: str, instant: bool, now: float) -> list[dict[str, Any]]:
+    """The result of ``expr`` as Grafana asks for it: instant at ``now``, or over the 30 s before."""
     if instant:
         path, params = "query", {"query": expr, "time": f"{now:.3f}"}
     else:
@@ -297,9 +296,10 @@ class Outcome:
 
 def evaluate(stack: Stack, dashboard: Mapping[str, Any], values: Mapping[str, Any]) -> list[Outcome]:
     outcomes = []
+    now = time.time()  # one refresh of the dashboard: every panel at the same instant, as Grafana asks
     for target in targets(dashboard):
         expr = interpolate(target.expr, dashboard, values)
-        outcomes.append(Outcome(target, expr, _query(stack, expr, target.instant)))
+        outcomes.append(Outcome(target, expr, _query(stack, expr, target.instant, now)))
     return outcomes
 
 
@@ -477,7 +477,7 @@ def test_run_dashboard_every_panel_has_data_for_the_run(stack: Stack, job: str) 
     # The run's start and end: one annotation region per run while its agents serve it.
     (annotation,) = annotation_queries(dashboard)
     values = _values("otel-forge-run.json", stack, job)
-    result = _query(stack, interpolate(annotation["expr"], dashboard, values), instant=False)
+    result = _query(stack, interpolate(annotation["expr"], dashboard, values), instant=False, now=time.time())
     assert [series["metric"]["mlflow_run_id"] for series in result] == [stack.run_id]
     assert all(float(value) >= 1 for _, value in result[0]["values"])  # Grafana: >= 1 is "active"
 

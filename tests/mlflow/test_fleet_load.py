@@ -14,6 +14,7 @@ import otel_forge
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow import MLflowMetricExporter
 from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
+from otel_forge.mlflow.worker import Backoff
 from testkit.proxy import GET_RUN, LOG_BATCH, Mode
 from testkit.servers import wait_for
 
@@ -33,7 +34,7 @@ def test_an_overloaded_server_answering_400_queue_pool_loses_no_window(client, e
         node_id="node_0",
         config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)),
     )
-    exporter.worker._backoff = (0.05, 0.2)
+    exporter.worker._backoff = Backoff(0.05, 0.2)  # the overload's retries within the test's seconds
     proxy.set_mode(Mode.OVERLOAD_400)
     for value in range(20):
         exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, value / 100)])))
