@@ -13,6 +13,7 @@ from pathlib import Path
 
 from otel_forge.config import LAUNCHED_RUN_ENV, SCRIPT_OPENS, env_name
 from otel_forge.mlflow.training.launched_run import LaunchedRun
+from otel_forge.mlflow.training.run_source import RunOrigin, RunSource
 from otel_forge.mlflow.training.script_run import PublishedRun, ScriptRun
 
 
@@ -74,7 +75,7 @@ def test_mlflow_imported_by_a_process_of_the_command_is_seen(tmp_path) -> None:
 
 
 def test_the_launched_marker_hands_the_command_the_job_key_and_directory_and_no_run() -> None:
-    handed = LaunchedRun(run_id=None, job_key="k", script_opens=True, directory="/tmp/job")
+    handed = LaunchedRun(RunSource(RunOrigin.SCRIPT), job_key="k", directory="/tmp/job")
     environ = handed.environ()
     assert environ[LAUNCHED_RUN_ENV] == SCRIPT_OPENS and env_name("run_id") not in environ
     assert environ[env_name("spool_dir")] == "/tmp/job"

@@ -51,6 +51,7 @@ from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.spool_files import kept_notice_level, remove_if_empty, spool_root, told_spool
 from otel_forge.mlflow.training.launched_run import LaunchedRun
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT
+from otel_forge.mlflow.training.run_source import RunOrigin, RunSource
 from otel_forge.mlflow.training.worker_ends import take_failed_worker
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import scrub, uri_without_credentials
@@ -329,11 +330,10 @@ def _cmd_environ(
         env.pop(env_name("run_id"), None)
     if script is not None:
         handed = LaunchedRun(
-            run_id=None,
+            RunSource(RunOrigin.SCRIPT),
             tracking_uri=training_run.tracking_uri,
             job_key=script.key,
             sampled_node=node.sampling_key,
-            script_opens=True,
             directory=str(script.directory),
         )
         training_run.on_open.append(lambda: _announce(training_run, sampling))
@@ -373,12 +373,11 @@ def _launched_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
     is sampled by this process or its sibling task's otel-forge."""
     entry = training_run.tracking_entry() or {}
     return LaunchedRun(
-        run_id=training_run.run_id,
+        RunSource(RunOrigin.LAUNCHER, training_run.run_id, adds_description=training_run.described),
         tracking_uri=training_run.tracking_uri,
         experiment_id=training_run.experiment_id,
         experiment=entry.get("experiment"),
         sampled_node=node.sampling_key,
-        described=training_run.described,
     )
 
 
@@ -461,7 +460,7 @@ def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
     exists; they land in its experiment); with one, CMD's first run resumes it as under an open run.
     """
     if (run_id := training_run.requested_run_id) is not None:
-        return LaunchedRun(run_id=run_id, tracking_uri=training_run.tracking_uri)
+        return LaunchedRun(RunSource(RunOrigin.LAUNCHER, run_id), tracking_uri=training_run.tracking_uri)
     key = training_run.node.job_key
     if key is None:
         key = f"otel-forge-{uuid.uuid4().hex}"
@@ -474,7 +473,7 @@ def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
         waits_for,
     )
     return LaunchedRun(
-        run_id=None,
+        RunSource(RunOrigin.LAUNCHER),
         tracking_uri=training_run.tracking_uri,
         experiment=training_run.experiment,
         job_key=key,

@@ -5,23 +5,23 @@ from __future__ import annotations
 
 from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id, make_process_run
 from otel_forge.mlflow.training.run_description import script_stem, source_name
+from otel_forge.mlflow.training.run_source import RunOrigin, RunSource
 
 
 def test_an_open_run_is_handed_as_mlflow_run_id_with_its_experiment_and_read_back_whole() -> None:
     handed = LaunchedRun(
-        run_id="r1",
+        RunSource(RunOrigin.LAUNCHER, "r1", adds_description=True),
         tracking_uri="http://127.0.0.1:5000",
         experiment_id="7",
         experiment="llm",
         sampled_node="host/node_0",
-        described=True,
     )
     env = handed.environ()
     # MLflow resumes MLFLOW_RUN_ID at the command's first start_run; HF sets the experiment first.
     assert env["MLFLOW_RUN_ID"] == "r1" and env["MLFLOW_EXPERIMENT_NAME"] == "llm"
     assert env["MLFLOW_EXPERIMENT_ID"] == "7"
     read = LaunchedRun.from_environ(env)
-    assert read is not None
+    assert read is not None and read.source == handed.source
     assert (read.run_id, read.tracking_uri, read.experiment_id, read.sampled_node, read.described) == (
         "r1",
         "http://127.0.0.1:5000",
@@ -35,7 +35,9 @@ def test_an_open_run_is_handed_as_mlflow_run_id_with_its_experiment_and_read_bac
 
 
 def test_a_pending_run_is_found_by_job_key_and_has_no_run_id() -> None:
-    env = LaunchedRun(run_id=None, experiment="llm", job_key="slurm-12.0", sampled_node="h/").environ()
+    env = LaunchedRun(
+        RunSource(RunOrigin.LAUNCHER), experiment="llm", job_key="slurm-12.0", sampled_node="h/"
+    ).environ()
     assert "MLFLOW_RUN_ID" not in env and env["OTEL_FORGE_JOB_ID"] == "slurm-12.0"
     read = LaunchedRun.from_environ(env)
     assert read is not None and read.pending and launched_run_id(env) is None

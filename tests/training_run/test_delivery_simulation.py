@@ -31,6 +31,7 @@ from otel_forge.journal import writer as journal_writer
 from otel_forge.mlflow.training.journal_delivery import Delivered, DeliveryPace, DeliveryWorld, JournalDelivery
 from otel_forge.mlflow.training.run_journal import JOURNAL_FILE, RunEnd, RunJournal
 from otel_forge.mlflow.training.run_metadata import REJECTED_TAG
+from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.node import NodeIdentity
 
 EXAMPLES = int(os.environ.get("SIMULATION_EXAMPLES", "200"))
@@ -212,9 +213,9 @@ class DeliverySimulation(RuleBasedStateMachine):
 def _plan(run_id: str) -> dict:
     node = NodeIdentity(None, None, None, None, None, None, "sim-host")
     return {
-        "tracking_uri": "sim://server", "experiment": EXPERIMENT, "experiment_id": EXPERIMENT_ID, "run_id": run_id,
-        "run_name": None, "named": None, "tags": {}, "node": dataclasses.asdict(node), "launched": False,
-        "create_if_missing": False, "launcher_opens": False, "attempt_environ": {},
+        "tracking_uri": "sim://server", "experiment": EXPERIMENT, "experiment_id": EXPERIMENT_ID,
+        "source": RunSource.given(run_id).entry(), "run_name": None, "named": None, "tags": {},
+        "node": dataclasses.asdict(node), "attempt_environ": {},
     }  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from otel_forge.mlflow.training.rendezvous import (
 )
 from otel_forge.mlflow.training.run_metadata import DESCRIBED_TAG
 from otel_forge.mlflow.training.run_owner import OpenRun
+from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.training.script_run import ScriptRun
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import error_line, uri_without_credentials
@@ -42,11 +43,8 @@ class JobRunRequest:
     tracking_uri: str
     experiment: str  # name, or id (all digits)
     experiment_id: str | None  # given (MLFLOW_EXPERIMENT_ID): a process that never reads the run says it so
-    run_id: str | None  # asked for: explicit, MLFLOW_RUN_ID, the run `otel-forge run` opened
+    source: RunSource
     run_name: str | None
-    launched: bool  # run_id is the run `otel-forge run` opened for this attempt: not a new attempt
-    launcher_opens: bool  # `otel-forge run` is still opening the run: find it, never make one
-    create_if_missing: bool  # a run_id that names no run: a new run rather than an error
     samples_node: bool  # this process samples its node into the run: say so when none can be found
     late_after_s: float  # when a process waiting for rank 0's run says it still waits
     # Another process of the job claimed the run where the script names the experiment: its
@@ -79,13 +77,14 @@ class JobRunFinder:
     def open(self, client: Any) -> OpenRun | None:
         """The job's run (explicit id > job key > new); None when none can be found."""
         r, node = self.request, self._node()
+        run_id = r.source.run_id
         if r.adopts is not None and (adopted := self._adopt(client, r.adopts, node.is_global_zero)) is not None:
             return adopted
-        if not node.is_global_zero or r.launcher_opens:
-            if r.run_id:
-                return OpenRun(r.run_id, None, r.experiment_id, r.experiment, True, None, client)
+        if not node.is_global_zero or r.source.launcher_opens:
+            if run_id:
+                return OpenRun(run_id, None, r.experiment_id, r.experiment, True, None, client)
             return self._wait_for_job_run(client, node)
-        run = self._resume(client, r.run_id) if r.run_id else None
+        run = self._resume(client, run_id) if run_id else None
         if run is not None:
             return run
         # No run id (or its run is gone): the job key's run, else a new one carrying the key.
@@ -158,7 +157,7 @@ class JobRunFinder:
             if not run_gone(error):
                 # Transient (server down, 5xx, timeout): a new run would fork the history.
                 raise
-            if not isinstance(error, RunGone) and not self.request.create_if_missing:
+            if not isinstance(error, RunGone) and not self.request.source.create_if_missing:
                 # Never existed: a mistyped id, not a run to replace.
                 raise MissingRun(
                     f"run {run_id} does not exist at {uri_without_credentials(self.request.tracking_uri)}; "
@@ -166,7 +165,7 @@ class JobRunFinder:
                 ) from None
             _logger.warning("MLflow run %s is gone (%s); starting a new run", run_id, error_line(error))
             return None
-        if not self.request.launched:
+        if not self.request.source.launched:
             begin_attempt(client, run)
         training_steps = [
             m.step

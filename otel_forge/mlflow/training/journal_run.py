@@ -17,6 +17,7 @@ from otel_forge.mlflow.training.journal_cursor import Cursor
 from otel_forge.mlflow.training.journal_tail import ROWS, Item, MetricRow
 from otel_forge.mlflow.training.run_journal import CHECKPOINT, END, RECORD, Record, RunEnd
 from otel_forge.mlflow.training.run_owner import OpenRun
+from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.worker import Outcome
 from otel_forge.node import NodeIdentity, torchrun_attempt
 from otel_forge.ratelimit import RateLimitedLogger
@@ -131,14 +132,18 @@ class JournalRun:
         )
         self._cursor.ended = status
         self._save()
-        if status == "FINISHED" and not plan.get("launched"):
+        if status == "FINISHED" and not self.source.launched:
             _warn_runs_elsewhere(run)
+
+    @property
+    def source(self) -> RunSource:
+        """Where the journal's run comes from, as its plan says."""
+        return RunSource.from_plan(self._cursor.plan)
 
     def ending_is_ours(self) -> bool:
         """A journal whose writer died without closing: its run ends here, unless its launcher
         (``otel-forge run``) ends it from the command's exit."""
-        plan = self._cursor.plan
-        return bool(plan) and not plan.get("launched") and not plan.get("launcher_opens")
+        return bool(self._cursor.plan) and self.source.ends_run
 
     def _find(self, writer_done: bool) -> OpenRun:
         known = self._cursor.opened or self._cursor.run
@@ -182,11 +187,8 @@ class JournalRun:
             tracking_uri=self.uri or "",
             experiment=plan["experiment"],
             experiment_id=plan.get("experiment_id"),
-            run_id=plan.get("run_id"),
+            source=self.source,
             run_name=plan.get("run_name"),
-            launched=bool(plan.get("launched")),
-            launcher_opens=bool(plan.get("launcher_opens")),
-            create_if_missing=bool(plan.get("create_if_missing")),
             samples_node=False,
             late_after_s=60.0,
         )
@@ -196,7 +198,7 @@ class JournalRun:
         run = finder.open(self._client)
         if run is None:
             raise RunNotOpenYet()
-        described = run.described or (run.resumed and plan.get("launched", False))
+        described = run.described or (run.resumed and self.source.launched)
         return {
             "run_id": run.run_id,
             "run_name": run.run_name,

@@ -23,31 +23,40 @@ from otel_forge.config import (
     env_name,
 )
 from otel_forge.mlflow.fluent_runs import fluent_run_id
+from otel_forge.mlflow.training.run_source import RunOrigin, RunSource
 
 
 @dataclass(frozen=True)
 class LaunchedRun:
-    """The job's run as a parent process hands it to its command.
+    """The job's run as a parent process hands it to its command: its ``source`` (LAUNCHER with the
+    run's id, LAUNCHER without one while the launcher is still opening it: the command finds it by
+    ``job_key`` in ``experiment``; or SCRIPT: nothing outside the command named the experiment, so
+    the command's first run is the job's), and where it is."""
 
-    ``run_id`` None: the launcher is still opening it (the tracking server was late); the command
-    finds it by ``job_key`` in ``experiment`` once it opens. ``script_opens``: nothing outside the
-    command named the experiment, so the command's first run is the job's (``script_run``).
-    """
-
-    run_id: str | None
+    source: RunSource
     tracking_uri: str | None = None
     experiment_id: str | None = None
     experiment: str | None = None  # by name (or an id, while none is known yet)
     job_key: str | None = None
     sampled_node: str | None = None  # NodeIdentity.sampling_key of the node the launcher samples
-    described: bool = False  # the launcher recorded config, git and command just now
-    script_opens: bool = False
     directory: str | None = None  # where the job's processes share files: the launcher's job directory
 
     @property
+    def run_id(self) -> str | None:
+        return self.source.run_id
+
+    @property
     def pending(self) -> bool:
-        """The launcher is opening the run: the command finds it by key."""
-        return self.run_id is None and not self.script_opens
+        return self.source.launcher_opens
+
+    @property
+    def script_opens(self) -> bool:
+        return self.source.origin is RunOrigin.SCRIPT
+
+    @property
+    def described(self) -> bool:
+        """The launcher recorded config, git and command just now: the command adds its own."""
+        return self.source.adds_description
 
     def environ(self) -> dict[str, str]:
         """The variables the command inherits."""
@@ -81,14 +90,14 @@ class LaunchedRun:
         if not handed:
             return None
         run_id = None if handed in (LAUNCHER_OPENS, SCRIPT_OPENS) else handed
+        origin = RunOrigin.SCRIPT if handed == SCRIPT_OPENS else RunOrigin.LAUNCHER
+        described = run_id is not None and environ.get(DESCRIBE_RUN_ENV) == run_id
         return cls(
-            run_id=run_id,
+            source=RunSource(origin, run_id, adds_description=described),
             tracking_uri=environ.get(env_name("tracking_uri")),
             experiment_id=environ.get(env_name("experiment_id")),
             job_key=environ.get(env_name("job_id")),
             sampled_node=environ.get(SAMPLED_NODE_ENV),
-            described=run_id is not None and environ.get(DESCRIBE_RUN_ENV) == run_id,
-            script_opens=handed == SCRIPT_OPENS,
             directory=environ.get(env_name("spool_dir")),
         )
 

@@ -25,6 +25,7 @@ from otel_forge.mlflow.training.launched_run import make_process_run
 from otel_forge.mlflow.training.outcome import end_run
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
 from otel_forge.mlflow.training.run_plan import RunPlan, is_remote
+from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.training.script_run import ScriptRun
 from otel_forge.mlflow.worker import Outcome
 from otel_forge.ratelimit import RateLimitedLogger
@@ -82,10 +83,11 @@ class RunOpener:
     def begin(self) -> None:
         if self.state is not OpenerState.IDLE:
             return
-        if self.plan.requested_run_id is None and not self.plan.launcher_opens:
+        if self.plan.source.run_id is None and not self.plan.source.launcher_opens:
             # `with mlflow.start_run(): with TrainingRun(): ...`: the script's run is the job's; it ends it.
             self.script_run_id = fluent_run_id()
-            self.plan = self.plan.replace(requested_run_id=self.script_run_id)
+            if self.script_run_id is not None:
+                self.plan = dataclasses.replace(self.plan, source=RunSource.given(self.script_run_id))
         self.state = OpenerState.OPENING
         self._owner = RunOwner("mlflow-run-owner")
         self._future = self._owner.submit(self._open)
@@ -116,17 +118,18 @@ class RunOpener:
 
     def take_rank_zero(self) -> None:
         if self.run is None and self.state is not OpenerState.CLOSED:
-            self.plan = self.plan.replace(node=dataclasses.replace(self.plan.node, rank=0))
+            self.plan = dataclasses.replace(self.plan, node=dataclasses.replace(self.plan.node, rank=0))
             self._wake.set()
 
     def adopt_job_key(self, key: str, source: str) -> None:
-        self.plan = self.plan.replace(node=dataclasses.replace(self.plan.node, job_key=key, job_key_source=source))
+        node = dataclasses.replace(self.plan.node, job_key=key, job_key_source=source)
+        self.plan = dataclasses.replace(self.plan, node=node)
 
     def key_the_run(self, script_run_id: str | None) -> None:
         """A run found by nothing else gets a job key: should it open only after the job (by its
         journal's delivery or a replay), the node's windows find it by the key."""
         plan = self.plan
-        if not (plan.requested_run_id or plan.launcher_opens or plan.node.job_key or script_run_id):
+        if not (plan.source.run_id or plan.source.launcher_opens or plan.node.job_key or script_run_id):
             self.adopt_job_key(f"otel-forge-{uuid.uuid4().hex}", "TrainingRun")
 
     def close(self, timeout_s: float) -> None:
@@ -238,11 +241,8 @@ class RunOpener:
             tracking_uri=plan.tracking_uri,
             experiment=plan.experiment,
             experiment_id=plan.forge_config.experiment_id,
-            run_id=plan.requested_run_id,
+            source=plan.source,
             run_name=plan.run_name,
-            launched=plan.launched,
-            launcher_opens=plan.launcher_opens,
-            create_if_missing=plan.create_if_missing,
             samples_node=plan.system_metrics and plan.node.runs_agent and not plan.node_sampled_by_launcher,
             late_after_s=plan.init_deadline_s,
             adopts=self.adopts,

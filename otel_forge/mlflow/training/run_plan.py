@@ -10,10 +10,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from otel_forge.config import JOURNALS_DELIVERED_BY_ENV, ConfigError, ForgeConfig
 from otel_forge.mlflow.training.launched_run import LaunchedRun
+from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.node import TORCHRUN_MAX_RESTARTS_VAR, TORCHRUN_RESTART_COUNT_VAR, NodeIdentity
 
 _logger = logging.getLogger(__name__)
@@ -41,20 +41,12 @@ class RunPlan:
     tracking_uri: str
     experiment: str  # name, or id (all digits)
     run_name: str | None
-    requested_run_id: str | None  # explicit, MLFLOW_RUN_ID, or the run `otel-forge run` handed us
+    source: RunSource  # where the run comes from
     node: NodeIdentity
     system_metrics: bool
     register_checkpoints: bool
-    create_if_missing: bool
-    launched: bool  # the requested run is the one `otel-forge run` opened for this attempt
-    describe_launched: bool  # ... and it asks us to describe it (it recorded its own config only)
-    launcher_opens: bool  # `otel-forge run` is still opening the run: find it by key, never make one
     node_sampled_by_launcher: bool  # `otel-forge run` samples this node already
     delivered_by_launcher: bool  # `otel-forge run` delivers our journal (it reads its job's directory)
-    # Nothing named the experiment before the script ran (a single-node job): the script's first run,
-    # or this TrainingRun, opens the job's run in the experiment the script names (script_run.py).
-    script_names_experiment: bool
-    experiment_named: bool  # ... and this TrainingRun names it (the argument, MLFLOW_EXPERIMENT_*)
     init_deadline_s: float
     end_deadline_s: float
 
@@ -74,8 +66,7 @@ class RunPlan:
         deadlines: tuple[float, float],
     ) -> RunPlan:
         launched = LaunchedRun.from_environ()
-        handed = launched.run_id if launched is not None else None
-        requested = run_id or forge_config.run_id or handed
+        requested = run_id or forge_config.run_id
         uri = tracking_uri or forge_config.tracking_uri or embedded_tracking_uri()
         node = node or NodeIdentity.from_config(forge_config)
         launchers = forge_config.experiment_name or forge_config.experiment_id
@@ -93,36 +84,31 @@ class RunPlan:
             tracking_uri=uri,
             experiment=_experiment(uri, experiment or forge_config.experiment_name or forge_config.experiment_id),
             run_name=run_name,
-            requested_run_id=requested,
+            source=RunSource.resolve(
+                requested,
+                launched.source if launched is not None else None,
+                named=named,
+                node=node,
+                create_if_missing=create_if_missing,
+            ),
             node=node,
             system_metrics=system_metrics,
             register_checkpoints=register_checkpoints,
-            create_if_missing=create_if_missing,
-            launched=bool(requested) and requested == handed,
-            describe_launched=bool(requested) and requested == handed and launched is not None and launched.described,
-            launcher_opens=not requested and launched is not None and launched.pending,
             node_sampled_by_launcher=launched is not None and launched.sampled_node == node.sampling_key,
             delivered_by_launcher=_launcher_delivers(),
-            script_names_experiment=not requested
-            and (node.node_count or 1) <= 1
-            and (launched.script_opens if launched is not None else not named),
-            experiment_named=named,
             init_deadline_s=deadlines[0],
             end_deadline_s=deadlines[1],
         )
 
-    def replace(self, **changes: Any) -> RunPlan:
-        return dataclasses.replace(self, **changes)
+    @property
+    def requested_run_id(self) -> str | None:
+        """The run asked for by id: explicit, MLFLOW_RUN_ID, the run `otel-forge run` handed us."""
+        return self.source.run_id
 
     @property
     def owns_run(self) -> bool:
         """Global rank 0 creates the run and logs training metrics; other ranks only attach."""
         return self.node.is_global_zero
-
-    @property
-    def waits_for_script(self) -> bool:
-        """The run opens once the script names its experiment (or does not, in time)."""
-        return self.script_names_experiment and not self.experiment_named
 
     @property
     def start_wait_s(self) -> float:
@@ -131,7 +117,7 @@ class RunPlan:
         wait_s = self.forge_config.start_wait_s
         return wait_s if is_remote(self.tracking_uri) else max(wait_s, _LOCAL_STORE_WAIT_S)
 
-    def journal_entry(self, default_run_name: str | None, tags: Mapping[str, str]) -> dict[str, Any]:
+    def journal_entry(self, default_run_name: str | None, tags: Mapping[str, str]) -> dict[str, object]:
         """The plan as the journal keeps it: enough for a delivery to open the run we would have."""
         from otel_forge.scrub import uri_without_credentials
 
@@ -139,14 +125,11 @@ class RunPlan:
             "tracking_uri": uri_without_credentials(self.tracking_uri),
             "experiment": self.experiment,
             "experiment_id": self.forge_config.experiment_id,
-            "run_id": self.requested_run_id,
+            "source": self.source.entry(),
             "run_name": self.run_name or default_run_name,
             "named": self.run_name,  # the name the script gave: the launcher's run takes it, as online
             "tags": dict(tags),
             "node": dataclasses.asdict(self.node),
-            "launched": self.launched,
-            "create_if_missing": self.create_if_missing,
-            "launcher_opens": self.launcher_opens,
             "attempt_environ": {
                 name: os.environ[name]
                 for name in (TORCHRUN_RESTART_COUNT_VAR, TORCHRUN_MAX_RESTARTS_VAR)

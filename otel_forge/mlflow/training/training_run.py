@@ -5,6 +5,7 @@ the training process dies. A facade over one object per role: ``RunPlan`` (what 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ from otel_forge.mlflow.training.run_opener import OpenerState, RunOpener
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT, RunPlan, embedded_tracking_uri
 from otel_forge.mlflow.training.run_recorder import RunRecorder, checkpoint_model_name
+from otel_forge.mlflow.training.run_source import RunOrigin
 from otel_forge.mlflow.training.script_run import LAUNCHER, PublishedRun, ScriptRun, expect, stop_expecting
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
@@ -145,9 +147,10 @@ class TrainingRun:
                 self._opener.before_open.append(lambda: recorder.describe(self.plan))
                 self._opener.on_fail.append(recorder.disabled)
                 self._journal = recorder.journal
-            if self.plan.script_names_experiment and script_run_id is None and (key := self.plan.node.job_key):
+            script_origin = self.plan.source.origin is RunOrigin.SCRIPT
+            if script_origin and script_run_id is None and (key := self.plan.node.job_key):
                 self._script = ScriptRun(spool_root(self.forge_config.spool_dir), key)
-            if self._script is not None and self.plan.waits_for_script and self.plan.owns_run:
+            if self._script is not None and self.plan.source.waits_for_script and self.plan.owns_run:
                 self._wait_for_script(self._script)
             else:
                 self._open(self._script)
@@ -183,9 +186,9 @@ class TrainingRun:
 
     def _opened(self, run: OpenRun) -> None:
         plan = self.plan
-        self.described = plan.owns_run and (plan.describe_launched or not run.described)
+        self.described = plan.owns_run and (plan.source.adds_description or not run.described)
         if self._recorder is not None:
-            self._recorder.opened(run, self.described, plan.run_name if plan.launched else None)
+            self._recorder.opened(run, self.described, plan.run_name if plan.source.launched else None)
         if self._delivery is not None:
             self._delivery.attach(run)
         for callback in self.on_open:
@@ -201,17 +204,22 @@ class TrainingRun:
             return True
         if not script.abandoned():
             return False
-        self._replan(experiment=script.claimed_experiment() or self.plan.experiment)
+        self._replan(dataclasses.replace(self.plan, experiment=script.claimed_experiment() or self.plan.experiment))
         return True
 
     def _adopt(self, script: ScriptRun) -> None:
         """The run another process of the job claimed, where its claim says (a replay opens it there
         too); its maker described it as it saw it, and ours is added, as to a launched run."""
         self._opener.adopts = script
-        self._replan(experiment=script.claimed_experiment() or self.plan.experiment, describe_launched=True)
+        source = dataclasses.replace(self.plan.source, adds_description=True)
+        self._replan(
+            dataclasses.replace(
+                self.plan, experiment=script.claimed_experiment() or self.plan.experiment, source=source
+            )
+        )
 
-    def _replan(self, **changes: Any) -> None:
-        self._opener.plan = self.plan.replace(**changes)
+    def _replan(self, plan: RunPlan) -> None:
+        self._opener.plan = plan
         if self._recorder is not None:
             self._recorder.plan(self.plan)
 
@@ -293,7 +301,7 @@ class TrainingRun:
         one of two writers inserting a param at once, and the loser is the framework's call). Where
         nothing names the experiment, the run opens later, in the experiment the script names
         (``_wait_for_script``): the run a framework opens in the block is the job's."""
-        if self.plan.owns_run and not self.plan.launcher_opens and self.forge_config.start_wait_s > 0:
+        if self.plan.owns_run and not self.plan.source.launcher_opens and self.forge_config.start_wait_s > 0:
             waited_until = time.monotonic() + self.start_wait_s
             if self.start(self.start_wait_s) and self.described and self.journal_directory is not None:
                 wait_described(self.journal_directory, waited_until - time.monotonic())
