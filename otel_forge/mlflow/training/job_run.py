@@ -6,10 +6,9 @@ key. Only global rank 0 makes a run; every other process finds the job's run and
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from otel_forge.mlflow.client import RunGone, live_run, run_gone
 from otel_forge.mlflow.training.outcome import begin_attempt
@@ -23,6 +22,7 @@ from otel_forge.mlflow.training.rendezvous import (
 from otel_forge.mlflow.training.run_metadata import DESCRIBED_TAG
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_source import RunSource
+from otel_forge.mlflow.training.run_state import RunEvent, RunState
 from otel_forge.mlflow.training.script_run import ScriptRun
 from otel_forge.node import NodeIdentity
 from otel_forge.scrub import error_line, uri_without_credentials
@@ -52,26 +52,35 @@ class JobRunRequest:
     adopts: ScriptRun | None = None
 
 
+class OpenWaits(Protocol):
+    """What the thread that opens the run waits on: the run's ``RunStateMachine``."""
+
+    @property
+    def left(self) -> bool:
+        """Closing gave up on the opener: stop waiting, make no new run."""
+
+    def pause(self, seconds: float) -> bool:
+        """Wait ``seconds``; True, and at once, when the opener is left or rank 0 became known."""
+
+    def fire(self, event: RunEvent) -> RunState: ...
+
+
 class JobRunFinder:
-    """Finds or makes the job's run (``open``), on the thread that opens it; ``stopping`` ends a
-    wait for it (closing), ``wake`` also does when this process turns out to hold rank 0; a wait
-    sets ``unanswered`` while the server does not answer its looks."""
+    """Finds or makes the job's run (``open``), on the thread that opens it; a wait for it ends when
+    the run closes or this process turns out to hold rank 0, and tells ``waits`` whether the server
+    answers its looks."""
 
     def __init__(
         self,
         request: JobRunRequest,
         new_run: Callable[[str | None], tuple[str | None, dict[str, str]]],
         node: Callable[[], NodeIdentity],
-        stopping: threading.Event,
-        wake: threading.Event,
-        unanswered: threading.Event,
+        waits: OpenWaits,
     ) -> None:
         self.request = request
         self._node = node  # read at each step: the job key or rank 0 may be learnt meanwhile
         self._new_run = new_run  # job key -> a new run's name and tags
-        self._stopping = stopping
-        self._wake = wake
-        self._unanswered = unanswered
+        self._waits = waits
         self._created: OpenRun | None = None  # kept across retries: a second open must not make a second run
 
     def open(self, client: Any) -> OpenRun | None:
@@ -93,7 +102,7 @@ class JobRunFinder:
         if node.job_key is not None and (published := published_run_id(experiment, node.job_key)) is not None:
             run = self._resume(client, published)  # a requeued job continues its run
         if run is None:
-            if self._stopping.is_set():  # closed meanwhile: close() keeps what waits, replay makes the run
+            if self._waits.left:  # closed meanwhile: close() keeps what waits, replay makes the run
                 raise RuntimeError("closed before the run was made")
             run = self._created = self._created or self._create(client, experiment_id, node)
         if (key := self._node().job_key) is not None:  # `otel-forge run` may hand one out meanwhile
@@ -104,7 +113,7 @@ class JobRunFinder:
         """The run the claiming process publishes; None if it gave its claim up (its run failed to
         open): the job key's run, or ours, then."""
         while (published := record.published()) is None:
-            if self._stopping.wait(_ADOPT_POLL_S) or record.claimed() is None:
+            if (self._waits.pause(_ADOPT_POLL_S) and self._waits.left) or record.claimed() is None:
                 return None
         if resume:
             return self._resume(client, published.run_id)
@@ -139,10 +148,10 @@ class JobRunFinder:
             client,
             r.experiment,
             key,
-            self._wake,
+            self._waits.pause,
             late_after_s=r.late_after_s,
             on_late=late,
-            unanswered=self._unanswered,
+            answered=lambda answered: self._waits.fire(RunEvent.ANSWERED if answered else RunEvent.UNANSWERED),
         )
         if found is None:
             # Closing; or this process turned out to hold rank 0 (the caller's node says so now).

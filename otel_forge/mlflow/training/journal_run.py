@@ -6,7 +6,6 @@ process would have. It describes the run where that is the journal's to do, and 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from otel_forge.mlflow.training.journal_tail import ROWS, Item, MetricRow
 from otel_forge.mlflow.training.run_journal import CHECKPOINT, END, RECORD, Record, RunEnd
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_source import RunSource
+from otel_forge.mlflow.training.run_state import RunEvent, RunState
 from otel_forge.mlflow.worker import Outcome
 from otel_forge.node import NodeIdentity, torchrun_attempt
 from otel_forge.ratelimit import RateLimitedLogger
@@ -192,9 +192,7 @@ class JournalRun:
             samples_node=False,
             late_after_s=60.0,
         )
-        stopping, wake = threading.Event(), threading.Event()
-        wake.set()  # a run of a launcher's job is looked for once per attempt, not waited for
-        finder = JobRunFinder(request, self._new_run_spec, lambda: node, stopping, wake, threading.Event())
+        finder = JobRunFinder(request, self._new_run_spec, lambda: node, _LookOnce())
         run = finder.open(self._client)
         if run is None:
             raise RunNotOpenYet()
@@ -216,6 +214,18 @@ class JournalRun:
         if job_key:
             tags[JOB_KEY_TAG] = job_key
         return self._cursor.plan.get("run_name"), tags
+
+
+class _LookOnce:
+    """A delivery looks for a launcher's run once per attempt, never waits for it."""
+
+    left = False
+
+    def pause(self, seconds: float) -> bool:
+        return True
+
+    def fire(self, event: RunEvent) -> RunState:
+        return RunState.OPENING
 
 
 def _warn_runs_elsewhere(run: OpenRun) -> None:

@@ -9,7 +9,6 @@ also carries the key (``otel_forge.job.key``) for search.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,17 +72,18 @@ def wait_for_run(
     client: Any,
     experiment: str,
     key: str,
-    stop: threading.Event,
+    pause: Callable[[float], bool],
     late_after_s: float,
     on_late: Callable[[], None],
     clock: Callable[[], float] = time.monotonic,
-    unanswered: threading.Event | None = None,
+    answered: Callable[[bool], object] | None = None,
 ) -> FoundRun | None:
-    """Poll the experiment until rank 0 has published the job's run; None once ``stop`` is set.
+    """Poll the experiment until rank 0 has published the job's run; None once ``pause`` (between
+    looks) says to stop.
 
     The experiment may not exist yet (rank 0 creates it) and the server may not answer yet: both
-    are "not yet" (``unanswered`` is set while the server does not answer). Polls back off from 0.2 s
-    to 2 s; ``on_late`` is called once, after ``late_after_s``.
+    are "not yet" (``answered`` is told whether each look was). Polls back off from 0.2 s to 2 s;
+    ``on_late`` is called once, after ``late_after_s``.
     """
     late_at: float | None = clock() + late_after_s
     delay = _FIRST_POLL_S
@@ -92,18 +92,18 @@ def wait_for_run(
         polls += 1
         try:
             experiment_entity = find_experiment(client, experiment)
-            if unanswered is not None:
-                unanswered.clear()
+            if answered is not None:
+                answered(True)
         except Exception as error:  # noqa: BLE001 - the server not answering yet is "not yet"
             _logger.debug("looking for job %s's run: %s", key, error_line(error))
             experiment_entity = None
-            if unanswered is not None:
-                unanswered.set()
+            if answered is not None:
+                answered(False)
         if (run_id := published_run_id(experiment_entity, key)) is not None:
             return FoundRun(run_id, experiment_entity.experiment_id, polls)
         if late_at is not None and clock() >= late_at:
             late_at = None
             on_late()
-        if stop.wait(delay):
+        if pause(delay):
             return None
         delay = min(delay * 2, _MAX_POLL_S)

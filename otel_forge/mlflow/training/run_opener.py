@@ -1,15 +1,12 @@
 """``RunOpener``: finds or makes the job's run on its own thread (``RunOwner``), once, however long the
-server takes, and says what it found in the journal. Its state is one ``OpenerState``."""
+server takes, and says what it found in the journal. It moves the run's ``RunStateMachine``."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import enum
 import logging
 import os
-import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +23,8 @@ from otel_forge.mlflow.training.outcome import end_run
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
 from otel_forge.mlflow.training.run_plan import RunPlan, is_remote
 from otel_forge.mlflow.training.run_source import RunSource
-from otel_forge.mlflow.training.script_run import ScriptRun
+from otel_forge.mlflow.training.run_state import RunEvent, RunState, RunStateMachine
+from otel_forge.mlflow.training.script_run import PublishedRun, ScriptRun
 from otel_forge.mlflow.worker import Outcome
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import error_line, uri_without_credentials
@@ -41,21 +39,17 @@ _DATABRICKS_AUTH_HINT = (
 )
 
 
-class OpenerState(enum.Enum):
-    IDLE = "idle"  # nothing asked yet: no thread, no I/O
-    OPENING = "opening"  # asking the server (or waiting for rank 0's run)
-    UNANSWERED = "unanswered"  # the last attempt failed: retried with backoff until closed
-    OPEN = "open"
-    FAILED = "failed"  # not to be opened (a missing run, a local store that refuses): logging is off
-    CLOSED = "closed"  # closed before it opened: the journal's delivery opens it from the plan
-
-
 class RunOpener:
     """Opens the plan's run once; ``on_open`` callbacks run on the opener's thread."""
 
-    def __init__(self, plan: RunPlan, new_run: Callable[[str | None], tuple[str | None, dict[str, str]]]) -> None:
+    def __init__(
+        self,
+        plan: RunPlan,
+        new_run: Callable[[str | None], tuple[str | None, dict[str, str]]],
+        machine: RunStateMachine,
+    ) -> None:
         self.plan = plan
-        self.state = OpenerState.IDLE
+        self.machine = machine
         self.run: OpenRun | None = None
         self.error: BaseException | None = None  # why the run did not open, once it did not
         self.before_open: list[Callable[[], None]] = []  # on the opener's thread, before the first try
@@ -64,31 +58,29 @@ class RunOpener:
         self.on_unanswered: list[Callable[[BaseException], None]] = []
         self._new_run = new_run
         self._owner: RunOwner | None = None
-        self._future: concurrent.futures.Future | None = None
-        self._stopping = threading.Event()  # closing: no more waiting for the run
-        self._wake = threading.Event()  # stops a wait for the job's run: closing, or rank 0 known
-        self._unanswered = threading.Event()
-        self._asking = threading.Event()  # MLflow is imported: the server is being asked
+        self._future: concurrent.futures.Future[OpenRun | None] | None = None
         self._warnings = RateLimitedLogger(_logger)
         self.script_run_id: str | None = None  # the MLflow run the script had open when we began
         self.adopts: ScriptRun | None = None  # another process of the job claimed the run: its publication
         self._restore_environ: Callable[[], None] | None = None
-        if os.environ.get(TOLD_SPOOL_ENV):
-            self._unanswered.set()  # `otel-forge run` found the server down before starting us
 
     @property
     def owner(self) -> RunOwner | None:
         return self._owner
 
     def begin(self) -> None:
-        if self.state is not OpenerState.IDLE:
+        """Open the run from now on (from idle, or once the script's wait is over)."""
+        if self.machine.state not in (RunState.IDLE, RunState.WAITING_FOR_SCRIPT):
             return
         if self.plan.source.run_id is None and not self.plan.source.launcher_opens:
             # `with mlflow.start_run(): with TrainingRun(): ...`: the script's run is the job's; it ends it.
             self.script_run_id = fluent_run_id()
             if self.script_run_id is not None:
                 self.plan = dataclasses.replace(self.plan, source=RunSource.given(self.script_run_id))
-        self.state = OpenerState.OPENING
+        self.machine.fire(RunEvent.BEGIN)
+        if os.environ.get(TOLD_SPOOL_ENV):
+            # `otel-forge run` found the server down before starting us, and said so: nobody waits.
+            self.machine.fire(RunEvent.UNANSWERED)
         self._owner = RunOwner("mlflow-run-owner")
         self._future = self._owner.submit(self._open)
 
@@ -100,26 +92,16 @@ class RunOpener:
     def wait(self, timeout_s: float, say_late: bool = True) -> bool:
         """Wait for the server's answer, at most ``timeout_s`` once MLflow is asked (importing it is
         not counted), or until it fails once; True when the run is open."""
-        asked_at: float | None = None
-        while self._future is not None and not self._future.done() and not self._unanswered.is_set():
-            if asked_at is None and self._asking.is_set():
-                asked_at = time.monotonic()
-            if asked_at is not None and time.monotonic() - asked_at >= timeout_s:
-                if not say_late:
-                    return False
-                self._warnings.warning(
-                    "open",
-                    "MLflow: the run did not open within %.0f s; it goes on opening in the background",
-                    timeout_s,
-                )
-                return False
-            concurrent.futures.wait([self._future], timeout=0.05)
+        if self._future is not None and not self.machine.wait_answer(timeout_s) and say_late:
+            self._warnings.warning(
+                "open", "MLflow: the run did not open within %.0f s; it goes on opening in the background", timeout_s
+            )
         return self.run is not None
 
     def take_rank_zero(self) -> None:
-        if self.run is None and self.state is not OpenerState.CLOSED:
+        if self.run is None and not self.machine.left:
             self.plan = dataclasses.replace(self.plan, node=dataclasses.replace(self.plan.node, rank=0))
-            self._wake.set()
+            self.machine.fire(RunEvent.RANK_ZERO)
 
     def adopt_job_key(self, key: str, source: str) -> None:
         node = dataclasses.replace(self.plan.node, job_key=key, job_key_source=source)
@@ -132,21 +114,14 @@ class RunOpener:
         if not (plan.source.run_id or plan.source.launcher_opens or plan.node.job_key or script_run_id):
             self.adopt_job_key(f"otel-forge-{uuid.uuid4().hex}", "TrainingRun")
 
-    def close(self, timeout_s: float) -> None:
-        """Stop waiting for the run: a server that has not answered gets one last attempt, a run
-        being found gets ``timeout_s``; what is journaled waits for the delivery either way."""
-        if self._future is None:
-            return
-        if self._unanswered.is_set():
-            self._stopping.set()
-            self._wake.set()
-            if self._refused_now():
-                timeout_s = 0.0  # no last attempt can succeed: nothing to wait for
-        concurrent.futures.wait([self._future], timeout=timeout_s)
-        self._stopping.set()
-        self._wake.set()
-        if self.run is None and self.state is not OpenerState.FAILED:
-            self.state = OpenerState.CLOSED
+    def close(self, timeout_s: float, unanswered: bool) -> None:
+        """The run is closing (``RunEvent.CLOSE`` fired): a server that had not answered gets one last
+        attempt, a run being found gets ``timeout_s``; what is journaled waits for the delivery either way."""
+        if unanswered and self._refused_now():
+            timeout_s = 0.0  # no last attempt can succeed: nothing to wait for
+        if self._future is not None:
+            concurrent.futures.wait([self._future], timeout=timeout_s)
+        self.machine.fire(RunEvent.LEAVE)
 
     def leave_process(self) -> None:
         """The process's MLflow calls no longer open the run, and MLflow does not end it at exit."""
@@ -188,27 +163,25 @@ class RunOpener:
                     check_connects(self.plan.tracking_uri)
                 connects = False
                 client = make_client(self.plan.tracking_uri)
-                self._asking.set()
+                self.machine.asked()
                 run = finder.open(client)
-                if run is None and self._wake.is_set() and not self._stopping.is_set():
+                if run is None and not self.machine.left and self.plan.node.is_global_zero:
                     run = finder.open(client)  # this process turned out to hold rank 0
                 break
             except Exception as error:
                 if not self._transient(error):
                     self._fail(error)
                     raise
-                if self._stopping.is_set():
+                if self.machine.left:
                     self.error = error  # closed before the server answered: the delivery opens it
                     raise
-                self.state = OpenerState.UNANSWERED
-                self._unanswered.set()
-                self._stopping.wait(pause_s)  # closing ends the pause: one last attempt
+                self.machine.pause(pause_s)  # the opener left at close ends the pause: one last attempt
                 pause_s = min(pause_s * 2, _MAX_OPEN_RETRY_S)
-        self._unanswered.clear()
         if run is None:
-            self.state = OpenerState.CLOSED
+            self.machine.fire(RunEvent.REFUSED)  # no run to attach to (or closed meanwhile)
             return None
-        self.run, self.state = run, OpenerState.OPEN
+        self.run = run
+        self.machine.fire(RunEvent.OPENED)
         # The process's MLflow calls (HF's callback, autolog, mlflow.log_metric) open this run.
         self._restore_environ = make_process_run(run.run_id)
         if self.plan.system_metrics:
@@ -229,9 +202,7 @@ class RunOpener:
         try:
             check_connects(self.plan.tracking_uri)
         except ServerRefused as error:
-            if self._transient(error):
-                self.state = OpenerState.UNANSWERED
-                self._unanswered.set()
+            self._transient(error)
             return True
         return False
 
@@ -247,9 +218,7 @@ class RunOpener:
             late_after_s=plan.init_deadline_s,
             adopts=self.adopts,
         )
-        return JobRunFinder(
-            request, self._new_run, lambda: self.plan.node, self._stopping, self._wake, self._unanswered
-        )
+        return JobRunFinder(request, self._new_run, lambda: self.plan.node, self.machine)
 
     def _transient(self, error: BaseException) -> bool:
         """An outage of a tracking server, worth waiting for; a local store's errors are not."""
@@ -257,8 +226,8 @@ class RunOpener:
             return False
         if not is_remote(self.plan.tracking_uri) and "database is locked" not in str(error):
             return False
-        if self._unanswered.is_set():
-            return True  # told at the first failure
+        if self.machine.fire(RunEvent.UNANSWERED) is not RunState.OPENING:
+            return True  # told at the first failure (or closing: said at the end)
         if self.on_unanswered:
             for callback in self.on_unanswered:
                 callback(error)
@@ -273,13 +242,31 @@ class RunOpener:
         return True
 
     def _fail(self, error: BaseException) -> None:
-        self.error, self.state = error, OpenerState.FAILED
+        self.error = error
+        self.machine.fire(RunEvent.REFUSED)
         auth = self.plan.tracking_uri.startswith("databricks") and _auth_error(error)
         _logger.warning(
             "MLflow logging disabled: %s%s", error_line(error), f". {_DATABRICKS_AUTH_HINT}" if auth else ""
         )
         for callback in self.on_fail:
             callback(error)
+
+
+def claim_or_adopt(script: ScriptRun, plan: RunPlan, claimer: str, opener: RunOpener) -> RunPlan:
+    """Where the script names the experiment, the plan to open with: the process that claims the
+    job's run first (or takes over a claim its process left unpublished, in the experiment it names)
+    opens and publishes it; the others adopt it where its claim says (a replay opens it there too),
+    its maker having described it as it saw it, theirs added as to a launched run."""
+    if plan.owns_run and script.claim(plan.experiment, claimer):
+        opener.on_fail.append(lambda error: script.release())
+    elif plan.owns_run and script.abandoned():
+        plan = dataclasses.replace(plan, experiment=script.claimed_experiment() or plan.experiment)
+    else:
+        opener.adopts = script
+        source = dataclasses.replace(plan.source, adds_description=True)
+        return dataclasses.replace(plan, experiment=script.claimed_experiment() or plan.experiment, source=source)
+    opener.on_open.append(lambda run: script.publish(PublishedRun.of(run)))
+    return plan
 
 
 def _auth_error(error: BaseException) -> bool:

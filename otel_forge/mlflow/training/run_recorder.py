@@ -13,7 +13,7 @@ from otel_forge.mlflow.keys import key_segment
 from otel_forge.mlflow.spool_files import spool_root
 from otel_forge.mlflow.training.journal_cursor import registered_models
 from otel_forge.mlflow.training.run_description import RunDescription
-from otel_forge.mlflow.training.run_journal import Record, RunJournal
+from otel_forge.mlflow.training.run_journal import Record, RunEnd, RunJournal
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import RunPlan
 from otel_forge.scrub import error_line, uri_without_credentials
@@ -69,6 +69,14 @@ class RunRecorder:
             self._described = True
         finally:
             self._describing.release()
+
+    def end(self, plan: RunPlan, end: RunEnd) -> RunEnd | None:
+        """Journal the run's end, described first (a short job's end may come before its opener
+        described it); the end where the journal could not keep it (a full disk, a signal inside an
+        append of ours), for the delivery to take from this process."""
+        self.describe(plan)
+        journaled = self.journal is not None and self.journal.end(end.status, end.rejected, end.worker)
+        return None if journaled else end
 
     def disabled(self, error: BaseException) -> None:
         if self.journal is not None:

@@ -5,7 +5,6 @@ the training process dies. A facade over one object per role: ``RunPlan`` (what 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -25,13 +24,14 @@ from otel_forge.mlflow.training.journal_cursor import wait_described
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
-from otel_forge.mlflow.training.run_journal import RunEnd, RunJournal
-from otel_forge.mlflow.training.run_opener import OpenerState, RunOpener
+from otel_forge.mlflow.training.run_journal import RunEnd
+from otel_forge.mlflow.training.run_opener import RunOpener, claim_or_adopt
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT, RunPlan, embedded_tracking_uri
 from otel_forge.mlflow.training.run_recorder import RunRecorder, checkpoint_model_name
 from otel_forge.mlflow.training.run_source import RunOrigin
-from otel_forge.mlflow.training.script_run import LAUNCHER, PublishedRun, ScriptRun, expect, stop_expecting
+from otel_forge.mlflow.training.run_state import CLOSED_STATES, RunEvent, RunState, RunStateMachine
+from otel_forge.mlflow.training.script_run import LAUNCHER, ScriptRun, expect, stop_expecting
 from otel_forge.node import NodeIdentity
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import SecretKeys, uri_without_credentials
@@ -65,22 +65,20 @@ class TrainingRun:
             create_if_missing=create_if_missing, deadlines=(init_deadline_s, end_deadline_s),
         )  # fmt: skip
         self.config = config
-        self.launch_argv = list(sys.argv if launch_argv is None else launch_argv)
+        argv = list(sys.argv if launch_argv is None else launch_argv)
         warnings = RateLimitedLogger(_logger)
         secret = SecretKeys(forge_config.secret_keys)
-        self._description = RunDescription(config, description, dict(tags or {}), self.launch_argv, secret, warnings)
-        self._opener = RunOpener(plan, self._description.new_run)
+        self._description = RunDescription(config, description, dict(tags or {}), argv, secret, warnings)
+        self._machine = RunStateMachine()  # the run's one state: idle, waiting for the script, opening, ...
+        self._opener = RunOpener(plan, self._description.new_run, self._machine)
         self._opener.on_open.append(self._opened)
         self._checker = MetricChecker(warnings)
         self._recorder: RunRecorder | None = None  # the journal's writer, in the process that owns the run
-        self._journal: RunJournal | None = None  # the recorder's, once begun: what log() appends to
         self._delivery: RunDelivery | None = None
         self._deliver_here = deliver_here
         self._pid = os.getpid()  # a forked child (a DataLoader worker) logs and ends nothing
         self._lock = threading.Lock()  # begin and close; never held across the journal's I/O
-        self._closed = False
         self._script: ScriptRun | None = None  # the job's record where the script names the experiment
-        self._script_timer: threading.Timer | None = None  # set while the run waits for the script
         self._exit_handlers = ExitHandlers(self.close, handle_sigterm)
         self.described = False
         self.ended = False  # the run's end reached the server (as far as this process knows)
@@ -104,7 +102,7 @@ class TrainingRun:
     def tracking_entry(self) -> dict[str, str] | None:
         """``{backend, run_id, experiment, tracking_uri}`` without credentials; None unless live."""
         run = self._opener.run
-        if run is None or self._closed:
+        if run is None or self._machine.closed:
             return None
         uri = uri_without_credentials(self.tracking_uri)
         return {"backend": "mlflow", "run_id": run.run_id, "experiment": run.experiment, "tracking_uri": uri}
@@ -138,7 +136,7 @@ class TrainingRun:
 
     def _begin(self) -> None:
         with self._lock:
-            if self._opener.state is not OpenerState.IDLE or self._closed or self._script_timer is not None:
+            if self._machine.state is not RunState.IDLE:
                 return
             script_run_id = fluent_run_id()
             if self.plan.owns_run:
@@ -146,7 +144,6 @@ class TrainingRun:
                 self._recorder = recorder = RunRecorder(self.plan, self._description, self._deliver_here)
                 self._opener.before_open.append(lambda: recorder.describe(self.plan))
                 self._opener.on_fail.append(recorder.disabled)
-                self._journal = recorder.journal
             script_origin = self.plan.source.origin is RunOrigin.SCRIPT
             if script_origin and script_run_id is None and (key := self.plan.node.job_key):
                 self._script = ScriptRun(spool_root(self.forge_config.spool_dir), key)
@@ -161,27 +158,30 @@ class TrainingRun:
     def _wait_for_script(self, script: ScriptRun) -> None:
         """The script may name the experiment yet: the run opens at its first MLflow run, at our first
         value (or when the run is asked for), else after ``experiment_wait_s``."""
-        self._script_timer = threading.Timer(self.forge_config.experiment_wait_s, self._open_waiting)
-        self._script_timer.daemon = True
-        self._script_timer.start()
+        self._machine.fire(RunEvent.WAIT_FOR_SCRIPT)
         expect(script, self._open_waiting)
+        threading.Thread(target=self._script_deadline, name="otel-forge-script-wait", daemon=True).start()
+
+    def _script_deadline(self) -> None:
+        if not self._machine.wait_while(RunState.WAITING_FOR_SCRIPT, self.forge_config.experiment_wait_s):
+            self._open_waiting()
 
     def _open_waiting(self) -> None:
         with self._lock:
-            timer, self._script_timer = self._script_timer, None
-            if timer is None or self._opener.state is not OpenerState.IDLE:
+            if self._machine.state is not RunState.WAITING_FOR_SCRIPT:
                 return
-            timer.cancel()
             stop_expecting(self._open_waiting)
             self._open(self._script)
 
     def _open(self, script: ScriptRun | None) -> None:
         """Open the run; where the script names the experiment, the first process to claim the run
         opens it and publishes it, the others adopt it."""
-        if script is not None and self._claims(script):
-            self._opener.on_open.append(lambda run: script.publish(PublishedRun.of(run)))
-        elif script is not None:
-            self._adopt(script)
+        if script is not None:
+            claimer = LAUNCHER if self._deliver_here else "TrainingRun"
+            if (plan := claim_or_adopt(script, self.plan, claimer, self._opener)) != self.plan:
+                self._opener.plan = plan
+                if self._recorder is not None:
+                    self._recorder.plan(plan)
         self._opener.begin()
 
     def _opened(self, run: OpenRun) -> None:
@@ -194,54 +194,26 @@ class TrainingRun:
         for callback in self.on_open:
             callback()
 
-    def _claims(self, script: ScriptRun) -> bool:
-        """Whether this process opens the job's run: it claimed it first, or took over a claim its
-        process left unpublished (in the experiment that claim names: the script's)."""
-        if not self.plan.owns_run:
-            return False
-        if script.claim(self.plan.experiment, LAUNCHER if self._deliver_here else "TrainingRun"):
-            self._opener.on_fail.append(lambda error: script.release())
-            return True
-        if not script.abandoned():
-            return False
-        self._replan(dataclasses.replace(self.plan, experiment=script.claimed_experiment() or self.plan.experiment))
-        return True
-
-    def _adopt(self, script: ScriptRun) -> None:
-        """The run another process of the job claimed, where its claim says (a replay opens it there
-        too); its maker described it as it saw it, and ours is added, as to a launched run."""
-        self._opener.adopts = script
-        source = dataclasses.replace(self.plan.source, adds_description=True)
-        self._replan(
-            dataclasses.replace(
-                self.plan, experiment=script.claimed_experiment() or self.plan.experiment, source=source
-            )
-        )
-
-    def _replan(self, plan: RunPlan) -> None:
-        self._opener.plan = plan
-        if self._recorder is not None:
-            self._recorder.plan(self.plan)
-
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Journal ``metrics`` at ``step`` and return: a check and an append, never a wait."""
-        if self._journal is None:
-            if self._closed or not self.plan.owns_run or forked_from(self._pid):
+        # The recorder's journal, once begun: what log() appends to (None where it could not be made).
+        if (journal := self._recorder.journal if self._recorder else None) is None:
+            if self._machine.closed or not self.plan.owns_run or forked_from(self._pid):
                 return
             self._begin()
-            if self._journal is None:
+            if (journal := self._recorder.journal if self._recorder else None) is None:
                 if self._recorder is not None:  # the journal could not be made: counted, as a full disk's are
                     self._checker.lose(len(metrics), self._recorder.unwritable or "no journal")
                 return
-        elif self._closed or forked_from(self._pid):
+        elif self._machine.closed or forked_from(self._pid):
             return
-        if self._script_timer is not None:
+        if self._machine.state is RunState.WAITING_FOR_SCRIPT:
             self._open_waiting()  # a value before the script named an experiment: its default it is
         if (checked := checked_step(step)) is None:
             self._checker.reject(len(metrics), "step %r is not an integer from 0 to 2**63-1", step)
         elif values := self._checker.values(metrics):
             try:
-                self._journal.metrics(values, checked, int(time.time() * 1000))
+                journal.metrics(values, checked, int(time.time() * 1000))
             except (OSError, ValueError) as error:  # a full or failing disk: the values are lost, never the training
                 self._checker.lose(len(values), getattr(error, "strerror", None) or str(error))
 
@@ -258,10 +230,10 @@ class TrainingRun:
     def register_checkpoint(self, step: int, directory: str | os.PathLike[str]) -> None:
         """Register a committed checkpoint directory as an external logged model, by the delivery."""
         plan = self.plan
-        if not plan.register_checkpoints or self._closed or not plan.owns_run or forked_from(self._pid):
+        if not plan.register_checkpoints or self._machine.closed or not plan.owns_run or forked_from(self._pid):
             return
         self._begin()
-        if self._script_timer is not None:
+        if self._machine.state is RunState.WAITING_FOR_SCRIPT:
             self._open_waiting()
         if self._recorder is not None:
             self._recorder.checkpoint(step, Path(directory), self.checkpoint_model_name(step))
@@ -271,24 +243,26 @@ class TrainingRun:
         ``worker``: this process ran a launcher, and that worker ended the job (``outcome.end_run``)."""
         if forked_from(self._pid):
             return  # a forked child's copy (a DataLoader worker leaving the block): the parent ends it
-        if self._script_timer is not None:
+        if self._machine.state is RunState.WAITING_FOR_SCRIPT:
             self._open_waiting()  # the script named none: the run's end goes to the default experiment
         with self._lock:
-            begun, self._closed = not self._closed and self._opener.state is not OpenerState.IDLE, True
-        if not begun:
-            return
+            before = self._machine.fire(RunEvent.CLOSE)
+        if before is RunState.IDLE or before in CLOSED_STATES:
+            return  # never begun, or closed already
+        try:
+            self._end(status, worker, unanswered=before is RunState.UNANSWERED)
+        finally:
+            self._machine.fire(RunEvent.CLOSED)
+
+    def _end(self, status: str, worker: str | None, unanswered: bool) -> None:
         self._exit_handlers.remove()
         self._opener.leave_process()
         drain_s = self.forge_config.close_deadline_s(self.plan.node.node_count)
-        self._opener.close(min(drain_s, 1.0) if self._opener.state is OpenerState.UNANSWERED else drain_s)
-        if self._journal is not None:  # not closed: a signal handler may end us inside an append of ours
-            if self._recorder is not None:
-                self._recorder.describe(self.plan)  # a short job's end may come before its opener described it
-            journaled = self._journal.end(status, self._checker.rejected, worker)
-        # An end the journal could not keep (a full disk, a signal inside an append) goes to the delivery itself.
-        end = None if self._journal is None or journaled else RunEnd(status, self._checker.rejected, worker)
+        self._opener.close(min(drain_s, 1.0) if unanswered else drain_s, unanswered)
+        recorder = self._recorder if self._recorder and self._recorder.journal else None
+        end = recorder.end(self.plan, RunEnd(status, self._checker.rejected, worker)) if recorder else None
         self.ended = self._delivery.finish(end) if self._delivery is not None else False
-        if self._journal is None:
+        if recorder is None:
             self.ended = self._opener.end_here(status)
         self._checker.say_total()
         if self._script is not None and self.plan.owns_run and not self.plan.delivered_by_launcher:
