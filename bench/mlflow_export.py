@@ -327,7 +327,7 @@ def run_hung(
     worker = ours.exporter.worker
     stats = worker.stats
     at_end = {
-        "in_memory": len(worker._queue),
+        "in_memory": len(worker._outbox._queue),
         "spooled_files": len(ours.exporter.spool),
         "spool_bytes": ours.exporter.spool.size_bytes,
         "spooled_total": stats.spooled,
@@ -365,7 +365,7 @@ def run_hung(
         "rss_growth_mb": (rss_max - rss_before) / 2**20,
         "tracemalloc_peak_mb": traced_peak / 2**20,
         "threads_max": threads_max,
-        "queue_cap": worker._max_queue,
+        "queue_cap": worker._outbox._max_queue,
         "spool_cap_bytes": ours.exporter.spool.max_bytes,
         "mlflow": {
             "samples": mlflow_samples_while_hung,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import RunGone, RunInfo, make_client
+from otel_forge.mlflow.outbox import MOST_JOINED, join_while
 from otel_forge.mlflow.spool_files import HEADER, SpoolBusy, claim, remove_if_empty, writer_alive
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
@@ -18,7 +19,6 @@ from otel_forge.mlflow.training.journal_cursor import undelivered
 from otel_forge.mlflow.training.journal_delivery import Delivered, DeliveryPace, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
 from otel_forge.mlflow.training.run_journal import is_journal, read_header
-from otel_forge.mlflow.worker import MOST_JOINED, join_while
 
 _logger = logging.getLogger(__name__)
 

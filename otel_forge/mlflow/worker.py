@@ -11,37 +11,22 @@ dropped, or the end of delivery (e.g. the run was deleted).
 
 from __future__ import annotations
 
-import collections
 import enum
-import itertools
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
+from otel_forge.mlflow.outbox import DeliveryStats, Outbox, Overflow
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import scrub
 
 _logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MOST_JOINED = 16  # items one call may hold: the spool reads this many files to choose
-
-
-def join_while(
-    head: T, later: Iterable[T], join: Callable[[T, T], T | None], ready: Callable[[T], bool] = lambda _: True
-) -> tuple[T, int]:
-    """``head`` joined with the ``later`` items in turn, while each is ``ready`` and ``join`` takes it:
-    the one item, and how many it holds."""
-    item, count = head, 1
-    for follower in later:
-        if not ready(follower) or (joined := join(item, follower)) is None:
-            break
-        item, count = joined, count + 1
-    return item, count
 
 
 class Outcome(enum.Enum):
@@ -61,14 +46,14 @@ class Backoff:
     def __init__(
         self, initial_s: float, most_s: float, asked: Callable[[BaseException], float | None] | None = None
     ) -> None:
-        self._initial_s, self._most_s = initial_s, most_s
+        self.initial_s, self._most_s = initial_s, most_s
         self._asked = asked
         self._next_s = initial_s
         self.asked_s: float | None = None  # what the server asked before the last pause, if it did
 
     def reset(self) -> None:
         """A call went through: the next failure pauses briefly again."""
-        self._next_s = self._initial_s
+        self._next_s = self.initial_s
 
     def pause_s(self, error: BaseException) -> float:
         jittered = self._next_s * (0.5 + random.random() / 2)
@@ -79,36 +64,6 @@ class Backoff:
 
 class DeadlineExceeded(TimeoutError):
     """A call did not return within its deadline; it may still complete later."""
-
-
-class Overflow(Protocol[T]):
-    """Where items go when the queue is full (the spool), oldest first."""
-
-    def append(self, item: T) -> bool:
-        """Keep ``item`` after the others; False when there is no room (the item is dropped)."""
-
-    def prepend(self, items: list[T]) -> int:
-        """Keep ``items`` (older than those held) before the others; how many fit."""
-
-    def peek(self) -> T | None: ...
-
-    def peek_many(self, count: int) -> list[T]:
-        """The oldest ``count`` items (fewer where fewer are held, or where one cannot be read)."""
-
-    def pop(self) -> None: ...
-
-    def __len__(self) -> int: ...
-
-
-@dataclass
-class DeliveryStats:
-    """Cumulative counts; read by self-telemetry and ``otel-forge doctor``."""
-
-    delivered: int = 0
-    retried: int = 0
-    spooled: int = 0
-    dropped: int = 0
-    hung_calls: int = 0
 
 
 def _retry_everything(error: BaseException) -> Outcome:
@@ -135,32 +90,17 @@ class DeliveryWorker(Generic[T]):
         asked_pause: Callable[[BaseException], float | None] | None = None,
     ) -> None:
         self.name = name
-        # join(item, later): both as one call, or None where they cannot be one (too large).
-        self._join = join
-        self._alone = 0  # items to send one by one: a joined call that the server refused
-        # due(item): the wall-clock time before which the item is not sent (until close hurries it).
-        self._due = due
-        self._hurry = threading.Event()  # set at close and during a flush: nothing waits for its due time
-        self._wake = threading.Event()  # set at close (and by abandon): a backoff pause ends at once
         self.stats = DeliveryStats()
-        self._deliver = deliver
+        self._cond = threading.Condition()  # re-entrant: the outbox takes it too
+        self._outbox = Outbox(
+            name, self._cond, self.stats, max_queue=max_queue, overflow=overflow, write_ahead=write_ahead, join=join
+        )
+        self._pace = _DuePace(due, self._cond)
+        self._call = _DeadlineCall(deliver, call_deadline_s, name, self.stats)
         self._classify = classify
-        self._overflow = overflow
-        # Write-ahead: every item goes to the overflow (the spool) first and leaves it once
-        # delivered, so nothing is lost if the process dies; memory only when the spool refuses.
-        self._write_ahead = write_ahead and overflow is not None
-        # Until the first call answers, waiting items are not counted as spooled: that call carries
-        # the deliverer's one-time start (importing MLflow, reading the run), not the server's state.
-        self._answered = False
-        self._max_queue = max_queue
-        self._call_deadline_s = call_deadline_s
         self._backoff = Backoff(backoff_initial_s, backoff_max_s, asked_pause)
-        self._first_pause_s = backoff_initial_s  # a WAIT (the run not open yet) is looked at again this often
-        self._queue: collections.deque[T] = collections.deque()
-        self._cond = threading.Condition()
-        self._in_flight: _Call[T] | None = None  # a call past its deadline, awaited by the retry
+        self._wake = threading.Event()  # set at close (and by abandon): a backoff pause ends at once
         self._closing = False
-        self._close_not_before = 0.0  # closing: the time before which nothing is sent
         self._abandon = threading.Event()  # set when the drain deadline has passed
         self._stopped = False
         self._warnings = RateLimitedLogger(_logger)
@@ -173,8 +113,7 @@ class DeliveryWorker(Generic[T]):
         return self._stopped
 
     def pending(self) -> int:
-        with self._cond:
-            return len(self._queue) + (len(self._overflow) if self._overflow is not None else 0)
+        return len(self._outbox)
 
     def submit(self, item: T, follow_up: bool = False) -> bool:
         """Queue ``item`` for delivery without waiting; False if it had to be dropped.
@@ -186,35 +125,7 @@ class DeliveryWorker(Generic[T]):
             if self._stopped or (self._closing and not follow_up):
                 self.stats.dropped += 1
                 return False
-            if self._write_ahead:
-                # Counted as spooled only when it has to wait behind others (the server is down or
-                # behind): a window written and sent at once is the healthy case.
-                waits = self._answered and bool(len(self._overflow))  # type: ignore[arg-type]
-                if self._overflow.append(item):  # type: ignore[union-attr]
-                    self.stats.spooled += waits
-                    self._cond.notify()
-                    return True
-            # Once anything is in the overflow, newer items follow it there: order is kept.
-            spilled = self._overflow is not None and len(self._overflow) and not self._write_ahead
-            if len(self._queue) < self._max_queue and not spilled:
-                self._queue.append(item)
-                self._cond.notify()
-                return True
-            return self._to_overflow(item)
-
-    def _to_overflow(self, item: T) -> bool:
-        if self._overflow is not None and self._overflow.append(item):
-            self.stats.spooled += 1
-            self._cond.notify()
-            return True
-        self.stats.dropped += 1
-        self._warnings.warning(
-            f"{self.name}-dropped",
-            "%s: queue and spool full, dropped an item (%d so far)",
-            self.name,
-            self.stats.dropped,
-        )
-        return False
+            return self._outbox.put(item)
 
     def nudge(self) -> None:
         """The item waiting for its due time reads it again: it may have become due (a full batch)."""
@@ -224,14 +135,14 @@ class DeliveryWorker(Generic[T]):
     def flush(self, timeout_s: float) -> bool:
         """Deliver what is pending now, not at its due time; True once all of it is delivered,
         False if ``timeout_s`` passes first (or delivery has stopped). Delivery goes on either way."""
-        self._hurry.set()
+        self._pace.hurry.set()
         try:
             with self._cond:
                 self._cond.notify_all()  # an item waiting for its due time goes now
                 return self._cond.wait_for(lambda: self._stopped or not self.pending(), timeout_s) and not self._stopped
         finally:
             if not self._closing:
-                self._hurry.clear()
+                self._pace.hurry.clear()
 
     def close(self, drain_deadline_s: float = 10.0, spread_s: float = 0.0) -> int:
         """Deliver what is pending for up to ``drain_deadline_s``; what is left goes to the overflow.
@@ -242,26 +153,16 @@ class DeliveryWorker(Generic[T]):
         """
         with self._cond:
             self._closing = True
-            self._close_not_before = time.time() + spread_s
-            self._cond.notify_all()
-        if spread_s <= 0:
-            self._hurry.set()
+            self._pace.close(spread_s)
         self._wake.set()
         self._thread.join(drain_deadline_s)
         self._abandon.set()
         self._wake.set()
         self._thread.join()
-        with self._cond:
-            leftovers = list(self._queue)
-            self._queue.clear()
-            if self._stopped:
-                self.stats.dropped += len(leftovers)
-                return 0
-            # The queue's items are older than those already spilled: they go first.
-            kept = self._overflow.prepend(leftovers) if self._overflow is not None else 0
-            self.stats.spooled += kept
-            self.stats.dropped += len(leftovers) - kept
-            return len(self._overflow) if self._overflow is not None else len(leftovers)
+        if self._stopped:
+            self._outbox.drop_memory()
+            return 0
+        return self._outbox.spill()
 
     # --- the sender thread -----------------------------------------------------------------
 
@@ -272,75 +173,46 @@ class DeliveryWorker(Generic[T]):
     def _next(self) -> T | None:
         with self._cond:
             while not self._stopped and not self._abandon.is_set():
-                if self._write_ahead and (item := self._overflow.peek()) is not None:  # type: ignore[union-attr]
-                    return item
-                if self._queue:
-                    return self._queue[0]
-                if self._overflow is not None and (item := self._overflow.peek()) is not None:
+                if (item := self._outbox.head()) is not None:
                     return item
                 if self._closing:
                     return None
                 self._cond.wait()
             return None
 
-    def _pop(self, head: T, count: int = 1) -> None:
-        """Remove ``head`` and the ``count - 1`` items after it, from where ``head`` came."""
-        with self._cond:
-            from_queue = bool(self._queue) and self._queue[0] is head
-            for _ in range(count):
-                if from_queue:
-                    self._queue.popleft()
-                elif self._overflow is not None:
-                    self._overflow.pop()
-            self._alone = max(self._alone - count, 0)
-            self._cond.notify_all()  # flush() waits for the queue to empty
-
-    def _joined(self, head: T) -> tuple[T, int]:
-        """``head`` and the items after it that are due too, as one call where ``join`` allows: the
-        call, and how many items it holds."""
-        if self._join is None or self._alone:
-            return head, 1
-        with self._cond:
-            if self._queue and self._queue[0] is head:
-                later = list(itertools.islice(self._queue, 1, MOST_JOINED))
-            elif self._overflow is not None and len(self._overflow) > 1:  # the usual one: no file read
-                later = self._overflow.peek_many(MOST_JOINED)[1:]
-            else:
-                later = []
-        return join_while(head, later, self._join, self._is_due)
-
     def _deliver_until_done(self, head: T) -> None:
-        if self._due is not None:
-            self._wait_until_due(head)
-        item, count = self._joined(head)
+        self._pace.wait_until_due(head, self._closing)
+        item, count = self._outbox.take(head, lambda later: self._pace.is_due(later, self._closing))
         self._backoff.reset()
         while not self._abandon.is_set():
-            error = self._call(item)
-            if not self._answered:
-                self._first_answer(error)
+            error = self._call(item, self._abandon)
+            self._outbox.answered(error)
             if error is None:
                 self.stats.delivered += count
-                self._pop(head, count)
+                self._outbox.pop(head, count)
                 return
             if self._abandon.is_set():
                 return  # closing gave up on it: close() keeps what is left, and says so
-            if self._in_flight is not None:
+            if self._call.hung:
                 continue  # past its deadline and still running: await it, it is not a new try
-            outcome = self._classify(error)
-            if outcome is Outcome.WAIT:
-                self._abandon.wait(self._first_pause_s)
-                continue
-            if outcome is Outcome.STOP:
-                self._stop(error)
+            if not self._failed(head, count, error):
                 return
-            if outcome is Outcome.DROP and count > 1:
-                self._alone = count  # which of them is refused: each alone, the others are delivered
-                return
-            if outcome is Outcome.DROP:
-                self.stats.dropped += 1
-                self._warnings.warning(f"{self.name}-drop", "%s: dropped an item: %s", self.name, scrub(str(error)))
-                self._pop(head)
-                return
+
+    def _failed(self, head: T, count: int, error: BaseException) -> bool:
+        """What a failed call means; True where the same call is to be made again."""
+        outcome = self._classify(error)
+        if outcome is Outcome.WAIT:
+            self._abandon.wait(self._backoff.initial_s)  # the run not open yet: looked at again this often
+            return True
+        if outcome is Outcome.STOP:
+            self._stop(error)
+        elif outcome is Outcome.DROP and count > 1:
+            self._outbox.one_by_one(count)  # which of them is refused: each alone, the others are delivered
+        elif outcome is Outcome.DROP:
+            self.stats.dropped += 1
+            self._warnings.warning(f"{self.name}-drop", "%s: dropped an item: %s", self.name, scrub(str(error)))
+            self._outbox.pop(head)
+        else:
             self.stats.retried += 1
             self._warnings.warning(
                 f"{self.name}-retry", "%s: delivery failed, retrying: %s", self.name, scrub(str(error))
@@ -348,67 +220,91 @@ class DeliveryWorker(Generic[T]):
             if self._wake.wait(self._backoff.pause_s(error)):
                 self._wake.clear()  # closing: try again now, and back off afresh within the drain deadline
                 self._backoff.reset()
-
-    def _due_at(self, item: T) -> float:
-        """When ``item`` may be sent: its due time, or at a close, the close's own time if sooner."""
-        assert self._due is not None
-        return min(self._due(item), self._close_not_before) if self._closing else self._due(item)
-
-    def _is_due(self, item: T) -> bool:
-        return self._due is None or self._hurry.is_set() or self._due_at(item) <= time.time()
-
-    def _wait_until_due(self, item: T) -> None:
-        with self._cond:
-            while not self._hurry.is_set():
-                wait_s = self._due_at(item) - time.time()
-                if wait_s <= 0:
-                    return
-                self._cond.wait(wait_s)
-
-    def _first_answer(self, error: BaseException | None) -> None:
-        """The first call has answered: from now on a waiting item is spooled; if it failed, so
-        are the items that waited behind it."""
-        with self._cond:
-            self._answered = True
-            if error is not None and self._write_ahead:
-                self.stats.spooled += max(len(self._overflow) - 1, 0)  # type: ignore[arg-type]
+            return True
+        return False
 
     def _stop(self, error: BaseException) -> None:
         _logger.warning("%s: delivery stopped: %s", self.name, scrub(str(error)))
         with self._cond:
             self._stopped = True
-            self.stats.dropped += len(self._queue)
-            self._queue.clear()
+            self._outbox.drop_memory()
             self._cond.notify_all()
 
-    def _call(self, item: T) -> BaseException | None:
-        """Run ``deliver(item)`` on a call thread; wait at most the call deadline.
 
-        A call past its deadline is not abandoned for a new one: the server may still be working on
-        it, and sending the item again would double its load when it is slowest. The retry of the
-        same item awaits that first call instead.
-        """
+class _DuePace(Generic[T]):
+    """When an item may be sent: ``due(item)``, a wall-clock time (None: at once); sooner at a close
+    (its own time, after its spread), at once while hurried (a flush, a close without spread)."""
+
+    def __init__(self, due: Callable[[T], float] | None, cond: threading.Condition) -> None:
+        self._due = due
+        self._cond = cond  # the worker's: a nudge or a flush makes the waiting item look again
+        self.hurry = threading.Event()  # set at close and during a flush: nothing waits for its due time
+        self._close_not_before = 0.0  # closing: the time before which nothing is sent
+
+    def close(self, spread_s: float) -> None:
+        self._close_not_before = time.time() + spread_s
+        if spread_s <= 0:
+            self.hurry.set()
+        self._cond.notify_all()
+
+    def _due_at(self, item: T, closing: bool) -> float:
+        assert self._due is not None
+        return min(self._due(item), self._close_not_before) if closing else self._due(item)
+
+    def is_due(self, item: T, closing: bool) -> bool:
+        return self._due is None or self.hurry.is_set() or self._due_at(item, closing) <= time.time()
+
+    def wait_until_due(self, item: T, closing: bool) -> None:
+        if self._due is None:
+            return
+        with self._cond:
+            while not self.hurry.is_set():
+                wait_s = self._due_at(item, closing) - time.time()
+                if wait_s <= 0:
+                    return
+                self._cond.wait(wait_s)
+
+
+class _DeadlineCall(Generic[T]):
+    """``deliver(item)`` on a call thread, awaited at most ``deadline_s``.
+
+    A call past its deadline is not abandoned for a new one: the server may still be working on it,
+    and sending the item again would double its load when it is slowest. The retry of the same item
+    awaits that first call instead (``hung`` meanwhile).
+    """
+
+    def __init__(self, deliver: Callable[[T], None], deadline_s: float, name: str, stats: DeliveryStats) -> None:
+        self._deliver = deliver
+        self._deadline_s = deadline_s
+        self._name = name
+        self._stats = stats
+        self._in_flight: _Call[T] | None = None  # a call past its deadline, awaited by the retry
+        self._warnings = RateLimitedLogger(_logger)
+
+    @property
+    def hung(self) -> bool:
+        return self._in_flight is not None
+
+    def __call__(self, item: T, abandon: threading.Event) -> BaseException | None:
         in_flight = self._in_flight
         if in_flight is None or in_flight.item is not item:
-            in_flight = self._start_call(item)
-        deadline = time.monotonic() + self._call_deadline_s
+            in_flight = self._start(item)
+        deadline = time.monotonic() + self._deadline_s
         while not in_flight.done.wait(0.05):
-            if self._abandon.is_set():
+            if abandon.is_set():
                 return DeadlineExceeded("abandoned: the drain deadline at close has passed")
             if time.monotonic() >= deadline:
                 self._in_flight = in_flight
-                self.stats.hung_calls += 1
+                self._stats.hung_calls += 1
                 self._warnings.warning(
-                    f"{self.name}-hung",
-                    "%s: a call exceeded its %.1f s deadline; waiting for it, not sending again",
-                    self.name,
-                    self._call_deadline_s,
-                )
-                return DeadlineExceeded(f"no answer within {self._call_deadline_s:g} s")
+                    f"{self._name}-hung", "%s: a call exceeded its %.1f s deadline; waiting for it, not sending again",
+                    self._name, self._deadline_s,
+                )  # fmt: skip
+                return DeadlineExceeded(f"no answer within {self._deadline_s:g} s")
         self._in_flight = None
         return in_flight.error
 
-    def _start_call(self, item: T) -> _Call[T]:
+    def _start(self, item: T) -> _Call[T]:
         call = _Call(item)
 
         def deliver() -> None:
@@ -419,7 +315,7 @@ class DeliveryWorker(Generic[T]):
             finally:
                 call.done.set()
 
-        threading.Thread(target=deliver, name=f"{self.name}-call", daemon=True).start()
+        threading.Thread(target=deliver, name=f"{self._name}-call", daemon=True).start()
         return call
 
 

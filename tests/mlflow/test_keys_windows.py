@@ -629,7 +629,7 @@ def test_windows_due_together_go_in_one_call_as_far_as_it_holds_them(tmp_path: P
 
     assert worker.close(5) == 0
     assert calls == [[0, 1], [2, 3], [4, 5], [6]]  # 2 values each: two windows a call
-    assert worker.stats.delivered == 7 and len(worker._overflow) == 0  # type: ignore[arg-type]
+    assert worker.stats.delivered == 7 and len(worker._outbox._overflow) == 0  # type: ignore[arg-type]
 
 
 def test_a_joined_call_the_server_refuses_is_sent_window_by_window(tmp_path: Path) -> None:
