@@ -12,23 +12,105 @@ import re
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 from otel_forge.config import MLFLOW_CLIENT_DEFAULTS
 from otel_forge.mlflow.server_probe import RETRY_AFTER_STATUSES, ServerRefused, insecure_tls, retry_after_s
 from otel_forge.mlflow.worker import Outcome
 from otel_forge.scrub import scrub
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # mlflow is imported by import_mlflow() alone, at run time
     from mlflow import MlflowClient
+    from mlflow.entities import (
+        Experiment,
+        LoggedModel,
+        LoggedModelOutput,
+        LoggedModelStatus,
+        Metric,
+        Param,
+        Run,
+        RunTag,
+    )
 
 _logger = logging.getLogger(__name__)
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 _RUN_GONE_CODES = ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
+
+
+class TrackingClient(Protocol):
+    """The part of ``mlflow.MlflowClient`` that otel_forge calls, as MLflow declares it (a parameter we
+    never pass is left out, keyword-only where MLflow puts one before it). ``make_client`` gives the
+    real one; the delivery simulation gives a fake. Returns we ignore are ``object``."""
+
+    def get_experiment(self, experiment_id: str) -> Experiment: ...
+
+    def get_experiment_by_name(self, name: str) -> Experiment | None: ...
+
+    def create_experiment(self, name: str, *, tags: dict[str, str] | None = None) -> str: ...
+
+    def set_experiment_tag(self, experiment_id: str, key: str, value: str) -> None: ...
+
+    def search_experiments(
+        self, *, max_results: int | None = ..., order_by: list[str] | None = None
+    ) -> Sequence[Experiment]: ...
+
+    def create_run(
+        self, experiment_id: str, *, tags: dict[str, str] | None = None, run_name: str | None = None
+    ) -> Run: ...
+
+    def get_run(self, run_id: str) -> Run: ...
+
+    def search_runs(
+        self, experiment_ids: list[str], filter_string: str = "", *, max_results: int = ...
+    ) -> Sequence[Run]: ...
+
+    def update_run(self, run_id: str, status: str | None = None, name: str | None = None) -> None: ...
+
+    def set_terminated(self, run_id: str, status: str | None = None, end_time: int | None = None) -> None: ...
+
+    def log_batch(
+        self,
+        run_id: str,
+        metrics: Sequence[Metric] = (),
+        params: Sequence[Param] = (),
+        tags: Sequence[RunTag] = (),
+        synchronous: bool | None = None,
+    ) -> object: ...
+
+    def set_tag(self, run_id: str, key: str, value: str, synchronous: bool | None = None) -> object: ...
+
+    def delete_tag(self, run_id: str, key: str) -> None: ...
+
+    def get_metric_history(self, run_id: str, key: str) -> Sequence[Metric]: ...
+
+    def log_dict(self, run_id: str, dictionary: dict[str, object], artifact_file: str) -> None: ...
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None: ...
+
+    def search_logged_models(
+        self, experiment_ids: list[str], filter_string: str | None = None
+    ) -> Sequence[LoggedModel]: ...
+
+    def create_logged_model(
+        self,
+        experiment_id: str,
+        *,
+        name: str | None = None,
+        source_run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        model_type: str | None = None,
+    ) -> LoggedModel: ...
+
+    def log_outputs(self, run_id: str, models: list[LoggedModelOutput]) -> object: ...
+
+    def log_model_artifacts(self, model_id: str, local_dir: str) -> None: ...
+
+    def finalize_logged_model(self, model_id: str, status: LoggedModelStatus) -> LoggedModel: ...
 
 
 class RunGone(Exception):
@@ -241,8 +323,9 @@ def refuses_connections(error: BaseException) -> bool:
 _import_lock = threading.Lock()
 
 
-def import_mlflow() -> Any:
-    """Import mlflow once, under a lock: two threads importing it at once can see it half-made."""
+def import_mlflow() -> ModuleType:
+    """Import mlflow once, under a lock: two threads importing it at once can see it half-made.
+    Typed uses import what they need from it afterwards (``from mlflow.entities import Metric``)."""
     with _import_lock:
         for name, value in MLFLOW_CLIENT_DEFAULTS.items():
             os.environ.setdefault(name, value)
@@ -253,9 +336,12 @@ def import_mlflow() -> Any:
 
 
 def make_client(tracking_uri: str | None) -> MlflowClient:
-    mlflow = import_mlflow()
+    """MLflow's client of ``tracking_uri`` (a ``TrackingClient``)."""
+    import_mlflow()
+    from mlflow import MlflowClient
+
     _insecure_tls_notice(tracking_uri)
-    return mlflow.MlflowClient(tracking_uri)
+    return MlflowClient(tracking_uri)
 
 
 def _insecure_tls_notice(tracking_uri: str | None) -> None:
@@ -314,7 +400,7 @@ def upload_texts(artifact_uri: str, tracking_uri: str | None, texts: Mapping[str
             repository.log_artifact(str(local), str(Path(artifact_file).parent) if "/" in artifact_file else None)
 
 
-def live_run(client: MlflowClient, run_id: str) -> Any:
+def live_run(client: TrackingClient, run_id: str) -> Run:
     """The run, or ``RunGone`` when it is deleted."""
     run = client.get_run(run_id)
     if run.info.lifecycle_stage == "deleted":

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 from otel_forge.config import MLFLOW_RETRIES_VAR, ForgeConfig
 from otel_forge.forking import forked_from
@@ -126,7 +125,7 @@ class CompanionProcess:
             self._process.kill()
             self._process.wait()
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: tuple[object, ...]) -> None:
         stdin = self._process.stdin if self._process is not None else None
         if stdin is None or stdin.closed or forked_from(self._pid):
             return

@@ -8,10 +8,13 @@ one place: the run a framework opened on its own thread is seen from ours.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlflow import ActiveRun
 
 
-def _fluent_stacks() -> list[list[Any]]:
+def _fluent_stacks() -> list[list[ActiveRun]]:
     """MLflow's active-run stack of every thread of this process."""
     fluent = sys.modules.get("mlflow.tracking.fluent")
     if fluent is None:
@@ -20,7 +23,7 @@ def _fluent_stacks() -> list[list[Any]]:
     return [stack for stack in stacks.values() if isinstance(stack, list)]
 
 
-def fluent_run() -> Any | None:
+def fluent_run() -> ActiveRun | None:
     """The top-level run (``mlflow.ActiveRun``, with its info) MLflow's fluent API has active in some
     thread of this process, if any."""
     for stack in _fluent_stacks():

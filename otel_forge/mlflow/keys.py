@@ -6,7 +6,7 @@ import math
 import re
 import socket
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Protocol
 
 from otel_forge.names import METRICS, Fold, MlflowKey
 
@@ -17,6 +17,16 @@ _NOT_IN_SEGMENT = re.compile(r"[^\w.\-]+")
 
 # What one sample is: key -> (fold, value).
 Sample = dict[str, tuple[Fold, float]]
+
+
+class DataPoint(Protocol):
+    """What a key is made from: an OTel number data point (``NumberDataPoint``) of a gauge or a sum."""
+
+    @property
+    def attributes(self) -> Mapping[str, object] | None: ...
+
+    @property
+    def value(self) -> float: ...
 
 
 def _path_segment(segment: str) -> str:
@@ -50,7 +60,7 @@ def system_prefix(node_id: str | None) -> str:
     return f"system/{key_segment(node_id)}/" if node_id else "system/"
 
 
-def _render(template: str, attributes: Mapping[str, Any]) -> str | None:
+def _render(template: str, attributes: Mapping[str, object]) -> str | None:
     missing = False
 
     def substitute(match: re.Match[str]) -> str:
@@ -64,7 +74,7 @@ def _render(template: str, attributes: Mapping[str, Any]) -> str | None:
     return None if missing else rendered
 
 
-def _matches(key: MlflowKey, attributes: Mapping[str, Any]) -> bool:
+def _matches(key: MlflowKey, attributes: Mapping[str, object]) -> bool:
     return all(str(attributes.get(name)) in allowed for name, allowed in key.where) and not any(
         name in attributes for name in key.without
     )
@@ -80,7 +90,7 @@ class KeyMapper:
             if spec.mlflow:
                 self._keys.setdefault(spec.name, spec.mlflow)
 
-    def sample(self, metrics: Iterable[tuple[str, Iterable[Any]]]) -> Sample:
+    def sample(self, metrics: Iterable[tuple[str, Iterable[DataPoint]]]) -> Sample:
         """``metrics``: (metric name, data points with ``.attributes`` and ``.value``)."""
         sample: Sample = {}
         exported = [(name, list(points)) for name, points in metrics if name in self._keys]
@@ -97,7 +107,7 @@ class KeyMapper:
         return sample
 
     def _add(
-        self, sample: Sample, key: MlflowKey, attributes: Mapping[str, Any], value: float, reporting: set[str]
+        self, sample: Sample, key: MlflowKey, attributes: Mapping[str, object], value: float, reporting: set[str]
     ) -> None:
         if not _matches(key, attributes):
             return

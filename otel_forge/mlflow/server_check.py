@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from otel_forge.mlflow.client import (
     WRITE_ACCESS_FIX,
@@ -27,6 +28,10 @@ from otel_forge.mlflow.client import (
     unanswered_reason,
 )
 from otel_forge.scrub import error_line, scrub
+
+if TYPE_CHECKING:
+    from mlflow.utils.rest_utils import MlflowHostCreds
+    from requests import Response
 
 _GET_BY_NAME = "/api/2.0/mlflow/experiments/get-by-name"
 _GET_BY_ID = "/api/2.0/mlflow/experiments/get"
@@ -54,7 +59,7 @@ class ServerCheck:
     experiment: str | None = None
     permission: str | None = None  # the user's on the experiment, where the server says it
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, str | None]:
         return {
             "verdict": self.verdict.value,
             "summary": self.summary,
@@ -96,7 +101,9 @@ def check_server(
     )
 
 
-def _read_experiment(creds: Any, name: str | None, experiment_id: str | None, timeout_s: float) -> str | None:
+def _read_experiment(
+    creds: MlflowHostCreds, name: str | None, experiment_id: str | None, timeout_s: float
+) -> str | None:
     """The experiment's id; None where it does not exist (yet)."""
     from mlflow.utils.rest_utils import verify_rest_response
 
@@ -113,7 +120,7 @@ def _read_experiment(creds: Any, name: str | None, experiment_id: str | None, ti
     return str(answer["experiment"]["experiment_id"])
 
 
-def _user_permission(creds: Any, user: str, experiment_id: str, timeout_s: float) -> str | None:
+def _user_permission(creds: MlflowHostCreds, user: str, experiment_id: str, timeout_s: float) -> str | None:
     """The user's permission on the experiment, where the server tells it (MLflow's basic-auth app)."""
     params = {"username": user, "resource_type": "experiment", "resource_id": experiment_id}
     try:
@@ -124,7 +131,7 @@ def _user_permission(creds: Any, user: str, experiment_id: str, timeout_s: float
     return str(permission) if permission else None
 
 
-def _get(creds: Any, endpoint: str, params: dict[str, Any], timeout_s: float) -> Any:
+def _get(creds: MlflowHostCreds, endpoint: str, params: Mapping[str, str | None], timeout_s: float) -> Response:
     """One GET through MLflow's request code (its headers, auth and TLS), not retried."""
     from mlflow.utils.rest_utils import http_request
 

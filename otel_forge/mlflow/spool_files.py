@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TypedDict
 
 from otel_forge.config import TOLD_SPOOL_ENV
 from otel_forge.private_dirs import check_base, open_private_file, private_dir
@@ -85,22 +85,32 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def writer_identity() -> dict[str, Any]:
-    """This process as a spool's header names it: its pid and start time (a pid is reused)."""
+class WriterIdentity(TypedDict):
+    """The process that writes a spool, as its header names it: a pid is reused, a start time is not."""
+
+    pid: int
+    started: float  # psutil's create_time(), in seconds since the epoch
+
+
+def writer_identity() -> WriterIdentity:
+    """This process as a spool's header names it."""
     import psutil
 
     return {"pid": os.getpid(), "started": psutil.Process().create_time()}
 
 
-def writer_alive(header: Mapping[str, Any]) -> bool:
+def writer_alive(header: Mapping[str, object]) -> bool:
     """Whether the process that wrote the spool still runs (a zombie has ended; a spool that names
     no writer, from an older version, is left)."""
     import psutil
 
+    pid = header.get("pid")
+    if not isinstance(pid, (int, float, str)):  # no pid (an older version's header), or no number
+        return False
     try:
-        process = psutil.Process(int(header["pid"]))
+        process = psutil.Process(int(pid))
         return process.create_time() == header.get("started") and process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError, ValueError):
+    except (psutil.Error, TypeError, ValueError):
         return False
 
 

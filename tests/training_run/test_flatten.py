@@ -204,3 +204,31 @@ def test_a_param_value_past_mlflows_limit_is_cut_with_a_marker_saying_how_much_i
         f"...[{missing} more characters]"
     ) + missing == len(value)
     assert flatten_params({"fits": "b" * 6000}) == {"fits": "b" * 6000}
+
+
+def _large_flat_config() -> dict[str, object]:
+    """The shape of a sweep's or a framework's dump: 5,000 flat entries of every scalar kind."""
+    kinds = (lambda i: i * 0.5, lambda i: i, lambda i: f"value-{i}", lambda i: i % 2 == 0, lambda i: None)
+    return {f"param_{i:04d}": kinds[i % len(kinds)](i) for i in range(5_000)}
+
+
+def test_a_large_flat_config_is_described_whole_param_by_param():
+    from otel_forge.mlflow.training.run_description import CONFIG_ARTIFACT, RunDescription
+    from otel_forge.node import NodeIdentity
+    from otel_forge.ratelimit import RateLimitedLogger
+    from otel_forge.scrub import SecretKeys
+
+    config = _large_flat_config()
+    description = RunDescription(
+        config, None, {}, ["train.py"], SecretKeys(), RateLimitedLogger(logging.getLogger(__name__))
+    )
+    records = description.records(NodeIdentity.detect(environ={}))
+    params = [record.payload for record in records if record.kind == "params"]
+    # Every value but None, as its text, each key once, in MLflow's calls of 100 and in the config's order.
+    expected = {key: str(value) for key, value in config.items() if value is not None}
+    assert len(expected) == 4_000
+    assert [len(batch) for batch in params] == [100] * 40
+    assert [key for batch in params for key in batch] == list(expected)
+    assert {key: value for batch in params for key, value in batch.items()} == expected
+    (artifact,) = [record.payload for record in records if record.kind == "dict"]
+    assert artifact == {"name": CONFIG_ARTIFACT, "data": config}

@@ -98,6 +98,24 @@ def test_an_odd_value_costs_only_itself_and_a_big_config_is_recorded_whole(mlflo
     assert len(config_json) == 10_002 and config_json["layer_09999"] == {"width": 9999}
 
 
+def test_a_large_flat_config_is_in_the_run_param_by_param(mlflow_server, client, experiment, tmp_path):
+    # 5,000 flat entries of every scalar kind (a sweep's or a framework's dump); None is no param.
+    kinds = (lambda i: i * 0.5, lambda i: i, lambda i: f"value-{i}", lambda i: i % 2 == 0, lambda i: None)
+    config = {f"param_{i:04d}": kinds[i % len(kinds)](i) for i in range(5_000)}
+    expected = {key: str(value) for key, value in config.items() if value is not None}
+    with TrainingRun(
+        config, tracking_uri=mlflow_server.uri, experiment=experiment, system_metrics=False, launch_argv=["train.py"]
+    ) as run:
+        run.log({"loss": 1.0}, step=0)
+    # The block waits for the description a while; a loaded server may take longer: look seldom (a
+    # look reads every param).
+    wait_for(lambda: len(client.get_run(run.run_id).data.params) >= len(expected), 90, 2.0, "every param in the run")
+
+    assert client.get_run(run.run_id).data.params == expected
+    config_json = json.loads(Path(client.download_artifacts(run.run_id, "config.json", str(tmp_path))).read_text())
+    assert config_json == config
+
+
 def test_a_huge_config_value_never_holds_the_training_loop(mlflow_server, client, experiment, socket_io):
     # 1 MiB in one value, with something secret-looking in it; the loop logs every 10 ms meanwhile.
     huge = ("token=abc " + "x" * 1000 + "\n") * 1000

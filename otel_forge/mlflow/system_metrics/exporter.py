@@ -11,16 +11,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
-from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
+from opentelemetry.sdk.metrics.export import Gauge, MetricExportResult, MetricsData, Sum
 
 from otel_forge.collectors.inventory import inventory_tags
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo, asked_pause_s, classify
-from otel_forge.mlflow.keys import KeyMapper, key_segment, node_host_tags, system_prefix
+from otel_forge.mlflow.keys import DataPoint, KeyMapper, key_segment, node_host_tags, system_prefix
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root, writer_identity
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
@@ -146,7 +145,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         else:
             self.window_logger.attach(run_id, known)
 
-    def record_inventory(self, inventory: dict[str, Any]) -> None:
+    def record_inventory(self, inventory: dict[str, object]) -> None:
         """The machine's inventory, into the run with the next window: ``<prefix>inventory.json``, and a
         few tags where the run is the node's alone (a job's run of many nodes gets no per-node tags)."""
         alone = self.window_logger.node_run is not None or self.node_id is None
@@ -286,8 +285,11 @@ class MLflowMetricExporter(NonBlockingExporter):
         return scrub(f"MLflowMetricExporter(run_id={self.run_id!r}, node_id={self.node_id!r})")
 
 
-def _points(metrics_data: MetricsData) -> Iterator[Any]:
+def _points(metrics_data: MetricsData) -> Iterator[tuple[str, Sequence[DataPoint]]]:
+    """(metric name, its number data points): the agent's instruments are gauges and sums alone (a
+    histogram's points hold no single value to log)."""
     for resource_metrics in metrics_data.resource_metrics:
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics:
-                yield metric.name, getattr(metric.data, "data_points", ())
+                data = metric.data
+                yield metric.name, data.data_points if isinstance(data, (Gauge, Sum)) else ()

@@ -6,7 +6,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from otel_forge.collectors.inventory import node_inventory
 from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, RunInfoCollector
@@ -287,7 +286,7 @@ def monitor(
     otlp: str | None = None,
     config: ForgeConfig | None = None,
     in_process: bool = False,
-    **settings: Any,
+    **settings: object,
 ) -> CompanionMonitor | SystemMetricsMonitor:
     """Sample this node into an MLflow run and start at once: ``run_id``, else ``MLFLOW_RUN_ID``, else
     MLflow's active run, else the first run this process opens (``trainer.train()`` opens its own).

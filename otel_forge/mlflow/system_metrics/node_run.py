@@ -13,7 +13,12 @@ Nothing here reads a whole run: the job's run may be the largest of the server.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlflow.entities import Run
+
+    from otel_forge.mlflow.client import TrackingClient
 
 SYSTEM_PREFIX = "system/"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own: its UI nests the run under its parent
@@ -23,7 +28,7 @@ NODE_TAG = "otel_forge.node.id"
 DEFAULT_EXPERIMENT_ID = "0"
 
 
-def next_system_step(run: Any, prefix: str) -> int:
+def next_system_step(run: Run, prefix: str) -> int:
     """The step after the last one this node logged in ``run`` (``prefix`` = ``system/[<node>/]``),
     else 0. The run's latest metrics carry their steps: no history is read."""
     last = -1
@@ -35,7 +40,7 @@ def next_system_step(run: Any, prefix: str) -> int:
     return last + 1
 
 
-def last_anchor_step(client: Any, run_id: str, anchor: str) -> int:
+def last_anchor_step(client: TrackingClient, run_id: str, anchor: str) -> int:
     """The last step of key ``anchor`` in the run, -1 where it has none: one key's history."""
     return max((m.step for m in client.get_metric_history(run_id, anchor)), default=-1)
 
@@ -45,11 +50,11 @@ class NodeRun:
     """The node's own run: where its windows go, its artifacts, the step its windows continue at."""
 
     run_id: str
-    artifact_uri: str
+    artifact_uri: str | None  # as MLflow's RunInfo has it (a store always sets it)
     next_step: int
 
 
-def open_node_run(client: Any, job_run_id: str, experiment_id: str, node_id: str) -> NodeRun:
+def open_node_run(client: TrackingClient, job_run_id: str, experiment_id: str, node_id: str) -> NodeRun:
     """The node's run under the job's run: the one an earlier agent of the node made (a restart, a
     requeued job), else a new one. One ``runs/search``, which reads only that small run, plus a
     ``runs/create`` the first time."""
@@ -64,7 +69,7 @@ def open_node_run(client: Any, job_run_id: str, experiment_id: str, node_id: str
     return NodeRun(created.info.run_id, created.info.artifact_uri, 0)
 
 
-def run_artifact_uri(client: Any, experiment_id: str, run_id: str) -> str:
+def run_artifact_uri(client: TrackingClient, experiment_id: str, run_id: str) -> str:
     """Where a run's artifacts live, from its experiment (one small call), not from the run: MLflow's
     stores place every run's artifacts at ``<experiment's artifact location>/<run id>/artifacts``."""
     from mlflow.utils.uri import append_to_uri_path
@@ -72,7 +77,7 @@ def run_artifact_uri(client: Any, experiment_id: str, run_id: str) -> str:
     return str(append_to_uri_path(client.get_experiment(experiment_id).artifact_location, run_id, "artifacts"))
 
 
-def experiment_id_for(client: Any, experiment: str | None) -> str:
+def experiment_id_for(client: TrackingClient, experiment: str | None) -> str:
     """The experiment of a run whose opener did not say it: the one the setting names, by id (digits)
     or by name (one lookup); "" where nothing names it. Never a guess, and never a read of the run,
     though no call but a read of the whole run tells a run's experiment."""

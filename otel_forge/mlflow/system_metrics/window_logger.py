@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from otel_forge.mlflow.client import (
     MAX_METRICS_PER_BATCH,
     RunInfo,
     RunPending,
+    TrackingClient,
     TrackingOutage,
     import_mlflow,
     make_client,
@@ -27,6 +28,9 @@ from otel_forge.mlflow.system_metrics.node_run import (
 )
 from otel_forge.mlflow.system_metrics.windows import Window
 from otel_forge.scrub import error_line
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
 
 _logger = logging.getLogger(__name__)
 
@@ -65,9 +69,9 @@ class WindowLogger:
         self.node_run_id = node_run_id  # the node's own run, once open (node runs only)
         self._artifact_uri: str | None = None  # of the run the windows go to
         self.known = RunInfo(None, "")
-        self._client: Any = None
+        self._client: TrackingClient | None = None
         self._lock = threading.Lock()
-        self.on_first_step: list[Any] = []
+        self.on_first_step: list[Callable[[int], object]] = []  # called with the first step, once found
 
     @property
     def experiment_id(self) -> str | None:
@@ -91,7 +95,7 @@ class WindowLogger:
         self.known = known or RunInfo(None, "")
         self.run_id = run_id
 
-    def _ensure_ready(self, window: Window) -> tuple[Any, str, int]:
+    def _ensure_ready(self, window: Window) -> tuple[TrackingClient, str, int]:
         if self.run_id is None:
             raise RunPending("the run is not open yet")
         with self._lock:
@@ -123,7 +127,7 @@ class WindowLogger:
         )
         return DEFAULT_EXPERIMENT_ID
 
-    def _log_artifacts(self, client: Any, run_id: str, artifacts: Mapping[str, str]) -> None:
+    def _log_artifacts(self, client: TrackingClient, run_id: str, artifacts: Mapping[str, str]) -> None:
         """Best effort: an artifact store that refuses costs the artifact, never the windows. The run's
         artifact location comes from its experiment (``MlflowClient.log_text`` would read the run)."""
         if not artifacts:
@@ -164,7 +168,9 @@ class WindowLogger:
             with self._lock:
                 version, tag_items, artifacts = self._version, list(self._tags.items()), dict(self._artifacts)
             unrecorded = self._recorded != (run_id, version)
-            tags = [import_mlflow().entities.RunTag(k, v) for k, v in tag_items] if unrecorded else []
+            from mlflow.entities import RunTag  # imported by _metrics' import_mlflow()
+
+            tags = [RunTag(k, v) for k, v in tag_items] if unrecorded else []
             # The tags ride in the first call, in room its metrics leave: a call carries 1000 entries.
             first = MAX_METRICS_PER_BATCH - len(tags)
             client.log_batch(run_id, metrics=metrics[:first], tags=tags, synchronous=True)
@@ -177,13 +183,16 @@ class WindowLogger:
             client.set_terminated(self.node_run_id, "FINISHED", end_time=window.timestamp_ms)
 
     @staticmethod
-    def _metrics(window: Window, first_step: int) -> list[Any]:
+    def _metrics(window: Window, first_step: int) -> list[Metric]:
         """A window's MLflow metrics: its held-back values at the step before, then its own."""
-        metric, step = import_mlflow().entities.Metric, first_step + window.index
+        import_mlflow()
+        from mlflow.entities import Metric
+
+        step = first_step + window.index
         if not window.values:
             return []
-        earlier = [metric(key, value, window.before_timestamp_ms, step - 1) for key, value in window.before]
-        return earlier + [metric(key, value, window.timestamp_ms, step) for key, value in window.values]
+        earlier = [Metric(key, value, window.before_timestamp_ms, step - 1) for key, value in window.before]
+        return earlier + [Metric(key, value, window.timestamp_ms, step) for key, value in window.values]
 
     @staticmethod
     def joined(window: Window, later: Window) -> Window | None:

@@ -14,7 +14,7 @@ import json
 import logging
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,11 @@ def _sequence(path: Path) -> int:
 class WindowSpool:
     """A bounded, ordered, on-disk queue of windows (``worker.Overflow`` of ``Window``)."""
 
-    def __init__(self, path: Path, max_bytes: int, header: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: Path, max_bytes: int, header: Mapping[str, object] | None = None) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._header = dict(header or {})
+        self._header: dict[str, object] = dict(header or {})
         self._refused: set[str] = set()
         self.set_aside = 0  # files found not to be windows
         files = sorted(path.glob(f"*{_SUFFIX}")) if path.is_dir() else []
@@ -60,9 +60,11 @@ class WindowSpool:
 
     @property
     def header(self) -> dict[str, Any]:
+        """A copy of ``spool.json``: JSON, whose fields replay reads as what the exporter wrote (Any
+        until replay's ``_job_run_id`` takes a typed header)."""
         return dict(self._header)
 
-    def update_header(self, **fields: Any) -> None:
+    def update_header(self, **fields: object) -> None:
         with self._lock:
             self._header.update(fields)
             if self.path.is_dir():

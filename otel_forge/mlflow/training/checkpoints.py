@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from otel_forge.mlflow.client import import_mlflow
 
 if TYPE_CHECKING:
+    from mlflow.entities import LoggedModel
+
+    from otel_forge.mlflow.client import TrackingClient
     from otel_forge.mlflow.training.run_owner import OpenRun
 
 
@@ -55,7 +58,7 @@ _DUMMY_SIGNATURE = {
 }
 
 
-def external_model_spec(model: Any) -> str:
+def external_model_spec(model: LoggedModel) -> str:
     """The MLmodel YAML ``mlflow.models.utils.get_external_mlflow_model_spec(model)`` saves, made
     without its ModelSignature (and so without numpy or pandas)."""
     import yaml
@@ -74,7 +77,7 @@ def external_model_spec(model: Any) -> str:
     return str(yaml.safe_dump(spec, default_flow_style=False))
 
 
-def _link_as_output(client: Any, run_id: str, model_id: str, step: int) -> None:
+def _link_as_output(client: TrackingClient, run_id: str, model_id: str, step: int) -> None:
     """Link a model found again (a resumed run) unless it is already: a process that died between
     creating and linking it left it unlinked. The store keeps every link it is given, duplicates too."""
     from mlflow.entities import LoggedModelOutput

@@ -16,7 +16,8 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, NoReturn
+from types import FrameType
+from typing import NoReturn
 
 from otel_forge.forking import forked_from
 
@@ -37,7 +38,9 @@ class ExitHandlers:
     def __init__(self, close: Callable[[str], None], handle_sigterm: bool = True) -> None:
         self._close = close
         self._handle_sigterm = handle_sigterm
-        self._previous_sigterm: Any = None
+        # What signal.signal gave back: a handler of Python's, SIG_DFL or SIG_IGN (ints), or None
+        # (a handler not installed from Python).
+        self._previous_sigterm: Callable[[int, FrameType | None], object] | int | None = None
         self._pid = os.getpid()
 
     def install(self) -> None:
@@ -66,7 +69,7 @@ class ExitHandlers:
         if not forked_from(self._pid):
             self._close(exit_status(code))
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous_sigterm
         if not forked_from(self._pid):  # a Pool stopping its forked worker: the worker's death only
             self._close("KILLED")
@@ -87,7 +90,7 @@ def _watch_exits() -> None:
         _watching = True
         sys_exit, os_exit = sys.exit, os._exit
 
-        def exit(status: Any = None) -> NoReturn:  # noqa: A001 - it is sys.exit
+        def exit(status: str | int | None = None) -> NoReturn:  # noqa: A001 - it is sys.exit (typeshed's argument)
             if threading.current_thread() is threading.main_thread():
                 _exit_codes[:] = [status]
             sys_exit(status)

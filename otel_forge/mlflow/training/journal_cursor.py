@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,9 @@ from otel_forge.mlflow.training.run_journal import CURSOR_FILE, END, JOURNAL_FIL
 _logger = logging.getLogger(__name__)
 
 _DESCRIBED_POLL_S = 0.02  # how often a TrainingRun looks whether its description is in
+# The cursor holds the whole description (a large config's: hundreds of KB): while it waits, the
+# TrainingRun parses it again only once the file changed, and at least this often all the same.
+_DESCRIBED_REREAD_S = 0.25
 _COUNT_RECORDS = 10_000  # records a count reads at once
 
 
@@ -45,25 +49,41 @@ class Cursor:
             return cls()
 
     def save(self, directory: Path) -> None:
-        write_atomically(directory / CURSOR_FILE, json.dumps(dataclasses.asdict(self)))
+        # The fields as they are (JSON's own types): asdict would deep-copy the description first.
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        write_atomically(directory / CURSOR_FILE, json.dumps(fields))
 
 
 def wait_described(directory: Path, timeout_s: float) -> bool:
     """Wait, at most ``timeout_s``, until the delivery of the journal in ``directory`` has described
     its run (or delivered the journal whole); True then."""
     deadline = time.monotonic() + timeout_s
-    while not _described(directory):
-        if time.monotonic() >= deadline:
+    version: tuple[int, int, int] | None = None  # of the cursor file read last
+    read_at = 0.0
+    while True:
+        if not directory.exists():
+            return True
+        now = time.monotonic()
+        if (seen := _version(directory)) != version or now - read_at >= _DESCRIBED_REREAD_S:
+            version, read_at = seen, now
+            if _described(Cursor.load(directory)):
+                return True
+        if now >= deadline:
             _logger.info("MLflow: the run's description is not delivered yet; it follows in the background")
             return False
         time.sleep(_DESCRIBED_POLL_S)
-    return True
 
 
-def _described(directory: Path) -> bool:
-    if not directory.exists():
-        return True
-    cursor = Cursor.load(directory)
+def _version(directory: Path) -> tuple[int, int, int] | None:
+    """Which cursor file is there: each save is a new file (``write_atomically``)."""
+    try:
+        stat = os.stat(directory / CURSOR_FILE)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _described(cursor: Cursor) -> bool:
     return cursor.run is not None and not cursor.undescribed
 
 

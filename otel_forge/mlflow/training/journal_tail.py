@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,17 +50,19 @@ class Item:
     """One entry's worth of the journal, in order; ``end``: the offset delivered once it is."""
 
     kind: str
+    # By kind: a MetricRow (METRICS), a list of METRICS items (ROWS), the entry's fields after its kind
+    # (RECORD, CHECKPOINT, END), None (OPENED, MARK). Any: the delivery unpacks it into typed calls.
     data: Any
     end: int | None
 
 
 @dataclass
 class Control:
-    """The control entries read so far (the latest of each)."""
+    """The control entries read so far (the latest of each): their JSON objects."""
 
-    plan: dict[str, Any] | None = None
-    describe: dict[str, Any] | None = None
-    opened: dict[str, Any] | None = None
+    plan: dict[str, object] | None = None
+    describe: dict[str, object] | None = None
+    opened: dict[str, object] | None = None
     disabled: bool = False
 
 
@@ -128,16 +130,18 @@ class JournalTail:
                     self._mark_writer_done()
                 return
 
-    def _note(self, entry: list[Any] | None) -> None:
+    def _note(self, entry: Sequence[object] | None) -> None:
         if not entry:
             return
         kind = entry[0]
-        if kind == PLAN:
-            self.control.plan = dict(entry[1])
-        elif kind == DESCRIBE:
-            self.control.describe = dict(entry[1])
-        elif kind == OPENED:
-            self.control.opened = dict(entry[1])
+        # A plan, description or run is a JSON object; an entry without one is not ours (as decode's None).
+        fields = dict(entry[1]) if len(entry) > 1 and isinstance(entry[1], dict) else None
+        if kind == PLAN and fields is not None:
+            self.control.plan = fields
+        elif kind == DESCRIBE and fields is not None:
+            self.control.describe = fields
+        elif kind == OPENED and fields is not None:
+            self.control.opened = fields
         elif kind == DISABLED:
             self.control.disabled = True
         elif kind == END:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
 
 from otel_forge.mlflow.keys import sanitize_key
 from otel_forge.mlflow.training.run_metadata import REJECTED_TAG
@@ -16,9 +16,10 @@ _logger = logging.getLogger(__name__)
 
 MAX_KEY_CHARS = 250  # MLflow's limit for a metric key
 MAX_STEP = 2**63 - 1  # MLflow stores steps as int64
+_Key = TypeVar("_Key", bound=Hashable)  # log() takes any key it can name with str()
 
 
-def checked_step(step: Any) -> int | None:
+def checked_step(step: object) -> int | None:
     """``step`` as MLflow can store it (an integer from 0 to int64's max, integral floats and
     numpy/torch scalars included); None otherwise."""
     if hasattr(step, "item") and not isinstance(step, (int, float)):
@@ -30,10 +31,11 @@ def checked_step(step: Any) -> int | None:
     return int(step) if 0 <= step <= MAX_STEP else None
 
 
-def checked_value(value: Any) -> float | None:
+def checked_value(value: object) -> float | None:
     """A number MLflow can store: finite, or NaN (a diverged loss is worth seeing); else None."""
     try:
-        number = float(value.item() if hasattr(value, "item") else value)
+        # float() is the judge: whatever it refuses raises, and is refused here.
+        number = float(value.item() if hasattr(value, "item") else value)  # type: ignore[arg-type]
     except (TypeError, ValueError, OverflowError):
         return None
     return None if math.isinf(number) else number
@@ -51,9 +53,9 @@ class MetricChecker:
         self._lost_why = ""
         self._warned = 0  # the count the last warning said
         self._warnings = warnings
-        self._key_names: dict[Any, str | None] = {}
+        self._key_names: dict[Hashable, str | None] = {}
 
-    def values(self, metrics: Mapping[Any, Any]) -> dict[str, float]:
+    def values(self, metrics: Mapping[_Key, object]) -> dict[str, float]:
         values: dict[str, float] = {}
         for key, raw in metrics.items():
             name = self._key_name(key)
@@ -99,7 +101,7 @@ class MetricChecker:
             REJECTED_TAG,
         )
 
-    def _key_name(self, key: Any) -> str | None:
+    def _key_name(self, key: Hashable) -> str | None:
         """The key as MLflow accepts it, or None; remembered, since the same keys come every step."""
         if (name := self._key_names.get(key, "")) != "":
             return name

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from otel_forge.mlflow.client import import_mlflow
 from otel_forge.mlflow.keys import key_segment
 from otel_forge.mlflow.training.run_metadata import TORCHRUN_RESTART_TAG, attempt_tags
 from otel_forge.node import NodeIdentity, torchrun_attempt
+
+if TYPE_CHECKING:
+    from mlflow.entities import Run
+
+    from otel_forge.mlflow.client import TrackingClient
 
 _logger = logging.getLogger(__name__)
 
@@ -28,7 +33,7 @@ JOB_OUTCOME_TAG = "otel_forge.job.outcome"  # FAILED or KILLED once any process 
 
 
 def end_run(
-    client: Any,
+    client: TrackingClient,
     run_id: str,
     experiment_id: str | None,
     status: str,
@@ -56,11 +61,13 @@ def end_run(
         )
         client.set_terminated(run_id, status)
     elif status != "FINISHED":
-        run_tag = import_mlflow().entities.RunTag
+        import_mlflow()
+        from mlflow.entities import RunTag
+
         what = f"{status} ({worker or f'rank {node.rank}'}{', ' + detail if detail else ''})"
         client.log_batch(
             run_id,
-            tags=[run_tag(OUTCOME_TAG_PREFIX + outcome_name(node, worker), what), run_tag(JOB_OUTCOME_TAG, status)],
+            tags=[RunTag(OUTCOME_TAG_PREFIX + outcome_name(node, worker), what), RunTag(JOB_OUTCOME_TAG, status)],
             synchronous=True,
         )
         client.set_terminated(run_id, status)
@@ -79,7 +86,7 @@ def outcome_name(node: NodeIdentity, worker: str | None = None) -> str:
     return f"rank_{rank}" if rank is not None and rank.isdigit() else "node"
 
 
-def job_outcome(client: Any, run_id: str, experiment_id: str) -> str | None:
+def job_outcome(client: TrackingClient, run_id: str, experiment_id: str) -> str | None:
     """FAILED or KILLED if a process of the job ended so; a search that matches nothing is small,
     whatever the run's size (``get_run`` is not)."""
     failed = f"attributes.run_id = '{run_id}' and tags.`{JOB_OUTCOME_TAG}` LIKE '%'"
@@ -87,7 +94,7 @@ def job_outcome(client: Any, run_id: str, experiment_id: str) -> str | None:
     return found[0].data.tags.get(JOB_OUTCOME_TAG) if found else None
 
 
-def begin_attempt(client: Any, run: Any, environ: Mapping[str, str] | None = None) -> None:
+def begin_attempt(client: TrackingClient, run: Run, environ: Mapping[str, str] | None = None) -> None:
     """A new attempt of the job (a requeue, a torchrun restart, a run made beforehand): running
     again, its outcome this attempt's, not the last one's, and which attempt it is (tags)."""
     if run.info.status != "RUNNING":
@@ -96,5 +103,7 @@ def begin_attempt(client: Any, run: Any, environ: Mapping[str, str] | None = Non
         client.delete_tag(run.info.run_id, tag)
     tags = {key: value for key, value in attempt_tags(environ).items() if run.data.tags.get(key) != value}
     if tags:
-        run_tag = import_mlflow().entities.RunTag
-        client.log_batch(run.info.run_id, tags=[run_tag(k, v) for k, v in tags.items()], synchronous=True)
+        import_mlflow()
+        from mlflow.entities import RunTag
+
+        client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)

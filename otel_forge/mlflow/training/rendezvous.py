@@ -12,10 +12,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from otel_forge.mlflow.keys import key_segment
 from otel_forge.scrub import error_line
+
+if TYPE_CHECKING:
+    from mlflow.entities import Experiment
+
+    from otel_forge.mlflow.client import TrackingClient
 
 _logger = logging.getLogger(__name__)
 
@@ -29,7 +34,7 @@ def job_tag(key: str) -> str:
     return f"otel_forge.job.{key_segment(key)}"
 
 
-def find_experiment(client: Any, experiment: str) -> Any:
+def find_experiment(client: TrackingClient, experiment: str) -> Experiment | None:
     """The experiment by id (all digits) or name; None if it does not exist (yet)."""
     if experiment.isdigit():
         return client.get_experiment(experiment)
@@ -42,7 +47,7 @@ def find_experiment(client: Any, experiment: str) -> Any:
 EXPERIMENT_KIND_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
 
-def create_experiment(client: Any, name: str) -> str:
+def create_experiment(client: TrackingClient, name: str) -> str:
     """Create experiment ``name``, of training runs, or take the one another process of the job
     created between our look and our create; its id."""
     try:
@@ -50,14 +55,16 @@ def create_experiment(client: Any, name: str) -> str:
     except Exception as error:
         if str(getattr(error, "error_code", "")) != "RESOURCE_ALREADY_EXISTS":
             raise
-        return str(client.get_experiment_by_name(name).experiment_id)
+        if (created := client.get_experiment_by_name(name)) is None:
+            raise  # deleted again meanwhile: the create's own error says what happened
+        return str(created.experiment_id)
 
 
-def published_run_id(experiment: Any, key: str) -> str | None:
+def published_run_id(experiment: Experiment | None, key: str) -> str | None:
     return experiment.tags.get(job_tag(key)) if experiment is not None else None
 
 
-def publish(client: Any, experiment_id: str, key: str, run_id: str) -> None:
+def publish(client: TrackingClient, experiment_id: str, key: str, run_id: str) -> None:
     client.set_experiment_tag(experiment_id, job_tag(key), run_id)
 
 
@@ -69,7 +76,7 @@ class FoundRun:
 
 
 def wait_for_run(
-    client: Any,
+    client: TrackingClient,
     experiment: str,
     key: str,
     pause: Callable[[float], bool],
@@ -99,7 +106,7 @@ def wait_for_run(
             experiment_entity = None
             if answered is not None:
                 answered(False)
-        if (run_id := published_run_id(experiment_entity, key)) is not None:
+        if experiment_entity is not None and (run_id := published_run_id(experiment_entity, key)) is not None:
             return FoundRun(run_id, experiment_entity.experiment_id, polls)
         if late_at is not None and clock() >= late_at:
             late_at = None

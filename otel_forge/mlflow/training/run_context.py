@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlflow.tracking.context.abstract_context import RunContextProvider
 from mlflow.tracking.default_experiment.abstract_context import DefaultExperimentProvider
@@ -27,6 +27,9 @@ from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
 from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT
 from otel_forge.node import is_first_process
+
+if TYPE_CHECKING:
+    from otel_forge.mlflow.client import TrackingClient
 
 _logger = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class LaunchedRunContext(RunContextProvider):
         _logger.debug("otel-forge run is still opening its run: runs started now are not nested under it")
 
 
-def _first_run_tags(record: script_run.ScriptRun, lightning: Any) -> dict[str, str]:
+def _first_run_tags(record: script_run.ScriptRun, lightning: object | None) -> dict[str, str]:
     """The script's first run is the job's, where the script names the experiment (Lightning's
     ``MLFlowLogger`` names its own, ``lightning_logs`` by default): it carries the job key, and is
     published once made. A run another process claimed first nests under that one, as a job's later
@@ -121,7 +124,7 @@ class JobDefaultExperiment(DefaultExperimentProvider):
         return str(found.experiment_id) if found is not None else create_experiment(client, DEFAULT_EXPERIMENT)
 
 
-def _lightning_logger() -> Any | None:
+def _lightning_logger() -> object | None:
     """Lightning's ``MLFlowLogger`` if it is the one creating a run now, else None.
 
     It creates its run with ``MlflowClient.create_run`` in an experiment of its own (``lightning_logs``
@@ -139,7 +142,7 @@ def _lightning_logger() -> Any | None:
     return None
 
 
-def _lightning_run(lightning: Any) -> script_run.PublishedRun | None:
+def _lightning_run(lightning: object) -> script_run.PublishedRun | None:
     """The run Lightning's logger made, once ``create_run`` has returned it."""
     run_id = getattr(lightning, "_run_id", None)
     if run_id is None:
@@ -210,7 +213,7 @@ def _autologging_off() -> None:
 _in_a_process_of_the_job()
 
 
-def runs_elsewhere(client: Any, run_id: str, experiment_id: str) -> list[tuple[str, str]]:
+def runs_elsewhere(client: TrackingClient, run_id: str, experiment_id: str) -> list[tuple[str, str]]:
     """(run id, experiment name) of the runs nested under ``run_id`` in another experiment than
     its own: a framework that picks its own experiment (Lightning's ``MLFlowLogger``: ``lightning_logs``)
     put part of the job where the job's run page does not show it."""

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from otel_forge.mlflow.client import context_tags
 from otel_forge.mlflow.keys import sanitize_key
@@ -33,11 +33,19 @@ CONFIG_ARTIFACT = "config.json"
 MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
 
 
+class DescribeEntry(TypedDict):
+    """The journal's ``describe`` entry: a new run's tags, and the records that describe it."""
+
+    creation_tags: dict[str, str]
+    records: list[tuple[str, object]]  # (kind, payload) of each Record, in order
+
+
 @dataclass(frozen=True)
 class RunDescription:
-    """The caller's config, description and tags, and the command that launched the job."""
+    """The caller's config (anything ``config_as_dict`` reads), description and tags, and the command
+    that launched the job."""
 
-    config: Any
+    config: object
     description: str | None
     tags: Mapping[str, str]
     launch_argv: Sequence[str]
@@ -57,9 +65,9 @@ class RunDescription:
             records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
         return records
 
-    def journal_entry(self, node: NodeIdentity) -> dict[str, Any]:
+    def journal_entry(self, node: NodeIdentity) -> DescribeEntry:
         """What a new run records, as the journal keeps it for whichever process opens the run."""
-        records = [[record.kind, record.payload] for record in self.records(node)]
+        records: list[tuple[str, object]] = [(record.kind, record.payload) for record in self.records(node)]
         return {"creation_tags": self.creation_tags(node.job_key), "records": records}
 
     def new_run(self, job_key: str | None) -> tuple[str | None, dict[str, str]]:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from otel_forge.kubernetes import KubernetesIdentity
 from otel_forge.mlflow.keys import node_host_tags
@@ -28,7 +28,14 @@ from otel_forge.node import (
 )
 from otel_forge.scrub import REDACTED, SecretKeys, scrub
 
+if TYPE_CHECKING:
+    from yaml import Node
+
 _logger = logging.getLogger(__name__)
+
+# A config as plain data, JSON's own types: what ``config_as_dict`` makes of any config, and what is
+# masked, flattened into params and uploaded as config.json.
+PlainData: TypeAlias = "None | str | int | float | bool | list[PlainData] | dict[str, PlainData]"
 
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
 GIT_DIRTY_TAG = "mlflow.source.git.dirty"
@@ -59,7 +66,7 @@ _GIT_TIMEOUT_S = 10.0
 _GIT_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
-def config_as_dict(config: Any) -> Any:
+def config_as_dict(config: object) -> PlainData:
     """Dataclasses, pydantic models, argparse namespaces and mappings as plain nested data.
 
     Whatever cannot be read costs only itself: a value whose ``str`` raises becomes a marker, a
@@ -68,7 +75,7 @@ def config_as_dict(config: Any) -> Any:
     return _plain(config, set())
 
 
-def _plain(value: Any, seen: set[int]) -> Any:
+def _plain(value: object, seen: set[int]) -> PlainData:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if id(value) in seen:
@@ -83,7 +90,7 @@ def _plain(value: Any, seen: set[int]) -> Any:
         seen.discard(id(value))
 
 
-def _container(value: Any, seen: set[int]) -> Any:
+def _container(value: object, seen: set[int]) -> PlainData:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name), seen) for f in dataclasses.fields(value)}
     if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic v2
@@ -99,14 +106,14 @@ def _container(value: Any, seen: set[int]) -> Any:
     return _text(value)
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     try:
         return str(value)
     except Exception:  # noqa: BLE001 - an object whose __str__ raises
         return f"<unprintable {type(value).__name__}>"
 
 
-def redact(data: Any, secret: SecretKeys, max_chars: int = CONFIG_VALUE_MAX_CHARS) -> Any:
+def redact(data: PlainData, secret: SecretKeys, max_chars: int = CONFIG_VALUE_MAX_CHARS) -> PlainData:
     """Plain data with every value under a secret-naming key masked, text scrubbed of
     credentials, and text past ``max_chars`` cut with a marker (before it is scrubbed: linear)."""
     if isinstance(data, Mapping):
@@ -138,18 +145,18 @@ def cut_with_marker(text: str, max_chars: int) -> str:
     return f"{text[:kept]}...[{whole - kept} more characters]"
 
 
-def _secret_flag(item: Any, secret: SecretKeys) -> bool:
+def _secret_flag(item: PlainData, secret: SecretKeys) -> bool:
     return isinstance(item, str) and item.startswith("-") and "=" not in item and secret(item.lstrip("-"))
 
 
-def flatten_params(config: Any, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[str, str]:
+def flatten_params(config: object, max_chars: int = PARAM_VALUE_MAX_CHARS) -> dict[str, str]:
     """Dotted params: ``{"model": {"dim": 8}, "lr": [1, 2]}`` -> ``model.dim``, ``lr.0``, ``lr.1``.
 
     None is skipped; other values are stringified and cut to ``max_chars``, with a marker.
     """
     flat: dict[str, str] = {}
 
-    def walk(prefix: str, value: Any) -> None:
+    def walk(prefix: str, value: PlainData) -> None:
         if value is None:
             return
         if isinstance(value, Mapping):
@@ -299,8 +306,9 @@ def launch_file_text(path: Path) -> str | None:
         return None
 
 
-def load_launch_config(path: Path) -> Any:
-    """The launch file's content as data (TOML, YAML or JSON); None if it cannot be read, or holds
+def load_launch_config(path: Path) -> object:
+    """The launch file's content as its parser made it (TOML, YAML or JSON: plain data, dates too: a
+    config for ``config_as_dict``); None if it cannot be read, or holds
     more than ``LAUNCH_CONFIG_MAX_VALUES`` values once YAML's aliases are expanded (an alias bomb)."""
     if (text := launch_file_text(path)) is None:
         return None
@@ -320,7 +328,7 @@ def load_launch_config(path: Path) -> Any:
 _TOO_MANY_VALUES = object()
 
 
-def _parse(text: str, suffix: str) -> Any:
+def _parse(text: str, suffix: str) -> object:
     if suffix == ".toml":
         if sys.version_info >= (3, 11):
             import tomllib
@@ -338,7 +346,7 @@ def _parse(text: str, suffix: str) -> Any:
     return yaml.safe_load(text)
 
 
-def _expanded_nodes(node: Any, sizes: dict[int, int]) -> int:
+def _expanded_nodes(node: Node | None, sizes: dict[int, int]) -> int:
     """How many nodes ``node`` stands for with every alias expanded; linear in the graph (memoised)."""
     if node is None:
         return 0
@@ -351,7 +359,7 @@ def _expanded_nodes(node: Any, sizes: dict[int, int]) -> int:
     return size
 
 
-def _values(data: Any) -> int:
+def _values(data: object) -> int:
     """How many values plain (parsed) data holds, at most LAUNCH_CONFIG_MAX_VALUES + 1 counted."""
     count, stack = 0, [data]
     while stack and count <= LAUNCH_CONFIG_MAX_VALUES:

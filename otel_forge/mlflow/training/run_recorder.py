@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import threading
 from pathlib import Path
-from typing import Any
 
 from otel_forge.mlflow.keys import key_segment
 from otel_forge.mlflow.spool_files import spool_root
@@ -107,6 +106,6 @@ def checkpoint_model_name(run: OpenRun | None, run_name: str | None, step: int) 
     return f"{key_segment((run.run_name or run.run_id) if run else (run_name or 'run'))}-step-{step}"
 
 
-def _known(fields: list[tuple[str, Any]]) -> dict[str, Any]:
+def _known(fields: list[tuple[str, object]]) -> dict[str, object]:
     """An ``OpenRun`` as the journal keeps it: what it knows of the run, not its client."""
     return {name: value for name, value in fields if name not in ("client", "described")}
