@@ -25,7 +25,9 @@ def find_or_create_external_model(run: OpenRun, name: str, step: int, directory:
     from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
 
     client = run.client
-    found = client.search_logged_models(experiment_ids=[run.experiment_id], filter_string=f"name = '{name}'")
+    # A run found by a process that never read it knows no experiment id: the run says it.
+    experiment_id = run.experiment_id or client.get_run(run.run_id).info.experiment_id
+    found = client.search_logged_models(experiment_ids=[experiment_id], filter_string=f"name = '{name}'")
     for model in found:
         if model.source_run_id == run.run_id:
             _link_as_output(client, run.run_id, model.model_id, step)
@@ -36,7 +38,7 @@ def find_or_create_external_model(run: OpenRun, name: str, step: int, directory:
         "otel_forge.checkpoint.step": str(step),
     }
     model = client.create_logged_model(
-        run.experiment_id, name=name, source_run_id=run.run_id, tags=tags, model_type="checkpoint"
+        experiment_id, name=name, source_run_id=run.run_id, tags=tags, model_type="checkpoint"
     )
     client.log_outputs(run.run_id, [LoggedModelOutput(model.model_id, step)])
     # External: the weights stay where they are; MLflow gets the MLmodel stub a registry needs.

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from otel_forge.mlflow.client import RunGone, live_run, run_gone
+from otel_forge.mlflow.client import RunGone, TrackingClient, live_run, run_gone
 from otel_forge.mlflow.training.outcome import begin_attempt
 from otel_forge.mlflow.training.rendezvous import (
     create_experiment,
@@ -83,7 +83,7 @@ class JobRunFinder:
         self._waits = waits
         self._created: OpenRun | None = None  # kept across retries: a second open must not make a second run
 
-    def open(self, client: Any) -> OpenRun | None:
+    def open(self, client: TrackingClient) -> OpenRun | None:
         """The job's run (explicit id > job key > new); None when none can be found."""
         r, node = self.request, self._node()
         run_id = r.source.run_id
@@ -109,7 +109,7 @@ class JobRunFinder:
             publish(client, experiment_id, key, run.run_id)
         return run
 
-    def _adopt(self, client: Any, record: ScriptRun, resume: bool) -> OpenRun | None:
+    def _adopt(self, client: TrackingClient, record: ScriptRun, resume: bool) -> OpenRun | None:
         """The run the claiming process publishes; None if it gave its claim up (its run failed to
         open): the job key's run, or ours, then."""
         while (published := record.published()) is None:
@@ -120,7 +120,7 @@ class JobRunFinder:
         experiment = published.experiment or self.request.experiment
         return OpenRun(published.run_id, None, published.experiment_id, experiment, True, None, client)
 
-    def _wait_for_job_run(self, client: Any, node: NodeIdentity) -> OpenRun | None:
+    def _wait_for_job_run(self, client: TrackingClient, node: NodeIdentity) -> OpenRun | None:
         key, r = node.job_key, self.request
         if key is None:
             if r.samples_node:
@@ -159,7 +159,7 @@ class JobRunFinder:
         _logger.info("job %s: found run %s after %d look(s)", key, found.run_id, found.polls)
         return OpenRun(found.run_id, None, found.experiment_id, r.experiment, True, None, client)
 
-    def _resume(self, client: Any, run_id: str) -> OpenRun | None:
+    def _resume(self, client: TrackingClient, run_id: str) -> OpenRun | None:
         try:
             run = live_run(client, run_id)
         except Exception as error:
@@ -193,7 +193,7 @@ class JobRunFinder:
             described=DESCRIBED_TAG in run.data.tags,
         )
 
-    def _create(self, client: Any, experiment_id: str, node: NodeIdentity) -> OpenRun:
+    def _create(self, client: TrackingClient, experiment_id: str, node: NodeIdentity) -> OpenRun:
         r = self.request
         default_name, tags = self._new_run(node.job_key)
         created = client.create_run(experiment_id, run_name=r.run_name or default_name, tags=tags)

@@ -27,11 +27,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from otel_forge.journal import JournalWriter
 from otel_forge.mlflow.spool_files import HEADER, make_spool_dir, write_atomically, writer_identity
 from otel_forge.ratelimit import RateLimitedLogger
+
+if TYPE_CHECKING:
+    from otel_forge.mlflow.client import TrackingClient
 
 _logger = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ class Record:
     kind: str
     payload: Any
 
-    def deliver(self, client: Any, run_id: str) -> None:
+    def deliver(self, client: TrackingClient, run_id: str) -> None:
         from otel_forge.mlflow.client import import_mlflow
 
         entities = import_mlflow().entities
@@ -104,13 +107,13 @@ class RunJournal:
     def metrics(self, values: Mapping[str, float], step: int, timestamp_ms: int) -> None:
         self._writer.append(_encode([METRICS, step, timestamp_ms, values]).encode())
 
-    def plan(self, plan: Mapping[str, Any]) -> None:
+    def plan(self, plan: Mapping[str, object]) -> None:
         self._append(PLAN, plan)
 
-    def describe(self, description: Mapping[str, Any]) -> None:
+    def describe(self, description: Mapping[str, object]) -> None:
         self._append(DESCRIBE, description)
 
-    def opened(self, run: Mapping[str, Any]) -> None:
+    def opened(self, run: Mapping[str, object]) -> None:
         self._append(OPENED, run)
 
     def record(self, record: Record) -> None:
@@ -128,7 +131,7 @@ class RunJournal:
         entry = [END, status, rejected] if worker is None else [END, status, rejected, worker]
         return self._append(*entry, timeout_s=_END_WAIT_S)
 
-    def _append(self, *entry: Any, timeout_s: float = -1) -> bool:
+    def _append(self, *entry: object, timeout_s: float = -1) -> bool:
         try:
             self._writer.append(_encode(list(entry)).encode(), timeout_s=timeout_s)
         except TimeoutError:

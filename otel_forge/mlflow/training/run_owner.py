@@ -9,7 +9,12 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar, cast
+
+if TYPE_CHECKING:
+    from otel_forge.mlflow.client import TrackingClient
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -22,7 +27,7 @@ class OpenRun:
     experiment: str
     resumed: bool
     last_step: int | None
-    client: Any = field(repr=False)
+    client: TrackingClient = field(repr=False)
     described: bool = False  # the run already holds a job's params, tags and config
 
 
@@ -30,17 +35,17 @@ class RunOwner:
     """One daemon thread that runs the run's start and end, each waited on under a deadline."""
 
     def __init__(self, name: str) -> None:
-        self._tasks: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future] | None] = queue.Queue()
+        self._tasks: queue.Queue[tuple[Callable[[], object], concurrent.futures.Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, task: Callable[[], Any]) -> concurrent.futures.Future:
+    def submit(self, task: Callable[[], object]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._tasks.put((task, future))
         return future
 
-    def call(self, task: Callable[[], Any], deadline_s: float) -> Any:
-        return self.submit(task).result(timeout=deadline_s)
+    def call(self, task: Callable[[], R], deadline_s: float) -> R:
+        return cast(R, self.submit(task).result(timeout=deadline_s))
 
     def close(self) -> None:
         self._tasks.put(None)
