@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from opentelemetry.sdk.metrics.export import Gauge, MetricExportResult, MetricsData, Sum
 
@@ -81,15 +82,17 @@ class MLflowMetricExporter(NonBlockingExporter):
         samples_per_window = samples_per_window or config.mlflow_samples_per_window(node_count=None)
         self.run_id = run_id
         self.node_id = node_id
-        self._drain_deadline_s = config.close_deadline_s() if close_deadline_s is None else close_deadline_s
+        self._schedule = _Schedule(
+            delivery_phase_s,
+            delivery_phase_s if first_delivery_phase_s is None else first_delivery_phase_s,
+            close_spread_s,
+            config.close_deadline_s() if close_deadline_s is None else close_deadline_s,
+        )
         node_run_name = key_segment(node_id or "node") if node_run else None
         prefix = SYSTEM_PREFIX if node_run else system_prefix(node_id)
         self._mapper = KeyMapper(prefix)
         self._folder = WindowFolder(samples_per_window, config.mlflow_stats, first_window_samples)
         self._changed = ChangedValues(refresh_windows)
-        self.delivery_phase_s = delivery_phase_s
-        self.first_delivery_phase_s = delivery_phase_s if first_delivery_phase_s is None else first_delivery_phase_s
-        self.close_spread_s = close_spread_s
         root = spool_root(config.spool_dir)
         self.spool = WindowSpool(
             root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}",
@@ -115,7 +118,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             classify=classify,
             overflow=self.spool,
             write_ahead=True,
-            due=self._due,
+            due=self._schedule.due,
             join=self.window_logger.joined,
             asked_pause=lambda error: asked_pause_s(tracking_uri, error),
         )
@@ -126,11 +129,6 @@ class MLflowMetricExporter(NonBlockingExporter):
         self.standing_down = False
         if run_id is not None:
             self.attach(run_id, known)
-
-    def _due(self, window: Window) -> float:
-        """When ``window`` is sent: its end, plus the node's phase (the first window's own)."""
-        phase_s = self.first_delivery_phase_s if window.index == 0 else self.delivery_phase_s
-        return window.timestamp_ms / 1000 + phase_s
 
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """The run the windows go to, once it is open: windows made before wait in the spool.
@@ -230,8 +228,8 @@ class MLflowMetricExporter(NonBlockingExporter):
                 _logger.warning("%d system-metrics window(s) discarded: the run never opened", discarded)
             return
         timeout_s = kwargs.get("timeout", timeout_millis)  # the SDK passes `timeout` (ms left)
-        drain_s = min(self._drain_deadline_s, float(timeout_s) / 1000)  # type: ignore[arg-type]
-        left = self.worker.close(drain_s, spread_s=min(self.close_spread_s, drain_s * CLOSE_SPREAD_SHARE))
+        drain_s = min(self._schedule.drain_deadline_s, float(timeout_s) / 1000)  # type: ignore[arg-type]
+        left = self.worker.close(drain_s, spread_s=min(self._schedule.close_spread_s, drain_s * CLOSE_SPREAD_SHARE))
         self._report_leftovers(left)
         if self._writer_lock is not None:
             self._writer_lock.release()
@@ -293,3 +291,17 @@ def _points(metrics_data: MetricsData) -> Iterator[tuple[str, Sequence[DataPoint
             for metric in scope_metrics.metrics:
                 data = metric.data
                 yield metric.name, data.data_points if isinstance(data, (Gauge, Sum)) else ()
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """When the node's windows go: each at its end plus the node's phase (the first window's own:
+    a spread shorter than a long window's); at the close, after its spread, within its deadline."""
+
+    phase_s: float
+    first_phase_s: float
+    close_spread_s: float
+    drain_deadline_s: float
+
+    def due(self, window: Window) -> float:
+        return window.timestamp_ms / 1000 + (self.first_phase_s if window.index == 0 else self.phase_s)
