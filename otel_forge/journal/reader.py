@@ -86,6 +86,12 @@ class JournalReader:
             raise ValueError(f"offset {offset} < 0")
         self._offset = offset
 
+    @property
+    def at_end(self) -> bool:
+        """The last ``read`` took every record to the end of the file as it then was (it did not stop
+        at a record not whole yet, nor at ``limit``)."""
+        return self._offset >= self._size
+
     def read(self, final: bool = False, limit: int | None = None) -> list[tuple[bytes, int]]:
         """The complete records from the offset on (at most ``limit``), each with the offset just
         after it; the offset moves past them.

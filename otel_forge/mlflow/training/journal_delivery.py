@@ -138,6 +138,8 @@ class JournalDelivery:
         """Deliver what is there within ``deadline_s``, then stop (the journal keeps what is left).
         ``end``: the run's end as its writer ended it, where the journal could not keep it."""
         self._run.told_end = end
+        if end is not None:
+            self._tail.writer_closed = True  # it appends nothing more: its end is what we were told
         self._deadline = self._world.clock() + deadline_s
         self._wake.set()
 

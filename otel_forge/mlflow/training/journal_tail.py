@@ -81,6 +81,9 @@ class JournalTail:
         self.control = Control()
         # When it was known that nothing more comes: its end read, or it died and all it wrote is read.
         self.writer_done_at: float | None = None
+        # Its writer closed and told its end by other means (the journal could not keep it): nothing
+        # more comes once what it wrote is read, though its process lives on (waiting for us).
+        self.writer_closed = False
 
     @property
     def writer_done(self) -> bool:
@@ -124,7 +127,10 @@ class JournalTail:
                 if not payload.startswith(_VALUES_PREFIX):
                     self._note(decode(payload))
             if len(records) < READ_RECORDS:
-                if final:  # a dead writer's last record is read: nothing more comes
+                # A dead writer's last record is read, or a closed one's: nothing more comes. (Without
+                # the second, an end handed over by a writer whose disk refused it waited for the
+                # writer's death, which waits for us: the run was left RUNNING.)
+                if final or (self.writer_closed and self._control_reader.at_end):
                     self._mark_writer_done()
                 return
 

@@ -280,8 +280,8 @@ class TrainingRun:
         # An end the journal could not keep (a full disk, a signal inside an append) goes to the delivery itself.
         end = None if self._journal is None or journaled else RunEnd(status, self._checker.rejected, worker)
         self.ended = self._delivery.finish(end) if self._delivery is not None else False
-        if self._journal is None:
-            self.ended = self._opener.end_here(status)
+        if self._journal is None:  # no journal (a read-only spool): the tag the last line names is set here
+            self.ended = self._opener.end_here(status, self._checker.rejected)
         self._checker.say_total()
         if self._script is not None and self.plan.owns_run and not self.plan.delivered_by_launcher:
             self._script.remove()  # ours alone (`otel-forge run` reads its own, and removes it)
