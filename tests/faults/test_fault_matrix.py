@@ -6,14 +6,16 @@ every value whose ``log()`` reported no drop in MLflow once, the run's status, a
 
 from __future__ import annotations
 
+import os
+import random
 import textwrap
 from pathlib import Path
 
 import pytest
 from trun_helpers import unique
 
-from testkit.servers import wait_for
-from testkit.training_job import TrainingJob
+from testkit.servers import free_port, wait_for
+from testkit.training_job import TrainingJob, otel_forge_command
 
 pytestmark = pytest.mark.slow
 
@@ -169,3 +171,86 @@ def test_a_spool_disk_that_turns_read_only_mid_job_raises_nothing_and_every_kept
     assert run.info.status == "FINISHED"
     assert run.data.tags.get("otel_forge.log.rejected") == str(lost)
     _assert_once(client, run.info.run_id, kept)
+
+
+# --- a journal damaged in the middle, or cut --------------------------------------------------
+
+
+def _records(journal: Path) -> list[tuple[int, int, list]]:
+    """(start, end, entry) of each record of the journal, read whole."""
+    from otel_forge.journal.framing import HEADER_SIZE, room_in_block
+    from otel_forge.journal.reader import JournalReader
+    from otel_forge.mlflow.training.run_journal import decode
+
+    records, start = [], 0
+    with JournalReader(journal) as reader:
+        for payload, end in reader.read(final=True):
+            begins = start + room_in_block(start) if room_in_block(start) < HEADER_SIZE else start  # after a trailer
+            records.append((begins, end, decode(payload)))
+            start = end
+    return records
+
+
+def _overwrite(journal: Path, records: list[tuple[int, int, list]]) -> tuple[list[list], str]:
+    """3,000 bytes of garbage from 40 % of the file: the entries of the records it spares, and what
+    the replay must say."""
+    size = journal.stat().st_size
+    begin, end = int(size * 0.4), int(size * 0.4) + 3000
+    with open(journal, "r+b") as file:
+        file.seek(begin)
+        file.write(random.Random(41).randbytes(end - begin))
+    touched = [(start, stop) for start, stop, _ in records if start < end and stop > begin]
+    after = next(start for start, _, _ in records if start >= touched[-1][1])
+    first = touched[0][0]
+    said = f"{after - first} byte(s) in 1 place(s) in the middle of the journal (the first at offset {first})"
+    return [entry for start, stop, entry in records if stop <= begin or start >= end], said
+
+
+def _cut(journal: Path, records: list[tuple[int, int, list]]) -> tuple[list[list], str]:
+    """The file cut near its half, inside a record: the entries of the records wholly before the cut."""
+    middle = records[len(records) // 2]
+    cut = middle[0] + 37
+    os.truncate(journal, cut)
+    return [entry for _, stop, entry in records if stop <= cut], "the journal ends in an incomplete record (37 byte(s))"
+
+
+@pytest.mark.parametrize(("damage", "status"), [(_overwrite, "FINISHED"), (_cut, "KILLED")], ids=["overwritten", "cut"])
+def test_a_journal_damaged_in_the_middle_or_cut_delivers_every_intact_record_once_and_says_which(
+    damage, status, tmp_path, mlflow_server, client
+):
+    """A job logs 300 steps while nothing listens at its tracking URI, so its journal keeps them all;
+    then the journal is damaged (3,000 bytes of garbage in its middle, or the file cut at its half)
+    and ``otel-forge replay --all`` delivers it: nothing raises, every record the damage spared is in
+    the run once, and the line says what was skipped and where: damage in the middle is not a record
+    torn by a writer's death. A cut file lost its end entry with its tail: the run ends KILLED, as
+    for a job whose end never reached the journal. Before: the rest of the damaged 32 KiB block was
+    lost with it, and the line blamed "a record torn by the writer's death" whatever it was."""
+    experiment, spool = unique("damaged"), tmp_path / "spool"
+    refused = f"http://127.0.0.1:{free_port()}"
+    with _loop(tmp_path / "job", refused, experiment, spool, steps=300) as job:
+        assert job.wait() == 0
+    assert "Traceback" not in job.stderr() and "otel-forge replay" in job.stderr(), job.stderr()[-3000:]
+    (journal_dir,) = spool.glob("journal-*")
+    journal = journal_dir / "journal.log"
+    records = _records(journal)
+    assert sum(1 for *_, entry in records if entry[0] == "m") == 300 and records[-1][2][0] == "end"
+    spared, said = damage(journal, records)
+    steps = [entry[1] for entry in spared if entry[0] == "m"]
+    assert 0 < len(steps) < 300
+
+    code, output = otel_forge_command(
+        ["replay", "--all", "--tracking-uri", mlflow_server.uri], tmp_path / "replay",
+        {"OTEL_FORGE_SPOOL_DIR": str(spool)},
+    )  # fmt: skip
+    assert code == 0 and "Traceback" not in output, output[-3000:]
+    assert said in output, output[-3000:]
+    middle = damage is _overwrite
+    assert ("in the middle of the journal" in output) == middle and ("incomplete record" in output) != middle
+    assert "the file was changed after it was written" in output or not middle
+    assert "by its writer's death or the node's crash, or the file was cut there" in output or middle
+    run = _the_run(client, experiment)
+    assert run.info.status == status
+    # The description is journaled once the opener has imported MLflow: after the values, here, so
+    # a cut at the half loses it with them.
+    assert (run.data.params.get("lr") == "0.25") == any(entry[0] == "describe" for entry in spared)
+    _assert_once(client, run.info.run_id, steps)

@@ -99,6 +99,11 @@ class JournalTail:
         """Stretches of the journal that held no whole record (torn by the writer's death, never written)."""
         return self._items_reader.skipped
 
+    @property
+    def reader(self) -> JournalReader:
+        """The items' reader: what it skipped, and where (``damaged``, ``torn_tail_bytes``)."""
+        return self._items_reader
+
     def read(self) -> None:
         """Scan the control entries to the end of what is written, then read items while there is room."""
         alive = self._writer_alive()  # asked first: a final read only once the writer is gone
