@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import random
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from trun_helpers import unique
 
+from testkit.mlflow_server import MlflowServer
 from testkit.servers import free_port, wait_for
 from testkit.training_job import TrainingJob, otel_forge_command
 
@@ -254,3 +256,135 @@ def test_a_journal_damaged_in_the_middle_or_cut_delivers_every_intact_record_onc
     # a cut at the half loses it with them.
     assert (run.data.params.get("lr") == "0.25") == any(entry[0] == "describe" for entry in spared)
     _assert_once(client, run.info.run_id, steps)
+
+
+# --- SIGKILL at random moments ----------------------------------------------------------------
+
+KILL_WIDTH, KILL_STEPS, KILL_RATE = 20, 200, 100  # 2,000 values a second for 2 s
+SEEDS = 20
+AT_ONCE = 6  # jobs alive together (2 cores: each job is a training process, a companion, a replay)
+
+# Logs KILL_STEPS steps of KILL_WIDTH values, KILL_RATE steps a second, printing "step N REJECTED"
+# once each log() returned: the line is written (a syscall) before the next step, so a SIGKILL
+# leaves every step that returned in the file, and perhaps one more in the journal.
+KILLED = """
+import time
+from otel_forge import TrainingRun
+with TrainingRun(tracking_uri={uri!r}, experiment={experiment!r}, system_metrics=False) as run:
+    print("entered", run.run_id, flush=True)
+    began = time.monotonic()
+    for step in range({steps}):
+        run.log({{f"k{{i}}": step + i / 1000 for i in range({width})}}, step=step)
+        print("step", step, run.rejected, flush=True)
+        time.sleep(max(began + (step + 1) / {rate} - time.monotonic(), 0))
+print("exited", run.rejected, flush=True)
+"""
+
+
+def _kill_one_seed(seed: int, uri: str, directory: Path) -> dict:
+    """One job killed as the seed draws: ``training`` (SIGKILL the training process; its companion
+    delivers and ends the run), ``companion`` (SIGKILL its companion; a new one takes over and the
+    job completes), ``both`` (SIGKILL the job's process group; ``otel-forge replay --all`` delivers
+    what is left, as a user would). What happened, for the test to check."""
+    rng = random.Random(seed)
+    victim = rng.choice(["training", "companion", "both"])
+    kill_after_s = rng.uniform(0.0, KILL_STEPS / KILL_RATE)
+    experiment, spool = unique(f"kill{seed}-{victim}"), directory / "spool"
+    code = KILLED.format(uri=uri, experiment=experiment, width=KILL_WIDTH, steps=KILL_STEPS, rate=KILL_RATE)
+    began = time.monotonic()
+    replay: tuple[int, str] | None = None
+    with TrainingJob(textwrap.dedent(code), directory / "job", {"OTEL_FORGE_SPOOL_DIR": str(spool)}) as job:
+        job.wait_line("entered", 60)
+        time.sleep(kill_after_s)
+        if victim == "companion":
+            for pid in job.companions():
+                os.kill(pid, 9)
+            exit_code = job.wait(120)
+        elif victim == "training":
+            os.kill(job.pid, 9)
+            exit_code = job.wait(10)
+        else:
+            job.kill_group()
+            exit_code = job.process.returncode if job.process is not None else None
+        # The companion (the one left, or a new one) delivers and exits; nothing of the job is left after.
+        wait_for(lambda: not job.group_alive(), 90, 0.2, message=f"seed {seed}: the job's companion done")
+        if victim == "both":
+            replay = otel_forge_command(
+                ["replay", "--all"], directory / "replay", {"OTEL_FORGE_SPOOL_DIR": str(spool)}, timeout_s=120
+            )
+    return {
+        "seed": seed, "victim": victim, "kill_after_s": round(kill_after_s, 2), "experiment": experiment,
+        "exit_code": exit_code, "lines": job.lines(), "stderr": job.stderr(), "replay": replay,
+        "left": sorted(p.name for p in spool.glob("journal-*")) if spool.exists() else [],
+        "seconds": round(time.monotonic() - began, 1),
+    }  # fmt: skip
+
+
+def _check_killed_seed(client, outcome: dict) -> list[str]:
+    """What is wrong with one seed's run, as lines (none: all is well)."""
+    seed, victim = outcome["seed"], outcome["victim"]
+    where = f"seed {seed} ({victim} killed after {outcome['kill_after_s']} s, {outcome['seconds']} s in all)"
+    problems = []
+    if "Traceback" in outcome["stderr"]:
+        problems.append(f"{where}: a traceback: {outcome['stderr'][-1500:]}")
+    if outcome["replay"] is not None and (outcome["replay"][0] != 0 or "Traceback" in outcome["replay"][1]):
+        problems.append(f"{where}: replay: {outcome['replay']}")
+    if outcome["left"]:
+        problems.append(f"{where}: journals left undelivered: {outcome['left']}")
+    logged = _steps_logged(outcome["lines"])
+    kept = _kept_steps(logged)
+    if victim == "companion" and (outcome["exit_code"] != 0 or kept != list(range(KILL_STEPS))):
+        problems.append(f"{where}: the job did not complete: exit {outcome['exit_code']}, {len(kept)} steps")
+    try:
+        run = _the_run(client, outcome["experiment"], 30)
+    except TimeoutError as error:
+        return [*problems, f"{where}: {error}"]
+    status = "FINISHED" if victim == "companion" else "KILLED"
+    if run.info.status != status:
+        problems.append(f"{where}: the run is {run.info.status}, not {status}")
+    # The step whose log() the kill interrupted may be in the journal, whole, or not at all.
+    may_add = {max(logged, default=-1) + 1} if victim != "companion" else set()
+    for key in ("k0", f"k{KILL_WIDTH - 1}"):
+        history = client.get_metric_history(run.info.run_id, key)
+        found = sorted(m.step for m in history)
+        repeated = sorted({step for step in found if found.count(step) > 1})
+        missing = sorted(set(kept) - set(found))
+        extra = sorted(set(found) - set(kept) - may_add)
+        wrong = [m.step for m in history if m.value != m.step + int(key[1:]) / 1000]
+        if repeated or missing or extra or wrong:
+            problems.append(
+                f"{where}: {key}: {len(found)} steps of {len(kept)} logged; missing {missing[:10]}, "
+                f"repeated {repeated[:10]}, extra {extra[:10]}, wrong values at {wrong[:10]}"
+            )
+    return problems
+
+
+@pytest.fixture
+def own_server(tmp_path_factory):
+    """A tracking server of the test's own: what its killed jobs leave delivering loads no other test."""
+    server = MlflowServer(tmp_path_factory.mktemp("kill-server")).start()
+    try:
+        yield server
+    finally:
+        server.kill()  # SIGKILL of its process group: a SIGTERM'd server takes seconds to go
+
+
+def test_sigkill_at_random_moments_of_the_training_process_or_its_companion_loses_nothing(own_server, tmp_path):
+    """20 jobs logging 2,000 values a second, each killed (SIGKILL) at a moment its seed draws: the
+    training process (its companion delivers and ends the run KILLED), its companion (a new one takes
+    over; the job completes, FINISHED), or both at once (``otel-forge replay --all`` delivers the
+    journal, KILLED). Every value whose ``log()`` returned without a drop is in its run once, with
+    its value; no other but the one the kill interrupted; nothing of any job is left running."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlflow import MlflowClient
+
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        outcomes = list(
+            pool.map(lambda seed: _kill_one_seed(seed, own_server.uri, tmp_path / f"seed-{seed}"), range(SEEDS))
+        )
+    client = MlflowClient(own_server.uri)
+    problems = [problem for outcome in outcomes for problem in _check_killed_seed(client, outcome)]
+    victims = sorted({outcome["victim"] for outcome in outcomes})
+    assert victims == ["both", "companion", "training"], victims
+    assert not problems, "\n".join(problems)
