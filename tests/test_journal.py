@@ -7,6 +7,7 @@ once, left by a process killed in the middle of its loop.
 
 import json
 import os
+import random
 import signal
 import stat
 import struct
@@ -188,10 +189,11 @@ def test_a_journal_cut_at_any_byte_returns_exactly_the_records_wholly_inside(jou
         assert live.offset == last_end
         assert final.read(final=True) == whole, size
         assert final.skipped - skipped == (1 if size > last_end else 0), size
+        assert final.torn_tail_bytes == size - last_end and final.damaged == 0, size  # a tail, not damage
         assert final.offset == size
 
 
-def test_a_corrupted_record_stops_a_live_read_and_a_final_one_resyncs_at_the_next_block(journal):
+def test_a_corrupted_record_stops_a_live_read_and_a_final_one_resyncs_at_the_next_intact_record(journal):
     payloads = [_payload(n, 1000) for n in range(100)]
     ends = _write(journal, payloads)
     starts = [0, *ends[:-1]]
@@ -205,13 +207,34 @@ def test_a_corrupted_record_stops_a_live_read_and_a_final_one_resyncs_at_the_nex
     assert JournalReader(journal, reader.offset).read() == []  # and stays stopped
 
     records, reader = _read_all(journal, final=True)
-    # The rest of block 0 is lost, and the tail of the record that crossed into block 1.
-    later = [n for n in range(100) if starts[n] > BLOCK_SIZE - HEADER_SIZE]
-    assert [_intact(payload) for payload, _ in records] == [*range(10), *later]
-    assert [end for _, end in records] == [ends[n] for n in [*range(10), *later]]
-    assert reader.skipped == 1
-    assert reader.skipped_bytes == starts[later[0]] - starts[10]
+    # Only the damaged record is lost: leveldb's resync at the next block lost the rest of block 0 too.
+    kept = [n for n in range(100) if n != 10]
+    assert [_intact(payload) for payload, _ in records] == kept
+    assert [end for _, end in records] == [ends[n] for n in kept]
+    assert reader.skipped == reader.damaged == 1
+    assert reader.skipped_bytes == reader.damaged_bytes == starts[11] - starts[10]
+    assert reader.damaged_at == starts[10]
+    assert reader.torn_tail_bytes == 0
     assert reader.offset == journal.stat().st_size
+
+
+def test_garbage_over_records_loses_only_the_records_it_touches(journal):
+    """A range overwritten in the middle of the journal (2,000 bytes, across a block's boundary):
+    every record it does not touch is read, whichever block it is in; it counts as damage, not as a
+    torn tail."""
+    payloads = [_payload(n, 700) for n in range(150)]
+    ends = _write(journal, payloads)
+    starts = [0, *ends[:-1]]
+    begin, end = BLOCK_SIZE - 900, BLOCK_SIZE + 1100
+    with open(journal, "r+b") as file:
+        file.seek(begin)
+        file.write(random.Random(7).randbytes(end - begin))
+    touched = [n for n in range(150) if starts[n] < end and ends[n] > begin]
+
+    records, reader = _read_all(journal, final=True)
+    assert [_intact(payload) for payload, _ in records] == [n for n in range(150) if n not in touched]
+    assert reader.damaged == 1 and reader.torn_tail_bytes == 0
+    assert reader.damaged_at == starts[touched[0]]
 
 
 def test_a_fragmented_record_with_a_corrupted_middle_is_never_returned(journal):
@@ -263,9 +286,9 @@ def test_a_reserved_range_still_zeros_stops_a_live_read_until_it_is_written(jour
     assert live.offset == hole_offset
     assert live.read() == []
 
-    records, reader = _read_all(journal, final=True)  # were the writer dead: the block is lost
-    assert [payload for payload, _ in records] == [b"A", b"D"]
-    assert reader.skipped == 1
+    records, reader = _read_all(journal, final=True)  # were the writer dead: the range alone is lost
+    assert [payload for payload, _ in records] == [b"A", b"C", _payload(9, 40_000), b"D"]
+    assert reader.skipped == reader.damaged == 1
 
     with open(journal, "r+b") as file:  # the thread writes its range
         file.seek(hole_offset)

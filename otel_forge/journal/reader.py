@@ -5,7 +5,16 @@ and then write it outside any lock. What the reader finds past the last complete
 "not yet", not damage: a range still zeros (reserved, unwritten), a record cut by the end of the
 file, a checksum that fails because a write is half visible. A live read stops there and returns
 the record once it is whole. Only a final read (the writer known dead: nothing more comes) calls
-such bytes damage, skips them, resyncing at the next block as leveldb does, and counts them.
+such bytes damage, skips them and counts them. It resyncs at the next intact record: leveldb goes
+on at the next block, which would lose the intact records after the damage in its block (up to
+32 KiB of them), so a final read first looks there for a header whose checksum holds.
+
+Where the damage is tells what it was. At the end of the file (``torn_tail_bytes``), it is a write
+its writer's death (or the node's crash) cut short: its ``log()`` never returned. Damage with intact
+records after it (``damaged``) is not what a death leaves, whose appends all end at the file's end;
+the file was changed there: overwritten, cut while it was written to (the writer goes on past a
+hole), or corrupted on disk. (A writer with several threads appending at once can also leave an
+unwritten range a few records before its end when killed.)
 
 Each ``read()`` reads from its offset afresh: bytes read earlier as zeros may since be written.
 """
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -42,10 +52,12 @@ class _Record:
 @dataclass(frozen=True)
 class _Damage:
     """No record at the offset: the bytes up to ``resume`` hold none (a live writer may yet
-    complete them); ``why`` says what was found."""
+    complete them); ``why`` says what was found. ``rescan``: where the damaged physical record
+    begins, after which a final read looks for an intact one before ``resume``."""
 
     resume: int
     why: str
+    rescan: int | None = None
 
 
 class JournalReader:
@@ -54,7 +66,9 @@ class JournalReader:
     ``skipped`` counts the damaged stretches a final read has skipped: each a run of bytes that
     held no complete record (a torn record, a range never written, a checksum that fails, a
     fragmented record missing a fragment), from a record boundary to where reading resumed;
-    adjacent ones count once. ``skipped_bytes`` is their total length.
+    adjacent ones count once. ``skipped_bytes`` is their total length. Of them, ``damaged`` and
+    ``damaged_bytes`` are those with an intact record after them (``damaged_at``: where the first
+    began), ``torn_tail_bytes`` the one that runs to the end of the file, if any.
     """
 
     def __init__(self, path: Path, offset: int = 0) -> None:
@@ -66,6 +80,10 @@ class JournalReader:
         self.skipped = 0
         self.skipped_bytes = 0
         self._skipped_to = -1  # where the last skip ended: a skip from there extends it
+        self.damaged = 0
+        self.damaged_bytes = 0
+        self.damaged_at: int | None = None
+        self._stretch: tuple[int, int] | None = None  # the last skipped stretch, no record read after it yet
         # What this read() call has read: the file's bytes from _start, up to _size.
         self._buffer = b""
         self._start = 0
@@ -85,6 +103,19 @@ class JournalReader:
         if offset < 0:
             raise ValueError(f"offset {offset} < 0")
         self._offset = offset
+        self._stretch = None  # read from elsewhere: what was skipped before is no one's tail
+
+    @property
+    def at_end(self) -> bool:
+        """The last ``read`` took every record to the end of the file as it then was (it did not stop
+        at a record not whole yet, nor at ``limit``)."""
+        return self._offset >= self._size
+
+    @property
+    def torn_tail_bytes(self) -> int:
+        """The bytes a final read skipped at the end of the file: a write cut short (0: none)."""
+        stretch = self._stretch
+        return stretch[1] - stretch[0] if stretch is not None and stretch[1] >= self._size else 0
 
     def read(self, final: bool = False, limit: int | None = None) -> list[tuple[bytes, int]]:
         """The complete records from the offset on (at most ``limit``), each with the offset just
@@ -103,6 +134,8 @@ class JournalReader:
                     break
                 found = self._next(self._offset)
                 if isinstance(found, _Record):
+                    if self._stretch is not None:  # damage with an intact record after it
+                        self._count_damaged(*self._stretch)
                     records.append((found.payload, found.end))
                     self._offset = found.end
                 elif final:
@@ -138,13 +171,13 @@ class JournalReader:
                 return _Damage(self._size, "cut short by the end of the file")
             header = parse_header(header_bytes)
             if header.length > room_in_block(position) - HEADER_SIZE or header.kind not in _TYPES:
-                return _Damage(self._next_block(position), "no header (zeros, or not one)")
+                return _Damage(self._next_block(position), "no header (zeros, or not one)", position)
             end = position + HEADER_SIZE + header.length
             data = self._bytes(position + HEADER_SIZE, header.length)
             if len(data) < header.length:
-                return _Damage(self._size, "cut short by the end of the file")
+                return _Damage(self._size, "cut short by the end of the file", position)
             if not checksum_matches(header, data):
-                return _Damage(self._next_block(position), "a checksum that fails")
+                return _Damage(self._next_block(position), "a checksum that fails", position)
             kind = header.kind
             if fragments and kind in (RecordType.FULL, RecordType.FIRST):
                 return _Damage(position, "a fragmented record without its last fragment")
@@ -159,11 +192,38 @@ class JournalReader:
 
     def _skip(self, damage: _Damage) -> None:
         resume = min(damage.resume, self._size)
+        if damage.rescan is not None and (found := self._intact_after(damage.rescan, resume)) is not None:
+            resume = found
         if self._offset != self._skipped_to:
             self.skipped += 1
+            self._stretch = (self._offset, resume)
+        elif self._stretch is not None:
+            self._stretch = (self._stretch[0], resume)
         self.skipped_bytes += resume - self._offset
         _logger.debug("%s: skipped bytes %d to %d: %s", self._path, self._offset, resume, damage.why)
         self._offset = self._skipped_to = resume
+
+    def _count_damaged(self, start: int, end: int) -> None:
+        self.damaged += 1
+        self.damaged_bytes += end - start
+        self.damaged_at = start if self.damaged_at is None else min(self.damaged_at, start)
+        self._stretch = None
+
+    def _intact_after(self, position: int, before: int) -> int | None:
+        """The first offset after ``position`` and before ``before`` (both in one block) where an
+        intact physical record starts: a header of a known type whose checksum holds over data that
+        fits its block. Read afresh (the damage path only): the buffer may be past ``position``."""
+        end = min(before, self._next_block(position), self._size)
+        data = os.pread(self._fd, end - position, position) if end > position else b""
+        # A header's type byte is its 7th: candidates are where one of the known types stands.
+        for match in _TYPE_BYTE.finditer(data, HEADER_SIZE):
+            at = match.start() - (HEADER_SIZE - 1)
+            header = parse_header(data, at)
+            payload = data[at + HEADER_SIZE : at + HEADER_SIZE + header.length]
+            fits = header.length <= room_in_block(position + at) - HEADER_SIZE and len(payload) == header.length
+            if fits and checksum_matches(header, payload):
+                return position + at
+        return None
 
     def _next_block(self, position: int) -> int:
         return position - position % BLOCK_SIZE + BLOCK_SIZE
@@ -186,3 +246,4 @@ class JournalReader:
 
 
 _TYPES = frozenset(int(kind) for kind in RecordType)
+_TYPE_BYTE = re.compile(b"[" + bytes(sorted(_TYPES)) + b"]")

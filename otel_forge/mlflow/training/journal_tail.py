@@ -83,6 +83,9 @@ class JournalTail:
         self.control = Control()
         # When it was known that nothing more comes: its end read, or it died and all it wrote is read.
         self.writer_done_at: float | None = None
+        # Its writer closed and told its end by other means (the journal could not keep it): nothing
+        # more comes once what it wrote is read, though its process lives on (waiting for us).
+        self.writer_closed = False
 
     @property
     def writer_done(self) -> bool:
@@ -97,6 +100,11 @@ class JournalTail:
     def skipped(self) -> int:
         """Stretches of the journal that held no whole record (torn by the writer's death, never written)."""
         return self._items_reader.skipped
+
+    @property
+    def reader(self) -> JournalReader:
+        """The items' reader: what it skipped, and where (``damaged``, ``torn_tail_bytes``)."""
+        return self._items_reader
 
     def read(self) -> None:
         """Scan the control entries to the end of what is written, then read items while there is room."""
@@ -126,7 +134,10 @@ class JournalTail:
                 if not payload.startswith(_VALUES_PREFIX):
                     self._note(decode(payload))
             if len(records) < READ_RECORDS:
-                if final:  # a dead writer's last record is read: nothing more comes
+                # A dead writer's last record is read, or a closed one's: nothing more comes. (Without
+                # the second, an end handed over by a writer whose disk refused it waited for the
+                # writer's death, which waits for us: the run was left RUNNING.)
+                if final or (self.writer_closed and self._control_reader.at_end):
                     self._mark_writer_done()
                 return
 

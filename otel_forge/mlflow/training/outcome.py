@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from otel_forge.mlflow.client import import_mlflow
 from otel_forge.mlflow.keys import key_segment
-from otel_forge.mlflow.training.run_metadata import TORCHRUN_RESTART_TAG, attempt_tags
+from otel_forge.mlflow.training.run_metadata import REJECTED_TAG, TORCHRUN_RESTART_TAG, attempt_tags
 from otel_forge.node import NodeIdentity, torchrun_attempt
 
 if TYPE_CHECKING:
@@ -41,13 +41,18 @@ def end_run(
     detail: str | None = None,
     environ: Mapping[str, str] | None = None,
     worker: str | None = None,
+    rejected: int = 0,
 ) -> None:
     """End the run as this process of the job ended: ``status`` FINISHED, FAILED or KILLED.
 
     ``environ``: this process's variables (default ``os.environ``), which say its torchrun attempt.
     ``worker``: the process ran a launcher, not a rank: the worker that ended the job (``rank 1``,
     or ``a worker`` where none said so), named in the outcome instead of this process's rank.
+    ``rejected``: the values ``log()`` took and did not keep, for the run's tag (a run ended without its
+    journal: the journal's delivery tags the others).
     """
+    if rejected:
+        client.set_tag(run_id, REJECTED_TAG, str(rejected), synchronous=True)
     attempt = torchrun_attempt(environ)
     if status != "FINISHED" and attempt is not None and attempt.restarts_remain:
         # The status is set all the same, no tag: a job cancelled now must not stay RUNNING, and

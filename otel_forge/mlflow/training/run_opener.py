@@ -130,15 +130,17 @@ class RunOpener:
         if self.run is not None and self.plan.owns_run and self.run.run_id != self.script_run_id:
             forget_fluent_run(self.run.run_id)
 
-    def end_here(self, status: str) -> bool:
-        """End this process's part of the run from here (a rank that journals nothing: its outcome)."""
+    def end_here(self, status: str, rejected: int = 0) -> bool:
+        """End this process's part of the run from here (a rank that journals nothing: its outcome; the
+        owner whose journal could not be made, with the count of values it lost for the run's tag)."""
         run, owner = self.run, self._owner
         if run is None or owner is None:
             return False
         node = self.plan.node
         try:
             owner.call(
-                lambda: end_run(run.client, run.run_id, run.experiment_id, status, node), self.plan.end_deadline_s
+                lambda: end_run(run.client, run.run_id, run.experiment_id, status, node, rejected=rejected),
+                self.plan.end_deadline_s,
             )
         except Exception as error:  # noqa: BLE001 - the run end is best effort too
             _logger.warning("MLflow: ending run %s as %s failed: %s", run.run_id, status, error_line(error))

@@ -262,8 +262,8 @@ class TrainingRun:
         recorder = self._recorder if self._recorder and self._recorder.journal else None
         end = recorder.end(self.plan, RunEnd(status, self._checker.rejected, worker)) if recorder else None
         self.ended = self._delivery.finish(end) if self._delivery is not None else False
-        if recorder is None:
-            self.ended = self._opener.end_here(status)
+        if recorder is None:  # no journal (a read-only spool): the tag the last line names is set here
+            self.ended = self._opener.end_here(status, self._checker.rejected)
         self._checker.say_total()
         if self._script is not None and self.plan.owns_run and not self.plan.delivered_by_launcher:
             self._script.remove()  # ours alone (`otel-forge run` reads its own, and removes it)
