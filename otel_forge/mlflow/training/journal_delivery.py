@@ -126,8 +126,6 @@ class JournalDelivery:
         self._on_delivered = on_delivered
         self.delivered_values = 0
         self.cause: str | None = None  # why the last call failed, when it did
-        self._told_damaged = 0  # the damaged stretches said so far
-        self._told_torn = False
 
     @classmethod
     def for_config(cls, directory: Path, config: ForgeConfig, tracking_uri: str, **hooks: Any) -> JournalDelivery:
@@ -251,30 +249,7 @@ class JournalDelivery:
         self._cursor.plan = control.plan or self._cursor.plan
         self._cursor.describe = control.describe or self._cursor.describe
         self._cursor.opened = control.opened or self._cursor.opened
-        self._say_skipped()
-
-    def _say_skipped(self) -> None:
-        """What a final read skipped, told apart by where it was: a record torn at the journal's end is
-        what a writer's death leaves; damage with intact records after it is not (the file was changed)."""
-        reader = self._tail.reader
-        # Said when first found, and again once all is read if more was found meanwhile: twice at most.
-        if reader.damaged > self._told_damaged and (not self._told_damaged or self._tail.read_all):
-            self._told_damaged = reader.damaged
-            _logger.warning(
-                "MLflow: %s: %d byte(s) in %d place(s) in the middle of the journal (the first at "
-                "offset %d) held no intact record and were skipped: the file was changed after it was written "
-                "(overwritten, cut while written to, or corrupted on disk), which a writer's death does not do "
-                "(it tears only what it was writing at the end); the values there are lost, the intact records "
-                "around them are delivered",
-                self.directory, reader.damaged_bytes, reader.damaged, reader.damaged_at,
-            )  # fmt: skip
-        if reader.torn_tail_bytes and self._tail.read_all and not self._told_torn:
-            self._told_torn = True
-            _logger.warning(
-                "MLflow: %s: the journal ends in an incomplete record (%d byte(s)), skipped: a write cut short "
-                "by its writer's death or the node's crash, or the file was cut there",
-                self.directory, reader.torn_tail_bytes,
-            )  # fmt: skip
+        self._tail.say_skipped()
 
     def _next_item(self) -> Item | None:
         """The next call: a batch of rows once due (full, followed by something else, the flush

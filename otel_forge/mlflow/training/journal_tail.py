@@ -77,6 +77,7 @@ class JournalTail:
         self._clock = clock
         self._fsync_s = fsync_s
         self._synced_at = clock()
+        self.directory = directory
         self._items_reader = JournalReader(directory / JOURNAL_FILE, offset)
         self._control_reader = JournalReader(directory / JOURNAL_FILE, offset)
         self.items: deque[Item] = deque()
@@ -86,6 +87,8 @@ class JournalTail:
         # Its writer closed and told its end by other means (the journal could not keep it): nothing
         # more comes once what it wrote is read, though its process lives on (waiting for us).
         self.writer_closed = False
+        self._told_damaged = 0  # the damaged stretches said so far
+        self._told_torn = False
 
     @property
     def writer_done(self) -> bool:
@@ -96,16 +99,6 @@ class JournalTail:
         """Every item the journal will ever hold has been read into ``items``."""
         return self.writer_done and self._items_reader.offset >= self._control_reader.offset
 
-    @property
-    def skipped(self) -> int:
-        """Stretches of the journal that held no whole record (torn by the writer's death, never written)."""
-        return self._items_reader.skipped
-
-    @property
-    def reader(self) -> JournalReader:
-        """The items' reader: what it skipped, and where (``damaged``, ``torn_tail_bytes``)."""
-        return self._items_reader
-
     def read(self) -> None:
         """Scan the control entries to the end of what is written, then read items while there is room."""
         alive = self._writer_alive()  # asked first: a final read only once the writer is gone
@@ -114,6 +107,29 @@ class JournalTail:
             for payload, end in self._items_reader.read(final=not alive, limit=READ_RECORDS):
                 self._take(payload, end)
         self._sync_if_due()
+
+    def say_skipped(self) -> None:
+        """What a final read skipped, told apart by where it was: a record torn at the journal's end is
+        what a writer's death leaves; damage with intact records after it is not (the file was changed)."""
+        reader = self._items_reader
+        # Said when first found, and again once all is read if more was found meanwhile: twice at most.
+        if reader.damaged > self._told_damaged and (not self._told_damaged or self.read_all):
+            self._told_damaged = reader.damaged
+            _logger.warning(
+                "MLflow: %s: %d byte(s) in %d place(s) in the middle of the journal (the first at "
+                "offset %d) held no intact record and were skipped: the file was changed after it was written "
+                "(overwritten, cut while written to, or corrupted on disk), which a writer's death does not do "
+                "(it tears only what it was writing at the end); the values there are lost, the intact records "
+                "around them are delivered",
+                self.directory, reader.damaged_bytes, reader.damaged, reader.damaged_at,
+            )  # fmt: skip
+        if reader.torn_tail_bytes and self.read_all and not self._told_torn:
+            self._told_torn = True
+            _logger.warning(
+                "MLflow: %s: the journal ends in an incomplete record (%d byte(s)), skipped: a write cut short "
+                "by its writer's death or the node's crash, or the file was cut there",
+                self.directory, reader.torn_tail_bytes,
+            )  # fmt: skip
 
     def _sync_if_due(self) -> None:
         if self._fsync_s <= 0 or self._clock() - self._synced_at < self._fsync_s:
