@@ -364,27 +364,6 @@ def _tell_insecure_tls() -> None:
     )
 
 
-def context_tags(tags: Mapping[str, str]) -> dict[str, str]:
-    """The tags ``mlflow.start_run`` gives a run it creates here (``mlflow.user``, ``mlflow.source.name``,
-    ``mlflow.source.type``, any provider plugin's), with ``tags`` applied over them.
-
-    Git state is left to ``run_metadata.git_tags``: MLflow reads the repository of ``sys.argv[0]``,
-    which under ``otel-forge run`` is otel-forge's own entry point, not the job's working directory.
-    """
-    import_mlflow()
-    from mlflow.tracking.context.git_context import GitRunContext
-    from mlflow.tracking.context.registry import resolve_tags
-
-    from otel_forge.mlflow.training import script_run
-
-    ignore: list[type] = [GitRunContext]
-    if script_run.current() is not None:  # a run of ours is not the script's first run
-        from otel_forge.mlflow.training.run_context import LaunchedRunContext
-
-        ignore.append(LaunchedRunContext)
-    return resolve_tags(dict(tags), ignore=ignore)  # type: ignore[arg-type]  # MLflow takes classes
-
-
 def upload_texts(artifact_uri: str, tracking_uri: str | None, texts: Mapping[str, str]) -> None:
     """Text files (artifact path -> text) into the artifact store at ``artifact_uri``, as
     ``MlflowClient.log_text`` writes them, without the run read it makes to find that store."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -227,3 +228,19 @@ def runs_elsewhere(client: TrackingClient, run_id: str, experiment_id: str) -> l
     return [
         (run.info.run_id, others[run.info.experiment_id]) for run in found if WARNED_AT_OPEN_TAG not in run.data.tags
     ]
+
+
+def context_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    """The tags ``mlflow.start_run`` gives a run it creates here (``mlflow.user``, ``mlflow.source.name``,
+    ``mlflow.source.type``, any provider plugin's), with ``tags`` applied over them.
+
+    Git state is left to ``run_metadata.git_tags``: MLflow reads the repository of ``sys.argv[0]``,
+    which under ``otel-forge run`` is otel-forge's own entry point, not the job's working directory.
+    """
+    from mlflow.tracking.context.git_context import GitRunContext
+    from mlflow.tracking.context.registry import resolve_tags
+
+    ignore: list[type] = [GitRunContext]
+    if script_run.current() is not None:  # a run of ours is not the script's first run
+        ignore.append(LaunchedRunContext)
+    return resolve_tags(dict(tags), ignore=ignore)  # type: ignore[arg-type]  # MLflow takes classes

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-from otel_forge.mlflow.client import context_tags
+from otel_forge.mlflow.client import import_mlflow
 from otel_forge.mlflow.keys import sanitize_key
 from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG
 from otel_forge.mlflow.training.run_journal import Record
@@ -86,6 +86,9 @@ class RunDescription:
         ours = self.own_tags()
         if job_key:
             ours[JOB_KEY_TAG] = job_key
+        import_mlflow()  # under its lock, with our client defaults: run_context is MLflow's plugin module
+        from otel_forge.mlflow.training.run_context import context_tags
+
         return {key: scrub(str(value)) for key, value in context_tags(ours).items()}
 
     def _run_tags(self, node: NodeIdentity) -> dict[str, str]:
