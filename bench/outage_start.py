@@ -89,6 +89,8 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"| values dropped | {r['dropped']:,} |",
             f"| backlog when the server answered | {r['backlog']:,} values, "
             f"journal {r['journal_bytes'] / 2**20:.1f} MiB |",
+            f"| the journal at its largest (every value of the job, until its end is delivered) | "
+            f"{r['journal_max_bytes'] / 2**20:.1f} MiB |",
             f"| backlog in the run, after the server answered | {seconds(r['backlog_in_s'])}"
             + (f" ({r['backlog_rate']:,} values/s)" if r["backlog_rate"] else "")
             + " |",

@@ -59,6 +59,7 @@ class OutageResult:
     dropped: int  # values log() reported dropped
     backlog: int  # values logged before the server answered
     journal_bytes: int  # the journal's size when the server answered
+    journal_max_bytes: int  # its largest (it keeps every value until the run's end is delivered)
     backlog_in_s: float | None  # from the server's answer to the backlog in the run (None: never)
     caught_up_s: float | None  # from the server's answer to the run lagging the job by LIVE_LAG_S at most
     last_in_s: float | None  # from the job's last log() to its last value in the run (None: never)
@@ -93,12 +94,13 @@ def run_outage(
         server.start()
         up_at = time.monotonic()
         backlog = _steps(job) * WIDTH
-        journal_bytes = sum(path.stat().st_size for path in spool.glob("journal-*/journal.log"))
+        journal_bytes = journal_max_bytes = _journal_bytes(spool)
         progress = _Progress(server.db, experiment)
         backlog_in_at = caught_up_at = None
         stop_at = up_at + (catch_up_wait_s if catch_up else after_s)
         while time.monotonic() < stop_at:
             logged, delivered, now = _steps(job) * WIDTH, progress.values(), time.monotonic()
+            journal_max_bytes = max(journal_max_bytes, _journal_bytes(spool))
             if backlog_in_at is None and delivered >= backlog:
                 backlog_in_at = now
             if caught_up_at is None and logged - delivered <= LIVE_LAG_S * rate:
@@ -107,6 +109,7 @@ def run_outage(
             time.sleep(0.25)
         stop.touch()
         last_step = int(job.wait_line("logged", 60).split()[1]) - 1
+        journal_max_bytes = max(journal_max_bytes, _journal_bytes(spool))
         stopped_at = time.monotonic()
         exit_code = job.wait(end_wait_s)
         close_s = time.monotonic() - stopped_at
@@ -129,13 +132,21 @@ def run_outage(
     dropped = max(logged_steps.values(), default=0)
     return OutageResult(
         rate=rate, down_s=up_at - first_value_at, after_s=after_s, logged=len(kept) * WIDTH, dropped=dropped,
-        backlog=backlog, journal_bytes=journal_bytes,
+        backlog=backlog, journal_bytes=journal_bytes, journal_max_bytes=journal_max_bytes,
         backlog_in_s=None if backlog_in_at is None else max(backlog_in_at - up_at, 0.0),
         caught_up_s=None if caught_up_at is None else max(caught_up_at - up_at, 0.0),
         last_in_s=None if last_in_at is None else max(last_in_at - stopped_at, 0.0), close_s=close_s,
         in_mlflow=in_mlflow, repeated=repeated, status=status, exit_code=exit_code, stderr=job.stderr(),
         kept_steps=kept,
     )  # fmt: skip
+
+
+def _journal_bytes(spool: Path) -> int:
+    total = 0
+    for path in spool.glob("journal-*/journal.log"):
+        with contextlib.suppress(OSError):  # delivered whole, and removed, meanwhile
+            total += path.stat().st_size
+    return total
 
 
 def _steps(job: TrainingJob) -> int:
