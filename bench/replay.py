@@ -266,8 +266,10 @@ def replay_command(uri: str) -> list[str]:
 
 def run_replay(uri: str, spool: Path, profile: Path | None) -> dict[str, Any]:
     command = replay_command(uri)
-    if profile is not None:
-        command[1:3] = ["-m", "cProfile", "-o", str(profile), "-m", "otel_forge.cli"]
+    if profile is not None:  # main() returns: the command itself ends its process without cProfile's write
+        script = "import cProfile, sys; from otel_forge.cli import main; "
+        script += f"cProfile.run('main(sys.argv[1:])', {str(profile)!r})"
+        command[1:3] = ["-c", script]
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     process = subprocess.Popen(
