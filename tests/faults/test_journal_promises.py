@@ -285,6 +285,8 @@ def _replay_on_a_terminal(spool: Path, interrupt_at: str | None = None) -> tuple
     replay = subprocess.Popen(
         [str(Path(sys.executable).with_name("otel-forge")), "replay", "--all"],
         stdout=subprocess.PIPE, stderr=secondary, env=environ, text=True,
+        # Ctrl-C as on a terminal, though the test runs where SIGINT is ignored (a background job).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
     )  # fmt: skip
     os.close(secondary)
     shown = b""

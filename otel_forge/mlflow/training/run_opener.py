@@ -183,7 +183,14 @@ class RunOpener:
             self.machine.fire(RunEvent.REFUSED)  # no run to attach to (or closed meanwhile)
             return None
         self.run = run
-        self.machine.fire(RunEvent.OPENED)
+        try:
+            self._opened(run)
+        finally:
+            # Open once what opening it does is done: start() then finds the run described, as it waits.
+            self.machine.fire(RunEvent.OPENED)
+        return run
+
+    def _opened(self, run: OpenRun) -> None:
         # The process's MLflow calls (HF's callback, autolog, mlflow.log_metric) open this run.
         self._restore_environ = make_process_run(run.run_id)
         if self.plan.system_metrics:
@@ -197,7 +204,6 @@ class RunOpener:
         )
         for callback in self.on_open:
             callback(run)
-        return run
 
     def _refused_now(self) -> bool:
         """Whether the server takes no connection now; told as an unanswered attempt, if so."""
