@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import platform
@@ -152,17 +151,16 @@ def make_journal(spool: Path, keys: int, steps: int) -> dict[str, Any]:
 
 
 def _unlocked(journal: Path) -> bool:
-    lock = journal / "delivery.lock"
-    if not lock.exists():
-        return True
-    fd = os.open(lock, os.O_RDWR)
+    """No process delivers ``journal`` now: the delivery's own lock is free (taken and let go)."""
+    from otel_forge.mlflow.spool_files import SpoolBusy, claim
+
+    if not (journal / "delivery.lock").exists():
+        return True  # delivered whole and removed, or never delivered
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
+        with claim(journal):
+            return True
+    except SpoolBusy:
         return False
-    finally:
-        os.close(fd)
 
 
 # --- the counting proxy -----------------------------------------------------------------------

@@ -6,7 +6,6 @@ training process SIGKILLed likewise leaves its journal; a third agent still runs
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -111,13 +110,11 @@ def test_replay_needs_a_path_or_all_one_of_them(tmp_path):
 
 
 def _unlocked(journal: Path) -> bool:
-    import fcntl
+    """No process delivers ``journal`` now: the delivery's own lock is free (taken and let go)."""
+    from otel_forge.mlflow.spool_files import SpoolBusy, claim
 
-    fd = os.open(journal / "delivery.lock", os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
+        with claim(journal):
+            return True
+    except SpoolBusy:
         return False
-    finally:
-        os.close(fd)

@@ -13,6 +13,25 @@ CALL_THREAD = "mlflow-system-metrics-call"
 # hung server fails fast and the exporter's own worker does the retrying.
 HTTP_TIMEOUT_S = 3
 
+WIDTH = 100  # values a log() call of the journal's fault tests' training loops
+
+
+def steps_logged(lines: list[str]) -> dict[int, int]:
+    """step -> values dropped so far, from a training loop's "step N DROPPED" lines."""
+    return {int(parts[1]): int(parts[2]) for parts in (line.split() for line in lines) if parts[0] == "step"}
+
+
+def the_run(client: Any, experiment: str, timeout_s: float = 90.0) -> Any:
+    """The one run of ``experiment``, once it has ended."""
+    from testkit.servers import wait_for
+
+    def found() -> Any:
+        exp = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        return runs[0] if len(runs) == 1 and runs[0].info.status != "RUNNING" else None
+
+    return wait_for(found, timeout_s, 0.5, message=f"one ended run in {experiment}")
+
 
 def create_run(tracking_uri: str) -> str:
     from mlflow import MlflowClient

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faultkit import WIDTH, steps_logged, the_run
 from trun_helpers import unique
 
 from testkit.mlflow_server import MlflowServer
@@ -21,7 +22,6 @@ from testkit.training_job import TrainingJob, otel_forge_command
 
 pytestmark = pytest.mark.slow
 
-WIDTH = 100  # values a log() call
 
 # Logs STEPS steps of WIDTH values, RATE steps a second, printing "step N REJECTED" once each log()
 # returned; at step HOOK_AT prints "hook" and waits for the file GO. LEAVE runs last in the block.
@@ -61,23 +61,9 @@ def _go(job: TrainingJob) -> None:
     (job.directory / "go").touch()
 
 
-def _steps_logged(lines: list[str]) -> dict[int, int]:
-    """step -> values dropped so far, from the loop's lines."""
-    return {int(parts[1]): int(parts[2]) for parts in (line.split() for line in lines) if parts[0] == "step"}
-
-
 def _kept_steps(logged: dict[int, int]) -> list[int]:
     """The steps whose log() dropped nothing (the count did not move)."""
     return [step for step, so_far in sorted(logged.items()) if so_far == logged.get(step - 1, 0)]
-
-
-def _the_run(client, experiment: str, timeout_s: float = 90.0):
-    def found():
-        exp = client.get_experiment_by_name(experiment)
-        runs = client.search_runs([exp.experiment_id]) if exp else []
-        return runs[0] if len(runs) == 1 and runs[0].info.status != "RUNNING" else None
-
-    return wait_for(found, timeout_s, 0.5, message=f"one ended run in {experiment}")
 
 
 def _steps_in(client, run_id: str, key: str) -> list[int]:
@@ -126,7 +112,7 @@ def test_a_read_only_spool_raises_nothing_and_the_run_holds_the_count_of_what_wa
         f"{lost} metric value(s) were dropped in all: {lost} lost (the run's journal could not be written: "
         f"{read_only_spool}: Read-only file system); tag otel_forge.log.rejected of the run holds the count"
     ) in stderr, stderr[-3000:]
-    run = _the_run(client, experiment)
+    run = the_run(client, experiment)
     assert run.info.status == status
     assert run.data.tags.get("otel_forge.log.rejected") == str(lost), "the last line names a tag the run lacks"
     assert not run.data.metrics
@@ -161,7 +147,7 @@ def test_a_spool_disk_that_turns_read_only_mid_job_raises_nothing_and_every_kept
         assert job.wait() == 0
     stderr = job.stderr()
     assert "Traceback" not in stderr, stderr[-3000:]
-    logged = _steps_logged(job.lines())
+    logged = steps_logged(job.lines())
     kept = _kept_steps(logged)
     lost = int(job.wait_line("exited").split()[1])
     assert kept == list(range(40)) and lost == WIDTH * (90 - 40), f"{lost} lost; kept {kept[-3:]}"
@@ -169,7 +155,7 @@ def test_a_spool_disk_that_turns_read_only_mid_job_raises_nothing_and_every_kept
         f"{lost} metric value(s) were dropped in all: {lost} lost (the run's journal could not be written: "
         "Read-only file system)"
     ) in stderr, stderr[-3000:]
-    run = _the_run(client, experiment)
+    run = the_run(client, experiment)
     assert run.info.status == "FINISHED"
     assert run.data.tags.get("otel_forge.log.rejected") == str(lost)
     _assert_once(client, run.info.run_id, kept)
@@ -250,7 +236,7 @@ def test_a_journal_damaged_in_the_middle_or_cut_delivers_every_intact_record_onc
     assert ("in the middle of the journal" in output) == middle and ("incomplete record" in output) != middle
     assert "the file was changed after it was written" in output or not middle
     assert "by its writer's death or the node's crash, or the file was cut there" in output or middle
-    run = _the_run(client, experiment)
+    run = the_run(client, experiment)
     assert run.info.status == status
     # The description is journaled once the opener has imported MLflow: after the values, here, so
     # a cut at the half loses it with them.
@@ -331,12 +317,12 @@ def _check_killed_seed(client, outcome: dict) -> list[str]:
         problems.append(f"{where}: replay: {outcome['replay']}")
     if outcome["left"]:
         problems.append(f"{where}: journals left undelivered: {outcome['left']}")
-    logged = _steps_logged(outcome["lines"])
+    logged = steps_logged(outcome["lines"])
     kept = _kept_steps(logged)
     if victim == "companion" and (outcome["exit_code"] != 0 or kept != list(range(KILL_STEPS))):
         problems.append(f"{where}: the job did not complete: exit {outcome['exit_code']}, {len(kept)} steps")
     try:
-        run = _the_run(client, outcome["experiment"], 30)
+        run = the_run(client, outcome["experiment"], 30)
     except TimeoutError as error:
         return [*problems, f"{where}: {error}"]
     status = "FINISHED" if victim == "companion" else "KILLED"

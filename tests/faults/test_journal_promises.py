@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faultkit import WIDTH, steps_logged, the_run
 from trun_helpers import popen_script, unique
 
 from testkit.mlflow_server import MlflowServer
@@ -20,7 +21,6 @@ from testkit.servers import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
-WIDTH = 100  # values a log() call
 
 # Logs BEFORE steps while the server refuses connections, says so, waits for a line on stdin (the
 # server is up), waits for its run (bounded), logs AFTER steps more, and leaves the block.
@@ -60,15 +60,6 @@ def _read_until(process: subprocess.Popen, starts: str, timeout_s: float = 120.0
 
 def _line(process: subprocess.Popen, starts: str, timeout_s: float = 120.0) -> str:
     return _read_until(process, starts, timeout_s)[-1]
-
-
-def _the_run(client, experiment: str, timeout_s: float = 90.0):
-    def found():
-        exp = client.get_experiment_by_name(experiment)
-        runs = client.search_runs([exp.experiment_id]) if exp else []
-        return runs[0] if len(runs) == 1 and runs[0].info.status != "RUNNING" else None
-
-    return wait_for(found, timeout_s, 0.5, message=f"one ended run in {experiment}")
 
 
 def _assert_every_value_once(client, run, steps: int) -> None:
@@ -111,7 +102,7 @@ def test_a_backlog_logged_before_the_server_answers_is_delivered_with_the_run_op
         process.kill()
     assert "Traceback" not in stderr
     client = MlflowClient(down_server.uri)
-    run = _the_run(client, experiment)
+    run = the_run(client, experiment)
     assert run.info.status == "FINISHED"
     assert run.data.params.get("lr") == "0.25"
     _assert_every_value_once(client, run, 390)
@@ -141,20 +132,15 @@ def _loop(uri: str, experiment: str, spool: Path, *, steps: int, rate: float, ho
     return popen_script(textwrap.dedent(code), env={"OTEL_FORGE_SPOOL_DIR": str(spool)}, stdin=subprocess.PIPE)
 
 
-def _steps_logged(lines: list[str]) -> dict[int, int]:
-    """step -> values dropped so far, from the loop's lines."""
-    return {int(parts[1]): int(parts[2]) for parts in (line.split() for line in lines) if parts[0] == "step"}
-
-
 def _assert_kept_arrived_and_drops_counted(client, experiment: str, lines: list[str], stderr: str) -> int:
     """Every step whose log() dropped nothing is in the run, once, and no other; every drop is
     counted, on stderr and in the run's tag; the run ended FINISHED. The count dropped."""
-    logged = _steps_logged(lines)
+    logged = steps_logged(lines)
     dropped = int(lines[-1].split()[1])
     kept = [step for step, so_far in logged.items() if so_far == logged.get(step - 1, 0)]
     assert 0 < dropped == WIDTH * (len(logged) - len(kept)), "every drop is counted, a call's values together"
     assert f"{dropped} metric value(s) were dropped in all: {dropped} lost" in stderr
-    run = _the_run(client, experiment)
+    run = the_run(client, experiment)
     assert run.info.status == "FINISHED"
     assert run.data.tags["otel_forge.log.rejected"] == str(dropped)
     for key in ("v0", f"v{WIDTH - 1}"):
@@ -245,7 +231,7 @@ def test_a_companion_killed_mid_job_is_replaced_and_the_run_fills_during_the_job
         process.kill()
     assert process.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
     assert "companion" in stderr and "a new one delivers" in stderr
-    run = _the_run(client, experiment)
+    run = the_run(client, experiment)
     assert run.info.status == "FINISHED"
     _assert_every_value_once(client, run, 400)
 
@@ -342,7 +328,7 @@ def test_a_journal_whose_run_never_opened_is_given_up_in_patience_then_replayed_
     code, shown = _replay_on_a_terminal(spool)
     assert code == 0, shown[-2000:]
     client = MlflowClient(down_server.uri)
-    run = _the_run(client, experiment)
+    run = the_run(client, experiment)
     assert run.info.status == "KILLED"
     assert "and ended it KILLED" in shown
     _assert_every_value_once(client, run, 600)
@@ -391,7 +377,7 @@ def test_a_server_that_asks_to_wait_with_retry_after_is_left_alone_that_long_and
     assert 1 <= len(refused_calls) <= 4, f"{len(refused_calls)} log-batch calls while the server asked for 5 s"
     assert f"HTTP {status}, Retry-After 5 s" in stderr, stderr[-2000:]
     assert "urllib3" not in stderr and "Retrying (" not in stderr and "HTTP 500" not in stderr
-    run = _the_run(client, experiment)
+    run = the_run(client, experiment)
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(80))
 

@@ -121,15 +121,14 @@ class JournalRun:
 
     def _end(self, run: OpenRun, status: str, rejected: int, worker: str | None = None) -> None:
         from otel_forge.mlflow.training.outcome import end_run
-        from otel_forge.mlflow.training.run_metadata import REJECTED_TAG
 
         plan = self._cursor.plan
-        if rejected or self._cursor.refused:
-            run.client.set_tag(run.run_id, REJECTED_TAG, str(rejected + self._cursor.refused), synchronous=True)
         node = NodeIdentity(**plan["node"]) if plan.get("node") else NodeIdentity.detect()
+        # What the training process dropped and what the server refused: the run's one count of it.
         end_run(
-            run.client, run.run_id, run.experiment_id, status, node, environ=plan.get("attempt_environ"), worker=worker
-        )
+            run.client, run.run_id, run.experiment_id, status, node, environ=plan.get("attempt_environ"),
+            worker=worker, rejected=rejected + self._cursor.refused,
+        )  # fmt: skip
         self._cursor.ended = status
         self._save()
         if status == "FINISHED" and not self.source.launched:

@@ -48,8 +48,8 @@ def end_run(
     ``environ``: this process's variables (default ``os.environ``), which say its torchrun attempt.
     ``worker``: the process ran a launcher, not a rank: the worker that ended the job (``rank 1``,
     or ``a worker`` where none said so), named in the outcome instead of this process's rank.
-    ``rejected``: the values ``log()`` took and did not keep, for the run's tag (a run ended without its
-    journal: the journal's delivery tags the others).
+    ``rejected``: the values logged and not kept (dropped by ``log()``, refused by the server), for the
+    run's tag.
     """
     if rejected:
         client.set_tag(run_id, REJECTED_TAG, str(rejected), synchronous=True)
