@@ -234,8 +234,8 @@ def test_repeated_sdk_errors_are_let_through_once_a_minute():
     assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
     assert not repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", failed))
     assert repeat.filter(record("opentelemetry.exporter.otlp.proto.http.metric_exporter", "another message"))
-    assert repeat.filter(record("otel_forge.mlflow.worker", failed)) and repeat.filter(
-        record("otel_forge.mlflow.worker", failed)
+    assert repeat.filter(record("otel_forge.mlflow.delivery.engine", failed)) and repeat.filter(
+        record("otel_forge.mlflow.delivery.engine", failed)
     )
 
 

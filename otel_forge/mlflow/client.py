@@ -19,8 +19,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 from otel_forge.config import MLFLOW_CLIENT_DEFAULTS
+from otel_forge.mlflow.delivery.retry import Outcome
 from otel_forge.mlflow.server_probe import RETRY_AFTER_STATUSES, ServerRefused, insecure_tls, retry_after_s
-from otel_forge.mlflow.worker import Outcome
 from otel_forge.scrub import scrub
 
 if TYPE_CHECKING:  # mlflow is imported by import_mlflow() alone, at run time

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import RunGone, RunInfo, make_client
-from otel_forge.mlflow.outbox import MOST_JOINED, join_while
+from otel_forge.mlflow.delivery.engine import Delivery, DeliveryStats, Policy
+from otel_forge.mlflow.delivery.outbox import Outbox
+from otel_forge.mlflow.delivery.retry import Outcome
 from otel_forge.mlflow.spool_files import HEADER, SpoolBusy, claim, remove_if_empty, writer_alive
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
+from otel_forge.mlflow.system_metrics.windows import Window
 from otel_forge.mlflow.training.journal_cursor import undelivered
 from otel_forge.mlflow.training.journal_delivery import Delivered, DeliveryPace, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
@@ -170,21 +174,40 @@ def _replay_windows(path: Path, tracking_uri: str | None, progress: Progress) ->
     log_window.on_first_step.append(
         lambda step: spool.update_header(first_step=step, node_run_id=log_window.node_run_id)
     )
-    delivered, ended = 0, False
-    while (oldest := spool.peek()) is not None:
-        # A backlog goes in few calls: the windows after it that fit in the same one.
-        window, count = join_while(oldest, spool.peek_many(MOST_JOINED)[1:], WindowLogger.joined)
-        log_window(window)
-        for _ in range(count):
-            spool.pop()
-        delivered, ended = delivered + count, ended or window.last
-        progress(WINDOWS, count)
+    delivered, ended = _deliver_windows(spool, log_window, progress)
     if not ended and log_window.node_run_id is not None and not writer_alive(header):
         # Its agent died without its last window (SIGKILL, a node lost): the node's run ends here.
         make_client(uri).set_terminated(log_window.node_run_id, "KILLED")
     if not spool.set_aside:
         spool.remove_if_empty()
     return ReplayResult(delivered, len(spool), run_id, spool.set_aside)
+
+
+def _deliver_windows(spool: WindowSpool, log_window: WindowLogger, progress: Progress) -> tuple[int, bool]:
+    """The spool's windows through the delivery engine, a backlog in few calls (the windows after the
+    oldest that fit in the same one); the first failure ends it and is raised (the rest stays for
+    another try). How many were delivered, and whether the last window was among them."""
+    failures: list[BaseException] = []
+    last: list[bool] = []
+
+    def send(window: Window) -> None:
+        log_window(window)
+        last.append(window.last)
+
+    def fail_fast(error: BaseException) -> Outcome:
+        failures.append(error)
+        return Outcome.STOP
+
+    outbox = Outbox("replay", DeliveryStats(), max_queue=0, overflow=spool, write_ahead=True, join=WindowLogger.joined)
+    outbox.on_delivered = lambda count: progress(WINDOWS, count)
+    delivery = Delivery(
+        outbox, send, name="replay", policy=Policy(classify=fail_fast), notice_level=lambda: logging.DEBUG
+    )
+    delivery.finish(math.inf)  # everything there, at once
+    delivery.run()
+    if failures:
+        raise failures[-1]
+    return delivery.stats.delivered, any(last)
 
 
 def _job_run_id(client: Any, header: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from otel_forge.mlflow.client import (
     outage_cause,
     unanswered_reason,
 )
-from otel_forge.mlflow.worker import Outcome
+from otel_forge.mlflow.delivery.retry import Outcome
 from testkit.auth_server import ADMIN
 from testkit.hermetic import hermetic_environ
 from testkit.servers import wait_for

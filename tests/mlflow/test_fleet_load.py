@@ -5,6 +5,7 @@ still spans the run)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -13,8 +14,8 @@ from otel_points import gauge, metrics_data
 import otel_forge
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow import MLflowMetricExporter
+from otel_forge.mlflow.delivery.retry import Backoff
 from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
-from otel_forge.mlflow.worker import Backoff
 from testkit.proxy import GET_RUN, LOG_BATCH, Mode
 from testkit.servers import wait_for
 
@@ -34,7 +35,7 @@ def test_an_overloaded_server_answering_400_queue_pool_loses_no_window(client, e
         node_id="node_0",
         config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)),
     )
-    exporter.worker._backoff = Backoff(0.05, 0.2)  # the overload's retries within the test's seconds
+    exporter.worker._delivery._backoff = Backoff(0.05, 0.2)  # the overload's retries within the test's seconds
     proxy.set_mode(Mode.OVERLOAD_400)
     for value in range(20):
         exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, value / 100)])))
@@ -155,3 +156,37 @@ def test_an_agent_told_the_experiment_never_reads_the_run(client, experiment_id,
     monitor.stop()
     assert proxy.count(GET_RUN) == 0  # a node of a large run starts without reading it
     assert monitor.exporter.window_logger.first_step == 0
+
+
+def test_windows_honour_retry_after_as_the_journal_does_and_name_the_status(
+    client, experiment_id, proxy, tmp_path, caplog
+):
+    """The windows go through the same delivery engine as a run's journal: a gateway answering 429 with
+    ``Retry-After: 3`` for 7 s gets one call per pause at most, the line names the status and the
+    pause (no urllib3 text), and every window arrives once it lets them through."""
+    caplog.set_level(logging.WARNING, logger="otel_forge")
+    proxy.retry_after_s = 3
+    run_id = client.create_run(experiment_id).info.run_id
+    exporter = MLflowMetricExporter(
+        run_id,
+        tracking_uri=proxy.uri,
+        node_id="node_0",
+        config=ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path)),
+    )
+    exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, 0.0)])))
+    assert exporter.force_flush(10_000)
+    began = time.time()
+    proxy.set_mode(Mode.ERROR_429)
+    for value in range(1, 15):
+        exporter.export(metrics_data(gauge("otel_forge.cpu.utilization", [({}, value / 100)])))
+        exporter.force_flush(0)  # each window due at once: only the server's pause holds them back
+        time.sleep(0.5)
+    proxy.set_mode(Mode.PASS)
+    ended = time.time()
+    exporter.shutdown()
+
+    refused = [at for at, _ in proxy.arrivals(LOG_BATCH) if began <= at < ended]
+    assert 1 <= len(refused) <= 3, f"{len(refused)} log-batch calls in 7 s while the server asked for 3 s"
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "HTTP 429, Retry-After 3 s" in said and "urllib3" not in said, said
+    assert _steps(client, run_id, "system/node_0/cpu_utilization_percentage") == list(range(15))

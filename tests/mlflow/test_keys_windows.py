@@ -19,12 +19,15 @@ from pathlib import Path
 import pytest
 from otel_points import as_named_points, counter, gauge, metrics_data
 
-import otel_forge.mlflow.worker as worker_module
+import otel_forge.mlflow.delivery.retry as retry_module
+from otel_forge.mlflow.delivery.engine import Delivery, DeliveryStats, Ended, Policy
+from otel_forge.mlflow.delivery.outbox import Outbox
+from otel_forge.mlflow.delivery.retry import Backoff
+from otel_forge.mlflow.delivery.worker import DeliveryWorker, Outcome
 from otel_forge.mlflow.keys import KeyMapper, key_segment, sanitize_key, system_prefix
 from otel_forge.mlflow.spool_files import HEADER
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import ChangedValues, Window, WindowFolder, delivery_phase_s
-from otel_forge.mlflow.worker import DeliveryWorker, Outcome
 from otel_forge.names import Fold
 from testkit.servers import wait_for
 
@@ -603,7 +606,7 @@ def test_windows_behind_a_first_call_that_fails_are_spooled(tmp_path: Path) -> N
     assert calls == [0, 0, 1, 2, 3]
 
 
-def _joining_worker(tmp_path: Path, deliver, due_s: float, room: int) -> DeliveryWorker[Window]:
+def _joining_worker(tmp_path: Path, deliver, due_s: float, room: int, **options) -> DeliveryWorker[Window]:
     """Write-ahead, every window due ``due_s`` from now; windows of at most ``room`` values in all join."""
     due_at = time.time() + due_s
     spool = WindowSpool(tmp_path / "spool", max_bytes=1 << 20)
@@ -616,6 +619,7 @@ def _joining_worker(tmp_path: Path, deliver, due_s: float, room: int) -> Deliver
         join=lambda item, later: item.joined(later) if item.size + later.size <= room else None,
         backoff_initial_s=0.01,
         backoff_max_s=0.01,
+        **options,
     )
 
 
@@ -640,8 +644,7 @@ def test_a_joined_call_the_server_refuses_is_sent_window_by_window(tmp_path: Pat
         if 2 in calls[-1]:
             raise ValueError("window 2 is refused")
 
-    worker = _joining_worker(tmp_path, deliver, 60.0, room=100)
-    worker._classify = lambda error: Outcome.DROP  # type: ignore[method-assign]
+    worker = _joining_worker(tmp_path, deliver, 60.0, room=100, classify=lambda error: Outcome.DROP)
     for i in range(4):
         worker.submit(window(i))
 
@@ -652,7 +655,7 @@ def test_a_joined_call_the_server_refuses_is_sent_window_by_window(tmp_path: Pat
 
 
 def test_a_hung_deliver_costs_one_thread_and_a_warning_never_the_caller(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.worker")
+    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.delivery.engine")
     release = threading.Event()
     calls: list[int] = []
 
@@ -708,30 +711,27 @@ def test_a_call_past_its_deadline_that_fails_is_retried_once_it_has_ended() -> N
 def test_retries_back_off_with_jitter(monkeypatch: pytest.MonkeyPatch) -> None:
     failures = 6
     draws = iter([0.0, 1.0, 0.5, 0.25, 0.75, 0.1])  # controlled random() draws
-
-    class Pauses(threading.Event):
-        """The worker's backoff pauses, as asked for (no waiting: the test is not about time)."""
-
-        asked: list[float] = []
-
-        def wait(self, timeout: float | None = None) -> bool:
-            self.asked.append(timeout if timeout is not None else -1.0)
-            return False
+    sent: list[int] = []
 
     def deliver(item: int) -> None:
-        if len(Pauses.asked) < failures:
+        sent.append(item)
+        if len(sent) <= failures:
             raise ConnectionError("down")
 
-    monkeypatch.setattr(worker_module.random, "random", lambda: next(draws))
-    worker = DeliveryWorker(deliver, name="jitter", backoff_initial_s=0.02, backoff_max_s=0.08)
-    worker._wake = Pauses()
-    worker.submit(1)
-    wait_for(lambda: worker.stats.delivered == 1, 10, 0.01)
-    worker.close(1)
+    monkeypatch.setattr(retry_module.random, "random", lambda: next(draws))
+    outbox: Outbox[int] = Outbox("jitter", DeliveryStats(), max_queue=4, overflow=None, write_ahead=False, join=None)
+    delivery = Delivery(outbox, deliver, name="jitter", policy=Policy(backoff=Backoff(0.02, 0.08)))
+    outbox.put(1)
+    # Stepped by hand: each failed step says the pause before the next (the test is not about time).
+    pauses = [delivery.step() for _ in range(failures)]
+    assert delivery.step() == 0.0 and sent == [1] * (failures + 1) and delivery.stats.delivered == 1
     # Each pause is half its backoff plus a random half; the backoff doubles up to its cap.
     caps = [0.02, 0.04, 0.08, 0.08, 0.08, 0.08]
     expected = [cap * (0.5 + r / 2) for cap, r in zip(caps, [0.0, 1.0, 0.5, 0.25, 0.75, 0.1], strict=True)]
-    assert Pauses.asked[:failures] == pytest.approx(expected)
+    assert pauses == pytest.approx(expected)
+    assert delivery.step() == math.inf  # nothing left: idle until nudged
+    delivery.finish(1.0)
+    assert delivery.step() is Ended.ALL
 
 
 def _failing(errors: dict[int, list[BaseException]], delivered: list[int]):  # type: ignore[no-untyped-def]
@@ -783,7 +783,7 @@ def test_drop_skips_only_that_item() -> None:
 
 
 def test_stop_ends_delivery_for_good_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.worker")
+    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.delivery.engine")
     delivered: list[int] = []
     worker = DeliveryWorker(_failing({1: [Gone("run deleted")]}, delivered), name="stop", classify=_classify)
     for i in range(4):
@@ -841,7 +841,7 @@ def test_close_keeps_order_when_the_queue_and_the_spool_both_hold_windows(tmp_pa
 
 
 def test_retry_warnings_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.worker")
+    caplog.set_level(logging.WARNING, logger="otel_forge.mlflow.delivery.engine")
 
     def always_down(item: int) -> None:
         raise ConnectionError("connection refused")

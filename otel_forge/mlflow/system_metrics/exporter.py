@@ -19,7 +19,8 @@ from opentelemetry.sdk.metrics.export import Gauge, MetricExportResult, MetricsD
 from otel_forge.collectors.inventory import inventory_tags
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
-from otel_forge.mlflow.client import RunInfo, asked_pause_s, classify
+from otel_forge.mlflow.client import RunInfo, asked_pause_s, classify, refuses_connections, unanswered_reason
+from otel_forge.mlflow.delivery.worker import DeliveryWorker
 from otel_forge.mlflow.keys import DataPoint, KeyMapper, key_segment, node_host_tags, system_prefix
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root, writer_identity
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
@@ -27,7 +28,6 @@ from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import CLOSE_SPREAD_SHARE, ChangedValues, Window, WindowFolder
 from otel_forge.mlflow.system_metrics.writer_lock import NodeWriterLock
-from otel_forge.mlflow.worker import DeliveryWorker
 from otel_forge.pipeline.fanout import NonBlockingExporter
 from otel_forge.scrub import scrub, uri_without_credentials
 
@@ -121,6 +121,8 @@ class MLflowMetricExporter(NonBlockingExporter):
             due=self._schedule.due,
             join=self.window_logger.joined,
             asked_pause=lambda error: asked_pause_s(tracking_uri, error),
+            describe=unanswered_reason,
+            hopeless_at_close=refuses_connections,
         )
         self._shut_down = False
         self._pid = os.getpid()  # a forked child exports nothing of the parent's run

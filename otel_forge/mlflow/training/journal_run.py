@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.mlflow.client import classify, import_mlflow
+from otel_forge.mlflow.delivery.retry import Outcome
 from otel_forge.mlflow.training.delivery_world import DeliveryWorld
 from otel_forge.mlflow.training.journal_cursor import Cursor
 from otel_forge.mlflow.training.journal_tail import ROWS, Item, MetricRow
@@ -18,7 +19,6 @@ from otel_forge.mlflow.training.run_journal import CHECKPOINT, END, RECORD, Reco
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.training.run_state import RunEvent, RunState
-from otel_forge.mlflow.worker import Outcome
 from otel_forge.node import NodeIdentity, torchrun_attempt
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import error_line

@@ -13,6 +13,7 @@ from typing import Any
 
 from otel_forge.config import TOLD_SPOOL_ENV, ConfigError
 from otel_forge.mlflow.client import classify, make_client, outage_cause, unanswered_reason
+from otel_forge.mlflow.delivery.retry import Outcome
 from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.server_probe import ServerRefused, check_connects
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
@@ -25,7 +26,6 @@ from otel_forge.mlflow.training.run_plan import RunPlan, is_remote
 from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.training.run_state import RunEvent, RunState, RunStateMachine
 from otel_forge.mlflow.training.script_run import PublishedRun, ScriptRun
-from otel_forge.mlflow.worker import Outcome
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import error_line, uri_without_credentials
 

@@ -1,6 +1,7 @@
-"""``Outbox``: what a ``DeliveryWorker`` has yet to deliver, oldest first: a bounded queue in memory,
-and an ``Overflow`` (the on-disk spool) for what does not fit, or for every item where it is written
-ahead (the process may die before it is delivered). Items due together are taken as one call where
+"""``Outbox``: the windows' ``Source``, what a ``DeliveryWorker`` has yet to deliver, oldest first: a
+bounded queue in memory, and an ``Overflow`` (the on-disk spool) for what does not fit, or for every
+item where it is written ahead (the process may die before it is delivered). An item is sent at its
+due time (``due``), sooner at a close or a flush; items due together are taken as one call where
 ``join`` allows; a joined call the server refused is taken again item by item."""
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from otel_forge.mlflow.delivery.engine import Call, DeliveryStats, Ended
 from otel_forge.ratelimit import RateLimitedLogger
 
 _logger = logging.getLogger(__name__)
@@ -53,35 +56,29 @@ class Overflow(Protocol[T]):
     def __len__(self) -> int: ...
 
 
-@dataclass
-class DeliveryStats:
-    """Cumulative counts; read by self-telemetry and ``otel-forge doctor``."""
-
-    delivered: int = 0
-    retried: int = 0
-    spooled: int = 0
-    dropped: int = 0
-    hung_calls: int = 0
-
-
 class Outbox(Generic[T]):
-    """The items waiting for delivery, under the worker's condition (re-entrant: every method takes
-    it, and a put or a pop wakes the worker's sender and its ``flush``)."""
+    """The items waiting for delivery. A put calls ``on_put`` (the delivery's nudge); a pop wakes
+    ``wait_empty``."""
 
     def __init__(
         self,
         name: str,
-        cond: threading.Condition,
         stats: DeliveryStats,
         *,
         max_queue: int,
         overflow: Overflow[T] | None,
         write_ahead: bool,
         join: Callable[[T, T], T | None] | None,
+        due: Callable[[T], float] | None = None,
     ) -> None:
         self.name = name
-        self._cond = cond
+        self._cond = threading.Condition()  # re-entrant: the methods call each other
         self._stats = stats
+        self.on_put: Callable[[], None] = lambda: None
+        self.on_delivered: Callable[[int], None] = lambda count: None  # told how many items each call delivered
+        self.pace = _DuePace(due)
+        self._call: Call[T] | None = None  # the call being made, until it is delivered or refused
+        self._head: T | None = None  # its first item
         self._queue: collections.deque[T] = collections.deque()
         self._max_queue = max_queue
         self._overflow = overflow
@@ -110,13 +107,13 @@ class Outbox(Generic[T]):
                 waits = self._answered and bool(len(self._overflow))
                 if self._overflow.append(item):
                     self._stats.spooled += waits
-                    self._cond.notify()
+                    self.on_put()
                     return True
             # Once anything is in the overflow, newer items follow it there: order is kept.
             spilled = self._overflow is not None and len(self._overflow) and not self._write_ahead
             if len(self._queue) < self._max_queue and not spilled:
                 self._queue.append(item)
-                self._cond.notify()
+                self.on_put()
                 return True
             return self._to_overflow(item)
 
@@ -157,7 +154,7 @@ class Outbox(Generic[T]):
                 elif self._overflow is not None:
                     self._overflow.pop()
             self._alone = max(self._alone - count, 0)
-            self._cond.notify_all()  # flush() waits for the outbox to empty
+            self._cond.notify_all()  # wait_empty
 
     def answered(self, error: BaseException | None) -> None:
         """The first call has answered: from now on a waiting item is spooled; if it failed, so
@@ -174,6 +171,48 @@ class Outbox(Generic[T]):
         with self._cond:
             self._stats.dropped += len(self._queue)
             self._queue.clear()
+            self._cond.notify_all()
+
+    def wait_empty(self, timeout_s: float, stopped: Callable[[], bool]) -> bool:
+        """True once nothing waits, False if ``timeout_s`` passes first or delivery has ``stopped``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: stopped() or not len(self), timeout_s) and not stopped()
+
+    # --- the Source the delivery takes its calls from -------------------------------------
+
+    def next_call(self, closing: bool) -> Call[T] | float | Ended:
+        if self._call is not None:
+            return self._call  # the same call again (a call past its deadline is awaited, not sent twice)
+        with self._cond:
+            if (head := self.head()) is None:
+                return Ended.ALL if closing else math.inf
+        if (wait_s := self.pace.wait_s(head, closing)) > 0:
+            return wait_s
+        item, count = self.take(head, lambda later: self.pace.wait_s(later, closing) <= 0)
+        self._head, self._call = head, Call(item, count)
+        return self._call
+
+    def delivered(self, call: Call[T]) -> None:
+        assert self._head is not None
+        self.pop(self._head, call.count)
+        self._call = self._head = None
+        self.on_delivered(call.count)
+
+    def refused(self, call: Call[T], error: BaseException) -> int:
+        if call.count > 1:
+            self.one_by_one(call.count)  # which of them is refused: each alone, the others are delivered
+            self._call = self._head = None
+            return 0
+        assert self._head is not None
+        self.pop(self._head)
+        self._call = self._head = None
+        return 1
+
+    def gave_up(self) -> bool:
+        return False
+
+    def stopped(self) -> None:
+        self.drop_memory()
 
     def spill(self) -> int:
         """Closing: the items in memory go to the overflow (counted as spooled, or dropped where it
@@ -190,7 +229,7 @@ class Outbox(Generic[T]):
     def _to_overflow(self, item: T) -> bool:
         if self._overflow is not None and self._overflow.append(item):
             self._stats.spooled += 1
-            self._cond.notify()
+            self.on_put()
             return True
         self._stats.dropped += 1
         self._warnings.warning(
@@ -198,3 +237,25 @@ class Outbox(Generic[T]):
             self._stats.dropped,
         )  # fmt: skip
         return False
+
+
+class _DuePace(Generic[T]):
+    """When an item may be sent: ``due(item)``, a wall-clock time (None: at once); sooner at a close
+    (its own time, after its spread), at once while hurried (a flush, a close without spread)."""
+
+    def __init__(self, due: Callable[[T], float] | None) -> None:
+        self._due = due
+        self.hurry = threading.Event()  # set at close and during a flush: nothing waits for its due time
+        self._close_not_before = 0.0  # closing: the time before which nothing is sent
+
+    def close(self, spread_s: float) -> None:
+        self._close_not_before = time.time() + spread_s
+        if spread_s <= 0:
+            self.hurry.set()
+
+    def wait_s(self, item: T, closing: bool) -> float:
+        """How long ``item`` waits for its time (0 or less: it is due)."""
+        if self._due is None or self.hurry.is_set():
+            return 0.0
+        due = min(self._due(item), self._close_not_before) if closing else self._due(item)
+        return due - time.time()
