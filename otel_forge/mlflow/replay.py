@@ -200,9 +200,9 @@ def _deliver_windows(spool: WindowSpool, log_window: WindowLogger, progress: Pro
 
     outbox = Outbox("replay", DeliveryStats(), max_queue=0, overflow=spool, write_ahead=True, join=WindowLogger.joined)
     outbox.on_delivered = lambda count: progress(WINDOWS, count)
-    delivery = Delivery(
-        outbox, send, name="replay", policy=Policy(classify=fail_fast), notice_level=lambda: logging.DEBUG
-    )
+    # The failure is raised to the command, which says it: the engine's own line is for debugging.
+    policy = Policy(classify=fail_fast, notice_level=lambda: logging.DEBUG)
+    delivery = Delivery(outbox, send, name="replay", policy=policy)
     delivery.finish(math.inf)  # everything there, at once
     delivery.run()
     if failures:

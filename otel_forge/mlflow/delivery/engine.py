@@ -9,7 +9,7 @@ run is gone). A call past its deadline is never sent again while it may still be
 awaits it.
 
 Each move is one ``step``: it says how long to wait before the next, or how the delivery ended.
-``run`` waits between steps on the caller's thread (``start``: a thread of its own), woken early by
+``run`` waits between steps on the caller's thread, woken early by
 ``nudge`` (new items) and ``finish`` (deliver what is there within a deadline, then end); the journal's
 simulation test steps it on a fake clock.
 """
@@ -103,7 +103,8 @@ class Policy:
     a few words (the real status, never a credential); ``hopeless_at_close``: a failure not worth the
     rest of ``finish``'s deadline (a server refusing connections); ``call_deadline_s``: how long one call
     is awaited (None: the call is the caller's own, made in ``step``); ``poll_s``: how often a source
-    that is not deliverable yet is looked at again."""
+    that is not deliverable yet is looked at again; ``keeps``: what the retry line says is kept
+    ("<name>: delivery failed, retrying: <cause><keeps>"); ``notice_level``: the level of its lines."""
 
     classify: Callable[[BaseException], Outcome] = _retry_everything
     describe: Callable[[BaseException], str] = _error_text
@@ -111,11 +112,12 @@ class Policy:
     backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 10.0))
     call_deadline_s: float | None = None
     poll_s: float = 0.5
+    keeps: str = ""
+    notice_level: Callable[[], int] = lambda: logging.WARNING
 
 
 class Delivery(Generic[C]):
-    """Delivers ``source``'s calls through ``send`` in order, by ``policy``. ``name`` and ``keeps`` make
-    its lines ("<name>: delivery failed, retrying: <cause><keeps>"); ``notice_level``: their level."""
+    """Delivers ``source``'s calls through ``send`` in order, by ``policy``; ``name`` begins its lines."""
 
     def __init__(
         self,
@@ -125,21 +127,17 @@ class Delivery(Generic[C]):
         name: str,
         policy: Policy | None = None,
         clock: Callable[[], float] = time.monotonic,
-        keeps: str = "",
-        notice_level: Callable[[], int] = lambda: logging.WARNING,
         stats: DeliveryStats | None = None,
     ) -> None:
         self.name = name
         self.stats = stats or DeliveryStats()
         self._source = source
         self._policy = policy or Policy()
-        self._backoff = self._policy.backoff
         self._clock = clock
-        self._keeps = keeps
-        self._notice_level = notice_level
         deadline_s = self._policy.call_deadline_s
-        self._call = _DeadlineCall(send, deadline_s, name, self.stats, self.past_deadline) if deadline_s else None
-        self._send = send
+        self._call: _DeadlineCall[C] | _DirectCall[C] = (
+            _DeadlineCall(send, deadline_s, name, self.stats, self.past_deadline) if deadline_s else _DirectCall(send)
+        )
         self._wake = threading.Event()  # set by a nudge or a finish: the wait for the next call ends
         self._finishing = threading.Event()  # set by a finish: a failed call's pause ends too
         self._failing = False  # the last step failed: its pause holds
@@ -147,7 +145,6 @@ class Delivery(Generic[C]):
         self.ended: Ended | None = None
         self.cause: str | None = None  # why the last call failed, when it did
         self._warnings = RateLimitedLogger(_logger)
-        self._thread: threading.Thread | None = None
 
     # --- control, from any thread ---------------------------------------------------------
 
@@ -166,18 +163,9 @@ class Delivery(Generic[C]):
         """Deliver what is there within ``deadline_s``, then end (the source keeps what is left). A
         pause ends at once, and the backoff starts afresh within the deadline."""
         self._deadline = self._clock() + deadline_s
-        self._backoff.reset()
+        self._policy.backoff.reset()
         self._finishing.set()
         self._wake.set()
-
-    def start(self) -> None:
-        """``run`` on a thread of its own; ``join`` awaits its end."""
-        self._thread = threading.Thread(target=self.run, name=f"{self.name}-sender", daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
 
     # --- the delivery's thread ------------------------------------------------------------
 
@@ -203,28 +191,19 @@ class Delivery(Generic[C]):
             return self._end(call)
         if not isinstance(call, Call):
             return self._end(Ended.LEFT) if call > 0 and self._source.gave_up() else self._within_deadline(call)
-        error = self._make(call)
+        error = self._call(call.payload)
         self._source.answered(error)
         if error is None:
-            self._backoff.reset()
+            self._policy.backoff.reset()
             self.stats.delivered += call.count
             self._source.delivered(call)
             return 0.0
         return self._failed(call, error)
 
-    def _make(self, call: Call[C]) -> BaseException | None:
-        if self._call is not None:
-            return self._call(call.payload)
-        try:
-            self._send(call.payload)
-        except Exception as error:  # noqa: BLE001 - classified: retry, drop, wait or stop
-            return error
-        return None
-
     def _failed(self, call: Call[C], error: BaseException) -> float | Ended:
         """A call failed: how long until it is made again, or how the delivery ended."""
         self._failing = True
-        if self._call is not None and self._call.hung:
+        if self._call.hung:
             return 0.0 if not self.past_deadline() else self._end(Ended.LEFT)  # still running: await it
         if self.past_deadline():
             return self._end(Ended.LEFT)
@@ -232,14 +211,14 @@ class Delivery(Generic[C]):
         if outcome is Outcome.WAIT:
             return self._end(Ended.LEFT) if self._source.gave_up() else self._within_deadline(self._policy.poll_s)
         if outcome is Outcome.DROP:
-            self._backoff.reset()
+            self._policy.backoff.reset()
             self.stats.dropped += (dropped := self._source.refused(call, error))
             if dropped:
                 self._warnings.warning(f"{self.name}-drop", "%s: refused and dropped: %s", self.name, error_line(error))
             return 0.0
         self.cause = self._policy.describe(error)
         if outcome is Outcome.STOP:
-            _logger.log(self._notice_level(), "%s: delivery stopped: %s", self.name, error_line(error))
+            _logger.log(self._policy.notice_level(), "%s: delivery stopped: %s", self.name, error_line(error))
             ended = self._end(Ended.STOPPED)  # first: a flush waiting on the source sees it stopped
             self._source.stopped()
             return ended
@@ -249,12 +228,13 @@ class Delivery(Generic[C]):
 
     def _retry(self, error: BaseException) -> float | Ended:
         self.stats.retried += 1
-        pause_s = self._backoff.pause_s(error)
-        if self._backoff.asked_s:
-            self.cause = f"{self.cause}, Retry-After {self._backoff.asked_s:g} s"
+        backoff = self._policy.backoff
+        pause_s = backoff.pause_s(error)
+        if backoff.asked_s:
+            self.cause = f"{self.cause}, Retry-After {backoff.asked_s:g} s"
         self._warnings.log(
-            self._notice_level(), f"{self.name}-retry", "%s: delivery failed, retrying: %s%s", self.name, self.cause,
-            self._keeps,
+            self._policy.notice_level(), f"{self.name}-retry", "%s: delivery failed, retrying: %s%s", self.name,
+            self.cause, self._policy.keeps,
         )  # fmt: skip
         return self._end(Ended.LEFT) if self._source.gave_up() else self._within_deadline(pause_s)
 
@@ -266,6 +246,23 @@ class Delivery(Generic[C]):
     def _end(self, ended: Ended) -> Ended:
         self.ended = ended
         return ended
+
+
+class _DirectCall(Generic[C]):
+    """``send(payload)`` on the delivery's own thread (where the caller bounds it: the journal's
+    client has its own timeouts); never ``hung``."""
+
+    hung = False
+
+    def __init__(self, send: Callable[[C], None]) -> None:
+        self._send = send
+
+    def __call__(self, payload: C) -> BaseException | None:
+        try:
+            self._send(payload)
+        except Exception as error:  # noqa: BLE001 - classified: retry, drop, wait or stop
+            return error
+        return None
 
 
 class DeadlineExceeded(TimeoutError):

@@ -77,8 +77,8 @@ class Outbox(Generic[T]):
         self.on_put: Callable[[], None] = lambda: None
         self.on_delivered: Callable[[int], None] = lambda count: None  # told how many items each call delivered
         self.pace = _DuePace(due)
-        self._call: Call[T] | None = None  # the call being made, until it is delivered or refused
-        self._head: T | None = None  # its first item
+        # The call being made, until it is delivered or refused, and its first item.
+        self._making: tuple[Call[T], T] | None = None
         self._queue: collections.deque[T] = collections.deque()
         self._max_queue = max_queue
         self._overflow = overflow
@@ -181,32 +181,34 @@ class Outbox(Generic[T]):
     # --- the Source the delivery takes its calls from -------------------------------------
 
     def next_call(self, closing: bool) -> Call[T] | float | Ended:
-        if self._call is not None:
-            return self._call  # the same call again (a call past its deadline is awaited, not sent twice)
+        if self._making is not None:
+            return self._making[0]  # the same call again (a call past its deadline is awaited, not sent twice)
         with self._cond:
             if (head := self.head()) is None:
                 return Ended.ALL if closing else math.inf
         if (wait_s := self.pace.wait_s(head, closing)) > 0:
             return wait_s
         item, count = self.take(head, lambda later: self.pace.wait_s(later, closing) <= 0)
-        self._head, self._call = head, Call(item, count)
-        return self._call
+        self._making = (Call(item, count), head)
+        return self._making[0]
 
     def delivered(self, call: Call[T]) -> None:
-        assert self._head is not None
-        self.pop(self._head, call.count)
-        self._call = self._head = None
+        self._took(call.count)
         self.on_delivered(call.count)
 
     def refused(self, call: Call[T], error: BaseException) -> int:
         if call.count > 1:
             self.one_by_one(call.count)  # which of them is refused: each alone, the others are delivered
-            self._call = self._head = None
+            self._making = None
             return 0
-        assert self._head is not None
-        self.pop(self._head)
-        self._call = self._head = None
+        self._took(1)
         return 1
+
+    def _took(self, count: int) -> None:
+        """The call being made is done with: ``count`` of its items leave."""
+        assert self._making is not None
+        self.pop(self._making[1], count)
+        self._making = None
 
     def gave_up(self) -> bool:
         return False

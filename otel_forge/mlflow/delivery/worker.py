@@ -8,6 +8,7 @@ engine does for every source.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -63,7 +64,8 @@ class DeliveryWorker(Generic[T]):
         policy.hopeless_at_close = hopeless_at_close or policy.hopeless_at_close
         self._delivery: Delivery[T] = Delivery(self._outbox, deliver, name=name, policy=policy, stats=self.stats)
         self._outbox.on_put = self._delivery.nudge
-        self._delivery.start()
+        self._thread = threading.Thread(target=self._delivery.run, name=f"{name}-sender", daemon=True)
+        self._thread.start()
 
     @property
     def stopped(self) -> bool:
@@ -109,7 +111,7 @@ class DeliveryWorker(Generic[T]):
         """
         self._outbox.pace.close(spread_s)
         self._delivery.finish(drain_deadline_s)
-        self._delivery.join()
+        self._thread.join()
         if self.stopped:
             self._outbox.drop_memory()
             return 0

@@ -104,11 +104,11 @@ class JournalDelivery:
             hopeless_at_close=refuses_connections,
             backoff=Backoff(*_BACKOFF_S, asked=lambda error: world.asked_pause(uri, error)),
             poll_s=POLL_S,
+            keeps=f"; everything is kept in {directory}",
+            notice_level=self._notice_level,
         )
-        self._delivery = Delivery(
-            self._source, self._source.send, name=f"MLflow at {self.where}", policy=policy, clock=world.clock,
-            keeps=f"; everything is kept in {directory}", notice_level=self._notice_level,
-        )  # fmt: skip
+        name = f"MLflow at {self.where}"
+        self._delivery = Delivery(self._source, self._source.send, name=name, policy=policy, clock=world.clock)
 
     @classmethod
     def for_config(cls, directory: Path, config: ForgeConfig, tracking_uri: str, **hooks: Any) -> JournalDelivery:
