@@ -54,6 +54,12 @@ def hold(directory: Path, deadline: float, tracking_uri: str) -> bool:
     return True
 
 
+def hold_or_wait(directory: Path, deadline: float, tracking_uri: str) -> None:
+    """``hold``; where the calls cannot be held, wait for the description now (until ``deadline``)."""
+    if not hold(directory, deadline, tracking_uri):
+        wait_described(directory, deadline - time.monotonic())
+
+
 def release(directory: Path | None) -> None:
     """The calls stop waiting for ``directory``'s description (the run is closed, or described)."""
     global _pending

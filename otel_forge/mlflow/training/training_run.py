@@ -18,9 +18,9 @@ from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.fluent_runs import fluent_run_id
 from otel_forge.mlflow.spool_files import spool_root
+from otel_forge.mlflow.training import description_gate
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers, exit_status
 from otel_forge.mlflow.training.job_run import MissingRun
-from otel_forge.mlflow.training.journal_cursor import wait_described
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
@@ -81,7 +81,6 @@ class TrainingRun:
         self._script: ScriptRun | None = None  # the job's record where the script names the experiment
         self._exit_handlers = ExitHandlers(self.close, handle_sigterm)
         self.described = False
-        self._calls_held = False  # this process's MLflow calls wait for the description (description_gate)
         self.ended = False  # the run's end reached the server (as far as this process knows)
         self.on_open: list[Callable[[], None]] = []  # called on the opener's thread once the run is open
 
@@ -268,28 +267,18 @@ class TrainingRun:
         self._checker.say_total()
         if self._script is not None and self.plan.owns_run and not self.plan.delivered_by_launcher:
             self._script.remove()  # ours alone (`otel-forge run` reads its own, and removes it)
-        if self._calls_held:
-            from otel_forge.mlflow.training import description_gate
-
-            description_gate.release(self.journal_directory)
+        description_gate.release(self.journal_directory)
 
     def __enter__(self) -> TrainingRun:
         """Open the run: every rank finds it and its node is sampled. Rank 0 waits for it a while
-        (``start_wait_s``), so that the run a framework opens inside the block is this one. Its
-        description follows from the delivery, and until it is in (within the same wait) this
-        process's MLflow calls wait for it (``description_gate``; a local store: the enter waits): a
-        framework that logs the same params then finds them there (MLflow refuses one of two writers
-        inserting a param at once, and the loser is the framework's call). Where nothing names the
-        experiment, the run opens later, in the experiment the script names (``_wait_for_script``):
-        the run a framework opens in the block is the job's."""
+        (``start_wait_s``), so that the run a framework opens inside the block is this one; until its
+        description is in, this process's MLflow calls wait for it (``description_gate``). Where
+        nothing names the experiment, the run opens later, in the experiment the script names
+        (``_wait_for_script``): the run a framework opens in the block is the job's."""
         if self.plan.owns_run and not self.plan.source.launcher_opens and self.forge_config.start_wait_s > 0:
             waited_until = time.monotonic() + self.start_wait_s
             if self.start(self.start_wait_s) and self.described and (journal := self.journal_directory) is not None:
-                from otel_forge.mlflow.training import description_gate  # MLflow is imported: the run is open
-
-                self._calls_held = description_gate.hold(journal, waited_until, self.tracking_uri)
-                if not self._calls_held:
-                    wait_described(journal, waited_until - time.monotonic())
+                description_gate.hold_or_wait(journal, waited_until, self.tracking_uri)
         else:
             self._begin()
         return self
