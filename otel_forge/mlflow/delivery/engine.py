@@ -104,7 +104,9 @@ class Policy:
     rest of ``finish``'s deadline (a server refusing connections); ``call_deadline_s``: how long one call
     is awaited (None: the call is the caller's own, made in ``step``); ``poll_s``: how often a source
     that is not deliverable yet is looked at again; ``keeps``: what the retry line says is kept
-    ("<name>: delivery failed, retrying: <cause><keeps>"); ``notice_level``: the level of its lines."""
+    ("<name>: delivery failed, retrying: <cause><keeps>"); ``notice_level``: the level of its lines;
+    ``finish_while_answered``: past ``finish``'s deadline, calls that go through go on (a journal's
+    delivery is the last before a replay), where otherwise the deadline ends delivery (a shutdown)."""
 
     classify: Callable[[BaseException], Outcome] = _retry_everything
     describe: Callable[[BaseException], str] = _error_text
@@ -114,6 +116,7 @@ class Policy:
     poll_s: float = 0.5
     keeps: str = ""
     notice_level: Callable[[], int] = lambda: logging.WARNING
+    finish_while_answered: bool = False
 
 
 class Delivery(Generic[C]):
@@ -184,13 +187,13 @@ class Delivery(Generic[C]):
         if self.ended is not None:
             return self.ended
         self._failing = False
-        if self.past_deadline():
+        if self.past_deadline() and not self._policy.finish_while_answered:
             return self._end(Ended.LEFT)
         call = self._source.next_call(self.closing)
         if isinstance(call, Ended):
             return self._end(call)
         if not isinstance(call, Call):
-            return self._end(Ended.LEFT) if call > 0 and self._source.gave_up() else self._within_deadline(call)
+            return self._end(Ended.LEFT) if call > 0 and self._given_up() else self._within_deadline(call)
         error = self._call(call.payload)
         self._source.answered(error)
         if error is None:
@@ -209,7 +212,7 @@ class Delivery(Generic[C]):
             return self._end(Ended.LEFT)
         outcome = self._policy.classify(error)
         if outcome is Outcome.WAIT:
-            return self._end(Ended.LEFT) if self._source.gave_up() else self._within_deadline(self._policy.poll_s)
+            return self._end(Ended.LEFT) if self._given_up() else self._within_deadline(self._policy.poll_s)
         if outcome is Outcome.DROP:
             self._policy.backoff.reset()
             self.stats.dropped += (dropped := self._source.refused(call, error))
@@ -236,7 +239,10 @@ class Delivery(Generic[C]):
             self._policy.notice_level(), f"{self.name}-retry", "%s: delivery failed, retrying: %s%s", self.name,
             self.cause, self._policy.keeps,
         )  # fmt: skip
-        return self._end(Ended.LEFT) if self._source.gave_up() else self._within_deadline(pause_s)
+        return self._end(Ended.LEFT) if self._given_up() else self._within_deadline(pause_s)
+
+    def _given_up(self) -> bool:
+        return self._source.gave_up() or self.past_deadline()
 
     def _within_deadline(self, pause_s: float) -> float:
         if self._deadline is None:

@@ -106,6 +106,7 @@ class JournalDelivery:
             poll_s=POLL_S,
             keeps=f"; everything is kept in {directory}",
             notice_level=self._notice_level,
+            finish_while_answered=True,
         )
         name = f"MLflow at {self.where}"
         self._delivery = Delivery(self._source, self._source.send, name=name, policy=policy, clock=world.clock)
