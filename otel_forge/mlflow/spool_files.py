@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, TypedDict
+from typing import IO, Any, TypedDict
 
 from otel_forge.config import TOLD_SPOOL_ENV
 from otel_forge.private_dirs import check_base, open_private_file, private_dir
@@ -85,18 +85,40 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-class WriterIdentity(TypedDict):
-    """The process that writes a spool, as its header names it: a pid is reused, a start time is not."""
-
+class _WriterStart(TypedDict):
     pid: int
     started: float  # psutil's create_time(), in seconds since the epoch
+
+
+class WriterIdentity(_WriterStart, total=False):
+    """The process that writes a spool, as its header names it: a pid is reused, a start time is not."""
+
+    # Seconds from boot to the process's start, where psutil says it (7.1+): the epoch value moves
+    # with the system clock (a step makes a live writer look gone), this one never does.
+    started_since_boot: float
+
+
+# Where only the epoch start time can be compared: a clock step of up to this much is not a new process.
+_CLOCK_STEP_S = 2.0
+
+
+def _started(process: Any) -> tuple[float, float | None]:
+    """``process``'s start: seconds since the epoch, and since boot where psutil says it."""
+    try:
+        return process.create_time(), process.create_time(monotonic=True)
+    except TypeError:  # psutil before 7.1
+        return process.create_time(), None
 
 
 def writer_identity() -> WriterIdentity:
     """This process as a spool's header names it."""
     import psutil
 
-    return {"pid": os.getpid(), "started": psutil.Process().create_time()}
+    started, since_boot = _started(psutil.Process())
+    identity: WriterIdentity = {"pid": os.getpid(), "started": started}
+    if since_boot is not None:
+        identity["started_since_boot"] = since_boot
+    return identity
 
 
 def writer_alive(header: Mapping[str, object]) -> bool:
@@ -109,7 +131,13 @@ def writer_alive(header: Mapping[str, object]) -> bool:
         return False
     try:
         process = psutil.Process(int(pid))
-        return process.create_time() == header.get("started") and process.status() != psutil.STATUS_ZOMBIE
+        started, since_boot = _started(process)
+        said = header.get("started_since_boot")
+        if since_boot is not None and isinstance(said, (int, float)):
+            same = since_boot == said
+        else:
+            same = isinstance(said := header.get("started"), (int, float)) and abs(started - said) < _CLOCK_STEP_S
+        return same and process.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, TypeError, ValueError):
         return False
 

@@ -126,3 +126,29 @@ def test_replay_sets_a_corrupt_or_foreign_file_aside_and_delivers_the_rest(clien
     history = client.get_metric_history(run_id, "system/node_0/x")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (3, 3.0)]
     assert sorted(p.name for p in (tmp_path / "spool").glob("*.corrupt")) == [f.name + ".corrupt" for f in files[1:3]]
+
+
+def test_a_clock_step_does_not_make_a_live_writer_look_gone() -> None:
+    """A spool's writer is named by pid and start time. The start time in seconds since the epoch
+    moves when the system clock is stepped (psutil adds the boot time as the clock says it now): a
+    delivery that took the live writer for dead would end its run KILLED and take its spool."""
+    from otel_forge.mlflow.spool_files import writer_alive
+
+    code = (
+        "import json, time; from otel_forge.mlflow.spool_files import writer_identity; "
+        "print(json.dumps(writer_identity()), flush=True); time.sleep(60)"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=hermetic_environ())
+    try:
+        header = json.loads(writer.stdout.readline())  # type: ignore[union-attr]
+        assert writer_alive(header)
+        stepped = {**header, "started": header["started"] - 1.0}  # as read after a 1 s clock step
+        assert writer_alive(stepped)
+        assert writer_alive({k: v for k, v in stepped.items() if k != "started_since_boot"})  # an older header
+        if "started_since_boot" in header:
+            assert not writer_alive({**header, "started_since_boot": header["started_since_boot"] + 0.5})
+        assert not writer_alive({**header, "started": header["started"] - 60, "started_since_boot": None})
+    finally:
+        writer.kill()
+        writer.wait()
+    assert not writer_alive(header)
