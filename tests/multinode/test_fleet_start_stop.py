@@ -39,7 +39,7 @@ UPDATE_RUN = "/api/2.0/mlflow/runs/update"
 
 AGENTS, FLEET = 32, 2048
 START_S, STOP_S = 30.0, 90.0
-HOLD_S = 40.0  # from the start to the stop: past the start bound, and a last window after it
+HOLD_S = 30.0  # from the start to the stop: past the start bound, and a last window after it
 PARENT_TAG, NODE_TAG = "mlflow.parentRunId", "otel_forge.node.id"
 
 
