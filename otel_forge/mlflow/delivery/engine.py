@@ -33,6 +33,9 @@ _logger = logging.getLogger(__name__)
 
 C = TypeVar("C")
 
+# Past a close's deadline, a call still unanswered after this long is left (where answered calls go on).
+HUNG_AT_CLOSE_S = 3.0
+
 
 class Ended(enum.Enum):
     """How a delivery ended."""
@@ -102,7 +105,8 @@ class Policy:
     """How a delivery treats failures and time. ``classify``: what a failure means; ``describe``: it in
     a few words (the real status, never a credential); ``hopeless_at_close``: a failure not worth the
     rest of ``finish``'s deadline (a server refusing connections); ``call_deadline_s``: how long one call
-    is awaited (None: the call is the caller's own, made in ``step``); ``poll_s``: how often a source
+    is awaited (None: the call is the caller's own, made in ``step``; ``math.inf``: on a call thread,
+    awaited until ``finish``'s deadline alone); ``poll_s``: how often a source
     that is not deliverable yet is looked at again; ``keeps``: what the retry line says is kept
     ("<name>: delivery failed, retrying: <cause><keeps>"); ``notice_level``: the level of its lines;
     ``finish_while_answered``: past ``finish``'s deadline, calls that go through go on (a journal's
@@ -139,7 +143,7 @@ class Delivery(Generic[C]):
         self._clock = clock
         deadline_s = self._policy.call_deadline_s
         self._call: _DeadlineCall[C] | _DirectCall[C] = (
-            _DeadlineCall(send, deadline_s, name, self.stats, self.past_deadline) if deadline_s else _DirectCall(send)
+            _DeadlineCall(send, deadline_s, name, self.stats, self._abandon) if deadline_s else _DirectCall(send)
         )
         self._wake = threading.Event()  # set by a nudge or a finish: the wait for the next call ends
         self._finishing = threading.Event()  # set by a finish: a failed call's pause ends too
@@ -157,6 +161,13 @@ class Delivery(Generic[C]):
 
     def past_deadline(self) -> bool:
         return self._deadline is not None and self._clock() >= self._deadline
+
+    def _abandon(self, running_s: float) -> bool:
+        """Whether a call running for ``running_s`` is left: past ``finish``'s deadline; where calls
+        that go through go on past it, once the call has hung ``HUNG_AT_CLOSE_S`` too."""
+        if not self.past_deadline():
+            return False
+        return not self._policy.finish_while_answered or running_s >= HUNG_AT_CLOSE_S
 
     def nudge(self) -> None:
         """Something changed in the source (a new item, a flush): the wait between steps ends."""
@@ -289,7 +300,7 @@ class _DeadlineCall(Generic[C]):
         deadline_s: float,
         name: str,
         stats: DeliveryStats,
-        abandon: Callable[[], bool],
+        abandon: Callable[[float], bool],
     ) -> None:
         self._send = send
         self._deadline_s = deadline_s
@@ -307,9 +318,10 @@ class _DeadlineCall(Generic[C]):
         in_flight = self._in_flight
         if in_flight is None or in_flight.payload is not payload:
             in_flight = self._start(payload)
-        deadline = time.monotonic() + self._deadline_s
+        started = time.monotonic()
+        deadline = started + self._deadline_s
         while not in_flight.done.wait(0.05):
-            if self._abandon():
+            if self._abandon(time.monotonic() - started):
                 return DeadlineExceeded("abandoned: the drain deadline at close has passed")
             if time.monotonic() >= deadline:
                 self._in_flight = in_flight

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,10 @@ class JournalDelivery:
             classify=lambda error: Outcome.WAIT if isinstance(error, RunNotOpenYet) else classify(error),
             describe=lambda error: outage_cause(error, run.experiment) or unanswered_reason(error),
             hopeless_at_close=refuses_connections,
+            # No deadline of its own (the client's timeouts bound a call), but a call that hangs at a
+            # close is left at the close's deadline, not awaited until the client gives up (a SIGTERM's
+            # exit within the scheduler's grace).
+            call_deadline_s=math.inf,
             backoff=Backoff(*_BACKOFF_S, asked=lambda error: world.asked_pause(uri, error)),
             poll_s=POLL_S,
             keeps=f"; everything is kept in {directory}",
