@@ -18,10 +18,13 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, TypedDict
+from typing import IO, TYPE_CHECKING, TypedDict
 
 from otel_forge.config import TOLD_SPOOL_ENV
 from otel_forge.private_dirs import check_base, open_private_file, private_dir
+
+if TYPE_CHECKING:
+    import psutil
 
 HEADER = "spool.json"
 STATS = "stats.json"
@@ -102,12 +105,13 @@ class WriterIdentity(_WriterStart, total=False):
 _CLOCK_STEP_S = 2.0
 
 
-def _started(process: Any) -> tuple[float, float | None]:
+def _started(process: psutil.Process) -> tuple[float, float | None]:
     """``process``'s start: seconds since the epoch, and since boot where psutil says it."""
+    started = process.create_time()
     try:
-        return process.create_time(), process.create_time(monotonic=True)
+        return started, process.create_time(monotonic=True)
     except TypeError:  # psutil before 7.1
-        return process.create_time(), None
+        return started, None
 
 
 def writer_identity() -> WriterIdentity:
@@ -131,15 +135,19 @@ def writer_alive(header: Mapping[str, object]) -> bool:
         return False
     try:
         process = psutil.Process(int(pid))
-        started, since_boot = _started(process)
-        said = header.get("started_since_boot")
-        if since_boot is not None and isinstance(said, (int, float)):
-            same = since_boot == said
-        else:
-            same = isinstance(said := header.get("started"), (int, float)) and abs(started - said) < _CLOCK_STEP_S
-        return same and process.status() != psutil.STATUS_ZOMBIE
+        return _same_start(process, header) and process.status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, TypeError, ValueError):
         return False
+
+
+def _same_start(process: psutil.Process, header: Mapping[str, object]) -> bool:
+    """Whether ``process`` started when the header says its writer did: by the start since boot where
+    both have it, else by the epoch start within a clock step."""
+    started, since_boot = _started(process)
+    said_since_boot, said = header.get("started_since_boot"), header.get("started")
+    if since_boot is not None and isinstance(said_since_boot, (int, float)):
+        return since_boot == said_since_boot
+    return isinstance(said, (int, float)) and abs(started - said) < _CLOCK_STEP_S
 
 
 def claim(spool: Path) -> contextlib.closing[IO[str]]:

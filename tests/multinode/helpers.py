@@ -117,13 +117,9 @@ def describe(finished: list[Finished]) -> str:
     )
 
 
-def ended_finished(run: Any, outputs: Sequence[tuple[str, str]]) -> str:
-    """Why ``run`` is not FINISHED, for an assertion's message: its outcome tags (who ended it so) and
-    the end of each node's stderr (an empty string where it is FINISHED)."""
-    if run.info.status == "FINISHED":
-        return ""
-    outcomes = {
-        k: v for k, v in run.data.tags.items() if k.startswith("otel_forge.outcome") or k.startswith("otel_forge.job")
-    }
+def why_not_finished(run: Any, outputs: Sequence[tuple[str, str]]) -> str:
+    """For an assertion's message: the run's status, its outcome tags (who ended it so) and the end of
+    each node's stderr."""
+    outcomes = {k: v for k, v in run.data.tags.items() if k.startswith(("otel_forge.outcome", "otel_forge.job"))}
     tails = "\n---\n".join(err[-3000:] for _, err in outputs)
     return f"run {run.info.status}, outcome tags {outcomes}; stderr tails:\n{tails}"

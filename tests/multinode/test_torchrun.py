@@ -11,7 +11,7 @@ import socket
 import subprocess
 
 import pytest
-from helpers import contiguous, ended_finished, loss_steps, node_steps, task_environ, the_run, unique
+from helpers import contiguous, loss_steps, node_steps, task_environ, the_run, unique, why_not_finished
 from jobsim import FORGE, SCRIPTS
 
 from testkit.hermetic import hermetic_environ
@@ -72,7 +72,7 @@ def test_otel_forge_run_per_node_around_torchrun(spelling, mlflow_server, client
     assert [process.returncode for process in nodes] == [0, 0], outputs
     assert not any("already writes" in err for _, err in outputs), outputs
     run = the_run(client, experiment)
-    assert not ended_finished(run, outputs), ended_finished(run, outputs)
+    assert run.info.status == "FINISHED", why_not_finished(run, outputs)
     assert run.data.tags["otel_forge.job.key"] == f"torchrun-{rdzv_id}"
     for name in ("node_0", "node_1"):
         steps = node_steps(client, run.info.run_id, name)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import contiguous, ended_finished, node_steps, task_environ, the_run, unique
+from helpers import contiguous, node_steps, task_environ, the_run, unique, why_not_finished
 from jobsim import FORGE, SCRIPTS
 
 from testkit.hermetic import hermetic_environ
@@ -110,7 +110,7 @@ def test_elastic_rendezvous_without_node_rank_makes_one_run_with_one_prefix_per_
     experiment, outputs, codes = _run_job(hosts_file, endpoint, mlflow_server.uri, job_repo, tmp_path, "--seconds", "6")
     assert codes == [0, 0], outputs
     run = the_run(client, experiment)
-    assert not ended_finished(run, outputs), ended_finished(run, outputs)
+    assert run.info.status == "FINISHED", why_not_finished(run, outputs)
     assert _node_prefixes(client, run.info.run_id) == set(HOSTS), outputs
     for name in HOSTS:
         steps = node_steps(client, run.info.run_id, name)
