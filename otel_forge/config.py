@@ -261,6 +261,22 @@ def _phrases(text: str) -> tuple[str, ...]:
     return tuple(phrase.strip() for phrase in text.split(",") if phrase.strip())
 
 
+def _optional_float_within(low: float, high: float, unit: str = "") -> Callable[[str], float | None]:
+    """A number in [low, high], or unset (empty)."""
+    number = _float_within(low, high, unit)
+    return lambda text: number(text) if text.strip() else None
+
+
+def _functions(text: str) -> tuple[str, ...]:
+    """``module:Qualified.name`` entries, comma-separated."""
+    names = _phrases(text)
+    for name in names:
+        module, sep, qualname = name.partition(":")
+        if not sep or not module or not qualname:
+            raise ValueError(f"must be module:function entries, comma-separated, got {name!r}")
+    return names
+
+
 # What MLflow's SQL store (sqlite:///mlflow.db, the default) needs beyond mlflow-skinny, the core
 # dependency; the [local] extra brings them with the full mlflow package.
 _SQL_STORE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
@@ -634,6 +650,102 @@ SETTINGS: tuple[Setting, ...] = (
         "where it is known: SLURM's `KillWait`, the pod's `terminationGracePeriodSeconds`). What is left is "
         "delivered by the next otel-forge process on the node.",
     ),
+    Setting(
+        "progress",
+        ("OTEL_FORGE_PROGRESS",),
+        _bool,
+        True,
+        "Whether `otel-forge run` follows the training's progress: each Python process of CMD reports its "
+        "optimizer steps, checkpoints and evaluations to the node's otel-forge (docs/progress.md).",
+    ),
+    Setting(
+        "stall_floor_s",
+        ("OTEL_FORGE_STALL_FLOOR",),
+        _float_within(1.0, 86_400.0, " s"),
+        120.0,
+        "The shortest time without a step of any rank that is a stall (the threshold is the larger of this "
+        "and `stall_factor` median steps): past the slowest ordinary step, well before PyTorch's NCCL "
+        "watchdog (480 s) and collective timeout (600 s).",
+    ),
+    Setting(
+        "stall_factor",
+        ("OTEL_FORGE_STALL_FACTOR",),
+        _float_within(2.0, 1_000.0),
+        10.0,
+        "A stall is at least this many median step times without a step: a slow step or a logging pause is not one.",
+    ),
+    Setting(
+        "stall_action",
+        ("OTEL_FORGE_STALL_ACTION",),
+        _one_of(("none", "end")),
+        "none",
+        "What `otel-forge run` does once a stall has lasted `stall_action_after_s`: none, or end: stop the "
+        "stalled ranks (SIGTERM, then SIGKILL) so that the launcher restarts them (torchrun's --max-restarts) "
+        "or the job fails.",
+    ),
+    Setting(
+        "stall_action_after_s",
+        ("OTEL_FORGE_STALL_ACTION_AFTER",),
+        _float_within(0.0, 86_400.0, " s"),
+        600.0,
+        "How long a stall lasts, from the last step, before `stall_action` is taken.",
+    ),
+    Setting(
+        "slow_rank_ratio",
+        ("OTEL_FORGE_SLOW_RANK_RATIO",),
+        _float_within(1.01, 100.0),
+        1.2,
+        "A rank whose own work per step (its step time less its waits in collectives and backward) is at "
+        "least this many times the median rank's is named the slow rank.",
+    ),
+    Setting(
+        "evaluation_functions",
+        ("OTEL_FORGE_EVALUATION_FUNCTIONS",),
+        _functions,
+        (
+            "transformers.trainer:Trainer.evaluate",
+            "lightning.pytorch.loops.evaluation_loop:_EvaluationLoop.run",
+            "pytorch_lightning.loops.evaluation_loop:_EvaluationLoop.run",
+        ),
+        "Functions (`module:Qualified.name`, comma-separated) during which a rank evaluates: not a stall, "
+        "and counted as evaluating (default: HF Trainer's evaluate, Lightning's evaluation loop).",
+    ),
+    Setting(
+        "samples_per_step",
+        ("OTEL_FORGE_SAMPLES_PER_STEP",),
+        _optional_float_within(0.0, 1e15),
+        None,
+        "Samples the whole job processes per optimizer step (the global batch): gives samples per second.",
+    ),
+    Setting(
+        "tokens_per_step",
+        ("OTEL_FORGE_TOKENS_PER_STEP",),
+        _optional_float_within(0.0, 1e18),
+        None,
+        "Tokens the whole job processes per optimizer step: gives tokens per second, and MFU with `model_parameters`.",
+    ),
+    Setting(
+        "model_parameters",
+        ("OTEL_FORGE_MODEL_PARAMETERS",),
+        _optional_float_within(0.0, 1e16),
+        None,
+        "The model's parameter count: with `tokens_per_step`, FLOPs per step = 6 x parameters x tokens "
+        "(the dense transformer estimate; `flops_per_step` overrides).",
+    ),
+    Setting(
+        "flops_per_step",
+        ("OTEL_FORGE_FLOPS_PER_STEP",),
+        _optional_float_within(0.0, 1e30),
+        None,
+        "The job's FLOPs per optimizer step, all ranks together: gives MFU against the GPUs' peak.",
+    ),
+    Setting(
+        "gpu_peak_flops",
+        ("OTEL_FORGE_GPU_PEAK_FLOPS",),
+        _optional_float_within(1.0, 1e18),
+        None,
+        "One GPU's peak FLOP/s for MFU (default: the dense BF16 peak of the GPU's model, docs/progress.md).",
+    ),
 )
 
 # The close's deadline by the job's node count: a node's last calls cost the server ~30 ms of CPU.
@@ -670,6 +782,8 @@ JOURNALS_DELIVERED_BY_ENV = "OTEL_FORGE_JOURNALS_DELIVERED_BY"
 # The spool directory the user was told of when the tracking server did not answer (`otel-forge run`
 # says it once, for itself and its command): what closing keeps there is not said again.
 TOLD_SPOOL_ENV = "OTEL_FORGE_TOLD_SPOOL"
+# The directory of the progress board (progress/board.py) CMD's processes write to, one per node and job.
+PROGRESS_BOARD_ENV = "OTEL_FORGE_PROGRESS_BOARD"
 # MLflow's own sampler, which stands down where otel_forge samples the run's node.
 MLFLOW_SYSTEM_METRICS_VAR = "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"
 
@@ -764,6 +878,18 @@ class ForgeConfig:
     delivery_patience_s: float
     exit_grace_s: float
     drain_deadline_s: float | None
+    progress: bool
+    stall_floor_s: float
+    stall_factor: float
+    stall_action: str
+    stall_action_after_s: float
+    slow_rank_ratio: float
+    evaluation_functions: tuple[str, ...]
+    samples_per_step: float | None
+    tokens_per_step: float | None
+    model_parameters: float | None
+    flops_per_step: float | None
+    gpu_peak_flops: float | None
     sources: Mapping[str, Source] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod

@@ -62,6 +62,11 @@ def _first_int(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None
     return None
 
 
+def process_ranks(environ: Mapping[str, str]) -> tuple[int | None, int | None, int | None]:
+    """This process's global rank, local rank and world size as its launcher gave them (None: not given)."""
+    return _first_int(environ, _RANK_VARS), _first_int(environ, _LOCAL_RANK_VARS), _first_int(environ, _WORLD_SIZE_VARS)
+
+
 def is_first_process(environ: Mapping[str, str] | None = None) -> bool:
     """Global rank 0 of the job, or a process outside any launcher; read from the variables alone (no
     ``NodeIdentity``). Lightning's DDP gives the ranks it starts ``LOCAL_RANK`` only, so that counts too."""

@@ -1,0 +1,40 @@
+"""Python runs this at start in every process ``otel-forge run`` starts (this directory is first on
+CMD's ``PYTHONPATH``, as ``ddtrace-run`` and ``opentelemetry-instrument`` do it): the progress hook is
+installed, then the ``sitecustomize`` this one hides, if the environment has one, runs as before."""
+
+import importlib.util
+import os
+import sys
+
+
+def _install() -> None:
+    try:
+        from otel_forge.progress.rank_hooks import install
+
+        install()
+    except Exception:  # noqa: BLE001, S110 - the training starts whatever becomes of its hook
+        pass
+
+
+def _run_hidden_sitecustomize() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = sys.modules.pop("sitecustomize", None)
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    saved, sys.path[:] = sys.path[:], rest
+    try:
+        spec = importlib.util.find_spec("sitecustomize")
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["sitecustomize"] = module
+            spec.loader.exec_module(module)
+    except Exception:  # noqa: BLE001 - theirs failing is reported by site as it would be without us
+        sys.modules.pop("sitecustomize", None)
+        raise
+    finally:
+        sys.path[:] = saved
+        if "sitecustomize" not in sys.modules and ours is not None:
+            sys.modules["sitecustomize"] = ours  # the import of this module must find it when done
+
+
+_install()
+_run_hidden_sitecustomize()
