@@ -38,6 +38,7 @@ _NET = ("network.interface.name", "network.io.direction")
 _PROC = ("process.pid",)
 _IB = ("otel_forge.infiniband.device", "otel_forge.infiniband.port", "otel_forge.infiniband.link_layer")
 _IB_IO = _IB + ("network.io.direction",)
+_RANK = ("otel_forge.training.rank",)
 
 
 class Fold(str, Enum):
@@ -333,7 +334,9 @@ METRICS: tuple[MetricSpec, ...] = (
     *_gpu("otel_forge.gpu.power.utilization", G, "1", (), "Power draw / enforced power limit.",
           (K("gpu_{hw.id}_power_usage_percentage", _PCT),)),
     *_gpu("hw.energy", C, "J", (), "Energy consumed since the driver loaded.",
-          (K("gpu_{hw.id}_energy_joules", fold=Fold.SINCE_START),)),
+          (K("gpu_{hw.id}_energy_joules", fold=Fold.SINCE_START),
+           # every GPU of the node together (the points of one key add up), in kWh
+           K("gpu_energy_kwh", 1 / 3.6e6, Fold.SINCE_START, without=MIG_ATTRIBUTES))),
     *_gpu("hw.temperature", G, "Cel", ("hw.sensor_location",),
           "Temperature (`hw.sensor_location`: NVIDIA gpu, memory; AMD edge, hotspot, memory).",
           # One sensor per key: NVIDIA's die ("gpu"), AMD's edge; AMD's hotspot and the memory (HBM) beside it.
@@ -399,6 +402,55 @@ METRICS: tuple[MetricSpec, ...] = (
     _nvidia("otel_forge.gpu.io.rate", G, "By/s", ("otel_forge.gpu.link", "network.io.direction"),
             "Bytes per second over the GPU's links between two reads (NVML GPM; `otel_forge.gpu.link` pcie, "
             "nvlink: all links). MLflow has the same traffic from `hw.gpu.io`.", mig=True),
+    # training progress (otel-forge run: progress/, collectors/progress.py): the job, beside its machines
+    MetricSpec("otel_forge.training.step", G, "{step}", "progress", _RANK,
+               "The rank's optimizer steps so far (else the last step it logged).",
+               (K("training_rank_{otel_forge.training.rank}_step"),)),
+    MetricSpec("otel_forge.training.step.duration", G, "s", "progress", _RANK + ("otel_forge.training.quantile",),
+               "The rank's step time over its last 64 steps (`otel_forge.training.quantile` p50, p95).",
+               (K("training_rank_{otel_forge.training.rank}_step_{otel_forge.training.quantile}_seconds"),)),
+    MetricSpec("otel_forge.training.step.work", G, "s", "progress", _RANK,
+               "The rank's own work per step (median): its step time less its waits in collectives and backward, "
+               "where its peers' slowness shows.",
+               (K("training_rank_{otel_forge.training.rank}_work_seconds"),)),
+    MetricSpec("otel_forge.training.step.work.ratio", G, "1", "progress", _RANK,
+               "The rank's own work per step / the median rank's: the slow rank is the highest.",
+               (K("training_rank_{otel_forge.training.rank}_work_ratio"),)),
+    MetricSpec("otel_forge.training.step.age", G, "s", "progress", _RANK,
+               "Time since the rank's last step (or checkpoint, evaluation, logged step).",
+               (K("training_rank_{otel_forge.training.rank}_seconds_since_step"),)),
+    MetricSpec("otel_forge.training.slow_rank", G, "1", "progress", _RANK + ("host.name",),
+               "1 for a rank whose own work per step is `slow_rank_ratio` times the median rank's or more, else "
+               "0.", (K("training_rank_{otel_forge.training.rank}_slow"),)),
+    MetricSpec("otel_forge.training.steps.rate", G, "{step}/s", "progress", (),
+               "Optimizer steps per second (the median rank's, over its last steps).",
+               (K("training_steps_per_second"),)),
+    MetricSpec("otel_forge.training.samples.rate", G, "{sample}/s", "progress", (),
+               "Samples per second of the whole job (`samples_per_step` given).",
+               (K("training_samples_per_second"),)),
+    MetricSpec("otel_forge.training.tokens.rate", G, "{token}/s", "progress", (),
+               "Tokens per second of the whole job (`tokens_per_step` given).",
+               (K("training_tokens_per_second"),)),
+    MetricSpec("otel_forge.training.mfu", G, "1", "progress", (),
+               "Model FLOPs utilisation: FLOPs per step x steps per second / (the job's GPUs x one GPU's peak).",
+               (K("training_mfu_percentage", _PCT),)),
+    MetricSpec("otel_forge.training.stalled", G, "1", "progress", ("otel_forge.training.rank", "host.name"),
+               "1 while no rank of the job advances for max(`stall_factor` median steps, `stall_floor_s`), with "
+               "the rank named as the cause (`otel_forge.training.rank`, none where no single one), else 0.",
+               (K("training_stalled"),)),
+    MetricSpec("otel_forge.training.activity", G, "1", "progress", ("otel_forge.training.activity",),
+               "1 for what the job does now (startup, productive, checkpointing, evaluating, stalled, other), "
+               "0 for the others."),
+    MetricSpec("otel_forge.training.time", C, "s", "progress", ("otel_forge.training.activity",),
+               "The job's wall time by activity (goodput): productive, startup, checkpointing, evaluating, "
+               "stalled, restart_lost (work since the last checkpoint before a restart), other.",
+               (K("training_time_{otel_forge.training.activity}_seconds", fold=Fold.SINCE_START),)),
+    MetricSpec("otel_forge.training.goodput", G, "1", "progress", (),
+               "Productive time / wall time since the job started.",
+               (K("training_goodput_percentage", _PCT),)),
+    MetricSpec("otel_forge.training.energy.per_step", G, "J/{step}", "progress", (),
+               "The node's GPU energy per optimizer step since the job started.",
+               (K("gpu_energy_joules_per_step"),)),
     # self-telemetry
     MetricSpec("otel_forge.collector.reads", C, "{read}", "self", ("otel_forge.collector",),
                "Hardware reads per collector."),
