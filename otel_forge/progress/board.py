@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import signal
 import struct
 import threading
 import time
@@ -25,13 +26,16 @@ RING = 64  # the step times a rank keeps: enough for a median and a p95
 # magic, version, pid, rank, local_rank, world_size, restart, started_ns, start_ticks (/proc stat)
 _HEADER = struct.Struct("<4sIqqqqqqq")
 # seq, steps, logged_step, first_step_ns, last_step_ns, last_progress_ns, phase, phase_since_ns,
-# checkpoint_ns, evaluation_ns, sync_ns (this step so far), ring_count
-_LIVE = struct.Struct("<Qqqqqqqqqqqq")
+# checkpoint_ns, evaluation_ns, sync_ns (this step so far), ring_count, checkpoint_end_ns
+_LIVE = struct.Struct("<Qqqqqqqqqqqqq")
 _ENTRY = struct.Struct("<qq")  # a step's duration and its own work (outside collectives and backward)
 _LIVE_AT = _HEADER.size
 _RING_AT = _LIVE_AT + _LIVE.size
 SIZE = _RING_AT + RING * _ENTRY.size
 _SEQ = struct.Struct("<Q")
+# faulthandler writes a rank's stacks on this signal. A realtime one: no launcher or framework we know
+# uses it (SLURM and Lightning take SIGUSR1, submitit SIGUSR2); sent only to a rank that made a board.
+STACKS_SIGNAL = signal.SIGRTMIN + 7
 
 
 class Phase(enum.IntEnum):
@@ -75,7 +79,7 @@ class RankBoard:
         self._lock = threading.Lock()  # a checkpoint thread and the loop may write at once
         self._seq = 0
         now = time.monotonic_ns()
-        self._live = [0, -1, 0, 0, 0, 0, Phase.TRAINING, now, 0, 0, 0, 0]
+        self._live = [0, -1, 0, 0, 0, 0, Phase.TRAINING, now, 0, 0, 0, 0, 0]
         self._entered_sync_ns = 0
         self._sync_depth = 0
         _HEADER.pack_into(self._map, 0, MAGIC, VERSION, identity.pid, identity.rank, identity.local_rank,
@@ -116,6 +120,8 @@ class RankBoard:
                 live[5] = time.monotonic_ns()
                 if live[1] < 0:
                     live[1] = 0
+                if not live[3]:
+                    live[3] = live[5]  # a script that only logs: its first logged step is its first step
                 self._write()
 
     def enter_sync(self) -> None:
@@ -147,6 +153,7 @@ class RankBoard:
         spent = now - live[7]
         if live[6] == Phase.CHECKPOINTING:
             live[8] += spent
+            live[12] = now
         elif live[6] == Phase.EVALUATING:
             live[9] += spent
         live[6], live[7] = int(phase), now
@@ -175,6 +182,7 @@ class RankProgress:
     phase_since_ns: int
     checkpoint_ns: int
     evaluation_ns: int
+    checkpoint_end_ns: int  # when its last checkpoint ended (0: none yet)
     durations_ns: tuple[int, ...]  # the last step durations, oldest first
     work_ns: tuple[int, ...]  # each one's own work
 
@@ -209,10 +217,11 @@ def _decode(path: Path, data: bytes) -> RankProgress:
     _, _, pid, rank, local_rank, world, restart, started, ticks = _HEADER.unpack_from(data, 0)
     live = _LIVE.unpack_from(data, _LIVE_AT)
     count = live[11]
-    entries = [_ENTRY.unpack_from(data, _RING_AT + (i % RING) * _ENTRY.size) for i in range(max(0, count - RING), count)]
+    at = [_RING_AT + (i % RING) * _ENTRY.size for i in range(max(0, count - RING), count)]
+    entries = [_ENTRY.unpack_from(data, offset) for offset in at]
     return RankProgress(
         RankIdentity(pid, rank, local_rank, world, restart, ticks), path, started, live[1], live[2], live[3],
-        live[4], live[5], Phase(live[6]), live[7], live[8], live[9],
+        live[4], live[5], Phase(live[6]), live[7], live[8], live[9], live[12],
         tuple(d for d, _ in entries), tuple(w for _, w in entries),
     )  # fmt: skip
 

@@ -69,7 +69,7 @@ class _HookedLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
     def create_module(self, spec: ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)  # type: ignore[no-any-return]
+        return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)

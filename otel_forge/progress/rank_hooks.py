@@ -18,7 +18,6 @@ import functools
 import importlib
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -27,14 +26,11 @@ from typing import IO, Any
 
 from otel_forge.config import PROGRESS_BOARD_ENV, env_name
 from otel_forge.node import TORCHRUN_RESTART_COUNT_VAR, process_ranks
-from otel_forge.progress.board import Phase, RankBoard, RankIdentity, rank_file, start_ticks
+from otel_forge.progress.board import STACKS_SIGNAL, Phase, RankBoard, RankIdentity, rank_file, start_ticks
 from otel_forge.progress.import_hooks import when_imported
 
 _logger = logging.getLogger(__name__)
 
-# A realtime signal: no launcher or framework we know uses it (SLURM and Lightning take SIGUSR1,
-# submitit SIGUSR2), and it is sent only to a process whose board says it installed the handler.
-STACKS_SIGNAL = signal.SIGRTMIN + 7
 # The collectives a rank waits for its peers in (torch.distributed's Python API).
 _COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -173,7 +169,7 @@ def _evaluation_functions(environ: Mapping[str, str]) -> list[tuple[str, str]]:
         names = setting.parse(raw) if raw is not None else setting.default
     except ValueError:
         return []  # `otel-forge run` said so already: the rank never fails for it
-    return [tuple(name.split(":", 1)) for name in names]  # type: ignore[misc]
+    return [tuple(name.split(":", 1)) for name in names]
 
 
 Around = Callable[[Callable[..., Any]], Callable[..., Any]]

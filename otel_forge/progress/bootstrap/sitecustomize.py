@@ -12,7 +12,7 @@ def _install() -> None:
         from otel_forge.progress.rank_hooks import install
 
         install()
-    except Exception:  # noqa: BLE001, S110 - the training starts whatever becomes of its hook
+    except Exception:  # noqa: BLE001 - the training starts whatever becomes of its hook
         pass
 
 
@@ -27,7 +27,7 @@ def _run_hidden_sitecustomize() -> None:
             module = importlib.util.module_from_spec(spec)
             sys.modules["sitecustomize"] = module
             spec.loader.exec_module(module)
-    except Exception:  # noqa: BLE001 - theirs failing is reported by site as it would be without us
+    except Exception:
         sys.modules.pop("sitecustomize", None)
         raise
     finally:
