@@ -47,6 +47,7 @@ class Fold(str, Enum):
     MEAN = "mean"  # gauges: the window mean (max and min on request)
     SINCE_START = "since_start"  # counters: growth since the exporter started, at window end
     RATE = "rate"  # counters: growth per second over the window
+    LAST = "last"  # counters that count from the job's start already: the window's last value
 
 
 @dataclass(frozen=True)
@@ -444,7 +445,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("otel_forge.training.time", C, "s", "progress", ("otel_forge.training.activity",),
                "The job's wall time by activity (goodput): productive, startup, checkpointing, evaluating, "
                "stalled, restart_lost (work since the last checkpoint before a restart), other.",
-               (K("training_time_{otel_forge.training.activity}_seconds", fold=Fold.SINCE_START),)),
+               (K("training_time_{otel_forge.training.activity}_seconds", fold=Fold.LAST),)),
     MetricSpec("otel_forge.training.goodput", G, "1", "progress", (),
                "Productive time / wall time since the job started.",
                (K("training_goodput_percentage", _PCT),)),

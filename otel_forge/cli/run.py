@@ -41,6 +41,7 @@ from otel_forge.config import (
     JOURNALS_DELIVERED_BY_ENV,
     MLFLOW_SYSTEM_METRICS_VAR,
     PID_NOT_STARTED,
+    PROGRESS_BOARD_ENV,
     TOLD_SPOOL_ENV,
     ConfigError,
     ForgeConfig,
@@ -130,9 +131,12 @@ def run(args: argparse.Namespace) -> int:
     config = config.replace(spool_dir=str(spool))
     script_names = script_names_experiment(args.experiment, config, node)
     training_run = _training_run(args, command, config, node, DEFAULT_EXPERIMENT if script_names else None)
+    board = progress_board(config, node, spool)
+    # The ranks' progress is watched where the node is sampled (local rank 0's process).
+    watch = _training_watch(config, node, board, training_run).start() if board and node.runs_agent else None
     # The node is served from now on (/metrics answers while the run opens); its process tree is
     # CMD's once CMD runs, its windows go to the run once the run is open.
-    sampling = _NodeSampling(_start_system_metrics(config, training_run.tracking_uri, node))
+    sampling = _NodeSampling(_start_system_metrics(config, training_run.tracking_uri, node, watch))
     training_run.on_open.append(lambda: sampling.run_opened(training_run))
     training_run.on_unanswered.append(lambda error: _say_unanswered(training_run, command, error))
     script = script_run_of(training_run, spool) if script_names else None
@@ -147,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         )
     env = _cmd_environ(args.child_environ, training_run, node, live, sampling, script)
     env.update(launch.cmd_environ(node))  # the workers name this node as we do
+    if board is not None:
+        env.update(progress_environ(board, env))
     if signals.received:
         _end_before_cmd(training_run, sampling, "KILLED")
         return 128 + signals.received[0]
@@ -193,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
             stopping = threading.Thread(target=monitor.stop, name="otel-forge-monitor-stop", daemon=True)
             stopping.start()
     status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
+    if watch is not None:
+        watch.stop()  # its goodput table is journaled before the run's end
+        shutil.rmtree(watch.tracker.directory, ignore_errors=True)
     journals.finish(config.close_deadline_s(node.node_count))  # what CMD logged reaches the run before its end
     # CMD is a launcher: the job's outcome names its worker that failed, never our own rank.
     worker = take_failed_worker(spool) if launch.workers_here else None
@@ -481,7 +490,45 @@ def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
     )
 
 
-def _start_system_metrics(config: ForgeConfig, tracking_uri: str, node: NodeIdentity) -> Any:
+def progress_board(config: ForgeConfig, node: NodeIdentity, spool: Path) -> Path | None:
+    """Where CMD's ranks on this node write their progress: one directory per job and node, which every
+    task of the job on the node finds (srun starts one ``otel-forge run`` per rank); None: not followed."""
+    if not config.progress:
+        return None
+    if node.job_key is None:
+        return spool / "progress"
+    from otel_forge.mlflow.keys import key_segment
+
+    return spool.parent / f"progress-{key_segment(node.job_key)}-{key_segment(node.node_id or node.hostname)}"
+
+
+def progress_environ(board: Path, environ: dict[str, str]) -> dict[str, str]:
+    """CMD's Python processes start with the rank hook (``progress/bootstrap/sitecustomize.py``)."""
+    import otel_forge.progress
+
+    bootstrap = str(Path(otel_forge.progress.__file__).parent / "bootstrap")
+    path = os.pathsep.join(p for p in (bootstrap, environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, PROGRESS_BOARD_ENV: str(board)}
+
+
+def _training_watch(config: ForgeConfig, node: NodeIdentity, board: Path, training_run: Any) -> Any:
+    from otel_forge.cli.training_watch import RunNotes, TrainingWatch
+    from otel_forge.mlflow.training.run_journal import Record
+
+    def record(kind: str, payload: object) -> None:
+        if not training_run.record(Record(kind, payload)):
+            _logger.info("the run's %s come from the node of the job's global rank 0", kind)
+
+    notes = RunNotes(
+        tags=lambda tags: record("tags", tags),
+        text=lambda name, data: record("text", {"name": name, "data": data}),
+        table=lambda name, data: record("dict", {"name": name, "data": data}),
+    )
+    return TrainingWatch(board, config, node.hostname, notes, lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _start_system_metrics(config: ForgeConfig, tracking_uri: str, node: NodeIdentity, watch: Any = None) -> Any:
+    from otel_forge.collectors.progress import ProgressCollector, gpus_from
     from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
 
     if not node.runs_agent:
@@ -489,7 +536,11 @@ def _start_system_metrics(config: ForgeConfig, tracking_uri: str, node: NodeIden
         return None
     # The process trees are empty until CMD runs (``follow_process``).
     pending = dataclasses.replace(config.replace(run_id=None, tracking_uri=tracking_uri), pid=PID_NOT_STARTED)
-    monitor = SystemMetricsMonitor(pending, node=node, run_pending=True)
+    progress = []
+    if watch is not None:
+        gpus = gpus_from(lambda: _gpu_readings(monitor))
+        progress.append(ProgressCollector(watch.latest, config, node.hostname, gpus))
+    monitor = SystemMetricsMonitor(pending, node=node, run_pending=True, extra_collectors=progress)
     monitor.start()
     for endpoint in monitor.agent.endpoints if monitor.agent is not None else ():
         print(f"otel-forge: serving {endpoint}", file=sys.stderr, flush=True)
@@ -498,6 +549,13 @@ def _start_system_metrics(config: ForgeConfig, tracking_uri: str, node: NodeIden
             if name in config.collectors:
                 print(f"otel-forge: collector {name} absent: {reason}", file=sys.stderr, flush=True)
     return monitor
+
+
+def _gpu_readings(monitor: Any) -> list[Any]:
+    """The GPU collectors' latest readings (cached: the progress figures read no GPU themselves)."""
+    instruments = monitor.agent.instruments if monitor.agent is not None else None
+    caches = instruments.caches if instruments is not None else {}
+    return [cache.snapshot().readings for name, cache in caches.items() if name in ("nvidia", "amd")]
 
 
 class SignalForwarder:

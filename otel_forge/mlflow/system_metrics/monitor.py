@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from otel_forge.collectors.base import Collector
 from otel_forge.collectors.inventory import node_inventory
 from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, RunInfoCollector
 from otel_forge.config import ForgeConfig
@@ -77,8 +78,15 @@ class SystemMetricsMonitor:
     Only local rank 0 of a node samples; elsewhere start/stop do nothing.
     """
 
-    def __init__(self, config: ForgeConfig, node: NodeIdentity | None = None, run_pending: bool = False) -> None:
+    def __init__(
+        self,
+        config: ForgeConfig,
+        node: NodeIdentity | None = None,
+        run_pending: bool = False,
+        extra_collectors: Sequence[Collector] = (),
+    ) -> None:
         self.config = config
+        self._extra_collectors = extra_collectors
         self.node = node or NodeIdentity.from_config(config)
         # Sampling starts now; the windows wait in the spool until ``attach`` names the run.
         self._run_pending = run_pending
@@ -172,6 +180,7 @@ class SystemMetricsMonitor:
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:
         collectors = [
+            *self._extra_collectors,
             DeliveryStatsCollector(exporter.delivery_counts),
             RunInfoCollector(
                 exporter.window_logger,

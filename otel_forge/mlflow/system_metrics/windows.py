@@ -129,6 +129,9 @@ class WindowFolder:
     def _counter_values(self) -> list[tuple[str, float]]:
         values = []
         for key, (fold, time_s, value) in self._latest.items():
+            if fold is Fold.LAST:
+                values.append((key, value))
+                continue
             if fold is Fold.SINCE_START:
                 if value >= self._baseline[key]:
                     values.append((key, value - self._baseline[key]))

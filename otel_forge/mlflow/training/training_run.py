@@ -24,7 +24,7 @@ from otel_forge.mlflow.training.job_run import MissingRun
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
-from otel_forge.mlflow.training.run_journal import RunEnd
+from otel_forge.mlflow.training.run_journal import Record, RunEnd
 from otel_forge.mlflow.training.run_opener import RunOpener, claim_or_adopt
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT, RunPlan, embedded_tracking_uri
@@ -33,6 +33,7 @@ from otel_forge.mlflow.training.run_source import RunOrigin
 from otel_forge.mlflow.training.run_state import CLOSED_STATES, RunEvent, RunState, RunStateMachine
 from otel_forge.mlflow.training.script_run import LAUNCHER, ScriptRun, expect, stop_expecting
 from otel_forge.node import NodeIdentity
+from otel_forge.progress import rank_hooks
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import SecretKeys, uri_without_credentials
 
@@ -212,10 +213,23 @@ class TrainingRun:
         if (checked := checked_step(step)) is None:
             self._checker.reject(len(metrics), "step %r is not an integer from 0 to 2**63-1", step)
         elif values := self._checker.values(metrics):
+            rank_hooks.logged(checked)
             try:
                 journal.metrics(values, checked, int(time.time() * 1000))
             except (OSError, ValueError) as error:  # a full or failing disk: the values are lost, never the training
                 self._checker.lose(len(values), getattr(error, "strerror", None) or str(error))
+
+    def record(self, record: Record) -> bool:
+        """Journal a record (tags, a text or dict artifact) into the run, from the process that owns it;
+        False where this process does not own the run or has no journal."""
+        if self._machine.closed or not self.plan.owns_run or forked_from(self._pid):
+            return False
+        self._begin()
+        journal = self._recorder.journal if self._recorder else None
+        if journal is None:
+            return False
+        journal.record(record)
+        return True
 
     def checkpoint_model_name(self, step: int) -> str:
         return checkpoint_model_name(self._opener.run, self.run_name, step)
@@ -236,7 +250,8 @@ class TrainingRun:
         if self._machine.state is RunState.WAITING_FOR_SCRIPT:
             self._open_waiting()
         if self._recorder is not None:
-            self._recorder.checkpoint(step, Path(directory), self.checkpoint_model_name(step))
+            with rank_hooks.checkpointing():
+                self._recorder.checkpoint(step, Path(directory), self.checkpoint_model_name(step))
 
     def close(self, status: str = "FINISHED", *, worker: str | None = None) -> None:
         """Journal the run's end and hand it to its delivery, bounded whatever the server does. Idempotent.
