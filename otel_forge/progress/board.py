@@ -16,6 +16,7 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def start_ticks(pid: int | str = "self") -> int:
 class RankBoard:
     """A rank's own file, mapped: ``step()`` after each optimizer step, phases around checkpoints."""
 
-    def __init__(self, path: Path, identity: RankIdentity) -> None:
+    def __init__(self, path: Path, identity: RankIdentity, clock: Callable[[], int] = time.monotonic_ns) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, SIZE)
@@ -78,7 +79,8 @@ class RankBoard:
         self.path = path
         self._lock = threading.Lock()  # a checkpoint thread and the loop may write at once
         self._seq = 0
-        now = time.monotonic_ns()
+        self._clock = clock
+        now = clock()
         self._live = [0, -1, 0, 0, 0, 0, Phase.TRAINING, now, 0, 0, 0, 0, 0]
         self._entered_sync_ns = 0
         self._sync_depth = 0
@@ -95,7 +97,7 @@ class RankBoard:
 
     def step(self) -> None:
         """One optimizer step: the count, its time, its duration and the rank's own share of it."""
-        now = time.monotonic_ns()
+        now = self._clock()
         with self._lock:
             live = self._live
             if live[1] > 0:
@@ -117,7 +119,7 @@ class RankBoard:
             live = self._live
             if step > live[2] or live[1] < 0:
                 live[2] = step
-                live[5] = time.monotonic_ns()
+                live[5] = self._clock()
                 if live[1] < 0:
                     live[1] = 0
                 if not live[3]:
@@ -127,13 +129,13 @@ class RankBoard:
     def enter_sync(self) -> None:
         """A collective (or a backward, where DDP's collectives run) begins: its time is not the rank's own."""
         if self._sync_depth == 0:
-            self._entered_sync_ns = time.monotonic_ns()
+            self._entered_sync_ns = self._clock()
         self._sync_depth += 1
 
     def leave_sync(self) -> None:
         self._sync_depth -= 1
         if self._sync_depth == 0:
-            self._live[10] += time.monotonic_ns() - self._entered_sync_ns
+            self._live[10] += self._clock() - self._entered_sync_ns
 
     def enter(self, phase: Phase) -> Phase:
         """The rank checkpoints or evaluates from now; returns the phase to go back to."""
@@ -149,8 +151,9 @@ class RankBoard:
                 self._switch(back_to)
 
     def _switch(self, phase: Phase) -> None:
-        live, now = self._live, time.monotonic_ns()
-        spent = now - live[7]
+        live, now = self._live, self._clock()
+        # Before the first step a checkpoint or evaluation is part of the start-up.
+        spent = now - max(live[7], live[3]) if live[3] else 0
         if live[6] == Phase.CHECKPOINTING:
             live[8] += spent
             live[12] = now
@@ -193,7 +196,9 @@ class RankProgress:
     def phase_ns(self, phase: Phase, now_ns: int) -> int:
         """Time spent in ``phase`` so far, the current stretch included."""
         total = self.checkpoint_ns if phase is Phase.CHECKPOINTING else self.evaluation_ns
-        return total + (now_ns - self.phase_since_ns if self.phase is phase else 0)
+        if self.phase is not phase or not self.first_step_ns:
+            return total
+        return total + max(0, now_ns - max(self.phase_since_ns, self.first_step_ns))
 
 
 def read_rank(path: Path, attempts: int = 100) -> RankProgress | None:

@@ -137,12 +137,14 @@ class _Attempt:
         # Ranks checkpoint together: the attempt's time is its longest rank's.
         return max((r.phase_ns(phase, now_ns if alive(r) else r.last_progress_ns) for r in self.ranks), default=0) / NS
 
-    def lost_s(self) -> float:
-        """Work done since the attempt's last checkpoint (or its first step): what a restart redoes."""
+    def lost_s(self, stalls: Sequence[Stall] = ()) -> float:
+        """Work done since the attempt's last checkpoint (or its first step), less its stalls: what a
+        restart redoes."""
         if (first := self.first_ns()) is None:
             return 0.0
-        anchor = max([first, *(r.checkpoint_end_ns for r in self.ranks)])
-        return max(0, self.last_ns() - anchor) / NS
+        anchor, last = max([first, *(r.checkpoint_end_ns for r in self.ranks)]), self.last_ns()
+        stalled = sum(max(0, min(s.until_ns or last, last) - max(s.since_ns, anchor)) for s in stalls)
+        return max(0, last - anchor - stalled) / NS
 
 
 class ProgressTracker:
@@ -161,6 +163,7 @@ class ProgressTracker:
         self._is_alive = is_alive or _alive
         self._stalls: list[tuple[int, Stall]] = []  # (attempt, stall) ended
         self._stall: tuple[int, Stall] | None = None
+        self._stall_phases_s = 0.0  # the ranks' checkpoint and evaluation time when the stall began
         self._restart = -1
         self._slow_candidate: tuple[int, int] | None = None  # (rank, since ns)
         self._slow_named: int | None = None
@@ -171,9 +174,9 @@ class ProgressTracker:
         events: list[Event] = []
         current = max(attempts, default=-1)
         if current > self._restart:
-            if self._restart >= 0:
-                before = attempts.get(self._restart)
-                events.append(RestartSeen(current, before.lost_s() if before else 0.0))
+            if earlier := [number for number in attempts if number < current]:
+                before = max(earlier)
+                events.append(RestartSeen(current, attempts[before].lost_s(self._stalls_of(before))))
             self._restart = current
         ranks = attempts[current].ranks if current >= 0 else []
         alive = {id(rank): self._is_alive(rank) for rank in ranks}
@@ -215,12 +218,16 @@ class ProgressTracker:
             since = max(v.progress.last_progress_ns for v in views)
             stall = Stall(since, max(v.progress.steps for v in views), threshold, median)
             self._stall = (current, stall)
+            self._stall_phases_s = _phases_s(views, now)
             return [StallStarted(stall, tuple(views))]
         attempt, stall = self._stall
         if activity is Activity.STALLED and attempt == current:
             return []
         moved = [v.progress.last_progress_ns for v in views if v.progress.last_progress_ns > stall.since_ns]
         until = min(moved) if attempt == current and moved else now
+        if attempt == current:
+            # A checkpoint or an evaluation that began and ended between two looks ended the stall at its start.
+            until -= int((_phases_s(views, until) - self._stall_phases_s) * NS)
         ended = Stall(stall.since_ns, stall.steps, stall.threshold_s, stall.median_step_s, until)
         self._stalls.append((attempt, ended))
         self._stall = None
@@ -247,6 +254,9 @@ class ProgressTracker:
         named = next((v for v in views if v.rank == self._slow_named), None)
         return views, named, events
 
+    def _stalls_of(self, attempt: int) -> list[Stall]:
+        return [s for a, s in (*self._stalls, *([self._stall] if self._stall else [])) if a == attempt]
+
     def _time(self, attempts: dict[int, _Attempt], current: int, now: int) -> dict[Activity, float]:
         time_s = dict.fromkeys(Activity, 0.0)
         order = sorted(attempts)
@@ -264,7 +274,7 @@ class ProgressTracker:
                 continue
             ended = max([attempt.last_ns(), *(s.until_ns or now for a, s in stalls if a == number)])
             if number != current:
-                time_s[Activity.RESTART_LOST] += attempt.lost_s()
+                time_s[Activity.RESTART_LOST] += attempt.lost_s([s for a, s in stalls if a == number])
                 following = next((f for f in firsts[index + 1 :] if f is not None), now)
                 time_s[Activity.OTHER] += max(0, following - ended) / NS
             elif not any(self._is_alive(rank) for rank in attempt.ranks):
@@ -272,6 +282,20 @@ class ProgressTracker:
         wall = (now - self.started_ns) / NS
         time_s[Activity.PRODUCTIVE] = max(0.0, wall - sum(time_s.values()))
         return time_s
+
+
+def _phases_s(views: Sequence[RankView], at_ns: int) -> float:
+    """The ranks' checkpoint and evaluation time up to ``at_ns`` (the longest rank's, as ``_Attempt``)."""
+    return (
+        max(
+            (
+                sum(v.progress.phase_ns(phase, at_ns) for phase in (Phase.CHECKPOINTING, Phase.EVALUATING))
+                for v in views
+            ),
+            default=0,
+        )
+        / NS
+    )
 
 
 def _attempts(ranks: Sequence[RankProgress]) -> dict[int, _Attempt]:
