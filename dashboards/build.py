@@ -145,7 +145,7 @@ class Query:
 class Panel:
     """One panel before layout; ``json()`` renders it at a grid position."""
 
-    kind: str  # timeseries | stat | table | heatmap
+    kind: str  # timeseries | stat | table | heatmap | state-timeline
     title: str
     queries: list[Query]
     description: str = ""
@@ -164,6 +164,7 @@ class Panel:
     legend_table: bool = False
     no_value: str | None = None
     sort_by: str | None = None  # table: the column to sort by, ascending
+    sort_desc: bool = False  # ... descending
 
     def json(self, panel_id: int, x: int, y: int) -> dict[str, Any]:
         defaults: dict[str, Any] = {
@@ -267,7 +268,7 @@ def _table(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
         "footer": {"show": False, "reducer": ["sum"], "fields": ""},
     }
     if panel.sort_by:
-        options["sortBy"] = [{"displayName": panel.sort_by, "desc": False}]
+        options["sortBy"] = [{"displayName": panel.sort_by, "desc": panel.sort_desc}]
     return {"align": "auto", "cellOptions": {"type": "color-text"}, "inspect": False}, options
 
 
@@ -301,7 +302,28 @@ def _heatmap(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
     )
 
 
-_KIND_OPTIONS = {"timeseries": _timeseries, "stat": _stat, "table": _table, "heatmap": _heatmap}
+def _state_timeline(panel: Panel) -> tuple[dict[str, Any], dict[str, Any]]:
+    # One band per series, coloured (and named) by the value mappings: a state over time.
+    return (
+        {"lineWidth": 0, "fillOpacity": 70, "hideFrom": {"tooltip": False, "legend": False, "viz": False}},
+        {
+            "showValue": "auto",
+            "rowHeight": 0.9,
+            "mergeValues": True,
+            "alignValue": "left",
+            "legend": {"showLegend": False, "displayMode": "list", "placement": "bottom", "calcs": []},
+            "tooltip": {"mode": "single", "sort": "none"},
+        },
+    )
+
+
+_KIND_OPTIONS = {
+    "timeseries": _timeseries,
+    "stat": _stat,
+    "table": _table,
+    "heatmap": _heatmap,
+    "state-timeline": _state_timeline,
+}
 
 
 def table_of(
@@ -341,16 +363,21 @@ def table_of(
     return steps
 
 
-def up_down_mappings() -> list[dict[str, Any]]:
+def state_mappings(zero: tuple[str, str], one: tuple[str, str]) -> list[dict[str, Any]]:
+    """Value mappings of a 0/1 state: (text, colour) for each."""
     return [
         {
             "type": "value",
             "options": {
-                "0": {"text": "DOWN", "color": "red", "index": 0},
-                "1": {"text": "UP", "color": "green", "index": 1},
+                "0": {"text": zero[0], "color": zero[1], "index": 0},
+                "1": {"text": one[0], "color": one[1], "index": 1},
             },
         }
     ]
+
+
+def up_down_mappings() -> list[dict[str, Any]]:
+    return state_mappings(("DOWN", "red"), ("UP", "green"))
 
 
 def link(title: str, url: str, tooltip: str = "", blank: bool = True) -> dict[str, Any]:
@@ -895,6 +922,352 @@ def infiniband_row() -> Row:
                     exclude=["Value"],
                 ),
                 description="Each port, its link layer (ethernet: RoCE) and its state now. " + IB_NOTE,
+            ),
+        ],
+    )
+
+
+# --- training progress ----------------------------------------------------------------------------------
+
+# The training's progress (otel_forge.training.*): each node's `otel-forge run` follows the ranks it starts.
+RANK = "otel_forge_training_rank"
+ACTIVITY = "otel_forge_training_activity"
+QUANTILE = "otel_forge_training_quantile"
+PROGRESS_NOTE = (
+    "From each node's otel-forge run, which follows the ranks it starts (OTEL_FORGE_PROGRESS, on by default): "
+    "empty for nodes whose agent follows no training (a standalone otel-forge monitor)."
+)
+STALL_NOTE = (
+    "A node's training is stalled while none of its ranks has advanced (a step, a checkpoint, an evaluation) for "
+    "max(OTEL_FORGE_STALL_FACTOR x the median step, OTEL_FORGE_STALL_FLOOR), 10 x and 120 s by default (alert "
+    "OtelForgeTrainingStalled). The rank named is the odd one out of the ranks' stacks (not waiting in a "
+    "collective while the others do), none where no single one is; every rank's stacks are in the run's "
+    "stalls/ artifacts."
+)
+SLOW_RANK_NOTE = (
+    "A rank's own work per step is its step time less its waits in collectives and backward, where its peers' "
+    "slowness shows. A rank at OTEL_FORGE_SLOW_RANK_RATIO (1.2 by default) times the median rank of its node or "
+    "more, the slowest for 30 s, is named the slow rank (alert OtelForgeSlowRank)."
+)
+STALLED_MAPPINGS = state_mappings(("training", "green"), ("STALLED", "red"))
+
+
+def per_node(metric: str, *m: str, by: str = "") -> str:
+    """One series per agent (job, instance) of a metric of the selected nodes (the training's figures)."""
+    extra = f", {by}" if by else ""
+    return f"max by (job, instance{extra}) ({sel(metric, *HOST, *m)})"
+
+
+def per_rank(metric: str, *m: str, by: str = "") -> str:
+    """One series per rank (job, instance, rank) of a per-rank metric of the selected nodes."""
+    return per_node(metric, *m, by=RANK + (f", {by}" if by else ""))
+
+
+def run_progress_row() -> Row:
+    """The run dashboard's training: throughput, MFU, goodput, each rank's steps, stalls and the slow rank."""
+
+    def node(metric: str) -> str:
+        return in_run(per_node(metric))
+
+    def ranks(metric: str, by: str = "") -> str:
+        return in_run(per_rank(metric, by=by))
+
+    def tile(title: str, expr: str, unit: str, description: str, **options: Any) -> Panel:
+        return Panel("stat", title, [Query(expr)], unit=unit, width=3, height=5, description=description, **options)
+
+    legend = "rank {{otel_forge_training_rank}} ({{otel_forge_node_id}})"
+    activity_share = in_run(
+        f"max by (job, instance, {ACTIVITY}) (rate({sel('otel_forge.training.time', *HOST)}[$__rate_interval]))"
+    )
+    return Row(
+        "Progress",
+        [
+            tile(
+                "Steps per second",
+                f"avg({node('otel_forge.training.steps.rate')})",
+                "short",
+                "The job's optimizer steps per second: each node's median rank over its last steps (0 while the "
+                "job starts, checkpoints, evaluates or stalls), the mean over the run's nodes. " + PROGRESS_NOTE,
+                decimals=2,
+            ),
+            tile(
+                "Samples per second",
+                f"avg({node('otel_forge.training.samples.rate')})",
+                "short",
+                "The whole job's samples per second: steps per second x OTEL_FORGE_SAMPLES_PER_STEP (the global "
+                "batch). Empty where that is not set.",
+            ),
+            tile(
+                "Tokens per second",
+                f"avg({node('otel_forge.training.tokens.rate')})",
+                "short",
+                "The whole job's tokens per second: steps per second x OTEL_FORGE_TOKENS_PER_STEP. Empty where "
+                "that is not set.",
+            ),
+            tile(
+                "MFU",
+                f"avg({node('otel_forge.training.mfu')})",
+                "percentunit",
+                "Model FLOPs utilisation: FLOPs per step (OTEL_FORGE_FLOPS_PER_STEP, else 6 x "
+                "OTEL_FORGE_MODEL_PARAMETERS x OTEL_FORGE_TOKENS_PER_STEP) x steps per second / (the job's GPUs x "
+                "one GPU's dense BF16 peak, OTEL_FORGE_GPU_PEAK_FLOPS where the model is not known). Empty "
+                "without FLOPs per step.",
+                decimals=1,
+                thresholds=[(None, "orange"), (0.3, "green")],
+            ),
+            tile(
+                "Goodput",
+                f"avg({node('otel_forge.training.goodput')})",
+                "percentunit",
+                "Productive time / wall time since the job started (the mean over the run's nodes); 'Time by "
+                "activity' shows where the rest went.",
+                decimals=1,
+                thresholds=[(None, "red"), (0.8, "orange"), (0.9, "green")],
+            ),
+            tile(
+                "Nodes stalled",
+                f"sum({node('otel_forge.training.stalled')})",
+                "none",
+                "Nodes whose training is stalled now. " + STALL_NOTE,
+                thresholds=[(None, "green"), (1, "red")],
+            ),
+            tile(
+                "Slow ranks",
+                f"sum({ranks('otel_forge.training.slow_rank')})",
+                "none",
+                "Ranks named slow now. " + SLOW_RANK_NOTE,
+                thresholds=[(None, "green"), (1, "orange")],
+            ),
+            tile(
+                "Energy per step",
+                f"sum({node('otel_forge.training.energy.per_step')})",
+                "joule",
+                "The job's GPU energy per optimizer step since it started: each node's GPU energy (hw.energy) "
+                "per step, summed over the run's nodes.",
+            ),
+            Panel(
+                "timeseries",
+                "Step, per rank",
+                [Query(ranks("otel_forge.training.step"), legend)],
+                unit="none",
+                description="Each rank's optimizer steps so far (else the last step it logged).",
+            ),
+            Panel(
+                "timeseries",
+                "Step time, per rank (p50, p95)",
+                [
+                    Query(
+                        ranks("otel_forge.training.step.duration", by=QUANTILE),
+                        legend + " {{otel_forge_training_quantile}}",
+                    )
+                ],
+                unit="s",
+                min=0,
+                description="Each rank's step time over its last 64 steps: the median and the 95th percentile.",
+            ),
+            Panel(
+                "timeseries",
+                "Time since the last step, per rank",
+                [Query(ranks("otel_forge.training.step.age"), legend)],
+                unit="s",
+                min=0,
+                description="Time since each rank's last step (or checkpoint, evaluation, logged step): it grows "
+                "through a stall. " + STALL_NOTE,
+            ),
+            Panel(
+                "timeseries",
+                "Own work per step vs the median rank",
+                [
+                    Query(ranks("otel_forge.training.step.work"), legend),
+                    Query(f"quantile(0.5, {ranks('otel_forge.training.step.work')})", "median rank"),
+                ],
+                unit="s",
+                min=0,
+                width=12,
+                legend_table=True,
+                description="Each rank's own work per step (median over its last steps) and the median of the "
+                "run's ranks: in a synchronous job every rank's step takes as long as the slowest one's own work, "
+                "so the step times alike and the own work not. " + SLOW_RANK_NOTE,
+            ),
+            Panel(
+                "table",
+                "Ranks, slowest first",
+                [Query(ranks("otel_forge.training.step.work.ratio"), instant=True, fmt="table")],
+                unit="percentunit",
+                decimals=0,
+                width=12,
+                thresholds=[(None, "green"), (1.2, "red")],
+                sort_by="own work / median",
+                sort_desc=True,
+                transformations=table_of(
+                    1,
+                    exclude=["job"],
+                    rename={
+                        "otel_forge_node_id": "node id",
+                        "instance": "node",
+                        RANK: "rank",
+                        "Value": "own work / median",
+                    },
+                ),
+                description="Each rank's own work per step / the median rank's of its node (100% = the median), "
+                "highest first; red from 120%, the default OTEL_FORGE_SLOW_RANK_RATIO. " + SLOW_RANK_NOTE,
+            ),
+            Panel(
+                "state-timeline",
+                "Stalled",
+                [
+                    Query(
+                        ranks("otel_forge.training.stalled"),
+                        "{{otel_forge_node_id}} (rank named: {{otel_forge_training_rank}})",
+                    )
+                ],
+                unit="none",
+                width=12,
+                mappings=STALLED_MAPPINGS,
+                thresholds=[(None, "green"), (1, "red")],
+                color_mode="thresholds",
+                description=STALL_NOTE,
+            ),
+            Panel(
+                "timeseries",
+                "Time by activity",
+                [Query(f"avg by ({ACTIVITY}) ({activity_share})", "{{otel_forge_training_activity}}")],
+                unit="percentunit",
+                min=0,
+                width=12,
+                stack=True,
+                legend_table=True,
+                description="The job's wall time by activity, as a share of each interval (the mean over the "
+                "run's nodes; the legend's mean is the share over the range): productive, startup, checkpointing, "
+                "evaluating, stalled, restart_lost (work since the last checkpoint, redone after a restart), "
+                "other. Goodput is the productive share since the job started.",
+            ),
+            Panel(
+                "timeseries",
+                "Steps per second by node",
+                [Query(node("otel_forge.training.steps.rate"), "{{otel_forge_node_id}}")],
+                unit="short",
+                min=0,
+                width=12,
+                description="Each node's median rank's steps per second (0 while not productive).",
+            ),
+            Panel(
+                "timeseries",
+                "GPU energy per step by node",
+                [
+                    Query(node("otel_forge.training.energy.per_step"), "{{otel_forge_node_id}}"),
+                    Query(f"sum({node('otel_forge.training.energy.per_step')})", "job"),
+                ],
+                unit="joule",
+                min=0,
+                width=12,
+                description="Each node's GPU energy per optimizer step since the job started, and the job's (their "
+                "sum).",
+            ),
+        ],
+    )
+
+
+def fleet_progress_row() -> Row:
+    """The fleet dashboard's training: per job and node, steps per second, stalls, goodput, slow ranks."""
+    return Row(
+        "Training progress",
+        [
+            Panel(
+                "stat",
+                "Nodes stalled",
+                [Query(f"count({per_node('otel_forge.training.stalled')} == 1) or vector(0)", instant=True)],
+                unit="none",
+                width=6,
+                height=4,
+                thresholds=[(None, "green"), (1, "red")],
+                description="Nodes whose training is stalled now. " + STALL_NOTE,
+            ),
+            Panel(
+                "stat",
+                "Slow ranks",
+                [Query(f"count({per_rank('otel_forge.training.slow_rank')} == 1) or vector(0)", instant=True)],
+                unit="none",
+                width=6,
+                height=4,
+                thresholds=[(None, "green"), (1, "orange")],
+                description="Ranks named slow now. " + SLOW_RANK_NOTE,
+            ),
+            Panel(
+                "stat",
+                "Goodput (mean)",
+                [Query(f"avg({per_node('otel_forge.training.goodput')})")],
+                unit="percentunit",
+                decimals=1,
+                width=6,
+                height=4,
+                thresholds=[(None, "red"), (0.8, "orange"), (0.9, "green")],
+                description="Productive time / wall time since each job started, the mean over the nodes. "
+                + PROGRESS_NOTE,
+            ),
+            Panel(
+                "stat",
+                "MFU (mean)",
+                [Query(f"avg({per_node('otel_forge.training.mfu')})")],
+                unit="percentunit",
+                decimals=1,
+                width=6,
+                height=4,
+                thresholds=[(None, "orange"), (0.3, "green")],
+                description="Model FLOPs utilisation, the mean over the nodes that know their job's FLOPs per step.",
+            ),
+            Panel(
+                "timeseries",
+                "Steps per second by node",
+                [Query(per_node("otel_forge.training.steps.rate"), "{{job}} {{instance}}")],
+                unit="short",
+                min=0,
+                description="Each node's median rank's optimizer steps per second (0 while not productive). "
+                + PROGRESS_NOTE,
+            ),
+            Panel(
+                "timeseries",
+                "Goodput by node",
+                [Query(per_node("otel_forge.training.goodput"), "{{job}} {{instance}}")],
+                unit="percentunit",
+                min=0,
+                max=1,
+                description="Productive time / wall time since the job started, per node.",
+            ),
+            Panel(
+                "state-timeline",
+                "Stalled, by node",
+                [
+                    Query(
+                        per_rank("otel_forge.training.stalled"),
+                        "{{instance}} (rank named: {{otel_forge_training_rank}})",
+                    )
+                ],
+                unit="none",
+                mappings=STALLED_MAPPINGS,
+                thresholds=[(None, "green"), (1, "red")],
+                color_mode="thresholds",
+                description=STALL_NOTE,
+            ),
+            Panel(
+                "table",
+                "Ranks named slow",
+                [
+                    Query(
+                        f"{per_rank('otel_forge.training.step.work.ratio')} "
+                        f"and on (job, instance, {RANK}) ({per_rank('otel_forge.training.slow_rank')} == 1)",
+                        instant=True,
+                        fmt="table",
+                    )
+                ],
+                unit="percentunit",
+                decimals=0,
+                width=24,
+                height=6,
+                thresholds=[(None, "orange")],
+                transformations=table_of(1, rename={"instance": "node", RANK: "rank", "Value": "own work / median"}),
+                description="The ranks named slow, with their own work per step / the median rank's of their "
+                "node. Empty when no rank is. " + SLOW_RANK_NOTE,
             ),
         ],
     )
@@ -1534,6 +1907,7 @@ def fleet_dashboard() -> dict[str, Any]:
                 ),
             ],
         ),
+        fleet_progress_row(),
         Row(
             "GPU utilization",
             [
@@ -1898,6 +2272,7 @@ def run_dashboard() -> dict[str, Any]:
                 ),
             ],
         ),
+        run_progress_row(),
         Row(
             "GPUs of the run",
             [

@@ -23,7 +23,7 @@ from grafana_queries import (
 )
 
 SCHEMA_DIR = REPO_ROOT.parent / "shared" / "grafana"
-PANEL_TYPES = {"timeseries", "stat", "heatmap", "table"}
+PANEL_TYPES = {"timeseries", "stat", "heatmap", "table", "state-timeline"}
 
 builder = load_builder()
 

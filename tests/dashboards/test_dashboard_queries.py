@@ -18,8 +18,16 @@ node ``node_1`` is not: its GPUs idle (a straggler: low utilization and SM activ
 (thermal throttling, temperature outliers), count ECC errors and had an XID 79, one of its
 InfiniBand ports is down, and its agent watches a job throttled and near its memory limit in a real
 cgroup (``testkit/cgroups.py``, where root can make one). So on the fleet and
-run dashboards every panel has data, and on the node dashboard of the healthy node only the panels
-listed in ``EMPTY_ON_A_HEALTHY_NODE`` may be empty.
+run dashboards every panel but the training progress ones has data, and on the node dashboard of the
+healthy node only the panels listed in ``EMPTY_ON_A_HEALTHY_NODE`` may be empty.
+
+Training progress comes from ``otel-forge run`` only: a third node, ``node_2``, is an ``otel-forge run``
+(healthy fake GPUs) around ``progress_trainer.py``, four ranks stepping on the progress board it hands
+its command, rank 3 doing three times the others' own work (the node names it the slow rank). It serves
+a run of its own, scraped directly as job ``otel-forge-training`` and through the same Collector form as
+``llm-finetune`` (its service.name). The progress panels of the run and fleet dashboards have data there,
+in both name forms, and show nothing (no data, or zeros) for the two ``otel-forge monitor`` nodes, which
+follow no training.
 
 Each panel query is interpolated as Grafana would (grafana_queries.py) and sent to Prometheus's
 HTTP API: a range query (30 s, step 2 s) for a range target, an instant query for an instant one.
@@ -28,9 +36,12 @@ HTTP API: a range query (30 s, step 2 s) for a range target, an instant query fo
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import re
+import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -58,6 +69,8 @@ from testkit.infiniband_sysfs import training_node
 from testkit.servers import (
     AgentProcess,
     PrometheusServer,
+    _LineReader,
+    agent_environment,
     fake_gpu_env,
     free_port,
     http_get,
@@ -67,6 +80,16 @@ from testkit.servers import (
 
 DIRECT_JOB = "otel-forge"
 COLLECTOR_JOB = "llm-pretrain"  # the agents' service.name: the job a Collector gives them
+TRAINING_DIRECT_JOB = "otel-forge-training"  # node_2, the otel-forge run that follows a training
+TRAINING_COLLECTOR_JOB = "llm-finetune"  # ... and its service.name
+TRAINER = Path(__file__).resolve().parent / "progress_trainer.py"
+# What the training node is told of its job: samples and tokens per second, MFU (its fake H100s' peak).
+TRAINING_SETTINGS = {
+    "OTEL_FORGE_SAMPLES_PER_STEP": "256",
+    "OTEL_FORGE_TOKENS_PER_STEP": "4096",
+    "OTEL_FORGE_MODEL_PARAMETERS": "1e9",
+}
+SLOW_RANK_TIMEOUT_S = 90.0  # the node names a rank slow once it has been the slowest for 30 s
 RANGE_S, STEP_S = 30, 2
 READY_TIMEOUT_S = 60.0
 
@@ -125,6 +148,8 @@ class Stack:
     experiment_id: str
     idle_run_id: str  # a run of the same server that no agent serves
     tracking_uri: str
+    trainer: AgentProcess  # node_2: otel-forge run around progress_trainer.py
+    training_run_id: str  # node_2's run
     gpm: bool = False  # the agents export NVML GPM metrics
 
 
@@ -145,15 +170,58 @@ def _agent_args(node_id: str, run_id: str, tracking_uri: str) -> list[str]:
     ]
 
 
-def _scrape_config(direct: Sequence[str], collector: str) -> str:
+def _scrape_config(direct: Sequence[str], collector: str, training: str) -> str:
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "scrape_configs": [
             {"job_name": DIRECT_JOB, "static_configs": [{"targets": list(direct)}]},
+            {"job_name": TRAINING_DIRECT_JOB, "static_configs": [{"targets": [training]}]},
             {"job_name": "otelcol", "honor_labels": True, "static_configs": [{"targets": [collector]}]},
         ],
     }
     return json.dumps(config, indent=2)
+
+
+def _start_training_node(tmp_path: Path, run_id: str, experiment_id: str, tracking_uri: str) -> AgentProcess:
+    """node_2: ``otel-forge run --run-id RUN -- python progress_trainer.py``, serving Prometheus.
+
+    otel-forge run says what it serves on its stderr (its stdout is CMD's): both go to one pipe.
+    """
+    env = {
+        **fake_gpu_env(HEALTHY),
+        **TRAINING_SETTINGS,
+        "OTEL_SERVICE_NAME": TRAINING_COLLECTOR_JOB,
+        "OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=gpu-node-2,host.name=gpu-node-2",
+        "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool-node_2"),
+        "MLFLOW_EXPERIMENT_ID": experiment_id,
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "otel_forge.cli",
+        "run",
+        *_agent_args("node_2", run_id, tracking_uri),
+        "--",
+        sys.executable,
+        str(TRAINER),
+    ]
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=agent_environment(env),
+        start_new_session=True,
+        cwd=tmp_path,
+    )
+    trainer = AgentProcess(process, _LineReader(process.stdout), _LineReader(io.StringIO()))
+    try:
+        trainer.wait_serving(READY_TIMEOUT_S)
+    except BaseException:
+        trainer.kill()
+        raise
+    return trainer
 
 
 def _ratio_gauges() -> set[str]:
@@ -173,12 +241,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
     experiment_id = client.create_experiment(f"dashboards-{time.time_ns()}")
     run = client.create_run(experiment_id, run_name="dashboard-run")
     idle_run = client.create_run(experiment_id, run_name="nobody-serves-me")
+    training_run = client.create_run(experiment_id, run_name="training-run")
 
     agents: dict[str, AgentProcess] = {}
+    trainer: AgentProcess | None = None
     collector: CollectorForm | None = None
     prometheus: PrometheusServer | None = None
     watched = contextlib.ExitStack()
     try:
+        # First: its slow rank is named 30 s after its ranks have stepped, while the rest starts.
+        trainer = _start_training_node(tmp_path, training_run.info.run_id, experiment_id, mlflow_server.uri)
         for node_id, scenario in (("node_0", HEALTHY), ("node_1", FAULTY)):
             # Two agents on one machine stand for two hosts: each its own host name and instance id
             # (service.instance.id defaults to the host name, which would make them one node).
@@ -198,12 +270,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
                 _, job = watched.enter_context(limited_job(cpus=0.2, memory_bytes=200 * 2**20, hold_bytes=150 * 2**20))
                 args += ["--pid", str(job.pid)]
             agents[node_id] = start_agent(args, env)
-        collector = CollectorForm([agent.metrics_url for agent in agents.values()], _ratio_gauges())
+        collector = CollectorForm(
+            [*(agent.metrics_url for agent in agents.values()), trainer.metrics_url], _ratio_gauges()
+        )
         collector_target = collector.serve()
         prometheus = start_prometheus(tmp_path, [agent.scrape_target for agent in agents.values()])
         # start_prometheus knows one job; give it both, then reload (it runs with --web.enable-lifecycle).
         (prometheus.directory / "prometheus.yml").write_text(
-            _scrape_config([agent.scrape_target for agent in agents.values()], collector_target)
+            _scrape_config([agent.scrape_target for agent in agents.values()], collector_target, trainer.scrape_target)
         )
         request = urllib.request.Request(f"{prometheus.url}/-/reload", method="POST")
         with urllib.request.urlopen(request, timeout=10) as response:
@@ -217,6 +291,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
             )
             collector_ids[node] = info["metric"]["instance"]
         instances[COLLECTOR_JOB] = collector_ids
+        instances[TRAINING_DIRECT_JOB] = {"node_2": trainer.scrape_target}
+        (info,) = prometheus.wait_for_series(
+            f'target_info{{job="{TRAINING_COLLECTOR_JOB}", otel_forge_node_id="node_2"}}', READY_TIMEOUT_S
+        )
+        instances[TRAINING_COLLECTOR_JOB] = {"node_2": info["metric"]["instance"]}
 
         # Enough history for rate() and the 30 s range: 10 samples of every GPU in both forms, the run's
         # info series and MLflow deliveries from both agents.
@@ -231,10 +310,31 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
                 f'otel_forge_run_info{{job="{job}", mlflow_run_id="{run.info.run_id}"}}', READY_TIMEOUT_S, min_series=2
             )
             prometheus.wait_for_series(f'otel_forge_gpu_xid_errors_total{{job="{job}"}}', READY_TIMEOUT_S)
+        # The training node: its run's info, 10 samples of its throughput, its slow rank named.
+        for job in TRAINING_FORMS:
+            prometheus.wait_for_series(
+                f'otel_forge_run_info{{job="{job}", mlflow_run_id="{training_run.info.run_id}"}}', READY_TIMEOUT_S
+            )
+            prometheus.wait_for_series(
+                f'count_over_time(otel_forge_training_steps_rate_per_second{{job="{job}"}}[{RANGE_S}s]) >= 10',
+                READY_TIMEOUT_S,
+            )
+            prometheus.wait_for_series(
+                f'{{__name__=~"otel_forge_training_slow_rank(_ratio)?", job="{job}"}} == 1', SLOW_RANK_TIMEOUT_S
+            )
         exposition = agents["node_0"].scrape()
         gpm = any(f"# TYPE {name} " in exposition for name in GPM_NAMES)
         yield Stack(
-            prometheus, agents, instances, run.info.run_id, experiment_id, idle_run.info.run_id, mlflow_server.uri, gpm
+            prometheus,
+            agents,
+            instances,
+            run.info.run_id,
+            experiment_id,
+            idle_run.info.run_id,
+            mlflow_server.uri,
+            trainer,
+            training_run.info.run_id,
+            gpm,
         )
     finally:
         if prometheus is not None:
@@ -243,6 +343,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
             collector.close()
         for agent in agents.values():
             agent.stop()
+        if trainer is not None:
+            trainer.stop()
         watched.close()
 
 
@@ -331,6 +433,38 @@ def without_idle_network(stack: Stack, job: str, outcomes: Sequence[Outcome]) ->
     return [o for o in outcomes if (o.target.panel, o.target.ref_id) != NETWORK_RATIO or o.has_data]
 
 
+PROGRESS_NAMES = {builder.prometheus_name(spec) for spec in builder.SPECS.values() if spec.source == "progress"}
+
+
+def progress_only(outcome: Outcome) -> bool:
+    """The query reads the training's progress (otel-forge run's ranks) only."""
+    return any(re.search(rf"\b{name}\b", outcome.expr) for name in PROGRESS_NAMES)
+
+
+def without_progress(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """``outcomes`` less the progress queries, which for agents that follow no training show nothing but
+    zeros (``count(...) or vector(0)``: no node stalled, no slow rank)."""
+    for outcome in outcomes:
+        if progress_only(outcome):
+            values = [float(v) for s in outcome.result for _, v in s.get("values") or [s["value"]]]
+            assert not any(values), f"{outcome.target.panel}: progress without a training: {outcome.result}"
+    return [outcome for outcome in outcomes if not progress_only(outcome)]
+
+
+def row_panels(dashboard: Mapping[str, Any], title: str) -> list[str]:
+    """The titles of the panels of row ``title`` (rows are expanded: the panels that follow it)."""
+    found: list[str] | None = None
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            if found is not None:
+                break
+            found = [] if panel["title"] == title else None
+        elif found is not None:
+            found.append(panel["title"])
+    assert found, f"no row {title!r}"
+    return found
+
+
 def assert_all_have_data(outcomes: Sequence[Outcome], exempt: Mapping[str, str] = {}) -> None:
     empty = [
         f"{o.target.panel} [{o.target.ref_id}]: {o.expr}"
@@ -352,6 +486,7 @@ def _values(dashboard_name: str, stack: Stack, job: str, **chosen: Any) -> dict[
 
 
 FORMS = [DIRECT_JOB, COLLECTOR_JOB]
+TRAINING_FORMS = [TRAINING_DIRECT_JOB, TRAINING_COLLECTOR_JOB]
 
 
 # --- the tests ------------------------------------------------------------------------------------------
@@ -431,7 +566,7 @@ def test_node_dashboard_on_a_healthy_node_is_empty_only_where_listed(stack: Stac
 def test_fleet_dashboard_every_panel_has_data_and_finds_the_faulty_node(stack: Stack, job: str) -> None:
     dashboard = load("otel-forge-fleet.json")
     outcomes = evaluate(stack, dashboard, _values("otel-forge-fleet.json", stack, job))
-    assert_all_have_data(without_gpm(stack, outcomes))
+    assert_all_have_data(without_progress(without_gpm(stack, outcomes)))
     by_panel: dict[str, list[Outcome]] = {}
     for outcome in outcomes:
         by_panel.setdefault(outcome.target.panel, []).append(outcome)
@@ -457,7 +592,7 @@ def test_fleet_dashboard_every_panel_has_data_and_finds_the_faulty_node(stack: S
 def test_run_dashboard_every_panel_has_data_for_the_run(stack: Stack, job: str) -> None:
     dashboard = load("otel-forge-run.json")
     outcomes = evaluate(stack, dashboard, _values("otel-forge-run.json", stack, job))
-    assert_all_have_data(without_idle_network(stack, job, without_gpm(stack, outcomes)))
+    assert_all_have_data(without_progress(without_idle_network(stack, job, without_gpm(stack, outcomes))))
     # The joins at the top of an expression (not under a sum) label every series with the node id.
     joined = [o for o in outcomes if o.expr.startswith("(") and "group_left (otel_forge_node_id)" in o.expr]
     assert len(joined) >= 12
@@ -583,6 +718,10 @@ def test_the_agents_exposition_has_every_metric_the_dashboards_name(stack: Stack
     """Guard for the name mapping: what the builder derives is what the real exporter writes."""
     text = stack.agents["node_1"].scrape()
     exported = set(re.findall(r"^# TYPE (\S+)", text, re.M))
+    training = set(re.findall(r"^# TYPE (\S+)", stack.trainer.scrape(), re.M))
+    assert training >= PROGRESS_NAMES, PROGRESS_NAMES - training  # every progress metric, as the builder names it
+    assert not PROGRESS_NAMES & exported  # otel-forge monitor follows no training
+    exported |= training
     named = set()
     for name in ("otel-forge-node.json", "otel-forge-fleet.json", "otel-forge-run.json"):
         for target in targets(load(name)):
@@ -596,3 +735,82 @@ def test_the_agents_exposition_has_every_metric_the_dashboards_name(stack: Stack
     if not stack.gpm:
         named -= GPM_NAMES  # optional: NVML GPM (Hopper and later), which the fake NVML does not have
     assert named and named <= exported, named - exported
+
+
+def _by_panel(outcomes: Sequence[Outcome]) -> dict[str, dict[str, Outcome]]:
+    found: dict[str, dict[str, Outcome]] = {}
+    for outcome in outcomes:
+        found.setdefault(outcome.target.panel, {})[outcome.target.ref_id] = outcome
+    return found
+
+
+def _last(outcome: Outcome) -> list[tuple[dict[str, str], float]]:
+    """Each series' labels and its value (instant) or last value (range)."""
+    return [
+        (series["metric"], float((series["values"][-1] if "values" in series else series["value"])[1]))
+        for series in outcome.result
+    ]
+
+
+def _row(stack: Stack, name: str, row: str, values: Mapping[str, Any]) -> dict[str, dict[str, Outcome]]:
+    """The outcomes of row ``row``'s panels, every one with data and reading only the training's series."""
+    dashboard = load(name)
+    titles = set(row_panels(dashboard, row))
+    outcomes = [o for o in evaluate(stack, dashboard, values) if o.target.panel in titles]
+    assert {o.target.panel for o in outcomes} == titles
+    assert all(progress_only(o) for o in outcomes), [o.expr for o in outcomes if not progress_only(o)]
+    assert_all_have_data(outcomes)
+    return _by_panel(outcomes)
+
+
+@pytest.mark.parametrize("job", TRAINING_FORMS)
+def test_run_dashboard_progress_row_follows_the_training(stack: Stack, job: str) -> None:
+    """node_2's run: every progress query has data, the four ranks, rank 3 the slow one, no stall."""
+    values = _values("otel-forge-run.json", stack, job, run=stack.training_run_id)
+    row = _row(stack, "otel-forge-run.json", "Progress", values)
+    for outcomes in row.values():
+        for outcome in outcomes.values():
+            assert {s["metric"].get("otel_forge_node_id", "node_2") for s in outcome.result} == {"node_2"}
+
+    def tile(title: str) -> float:
+        ((_, value),) = _last(row[title]["A"])
+        return value
+
+    steps = tile("Steps per second")
+    assert 5 < steps < 1 / (0.04 * 0.9), steps  # a step takes 40 ms (and the threads' scheduling)
+    assert tile("Samples per second") == pytest.approx(256 * steps)
+    assert tile("Tokens per second") == pytest.approx(4096 * steps)
+    # 6 x parameters x tokens per step x steps per second / (4 GPUs of the job x an H100's dense BF16 peak)
+    assert tile("MFU") == pytest.approx(6 * 1e9 * 4096 * steps / (4 * 989e12))
+    assert 0.5 < tile("Goodput") <= 1
+    assert tile("Nodes stalled") == 0 and tile("Slow ranks") == 1
+    assert tile("Energy per step") > 0
+    ranks = {labels["otel_forge_training_rank"] for labels, _ in _last(row["Step, per rank"]["A"])}
+    assert ranks == {"0", "1", "2", "3"}
+    quantiles = {
+        (labels["otel_forge_training_rank"], labels["otel_forge_training_quantile"])
+        for labels, _ in _last(row["Step time, per rank (p50, p95)"]["A"])
+    }
+    assert quantiles == {(rank, q) for rank in ranks for q in ("p50", "p95")}
+    ratios = {labels["otel_forge_training_rank"]: value for labels, value in _last(row["Ranks, slowest first"]["A"])}
+    assert max(ratios, key=ratios.__getitem__) == "3" and ratios["3"] > 2, ratios  # 3 x the others' own work
+    (stalled,) = row["Stalled"]["A"].result  # one band: node_2, training, no rank named
+    assert stalled["metric"]["otel_forge_training_rank"] == "none"
+    assert {float(value) for _, value in stalled["values"]} == {0}
+    shares = {labels["otel_forge_training_activity"]: value for labels, value in _last(row["Time by activity"]["A"])}
+    # Each interval's share (rate() over a few scrapes: near 1, not exactly), all of it productive.
+    assert max(shares, key=shares.__getitem__) == "productive" and shares["productive"] > 0.5, shares
+    assert shares["stalled"] == shares["restart_lost"] == 0, shares
+
+
+@pytest.mark.parametrize("job", TRAINING_FORMS)
+def test_fleet_dashboard_training_progress_row_names_the_slow_rank(stack: Stack, job: str) -> None:
+    row = _row(stack, "otel-forge-fleet.json", "Training progress", _values("otel-forge-fleet.json", stack, job))
+    node = stack.instances[job]["node_2"]
+    ((_, stalled),) = _last(row["Nodes stalled"]["A"])
+    ((_, slow),) = _last(row["Slow ranks"]["A"])
+    assert (stalled, slow) == (0, 1)
+    ((labels, ratio),) = _last(row["Ranks named slow"]["A"])
+    assert (labels["instance"], labels["otel_forge_training_rank"]) == (node, "3") and ratio > 2
+    for title in ("Steps per second by node", "Goodput by node", "Stalled, by node"):
+        assert {labels["instance"] for labels, _ in _last(row[title]["A"])} == {node}, title
