@@ -450,7 +450,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Productive time / wall time since the job started.",
                (K("training_goodput_percentage", _PCT),)),
     MetricSpec("otel_forge.training.energy.per_step", G, "J/{step}", "progress", (),
-               "The node's GPU energy per optimizer step since the job started.",
+               "The node's GPU energy per optimizer step: its GPUs' energy since the job started (`otel-forge "
+               "run`'s first read of them) over the optimizer steps the job took (each attempt's most steps of a "
+               "rank on the node, summed over the attempts).",
                (K("gpu_energy_joules_per_step"),)),
     # self-telemetry
     MetricSpec("otel_forge.collector.reads", C, "{read}", "self", ("otel_forge.collector",),

@@ -5,7 +5,7 @@ the look finds: a stall takes every rank's stacks, names the odd rank out, and i
 tagged on the run with the stacks as an artifact (through the run's journal: an outage loses
 nothing), and ended the same way when the training moves again; ``stall_action`` "end" stops the
 stalled ranks once the stall has lasted ``stall_action_after_s``. A slow rank is named once. At the
-job's end the goodput table goes to the run.
+job's end the goodput table goes to the run, and the node's GPU energy (``energy/<host>.json``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import dataclasses
 import datetime
 import logging
 import os
+import re
 import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from otel_forge.collectors.progress import JobEnergy
 from otel_forge.config import ForgeConfig
 from otel_forge.progress.stacks import RankStacks, odd_one_out, stacks_report, take_stacks
 from otel_forge.progress.tracker import (
@@ -41,6 +43,7 @@ LOOK_INTERVAL_S = 1.0
 STALL_TAG = "otel_forge.stall"
 SLOW_RANK_TAG = "otel_forge.slow_rank"
 GOODPUT_ARTIFACT = "goodput.json"
+ENERGY_ARTIFACT = "energy/{host}.json"  # one per node: the job's total is their sum
 _TERMINATE_GRACE_S = 10.0
 
 
@@ -71,6 +74,7 @@ class TrainingWatch:
         self._say = say
         self._interval_s = interval_s
         self._latest: JobProgress | None = None
+        self.energy = JobEnergy()  # the node's agent adds its GPU readings (its ProgressCollector reads ``latest``)
         self._stalls = 0
         self._acted_on: int | None = None  # the stall (its since_ns) the action was taken for
         self._stop = threading.Event()
@@ -92,6 +96,8 @@ class TrainingWatch:
         final = self.look()
         if final is not None and final.time_s[Activity.STARTUP] < final.wall_s:
             self._notes.table(GOODPUT_ARTIFACT, goodput_table(final))
+        if (energy := self.energy.at_end(self._host, final)) is not None:
+            self._notes.table(ENERGY_ARTIFACT.format(host=_file_name(self._host)), energy)
         return final
 
     def _watch(self) -> None:
@@ -214,6 +220,10 @@ def _stall_line(stall: Stall, odd: RankStacks | None, dumps: list[RankStacks], h
     return (
         f"training stalled: {waited}; {len(dumps)} of {ranks} rank(s) on host {host} gave their stacks, none stands out"
     )
+
+
+def _file_name(host: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", host) or "node"
 
 
 def _wall_time(monotonic_ns: int | None) -> str:
