@@ -117,7 +117,7 @@ class TrainingWatch:
             if isinstance(event, StallStarted):
                 self._latest = progress = dataclasses.replace(progress, suspect_rank=self._stalled(event))
             elif isinstance(event, StallEnded):
-                self._resumed(event.stall)
+                self._ended(event)
             elif isinstance(event, SlowRankNamed):
                 self._slow(event)
             elif isinstance(event, RestartSeen):
@@ -151,9 +151,11 @@ class TrainingWatch:
         self._notes.tags(tags)
         return odd.rank.rank if odd is not None else None
 
-    def _resumed(self, stall: Stall) -> None:
+    def _ended(self, event: StallEnded) -> None:
+        stall = event.stall
         lasted = stall.duration_s(stall.until_ns or time.monotonic_ns())
-        self._say(f"otel-forge: the training moves again: the stall lasted {lasted:.0f} s")
+        how = "the training moves again" if event.resumed else "the stalled ranks ended"
+        self._say(f"otel-forge: {how}: the stall lasted {lasted:.0f} s")
         self._notes.tags({f"{STALL_TAG}.ended": _wall_time(stall.until_ns), f"{STALL_TAG}.seconds": f"{lasted:.1f}"})
 
     def _slow(self, event: SlowRankNamed) -> None:

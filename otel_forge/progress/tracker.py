@@ -106,6 +106,7 @@ class StallStarted:
 @dataclass(frozen=True)
 class StallEnded:
     stall: Stall
+    resumed: bool  # a rank moved again (else its ranks ended, or the launcher restarted them)
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ class ProgressTracker:
         ended = Stall(stall.since_ns, stall.steps, stall.threshold_s, stall.median_step_s, until)
         self._stalls.append((attempt, ended))
         self._stall = None
-        return [StallEnded(ended)]
+        return [StallEnded(ended, resumed=attempt == current and bool(moved))]
 
     def _slow(self, views: tuple[RankView, ...], now: int) -> tuple[tuple[RankView, ...], RankView | None, list[Event]]:
         measured = [v for v in views if v.work_s is not None and v.alive]
