@@ -36,12 +36,9 @@ HTTP API: a range query (30 s, step 2 s) for a range target, an instant query fo
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import re
-import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -63,14 +60,13 @@ from grafana_queries import (
     targets,
     variables,
 )
+from progress_trainer import start_training_node
 
 from testkit.cgroups import CONTROLLERS, limited_job, v1_writable
 from testkit.infiniband_sysfs import training_node
 from testkit.servers import (
     AgentProcess,
     PrometheusServer,
-    _LineReader,
-    agent_environment,
     fake_gpu_env,
     free_port,
     http_get,
@@ -82,7 +78,6 @@ DIRECT_JOB = "otel-forge"
 COLLECTOR_JOB = "llm-pretrain"  # the agents' service.name: the job a Collector gives them
 TRAINING_DIRECT_JOB = "otel-forge-training"  # node_2, the otel-forge run that follows a training
 TRAINING_COLLECTOR_JOB = "llm-finetune"  # ... and its service.name
-TRAINER = Path(__file__).resolve().parent / "progress_trainer.py"
 # What the training node is told of its job: samples and tokens per second, MFU (its fake H100s' peak).
 TRAINING_SETTINGS = {
     "OTEL_FORGE_SAMPLES_PER_STEP": "256",
@@ -183,10 +178,7 @@ def _scrape_config(direct: Sequence[str], collector: str, training: str) -> str:
 
 
 def _start_training_node(tmp_path: Path, run_id: str, experiment_id: str, tracking_uri: str) -> AgentProcess:
-    """node_2: ``otel-forge run --run-id RUN -- python progress_trainer.py``, serving Prometheus.
-
-    otel-forge run says what it serves on its stderr (its stdout is CMD's): both go to one pipe.
-    """
+    """node_2: ``otel-forge run --run-id RUN -- python progress_trainer.py``, serving Prometheus."""
     env = {
         **fake_gpu_env(HEALTHY),
         **TRAINING_SETTINGS,
@@ -195,33 +187,7 @@ def _start_training_node(tmp_path: Path, run_id: str, experiment_id: str, tracki
         "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool-node_2"),
         "MLFLOW_EXPERIMENT_ID": experiment_id,
     }
-    command = [
-        sys.executable,
-        "-m",
-        "otel_forge.cli",
-        "run",
-        *_agent_args("node_2", run_id, tracking_uri),
-        "--",
-        sys.executable,
-        str(TRAINER),
-    ]
-    process = subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=agent_environment(env),
-        start_new_session=True,
-        cwd=tmp_path,
-    )
-    trainer = AgentProcess(process, _LineReader(process.stdout), _LineReader(io.StringIO()))
-    try:
-        trainer.wait_serving(READY_TIMEOUT_S)
-    except BaseException:
-        trainer.kill()
-        raise
-    return trainer
+    return start_training_node(_agent_args("node_2", run_id, tracking_uri), env, tmp_path, timeout_s=READY_TIMEOUT_S)
 
 
 def _ratio_gauges() -> set[str]:
