@@ -13,6 +13,13 @@ config is the shipped ``prometheus.yml`` with test targets:
   unit-1 gauges the ``_ratio`` suffix an OpenTelemetry Collector gives them (no Collector can be
   installed here; this emulates its naming only, not its job/instance labels).
 
+Both jobs also scrape a training node: an ``otel-forge run`` (CPU and memory collectors only: no GPU
+of its own) into a second run of the experiment, around ``tests/dashboards/progress_trainer.py``,
+whose four ranks take a few steps on the progress board and then hang: with a stall floor of 1 s the
+node says its training stalled (no rank named: no rank left stacks to read), and
+``OtelForgeTrainingStalled`` fires with the host and that run; no rank is named slow (the slow-rank
+ratio is set out of reach), so ``OtelForgeSlowRank`` stays quiet (its firing: rules.test.yml).
+
 So every rule is evaluated against both name forms. Once Prometheus has seen the InfiniBand ports
 active and their error counters, one port goes down and another counts symbol errors. The rules are
 the shipped ones with each ``for:`` cut to 1s (the expressions are identical, which a test asserts),
@@ -23,6 +30,7 @@ to evaluate and stay quiet; its firing is covered by the promtool unit tests (ru
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -83,6 +91,15 @@ WITNESSES = {
     "OtelForgeCpuThrottled": "otel_forge_container_cpu_throttled_periods_total",
     "OtelForgeMemoryNearLimit": '{__name__=~"otel_forge_container_memory_utilization(_ratio)?"}',
     "OtelForgeOomKill": "otel_forge_container_memory_oom_kills_total",
+    "OtelForgeTrainingStalled": '{__name__=~"otel_forge_training_stalled(_ratio)?"}',
+    "OtelForgeSlowRank": '{__name__=~"otel_forge_training_slow_rank(_ratio)?"}',
+}
+TRAINER = Path(__file__).resolve().parents[1] / "dashboards" / "progress_trainer.py"
+# The training node: its ranks hang after 20 steps (about a second), a stall 1 s later; no slow rank.
+TRAINING_SETTINGS = {
+    "OTEL_FORGE_STALL_FLOOR": "1",
+    "OTEL_FORGE_STALL_FACTOR": "2",
+    "OTEL_FORGE_SLOW_RANK_RATIO": "100",
 }
 # The container rules fire on a real cgroup v1 group (a busy job near its memory limit, then an OOM
 # kill), where root can make one; elsewhere their series are absent and they are checked to stay quiet.
@@ -105,6 +122,7 @@ EXPECTED_FIRING = {
             "OtelForgeGpuPcieReplaysGrowing",
             "OtelForgeInfinibandPortDown",
             "OtelForgeInfinibandErrorsRising",
+            "OtelForgeTrainingStalled",
             *(CONTAINER_ALERTS if CGROUPS else ()),
         )
     ),
@@ -119,6 +137,7 @@ NEVER_FIRING = {
     "OtelForgeMlflowDeliveryDropping",
     "OtelForgeGatewayDown",
     "OtelForgeAgentStoppedReporting",
+    "OtelForgeSlowRank",  # the slow-rank ratio is out of reach
     *(() if CGROUPS else CONTAINER_ALERTS),
 }
 
@@ -148,7 +167,7 @@ def unit_one_gauges() -> list[str]:
     return sorted({spec.name.replace(".", "_") for spec in METRICS if spec.kind == Kind.GAUGE and spec.unit == "1"})
 
 
-def prometheus_test_config(directory: Path, agent_target: str, dead_target: str, rules: Path) -> Path:
+def prometheus_test_config(directory: Path, agent_targets: list[str], dead_target: str, rules: Path) -> Path:
     """The shipped prometheus.yml, pointed at this test's targets and rules."""
     config = yaml.safe_load((CONFIG_DIR / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
@@ -160,7 +179,7 @@ def prometheus_test_config(directory: Path, agent_target: str, dead_target: str,
         targets = directory / "targets" / job_name
         targets.mkdir(parents=True)
         groups = yaml.safe_load((CONFIG_DIR / "targets" / job_name / example).read_text())
-        groups = [{**groups[0], "targets": [agent_target]}]
+        groups = [{**groups[0], "targets": agent_targets}]
         (targets / example.removesuffix(".example")).write_text(yaml.safe_dump(groups))
         for sd in jobs[job_name]["file_sd_configs"]:
             sd["files"] = [str(directory / pattern) for pattern in sd["files"]]
@@ -215,11 +234,13 @@ def mlflow_run(mlflow_server):
     client = MlflowClient(mlflow_server.uri)
     experiment_id = client.create_experiment("collector-config-alerts")
     run = client.create_run(experiment_id, run_name="stalled-run")
+    training = client.create_run(experiment_id, run_name="training-run")
     yield {
         "uri": mlflow_server.uri,
         "run_id": run.info.run_id,
         "experiment_id": experiment_id,
         "run_name": "stalled-run",
+        "training_run_id": training.info.run_id,
     }
 
 
@@ -232,6 +253,25 @@ def job():
         return
     with limited_job(cpus=0.2, memory_bytes=200 * 2**20, hold_bytes=180 * 2**20) as found:
         yield found
+
+
+def start_trainer(directory: Path, mlflow_run: dict[str, str]) -> Any:
+    """``otel-forge run`` into the training run around the trainer, whose ranks hang after 20 steps."""
+    spec = importlib.util.spec_from_file_location("progress_trainer", TRAINER)
+    assert spec is not None and spec.loader is not None
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    forge_args = [
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
+        *("--interval", "1", "--collectors", "cpu,memory", "--node-id", "node_t"),
+        *("--run-id", mlflow_run["training_run_id"], "--tracking-uri", mlflow_run["uri"]),
+    ]
+    env = {
+        **TRAINING_SETTINGS,
+        "MLFLOW_EXPERIMENT_ID": mlflow_run["experiment_id"],
+        "OTEL_FORGE_SPOOL_DIR": str(directory / "spool-training"),
+    }
+    return trainer.start_training_node(forge_args, env, directory, trainer_args=["--steps", "20"])
 
 
 @pytest.fixture(scope="module")
@@ -263,9 +303,12 @@ def stack(mlflow_run, job, tmp_path_factory):
             "OTEL_FORGE_INFINIBAND_ROOT": str(infiniband),
         },
     )
+    trainer = None
     try:
         rules = short_for_rules(directory / "alert-rules.yml")
-        config = prometheus_test_config(directory, agent.scrape_target, f"127.0.0.1:{free_port()}", rules)
+        trainer = start_trainer(directory, mlflow_run)
+        targets = [agent.scrape_target, trainer.scrape_target]
+        config = prometheus_test_config(directory, targets, f"127.0.0.1:{free_port()}", rules)
         with start_prometheus_with(config, directory) as prometheus:
             prometheus.wait_for_series('otel_forge_run_info{job="otel-forge-gateway"}', timeout_s=30)
             prometheus.wait_for_series('otel_forge_run_info{job="otel-forge"}', timeout_s=30)
@@ -288,9 +331,11 @@ def stack(mlflow_run, job, tmp_path_factory):
                         f'otel_forge_container_memory_oom_kills_total{{job="{scrape_job}"}} == 0', 30
                     )
                 oom_kill_in(watched[0])
-            yield {"prometheus": prometheus, "agent": agent, "run": mlflow_run}
+            yield {"prometheus": prometheus, "agent": agent, "run": mlflow_run, "trainer": trainer}
     finally:
         agent.stop()
+        if trainer is not None:
+            trainer.stop()
 
 
 def alerts(prometheus: PrometheusServer) -> list[dict[str, Any]]:
@@ -479,3 +524,32 @@ def test_gpu_alerts_name_the_right_gpus(stack):
     assert by_name["OtelForgeGpuUncorrectableEccErrors"] == {(job, "0") for job in BOTH_JOBS}
     xid = next(a for a in alerts(prometheus) if a["labels"]["alertname"] == "OtelForgeGpuXidError")
     assert xid["labels"]["otel_forge_gpu_xid"] == "79" and xid["labels"]["severity"] == "critical"
+
+
+def test_training_stall_alert_names_the_host_and_the_run(stack):
+    prometheus, run = stack["prometheus"], stack["run"]
+
+    def stalled() -> list[dict[str, Any]] | None:
+        found = [
+            a
+            for a in alerts(prometheus)
+            if a["labels"]["alertname"] == "OtelForgeTrainingStalled" and a["state"] == "firing"
+        ]
+        return found if len(found) == 2 else None
+
+    found = wait_for(
+        stalled, 45.0, interval_s=0.5, message=lambda: f"training-stall alerts; have {alert_summary(prometheus)}"
+    )
+    assert {a["labels"]["job"] for a in found} == BOTH_JOBS
+    for alert in found:
+        labels = alert["labels"]
+        assert labels["instance"] == stack["trainer"].scrape_target and labels["severity"] == "critical"
+        assert labels["otel_forge_training_rank"] == "none", labels  # no rank left stacks: none named
+        assert labels["mlflow_run_id"] == run["training_run_id"] and labels["otel_forge_node_id"] == "node_t"
+        host = labels["host_name"]
+        assert host, labels
+        summary = alert["annotations"]["summary"]
+        assert summary.startswith("Run ") and run["training_run_id"] in summary, summary
+        assert summary.endswith(f": training stalled on {host} ({labels['instance']})"), summary
+        description = alert["annotations"]["description"]
+        assert "No single rank is named" in description and "stalls/" in description

@@ -4,7 +4,8 @@ engine (promtool).
 ``rules.test.yml`` feeds the shipped recording and alert rules an 8-node job with one slow node
 (through a Collector, with GPM), another one scraped directly without GPM, a 2-node job, and a node
 with a GPU busy but idle; in a second test, a node of a run whose InfiniBand port goes down and whose
-RoCE port counts symbol errors. It asserts the recorded values and exactly which alerts fire.
+RoCE port counts symbol errors; then a job's cgroup at its limits; then two trainings that stall, one of
+them with a slow rank. It asserts the recorded values and exactly which alerts fire.
 """
 
 from __future__ import annotations
@@ -76,8 +77,12 @@ def _copy(tmp_path: Path, alerts_text: str | None = None, recording_text: str | 
         ("[1h]) == 1)", "[1h]) >= 0)"),
         # Discards (congestion) count as link errors.
         ('error_type=~"symbol_error|', 'error_type=~"port_xmit_discards|symbol_error|'),
+        # A node that serves a run alerts twice (with and without the run's labels).
+        ("or on (job, instance)", "or"),
+        # Every rank alerts, not the one flagged slow.
+        ('otel_forge_training_slow_rank(_ratio)?"} == 1)', 'otel_forge_training_slow_rank(_ratio)?"} >= 0)'),
     ],
-    ids=["threshold", "job-size", "busy-but-idle", "never-active-port", "discards"],
+    ids=["threshold", "job-size", "busy-but-idle", "never-active-port", "discards", "run-join", "slow-flag"],
 )
 def test_the_unit_tests_catch_a_changed_alert(tmp_path, change):
     old, new = change
@@ -104,7 +109,7 @@ def test_every_recording_rule_and_the_alerts_are_asserted():
         "../../collector-config/recording-rules.yml",
         "../../collector-config/alert-rules.yml",
     ]
-    group, infiniband, containers = tests["tests"]
+    group, infiniband, containers, training = tests["tests"]
     asserted = " ".join(test["expr"] for test in group["promql_expr_test"])
     for rule in recording_rules():
         assert rule["record"] in asserted, rule["record"]
@@ -114,6 +119,10 @@ def test_every_recording_rule_and_the_alerts_are_asserted():
     assert fired == {"OtelForgeInfinibandPortDown", "OtelForgeInfinibandErrorsRising"}
     fired = {test["alertname"] for test in containers["alert_rule_test"] if test["exp_alerts"]}
     assert fired == {"OtelForgeCpuThrottled", "OtelForgeMemoryNearLimit", "OtelForgeOomKill"}
+    fired = {test["alertname"] for test in training["alert_rule_test"] if test["exp_alerts"]}
+    assert fired == {"OtelForgeTrainingStalled", "OtelForgeSlowRank"}
+    quiet = {test["alertname"] for test in training["alert_rule_test"] if not test["exp_alerts"]}
+    assert quiet == fired  # each is also asserted not to fire
     # The 8-node jobs: one slow node each, named with its run.
     nodes = {
         (a["exp_labels"]["mlflow_run_id"], a["exp_labels"]["otel_forge_node_id"])
@@ -164,3 +173,21 @@ def test_the_infiniband_errors_alert_counts_the_link_errors_mlflow_and_the_dashb
         in expr
     )
     assert "topk by (job, instance) (1, otel_forge_run_info == 1)" in expr
+
+
+def test_the_training_alerts_name_the_rank_the_host_and_the_run_where_there_is_one():
+    for name in ("OtelForgeTrainingStalled", "OtelForgeSlowRank"):
+        rule = alert(name)
+        metric = {"OtelForgeTrainingStalled": "stalled", "OtelForgeSlowRank": "slow_rank"}[name]
+        # Both name forms, the run's labels by the join the other run alerts use, and the node without a run.
+        assert rule["expr"].count(f'{{__name__=~"otel_forge_training_{metric}(_ratio)?"}} == 1') == 2, name
+        assert "group_left (" + ", ".join(("mlflow_run_id", "mlflow_run_name", "mlflow_experiment_id")) in rule["expr"]
+        assert "topk by (job, instance) (1, otel_forge_run_info == 1)" in rule["expr"]
+        assert "or on (job, instance)" in rule["expr"]
+        for label in ("otel_forge_training_rank", "host_name", "instance"):
+            assert f"$labels.{label}" in rule["annotations"]["summary"], (name, label)
+    stalled = alert("OtelForgeTrainingStalled")
+    # The agent waits max(stall_factor x median step, stall_floor_s) before it says stalled.
+    assert stalled["for"] == "0m" and stalled["labels"]["severity"] == "critical"
+    assert "stalls/" in stalled["annotations"]["description"]
+    assert alert("OtelForgeSlowRank")["for"] == "5m"
