@@ -984,7 +984,7 @@ def run_progress_row() -> Row:
         [
             tile(
                 "Steps per second",
-                f"avg({node('otel_forge.training.steps.rate')})",
+                f"avg({node('otel_forge.training.steps')})",
                 "short",
                 "The job's optimizer steps per second: each node's median rank over its last steps (0 while the "
                 "job starts, checkpoints, evaluates or stalls), the mean over the run's nodes. " + PROGRESS_NOTE,
@@ -992,14 +992,14 @@ def run_progress_row() -> Row:
             ),
             tile(
                 "Samples per second",
-                f"avg({node('otel_forge.training.samples.rate')})",
+                f"avg({node('otel_forge.training.samples')})",
                 "short",
                 "The whole job's samples per second: steps per second x OTEL_FORGE_SAMPLES_PER_STEP (the global "
                 "batch). Empty where that is not set.",
             ),
             tile(
                 "Tokens per second",
-                f"avg({node('otel_forge.training.tokens.rate')})",
+                f"avg({node('otel_forge.training.tokens')})",
                 "short",
                 "The whole job's tokens per second: steps per second x OTEL_FORGE_TOKENS_PER_STEP. Empty where "
                 "that is not set.",
@@ -1145,7 +1145,7 @@ def run_progress_row() -> Row:
             Panel(
                 "timeseries",
                 "Steps per second by node",
-                [Query(node("otel_forge.training.steps.rate"), "{{otel_forge_node_id}}")],
+                [Query(node("otel_forge.training.steps"), "{{otel_forge_node_id}}")],
                 unit="short",
                 min=0,
                 width=12,
@@ -1219,7 +1219,7 @@ def fleet_progress_row() -> Row:
             Panel(
                 "timeseries",
                 "Steps per second by node",
-                [Query(per_node("otel_forge.training.steps.rate"), "{{job}} {{instance}}")],
+                [Query(per_node("otel_forge.training.steps"), "{{job}} {{instance}}")],
                 unit="short",
                 min=0,
                 description="Each node's median rank's optimizer steps per second (0 while not productive). "

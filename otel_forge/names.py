@@ -423,13 +423,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("otel_forge.training.slow_rank", G, "1", "progress", _RANK + ("host.name",),
                "1 for a rank whose own work per step is `slow_rank_ratio` times the median rank's or more, else "
                "0.", (K("training_rank_{otel_forge.training.rank}_slow"),)),
-    MetricSpec("otel_forge.training.steps.rate", G, "{step}/s", "progress", (),
+    MetricSpec("otel_forge.training.steps", G, "{step}/s", "progress", (),
                "Optimizer steps per second (the median rank's, over its last steps).",
                (K("training_steps_per_second"),)),
-    MetricSpec("otel_forge.training.samples.rate", G, "{sample}/s", "progress", (),
+    MetricSpec("otel_forge.training.samples", G, "{sample}/s", "progress", (),
                "Samples per second of the whole job (`samples_per_step` given).",
                (K("training_samples_per_second"),)),
-    MetricSpec("otel_forge.training.tokens.rate", G, "{token}/s", "progress", (),
+    MetricSpec("otel_forge.training.tokens", G, "{token}/s", "progress", (),
                "Tokens per second of the whole job (`tokens_per_step` given).",
                (K("training_tokens_per_second"),)),
     MetricSpec("otel_forge.training.mfu", G, "1", "progress", (),
@@ -449,11 +449,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("otel_forge.training.goodput", G, "1", "progress", (),
                "Productive time / wall time since the job started.",
                (K("training_goodput_percentage", _PCT),)),
-    MetricSpec("otel_forge.training.energy.per_step", G, "J/{step}", "progress", (),
+    MetricSpec("otel_forge.training.energy.per_step", G, "J", "progress", (),
                "The node's GPU energy per optimizer step: its GPUs' energy since the job started (`otel-forge "
                "run`'s first read of them) over the optimizer steps the job took (each attempt's most steps of a "
                "rank on the node, summed over the attempts).",
-               (K("gpu_energy_joules_per_step"),)),
+               (K("gpu_energy_joules_per_step", fold=Fold.LAST),)),
     # self-telemetry
     MetricSpec("otel_forge.collector.reads", C, "{read}", "self", ("otel_forge.collector",),
                "Hardware reads per collector."),

@@ -539,7 +539,7 @@ def _start_system_metrics(config: ForgeConfig, tracking_uri: str, node: NodeIden
     progress = []
     if watch is not None:
         gpus = gpus_from(lambda: _gpu_readings(monitor))
-        progress.append(ProgressCollector(watch.latest, config, node.hostname, gpus))
+        progress.append(ProgressCollector(watch.latest, config, node.hostname, gpus, watch.energy))
     monitor = SystemMetricsMonitor(pending, node=node, run_pending=True, extra_collectors=progress)
     monitor.start()
     for endpoint in monitor.agent.endpoints if monitor.agent is not None else ():

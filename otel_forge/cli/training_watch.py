@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from otel_forge.collectors.progress import JobEnergy
 from otel_forge.config import ForgeConfig
+from otel_forge.progress.energy import JobEnergy
 from otel_forge.progress.stacks import RankStacks, odd_one_out, stacks_report, take_stacks
 from otel_forge.progress.tracker import (
     NS,
@@ -74,7 +74,7 @@ class TrainingWatch:
         self._say = say
         self._interval_s = interval_s
         self._latest: JobProgress | None = None
-        self.energy = JobEnergy()  # the node's agent adds its GPU readings (its ProgressCollector reads ``latest``)
+        self.energy = JobEnergy()  # the node's agent adds its GPU readings (its ProgressCollector)
         self._stalls = 0
         self._acted_on: int | None = None  # the stall (its since_ns) the action was taken for
         self._stop = threading.Event()

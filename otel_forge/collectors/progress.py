@@ -2,106 +2,21 @@
 
 It reads the node's latest look at its ranks (``progress.tracker.JobProgress``, taken by the
 process that watches them once a second) and the node's GPUs (energy, models) from the hardware
-collectors' cached snapshots: nothing is read twice. ``JobEnergy`` keeps the node's GPU energy over
-the job, for the per-step figure and for the end's ``energy/<host>.json`` (the watch writes it).
+collectors' cached snapshots: nothing is read twice.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
 from otel_forge.collectors.base import Collector, Readings
 from otel_forge.config import ForgeConfig
+from otel_forge.progress.energy import JobEnergy, NodeGpus
 from otel_forge.progress.throughput import flops_per_step, mfu
 from otel_forge.progress.tracker import Activity, JobProgress, RankView
 
 RANK = "otel_forge.training.rank"
 NO_RANK = "none"
-
-
-@dataclass(frozen=True)
-class NodeGpus:
-    """What the progress figures need of the node's GPUs: their energy so far (J) and models;
-    ``energy_by_gpu``: each whole GPU's counter (J), by vendor and ``hw.id``."""
-
-    energy_j: float | None
-    models: tuple[str, ...]
-    energy_by_gpu: Mapping[str, float] = field(default_factory=dict)
-
-
-class JobEnergy:
-    """The node's GPU energy over the job: each GPU's counter from its first reading (``otel-forge
-    run``'s first read of the node's GPUs, before CMD starts) to its latest, summed over the GPUs; per
-    step: over the optimizer steps the job took (each attempt's most steps of a rank on the node,
-    summed over torchrun's attempts). A GPU that stops answering keeps its last reading. The agent's
-    collects add readings; the watch takes the end's figure (``at_end``) after a last read."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._first: dict[str, float] = {}
-        self._latest: dict[str, float] = {}
-        self._steps: dict[int, int] = {}  # attempt (torchrun's restart count) -> most steps of a rank
-        self._read: Callable[[], NodeGpus] | None = None
-
-    def read_through(self, gpus: Callable[[], NodeGpus]) -> None:
-        """Where ``at_end`` takes its last reading of the GPUs."""
-        self._read = gpus
-
-    def add_gpus(self, gpus: NodeGpus) -> None:
-        with self._lock:
-            for gpu, joules in gpus.energy_by_gpu.items():
-                self._first.setdefault(gpu, joules)
-                self._latest[gpu] = joules
-
-    def add_steps(self, progress: JobProgress) -> None:
-        with self._lock:
-            for view in progress.ranks:
-                attempt = view.progress.identity.restart
-                self._steps[attempt] = max(self._steps.get(attempt, 0), view.progress.steps)
-
-    @property
-    def joules(self) -> float | None:
-        """The node's GPU energy since the job's start (J); None: no GPU energy read."""
-        with self._lock:
-            if not self._latest:
-                return None
-            return sum(joules - self._first[gpu] for gpu, joules in self._latest.items())
-
-    @property
-    def steps(self) -> int:
-        with self._lock:
-            return sum(self._steps.values())
-
-    @property
-    def per_step(self) -> float | None:
-        joules, steps = self.joules, self.steps
-        return joules / steps if joules is not None and steps > 0 else None
-
-    def at_end(self, host: str, progress: JobProgress | None) -> dict[str, object] | None:
-        """The job's figure for ``energy/<host>.json``, after a last read of the GPUs and the last
-        look's steps; None where no GPU energy was read."""
-        if self._read is not None:
-            # The agent may be stopping: a read that fails leaves the last collect's reading.
-            with contextlib.suppress(Exception):
-                self.add_gpus(self._read())
-        if progress is not None:
-            self.add_steps(progress)
-        joules = self.joules
-        if joules is None:
-            return None
-        with self._lock:
-            gpus = len(self._latest)
-        return {
-            "node": host,
-            "gpus": gpus,
-            "kwh": joules / 3.6e6,
-            "joules": joules,
-            "steps": self.steps,
-            "joules_per_step": self.per_step,
-        }
 
 
 class ProgressCollector(Collector):
@@ -119,9 +34,7 @@ class ProgressCollector(Collector):
         self._config = config
         self._host = host
         self._gpus = gpus
-        # The job's energy: the one the watch whose look ``latest`` is keeps (its ``energy``), which
-        # writes the end's figure; else one of our own.
-        self.energy = energy or _energy_of(latest)
+        self.energy = energy or JobEnergy()  # the watch's, which writes the end's figure
         self.energy.read_through(gpus)
 
     def read(self, readings: Readings) -> None:
@@ -137,12 +50,12 @@ class ProgressCollector(Collector):
 
     def _add_job(self, readings: Readings, progress: JobProgress) -> None:
         rate = progress.steps_per_s
-        readings.add("otel_forge.training.steps.rate", rate)
+        readings.add("otel_forge.training.steps", rate)
         config = self._config
         if config.samples_per_step is not None:
-            readings.add("otel_forge.training.samples.rate", rate * config.samples_per_step)
+            readings.add("otel_forge.training.samples", rate * config.samples_per_step)
         if config.tokens_per_step is not None:
-            readings.add("otel_forge.training.tokens.rate", rate * config.tokens_per_step)
+            readings.add("otel_forge.training.tokens", rate * config.tokens_per_step)
         step_flops = flops_per_step(config.flops_per_step, config.model_parameters, config.tokens_per_step)
         models = self._gpus().models if step_flops is not None else ()
         utilisation = mfu(rate, step_flops, models, progress.world_size, config.gpu_peak_flops)
@@ -163,11 +76,6 @@ class ProgressCollector(Collector):
         self.energy.add_steps(progress)
         if (per_step := self.energy.per_step) is not None:
             readings.add("otel_forge.training.energy.per_step", per_step)
-
-
-def _energy_of(latest: Callable[[], JobProgress | None]) -> JobEnergy:
-    energy = getattr(getattr(latest, "__self__", None), "energy", None)
-    return energy if isinstance(energy, JobEnergy) else JobEnergy()
 
 
 def _same(view: RankView, other: RankView | None) -> bool:

@@ -282,7 +282,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, mlflow_server: Any) -> Itera
                 f'otel_forge_run_info{{job="{job}", mlflow_run_id="{training_run.info.run_id}"}}', READY_TIMEOUT_S
             )
             prometheus.wait_for_series(
-                f'count_over_time(otel_forge_training_steps_rate_per_second{{job="{job}"}}[{RANGE_S}s]) >= 10',
+                f'count_over_time(otel_forge_training_steps_per_second{{job="{job}"}}[{RANGE_S}s]) >= 10',
                 READY_TIMEOUT_S,
             )
             prometheus.wait_for_series(

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from otel_forge.collectors.base import Readings
-from otel_forge.collectors.progress import JobEnergy, NodeGpus, gpus_from
+from otel_forge.collectors.progress import gpus_from
+from otel_forge.progress.energy import JobEnergy, NodeGpus
 from testkit.gpu_fakes import SCENARIO_ENV, fake_gpu_env
 from testkit.hermetic import hermetic_environ
 
