@@ -73,6 +73,10 @@ class _HookedLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
+        # The module keeps its own loader: code that inspects it (importlib.resources, isinstance) sees no trace of us.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
         with _lock:
             hooks = _hooks.pop(module.__name__, [])
         for hook in hooks:

@@ -122,6 +122,10 @@ for _ in range(STEPS):
     loss = model(torch.randn(8, 4)).pow(2).mean()
     opt.zero_grad(); loss.backward(); opt.step()
 torch.save(model.state_dict(), sys.argv[1])
+from safetensors.torch import save_file
+save_file(model.state_dict(), sys.argv[1] + ".safetensors")
+import torch.nn
+assert type(torch.__spec__.loader).__name__ != "_HookedLoader"  # the module keeps its own loader
 """
 
 
@@ -146,7 +150,8 @@ def test_a_torch_loop_under_the_hook_counts_each_optimizer_step_once(tmp_path: P
     assert (rank.rank, rank.identity.local_rank, rank.identity.world_size) == (1, 1, 2)
     assert rank.steps == 25
     assert len(rank.durations_ns) == 24
-    assert rank.checkpoint_ns > 0 and rank.phase is Phase.TRAINING  # torch.save was a checkpoint
+    assert rank.checkpoint_ns > 0 and rank.phase is Phase.TRAINING  # torch.save and save_file were checkpoints
+    assert rank.checkpoint_end_ns > rank.last_step_ns
 
 
 def test_a_process_that_never_steps_writes_no_board(tmp_path: Path) -> None:
