@@ -86,6 +86,8 @@ _TORCH_TESTS = {
     "multinode/test_torchrun.py": "torch",
     "multinode/test_torchrun_elastic.py": "torch",
     "multinode/test_pytorchjob.py": "torch",
+    "progress/test_torchrun_progress.py": "torch",
+    "progress/test_energy.py": "torch",
 }
 _SYSTEM_PROGRAM_TESTS = {
     "collector_config/test_alert_rules_live.py": "Prometheus",

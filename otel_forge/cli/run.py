@@ -191,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
         stop_leftovers(keep={watchdog.pid} if watchdog else (), grace_s=config.exit_grace_s)
     finally:
+        if watch is not None:
+            watch.stop()  # its last look is in the agent's last collect; its tables are journaled before the end
         if (monitor := sampling.monitor) is not None:
             if monitor.exporter is not None and (key := training_run.node.job_key) is not None:
                 # The server may never answer before we end: the windows wait for the job's run.
@@ -200,7 +202,6 @@ def run(args: argparse.Namespace) -> int:
             stopping.start()
     status = "KILLED" if signals.received or code < 0 else ("FINISHED" if code == 0 else "FAILED")
     if watch is not None:
-        watch.stop()  # its goodput table is journaled before the run's end
         shutil.rmtree(watch.tracker.directory, ignore_errors=True)
     journals.finish(config.close_deadline_s(node.node_count))  # what CMD logged reaches the run before its end
     # CMD is a launcher: the job's outcome names its worker that failed, never our own rank.

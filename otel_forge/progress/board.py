@@ -84,6 +84,7 @@ class RankBoard:
         self._live = [0, -1, 0, 0, 0, 0, Phase.TRAINING, now, 0, 0, 0, 0, 0]
         self._entered_sync_ns = 0
         self._sync_depth = 0
+        self._phases_at_step = 0  # checkpoint and evaluation time at the last step
         _HEADER.pack_into(self._map, 0, MAGIC, VERSION, identity.pid, identity.rank, identity.local_rank,
                           identity.world_size, identity.restart, now, identity.start_ticks)  # fmt: skip
         self._write()
@@ -101,7 +102,8 @@ class RankBoard:
         with self._lock:
             live = self._live
             if live[1] > 0:
-                duration = now - live[4]
+                # A checkpoint or an evaluation between two steps is not the step's time.
+                duration = now - live[4] - (live[8] + live[9] - self._phases_at_step)
                 index = live[11] % RING
                 _ENTRY.pack_into(self._map, _RING_AT + index * _ENTRY.size, duration, max(0, duration - live[10]))
                 live[11] += 1
@@ -111,6 +113,7 @@ class RankBoard:
             live[1] += 1
             live[4] = live[5] = now
             live[10] = 0
+            self._phases_at_step = live[8] + live[9]
             self._write()
 
     def logged(self, step: int) -> None:

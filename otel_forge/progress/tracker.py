@@ -239,8 +239,11 @@ class ProgressTracker:
         if len(measured) < 2:
             self._slow_candidate = None
             return views, None, []
-        median = statistics.median(v.work_s for v in measured if v.work_s is not None)
-        ratios = {v.rank: v.work_s / median for v in measured if v.work_s is not None and median > 0}
+        works = {v.rank: v.work_s for v in measured if v.work_s is not None}
+        # Against the median of the *other* ranks: in a job of two, the median of both is halfway to the slow one.
+        others = {rank: statistics.median(w for r, w in works.items() if r != rank) for rank in works}
+        ratios = {rank: work / others[rank] for rank, work in works.items() if others[rank] > 0}
+        median = statistics.median(works.values())
         views = tuple(_with_ratio(v, ratios.get(v.rank)) for v in views)
         slowest = max(ratios, key=lambda rank: ratios[rank], default=None)
         events: list[Event] = []

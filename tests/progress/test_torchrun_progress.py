@@ -310,12 +310,6 @@ def test_a_long_checkpoint_is_no_stall_and_goodput_counts_what_the_job_did(launc
     assert run.data.metrics["system/training_time_checkpointing_seconds"] == pytest.approx(checkpointed, abs=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="otel_forge/progress/tracker.py ProgressTracker._slow divides by statistics.median of all ranks: of two "
-    "ranks that is their mean, and a rank 30 % slower than its peer is 1.13x it, never 1.2x (statistics.median_low "
-    "names it: remove this mark with that fix)",
-)
 def test_a_rank_thirty_percent_slower_is_named_the_slow_rank(launch, client, tmp_path) -> None:
     enough = tmp_path / "named"
     job = launch(
