@@ -123,6 +123,7 @@ for _ in range(STEPS):
     opt.zero_grad(); loss.backward(); opt.step()
 torch.save(model.state_dict(), sys.argv[1])
 from safetensors.torch import save_file
+assert getattr(save_file, "__otel_forge_progress__", False)  # a checkpoint phase around it
 save_file(model.state_dict(), sys.argv[1] + ".safetensors")
 import torch.nn
 assert type(torch.__spec__.loader).__name__ != "_HookedLoader"  # the module keeps its own loader
