@@ -133,13 +133,12 @@ print(json.dumps({
 """
 
 FLOOR_CHILD = r"""
-import json, os, sys, tempfile, time
+import json, os, sys, time
 from pathlib import Path
 from otel_forge.progress import rank_hooks
 from otel_forge.progress.board import RankBoard, RankIdentity
 
-calls, rounds = int(sys.argv[1]), int(sys.argv[2])
-directory = Path(tempfile.mkdtemp(prefix="progress-floor-"))
+calls, rounds, directory = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 board = RankBoard(directory / "rank-0-0.bin", RankIdentity(os.getpid(), 0, 0, 1, 0, 0))
 hooks = rank_hooks.install({"OTEL_FORGE_PROGRESS_BOARD": str(directory / "hooked")})
 hooks.step()  # makes its board: what follows is a step like every other
@@ -296,7 +295,8 @@ def per_step(options: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def floors(options: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    out = json.loads(child(["-c", FLOOR_CHILD, str(options.floor_calls), "7"], None, tmp).stdout)
+    directory = tempfile.mkdtemp(dir=tmp)
+    out = json.loads(child(["-c", FLOOR_CHILD, str(options.floor_calls), "7", directory], None, tmp).stdout)
     empty = min(out.pop("empty"))
     return {name: min(values) - empty for name, values in out.items()}  # the fastest of 7: the least disturbed
 
