@@ -13,20 +13,21 @@ is a fresh child process (``sys.executable``, the hermetic environment of the te
    ``optimizer.step()`` of SGD on one parameter of 8 values whose gradient is set once (no forward,
    no backward: the hook's cost against the smallest step torch has), and ``train``, SGD on a
    ``Linear(8, 1)`` with a forward, an MSE loss, ``backward()`` and ``step()`` (the hook times each
-   backward as the rank's wait for its peers, ``RankHooks.sync``). Variants: ``bare``; ``noop-hook``,
+   backward as the rank's wait for its peers). Variants: ``bare``; ``noop-hook``,
    a no-op registered with ``register_optimizer_step_post_hook`` (torch's own dispatch to a global
-   hook, the part no hook avoids); ``hooked``; and in the ``train`` loop ``hooked-no-sync``, hooked
-   but ``torch.autograd.backward`` given back its original (the step hook alone). A child's figure is
-   its fastest block's mean per step (the machine's other load only ever adds time); "hooked - bare
-   process" is the median over rounds of (hooked - bare) of the same round. Then each hooked child
-   runs ``--blocks`` more pairs of blocks, its hook taken off (the global hook removed, the original
-   ``backward`` back) then put back: "same process" is its fastest block with the hook on less its
+   hook, the part no hook avoids); ``hooked`` (a lone process: the step hook alone); and in the
+   ``train`` loop ``hooked-rank``, a rank of a job of 2 (``WORLD_SIZE=2``: its backward is timed
+   too). A child's figure is its fastest block's mean per step (the machine's other load only ever
+   adds time); "hooked - bare process" is the median over rounds of (hooked - bare) of the same
+   round. Then each hooked child runs ``--blocks`` more pairs of blocks, its hook taken off (the
+      global hook removed, the original ``backward`` back) then put back: "same process" is its fastest
+   block with the hook on less its
    fastest with it off, per step, the median over rounds (one process: no two memory layouts).
    Checked in every hooked child: one board file, its ``steps`` (``read_board``) equal to the
    optimizer steps made with the hook on, and its writes (the seqlock's sequence number / 2, less
    the one write that creates the file) one per step.
    The floors, in one child without torch: ``RankBoard.step()`` alone, ``RankHooks.step()`` (what torch
-   calls) and a ``with RankHooks.sync():`` (around each backward), per call in a hot loop, less an
+   calls) and the backward wrapper (around a function that does nothing), per call in a hot loop, less an
    empty loop's; the fastest of 7 runs.
 2. Per process start: ``python -c pass``, bare and hooked, wall time of the whole process and its CPU
    (``RUSAGE_CHILDREN``), ``--starts`` rounds. The hook's own import: ``-X importtime``'s cumulative
@@ -58,7 +59,7 @@ from testkit.hermetic import hermetic_environ
 BOOTSTRAP = REPO_ROOT / "otel_forge" / "progress" / "bootstrap"
 BOARD_ENV = "OTEL_FORGE_PROGRESS_BOARD"
 LOOPS = ("step", "train")
-VARIANTS = {"step": ("bare", "noop-hook", "hooked"), "train": ("bare", "noop-hook", "hooked", "hooked-no-sync")}
+VARIANTS = {"step": ("bare", "noop-hook", "hooked"), "train": ("bare", "noop-hook", "hooked", "hooked-rank")}
 HEAVY = ("torch", "mlflow", "opentelemetry", "numpy", "psutil")
 GOAL_US = 2.0
 
@@ -72,8 +73,6 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 if variant == "noop-hook":
     optimizer_module.register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
-if variant == "hooked-no-sync":
-    torch.autograd.backward = torch.autograd.backward.__wrapped__  # the step hook only
 if loop == "step":
     param = torch.nn.Parameter(torch.zeros(8))
     param.grad = torch.full((8,), 1e-3)
@@ -155,12 +154,11 @@ def hooks_step(n, step=hooks.step, optimizer=object(), no=()):
     for _ in range(n):
         step(optimizer, no, {})
 
-def hooks_sync(n, sync=hooks.sync):
+def backward_wrapper(n, backward=rank_hooks._waiting(hooks, lambda: None)):
     for _ in range(n):
-        with sync():
-            pass
+        backward()
 
-subjects = {"empty": empty, "board.step": board_step, "hooks.step": hooks_step, "hooks.sync": hooks_sync}
+subjects = {"empty": empty, "board.step": board_step, "hooks.step": hooks_step, "backward wrapper": backward_wrapper}
 ns = {name: [] for name in subjects}
 for _ in range(rounds):
     for name, subject in subjects.items():
@@ -185,19 +183,20 @@ NO_STEP_CHILDREN = {
 }
 
 
-def environ(board: Path | None) -> dict[str, str]:
-    """The child's environment: bare (the repository on PYTHONPATH) or hooked (the bootstrap first)."""
+def environ(board: Path | None, world_size: int = 1) -> dict[str, str]:
+    """The child's environment: bare (the repository on PYTHONPATH) or hooked (the bootstrap first);
+    ``world_size`` 2: a rank of a distributed job (its backward and collectives are timed as waits)."""
     paths = [str(REPO_ROOT)] if board is None else [str(BOOTSTRAP), str(REPO_ROOT)]
-    env = hermetic_environ(PYTHONPATH=os.pathsep.join(paths))
+    env = hermetic_environ(PYTHONPATH=os.pathsep.join(paths), WORLD_SIZE=str(world_size), RANK="0")
     env.pop("PYTHONUNBUFFERED", None)  # as a training script starts: nothing the variants do not share
     if board is not None:
         env[BOARD_ENV] = str(board)
     return env
 
 
-def child(args: list[str], board: Path | None, cwd: Path) -> subprocess.CompletedProcess[str]:
+def child(args: list[str], board: Path | None, cwd: Path, world_size: int = 1) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        [sys.executable, *args], env=environ(board), cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, *args], env=environ(board, world_size), cwd=cwd, capture_output=True, text=True, timeout=600
     )
     if done.returncode != 0:
         what = " ".join(a if len(a) < 40 else a[:37] + "..." for a in args)
@@ -207,9 +206,9 @@ def child(args: list[str], board: Path | None, cwd: Path) -> subprocess.Complete
 
 def board_writes(path: Path) -> int:
     """The writes a rank's file has had: its seqlock's sequence number goes up by 2 a write."""
-    from otel_forge.progress.board import _LIVE_AT, _SEQ
+    from otel_forge.progress.board import SEQ
 
-    return int(_SEQ.unpack_from(path.read_bytes(), _LIVE_AT)[0]) // 2
+    return int(memoryview(path.read_bytes()).cast("q")[SEQ]) // 2
 
 
 def loop_round(loop: str, variant: str, options: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -217,7 +216,7 @@ def loop_round(loop: str, variant: str, options: argparse.Namespace, tmp: Path) 
 
     board = Path(tempfile.mkdtemp(dir=tmp)) / "board" if variant.startswith("hooked") else None
     args = ["-c", LOOP_CHILD, loop, variant, str(options.steps), str(options.warmup), str(options.blocks)]
-    out = json.loads(child(args, board, tmp).stdout.strip().splitlines()[-1])
+    out = json.loads(child(args, board, tmp, 2 if variant == "hooked-rank" else 1).stdout.strip().splitlines()[-1])
     per_step_ns = min(out["block_ns"]) / out["block_steps"]  # what other load on the machine adds least
     result: dict[str, Any] = {
         "per_step_ns": per_step_ns,
@@ -231,7 +230,7 @@ def loop_round(loop: str, variant: str, options: argparse.Namespace, tmp: Path) 
     if board is not None:
         ranks = read_board(board)
         files = sorted(p.name for p in board.glob("rank-*.bin"))
-        writes = board_writes(board / files[0]) - 1 if files else 0  # the file's creation is one
+        writes = board_writes(board / files[0]) if files else 0
         result.update(
             board_files=files,
             board_steps=ranks[0].steps if len(ranks) == 1 else None,
@@ -269,15 +268,15 @@ def per_step(options: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         pairs = {
             v: statistics.median(r["in_process_added_ns"] for r in rs) for v, rs in by_variant.items() if v[0] == "h"
         }
-        if "hooked-no-sync" in ns:  # the step hook alone; the backward's wrapper is the rest
-            step_hook = [n - b for n, b in zip(ns["hooked-no-sync"], ns["bare"], strict=True)]
-            share = {
-                "step_hook_ns": statistics.median(step_hook),
-                "in_process_step_hook_ns": pairs["hooked-no-sync"],
-                "in_process_backward_wrapper_ns": pairs["hooked"] - pairs["hooked-no-sync"],
+        # A lone process has the step hook alone; a rank of a distributed job the backward's wrapper too.
+        share = {"step_hook_ns": statistics.median(added), "in_process_step_hook_ns": pairs["hooked"]}
+        if "hooked-rank" in ns:
+            rank_added = [n - b for n, b in zip(ns["hooked-rank"], ns["bare"], strict=True)]
+            share |= {
+                "rank_added_ns": statistics.median(rank_added),
+                "in_process_rank_added_ns": pairs["hooked-rank"],
+                "in_process_backward_wrapper_ns": pairs["hooked-rank"] - pairs["hooked"],
             }
-        else:
-            share = {"step_hook_ns": statistics.median(added), "in_process_step_hook_ns": pairs["hooked"]}
         summary[loop] = {
             "in_process_backward_wrapper_ns": None,
             **share,
@@ -371,8 +370,17 @@ def report(results: dict[str, Any], options: argparse.Namespace) -> str:
             f"| `{loop}` | {s['bare_ns'] / 1000:.2f} | {s['hooked_ns'] / 1000:.2f} "
             f"| {s['added_ns'] / 1000:+.2f} ({s['added_p25_ns'] / 1000:+.2f} to {s['added_p75_ns'] / 1000:+.2f}) "
             f"| {s['in_process_added_ns'] / 1000:+.2f} | {s['in_process_step_hook_ns'] / 1000:+.2f} "
-            f"| {wrapper} | {s['dispatch_ns'] / 1000:+.2f} | {writes} | {met} |"
+            f"| | {s['dispatch_ns'] / 1000:+.2f} | {writes} | {met} |"
         )
+        if "rank_added_ns" in s:
+            worst = max(s["rank_added_ns"], s["in_process_rank_added_ns"])
+            met = "met" if worst <= GOAL_US * 1000 else "**not met**"
+            lines.append(
+                f"| `{loop}`, a rank of 2 | {s['bare_ns'] / 1000:.2f} | {s['hooked-rank_ns'] / 1000:.2f} "
+                f"| {s['rank_added_ns'] / 1000:+.2f} | {s['in_process_rank_added_ns'] / 1000:+.2f} "
+                f"| {s['in_process_step_hook_ns'] / 1000:+.2f} | {wrapper} | {s['dispatch_ns'] / 1000:+.2f} "
+                f"| {writes} | {met} |"
+            )
     f = results["floors"]
     lines += [
         "",
@@ -380,7 +388,7 @@ def report(results: dict[str, Any], options: argparse.Namespace) -> str:
         "|---|---:|",
         f"| `RankBoard.step()` | {f['board.step']:.0f} |",
         f"| `RankHooks.step()`, the hook torch calls (the board's step included) | {f['hooks.step']:.0f} |",
-        f"| `with RankHooks.sync():` (around each backward) | {f['hooks.sync']:.0f} |",
+        f"| the backward wrapper, around nothing | {f['backward wrapper']:.0f} |",
     ]
     s = results["starts"]
     heavy = ", ".join(s["heavy_modules"]) or "none"

@@ -22,18 +22,18 @@ from pathlib import Path
 
 MAGIC = b"OFPB"
 VERSION = 1
-RING = 64  # the step times a rank keeps: enough for a median and a p95
+RING = 65  # step times kept: 64 durations, enough for a median and a p95
 
-# magic, version, pid, rank, local_rank, world_size, restart, started_ns, start_ticks (/proc stat)
-_HEADER = struct.Struct("<4sIqqqqqqq")
-# seq, steps, logged_step, first_step_ns, last_step_ns, last_progress_ns, phase, phase_since_ns,
-# checkpoint_ns, evaluation_ns, sync_ns (this step so far), ring_count, checkpoint_end_ns
-_LIVE = struct.Struct("<Qqqqqqqqqqqqq")
-_ENTRY = struct.Struct("<qq")  # a step's duration and its own work (outside collectives and backward)
-_LIVE_AT = _HEADER.size
-_RING_AT = _LIVE_AT + _LIVE.size
-SIZE = _RING_AT + RING * _ENTRY.size
-_SEQ = struct.Struct("<Q")
+# magic, version, pid, rank, local_rank, world_size, restart, started_ns, start_ticks (/proc stat): 8 slots
+_HEADER = struct.Struct("=4sIqqqqqqq")
+# The live part: 64-bit slots after the header, each written alone through a memoryview (a step is a
+# few slot stores, no packing); native byte order, as one host writes and reads them. SYNC_NS is the
+# rank's time in collectives and backward so far; a step stores only its time and these running totals
+# in the ring: the reader makes the durations.
+(SEQ, STEPS, LOGGED, LOGGED_NS, FIRST_NS, PHASE, PHASE_SINCE_NS, CHECKPOINT_NS, EVALUATION_NS, SYNC_NS,
+ CHECKPOINT_END_NS) = range(_HEADER.size // 8, _HEADER.size // 8 + 11)  # fmt: skip
+_RING_SLOT = CHECKPOINT_END_NS + 1  # RING entries: a step's time, SYNC_NS then, checkpoint + evaluation time then
+SIZE = (_RING_SLOT + 3 * RING) * 8
 # faulthandler writes a rank's stacks on this signal. A realtime one: no launcher or framework we know
 # uses it (SLURM and Lightning take SIGUSR1, submitit SIGUSR2); sent only to a rank that made a board.
 STACKS_SIGNAL = signal.SIGRTMIN + 7
@@ -67,7 +67,8 @@ def start_ticks(pid: int | str = "self") -> int:
 
 
 class RankBoard:
-    """A rank's own file, mapped: ``step()`` after each optimizer step, phases around checkpoints."""
+    """A rank's own file, mapped: ``step()`` after each optimizer step, phases around checkpoints.
+    Each write is bracketed by the sequence number: odd while the slots change, a reader retries."""
 
     def __init__(self, path: Path, identity: RankIdentity, clock: Callable[[], int] = time.monotonic_ns) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -78,56 +79,43 @@ class RankBoard:
             os.close(fd)
         self.path = path
         self._lock = threading.Lock()  # a checkpoint thread and the loop may write at once
-        self._seq = 0
         self._clock = clock
         now = clock()
-        self._live = [0, -1, 0, 0, 0, 0, Phase.TRAINING, now, 0, 0, 0, 0, 0]
-        self._entered_sync_ns = 0
-        self._sync_depth = 0
-        self._phases_at_step = 0  # checkpoint and evaluation time at the last step
         _HEADER.pack_into(self._map, 0, MAGIC, VERSION, identity.pid, identity.rank, identity.local_rank,
                           identity.world_size, identity.restart, now, identity.start_ticks)  # fmt: skip
-        self._write()
+        self._q = q = memoryview(self._map).cast("q")
+        q[PHASE], q[PHASE_SINCE_NS] = Phase.TRAINING, now
+        self._entered_sync_ns = 0
+        self._sync_depth = 0
 
-    def _write(self) -> None:
-        self._seq += 1  # odd while the fields change: a reader retries
-        self._live[0] = self._seq
-        _LIVE.pack_into(self._map, _LIVE_AT, *self._live)
-        self._seq += 1
-        _SEQ.pack_into(self._map, _LIVE_AT, self._seq)
-
-    def step(self) -> None:
-        """One optimizer step: the count, its time, its duration and the rank's own share of it."""
+    def step(self, *_: object) -> None:
+        """One optimizer step (also PyTorch's step hook itself: its arguments are ignored). No lock: the
+        loop's thread alone steps, and a phase written meanwhile by another thread leaves the sequence
+        number even only once both are done (each ends at the number it read, plus 2)."""
+        q = self._q
+        seq = q[SEQ] + 1
+        q[SEQ] = seq
         now = self._clock()
-        with self._lock:
-            live = self._live
-            if live[1] > 0:
-                # A checkpoint or an evaluation between two steps is not the step's time.
-                duration = now - live[4] - (live[8] + live[9] - self._phases_at_step)
-                index = live[11] % RING
-                _ENTRY.pack_into(self._map, _RING_AT + index * _ENTRY.size, duration, max(0, duration - live[10]))
-                live[11] += 1
-            else:
-                live[1] = 0
-                live[3] = now
-            live[1] += 1
-            live[4] = live[5] = now
-            live[10] = 0
-            self._phases_at_step = live[8] + live[9]
-            self._write()
+        steps = q[STEPS]
+        if not steps and not q[FIRST_NS]:  # (a script that logged steps began with those)
+            q[FIRST_NS] = now
+        slot = _RING_SLOT + 3 * (steps % RING)
+        q[slot], q[slot + 1], q[slot + 2] = now, q[SYNC_NS], q[CHECKPOINT_NS] + q[EVALUATION_NS]
+        q[STEPS] = steps + 1
+        q[SEQ] = seq + 1
 
     def logged(self, step: int) -> None:
         """A step the script logged (``TrainingRun.log``, ``mlflow.log_metric(step=)``)."""
+        q = self._q
         with self._lock:
-            live = self._live
-            if step > live[2] or live[1] < 0:
-                live[2] = step
-                live[5] = self._clock()
-                if live[1] < 0:
-                    live[1] = 0
-                if not live[3]:
-                    live[3] = live[5]  # a script that only logs: its first logged step is its first step
-                self._write()
+            if step <= q[LOGGED] and q[LOGGED_NS]:
+                return
+            seq = q[SEQ] + 1
+            q[SEQ] = seq
+            q[LOGGED], q[LOGGED_NS] = step, self._clock()
+            if not q[FIRST_NS]:
+                q[FIRST_NS] = q[LOGGED_NS]  # a script that only logs: its first logged step is its first step
+            q[SEQ] = seq + 1
 
     def enter_sync(self) -> None:
         """A collective (or a backward, where DDP's collectives run) begins: its time is not the rank's own."""
@@ -138,43 +126,43 @@ class RankBoard:
     def leave_sync(self) -> None:
         self._sync_depth -= 1
         if self._sync_depth == 0:
-            self._live[10] += self._clock() - self._entered_sync_ns
+            self._q[SYNC_NS] += self._clock() - self._entered_sync_ns
 
     def enter(self, phase: Phase) -> Phase:
         """The rank checkpoints or evaluates from now; returns the phase to go back to."""
         with self._lock:
-            before = Phase(self._live[6])
+            before = Phase(self._q[PHASE])
             if before is not phase:
                 self._switch(phase)
             return before
 
     def leave(self, back_to: Phase) -> None:
         with self._lock:
-            if self._live[6] != back_to:
+            if self._q[PHASE] != back_to:
                 self._switch(back_to)
 
     def _switch(self, phase: Phase) -> None:
-        live, now = self._live, self._clock()
+        q, now = self._q, self._clock()
+        seq = q[SEQ] + 1
+        q[SEQ] = seq
         # Before the first step a checkpoint or evaluation is part of the start-up.
-        spent = now - max(live[7], live[3]) if live[3] else 0
-        if live[6] == Phase.CHECKPOINTING:
-            live[8] += spent
-            live[12] = now
-        elif live[6] == Phase.EVALUATING:
-            live[9] += spent
-        live[6], live[7] = int(phase), now
-        live[5] = now  # leaving or entering a phase is progress too
-        if live[1] < 0:
-            live[1] = 0
-        self._write()
+        spent = now - max(q[PHASE_SINCE_NS], q[FIRST_NS]) if q[FIRST_NS] else 0
+        if q[PHASE] == Phase.CHECKPOINTING:
+            q[CHECKPOINT_NS] += spent
+            q[CHECKPOINT_END_NS] = now
+        elif q[PHASE] == Phase.EVALUATING:
+            q[EVALUATION_NS] += spent
+        q[PHASE], q[PHASE_SINCE_NS] = int(phase), now  # leaving or entering a phase is progress too
+        q[SEQ] = seq + 1
 
     def close(self) -> None:
+        self._q.release()
         self._map.close()
 
 
 @dataclass(frozen=True)
 class RankProgress:
-    """One rank as the node reads it. ``steps`` is -1 until the rank stepped or logged."""
+    """One rank as the node reads it."""
 
     identity: RankIdentity
     path: Path
@@ -215,7 +203,7 @@ def read_rank(path: Path, attempts: int = 100) -> RankProgress | None:
             return None
         if len(data) < SIZE or data[:4] != MAGIC:
             return None
-        if data == before and _SEQ.unpack_from(data, _LIVE_AT)[0] % 2 == 0:
+        if data == before and memoryview(data).cast("q")[SEQ] % 2 == 0:
             return _decode(path, data)
         before = data
     return None
@@ -223,14 +211,19 @@ def read_rank(path: Path, attempts: int = 100) -> RankProgress | None:
 
 def _decode(path: Path, data: bytes) -> RankProgress:
     _, _, pid, rank, local_rank, world, restart, started, ticks = _HEADER.unpack_from(data, 0)
-    live = _LIVE.unpack_from(data, _LIVE_AT)
-    count = live[11]
-    at = [_RING_AT + (i % RING) * _ENTRY.size for i in range(max(0, count - RING), count)]
-    entries = [_ENTRY.unpack_from(data, offset) for offset in at]
+    q = memoryview(data).cast("q")
+    steps = q[STEPS]
+    ring = [q[slot : slot + 3] for slot in (_RING_SLOT + 3 * (i % RING) for i in range(max(0, steps - RING), steps))]
+    # A step's duration less the checkpoints and evaluations since the step before; its own work less its waits.
+    pairs = list(zip(ring, ring[1:], strict=False))
+    durations = [(t - t0) - (p - p0) for (t0, _, p0), (t, _, p) in pairs]
+    waits = [s - s0 for (_, s0, _), (_, s, _) in pairs]
+    last_step = ring[-1][0] if ring else 0
     return RankProgress(
-        RankIdentity(pid, rank, local_rank, world, restart, ticks), path, started, live[1], live[2], live[3],
-        live[4], live[5], Phase(live[6]), live[7], live[8], live[9], live[12],
-        tuple(d for d, _ in entries), tuple(w for _, w in entries),
+        RankIdentity(pid, rank, local_rank, world, restart, ticks), path, started, steps, q[LOGGED], q[FIRST_NS],
+        last_step, max(last_step, q[LOGGED_NS], q[PHASE_SINCE_NS]), Phase(q[PHASE]), q[PHASE_SINCE_NS],
+        q[CHECKPOINT_NS], q[EVALUATION_NS], q[CHECKPOINT_END_NS], tuple(durations),
+        tuple(max(0, d - w) for d, w in zip(durations, waits, strict=True)),
     )  # fmt: skip
 
 

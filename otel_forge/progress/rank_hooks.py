@@ -61,7 +61,13 @@ class RankHooks:
         self.board: RankBoard | None = None  # once made: what the hooks write to
         self._stacks: IO[str] | None = None
         self._failed = False
+        self._torch_hook: Any = None  # the handle of PyTorch's step hook, and how to register another
+        self._register_torch_hook: Callable[[Callable[..., None]], Any] | None = None
         os.register_at_fork(after_in_child=self._forked)
+
+    @property
+    def world_size(self) -> int:
+        return self._identity.world_size
 
     def made_board(self) -> RankBoard | None:
         """The board, made now if this is the process's first step (None where it cannot be)."""
@@ -82,10 +88,24 @@ class RankHooks:
 
     def _forked(self) -> None:
         self.board, self._failed = None, True  # the parent's board is the parent's
+        if self._torch_hook is not None:
+            self._torch_hook.remove()
+
+    def hook_torch(self, register: Callable[[Callable[..., None]], Any]) -> None:
+        """Count PyTorch's optimizer steps through ``register`` (its global step post hook)."""
+        self._register_torch_hook = register
+        self._torch_hook = register(self.step)
 
     def step(self, *_: object) -> None:
-        if (board := self.board or self.made_board()) is not None:
-            board.step()
+        """PyTorch's step hook until the board is made; from then on the board's own ``step`` is (one
+        call less on every step of the training)."""
+        if (board := self.made_board()) is None:
+            return
+        if self._register_torch_hook is not None and self._torch_hook is not None:
+            self._torch_hook.remove()
+            self._torch_hook = self._register_torch_hook(board.step)
+            self._register_torch_hook = None
+        board.step()
 
     def logged(self, step: int) -> None:
         if (board := self.board or self.made_board()) is not None:
@@ -102,18 +122,6 @@ class RankHooks:
             yield
         finally:
             board.leave(back)
-
-    @contextlib.contextmanager
-    def sync(self) -> Iterator[None]:
-        board = self.board
-        if board is None:
-            yield
-            return
-        board.enter_sync()
-        try:
-            yield
-        finally:
-            board.leave_sync()
 
 
 _hooks: RankHooks | None = None
@@ -192,6 +200,26 @@ def _wrapped(function: Callable[..., Any], context: Callable[[], contextlib.Abst
     return wrapper
 
 
+def _waiting(hooks: RankHooks, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` timed as a wait for the peers: two clock reads on the training's hot path, no more."""
+    if getattr(function, _WRAPPED, False):
+        return function
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        board = hooks.board
+        if board is None:
+            return function(*args, **kwargs)
+        board.enter_sync()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            board.leave_sync()
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
 def _wrap_all(module: ModuleType, names: tuple[str, ...], around: Around) -> None:
     """Replace each of ``names`` (a function, or ``Class.method``) in ``module`` by ``around(it)``."""
     for name in names:
@@ -205,12 +233,14 @@ def _wrap_all(module: ModuleType, names: tuple[str, ...], around: Around) -> Non
 
 
 def _hook_torch(torch: ModuleType, hooks: RankHooks) -> None:
-    importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook(hooks.step)
+    hooks.hook_torch(importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook)
     checkpoint = _phase(hooks, Phase.CHECKPOINTING)
     _wrap_all(torch, _CHECKPOINT_SAVES["torch"], checkpoint)
     _wrap_all(torch.serialization, _CHECKPOINT_SAVES["torch.serialization"], checkpoint)
+    if hooks.world_size <= 1:
+        return  # no peers to wait for: a lone process's every backward stays as it is
     # DDP's gradients are all-reduced inside backward: a rank's backward is partly its wait for the others.
-    waits: Around = lambda function: _wrapped(function, hooks.sync)  # noqa: E731
+    waits: Around = functools.partial(_waiting, hooks)
     _wrap_all(torch.autograd, ("backward",), waits)
     distributed = getattr(torch, "distributed", None)
     if distributed is not None and distributed.is_available():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from otel_forge.progress.board import Phase, RankBoard, RankIdentity, read_board, read_rank, start_ticks
+from otel_forge.progress.board import STEPS, Phase, RankBoard, RankIdentity, read_board, read_rank, start_ticks
 from otel_forge.progress.import_hooks import when_imported
 
 BOOTSTRAP = Path(__file__).resolve().parents[2] / "otel_forge" / "progress" / "bootstrap"
@@ -70,7 +70,7 @@ def test_a_reader_never_sees_a_torn_write(tmp_path: Path) -> None:
     def write() -> None:
         while not stop.is_set():
             board.step()
-            board.logged(board._live[1])  # logged step = steps: a torn read shows them apart
+            board.logged(board._q[STEPS])  # logged step = steps: a torn read shows them apart
 
     writer = threading.Thread(target=write)
     writer.start()
@@ -173,3 +173,40 @@ def test_the_users_own_sitecustomize_still_runs(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60, capture_output=True, text=True)
     assert out.stdout.split() == ["1", "True"], out
+
+
+FORKED = """
+import os, sys, torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5):
+    model(torch.randn(8, 4)).sum().backward(); opt.step()
+pid = os.fork()
+if pid == 0:  # a forked DataLoader worker that steps (it should not): the parent's board is not its
+    for _ in range(3):
+        opt.step()
+    os._exit(0)
+os.waitpid(pid, 0)
+print(getattr(torch.autograd.backward, "__otel_forge_progress__", False))
+"""
+
+
+@pytest.mark.parametrize(("world", "wrapped"), [("1", "False"), ("2", "True")])
+def test_a_forked_child_writes_nothing_and_only_a_distributed_rank_times_its_backward(
+    tmp_path: Path, world: str, wrapped: str
+) -> None:
+    board = tmp_path / "board"
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=_hooked(board, RANK="0", WORLD_SIZE=world),
+        check=True,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    (rank,) = read_board(board)
+    assert rank.steps == 5
+    # a lone process waits for no peer: its backward is left as it is (no cost on its hot path)
+    assert out.stdout.strip() == wrapped
