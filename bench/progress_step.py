@@ -20,12 +20,11 @@ is a fresh child process (``sys.executable``, the hermetic environment of the te
    too). A child's figure is its fastest block's mean per step (the machine's other load only ever
    adds time); "hooked - bare process" is the median over rounds of (hooked - bare) of the same
    round. Then each hooked child runs ``--blocks`` more pairs of blocks, its hook taken off (the
-      global hook removed, the original ``backward`` back) then put back: "same process" is its fastest
-   block with the hook on less its
-   fastest with it off, per step, the median over rounds (one process: no two memory layouts).
-   Checked in every hooked child: one board file, its ``steps`` (``read_board``) equal to the
-   optimizer steps made with the hook on, and its writes (the seqlock's sequence number / 2, less
-   the one write that creates the file) one per step.
+   global hook removed, the original ``backward`` back) then put back: "same process" is its
+   fastest block with the hook on less its fastest with it off, per step, the median over rounds
+   (one process: no two memory layouts). Checked in every hooked child: one board file, its
+   ``steps`` (``read_board``) equal to the optimizer steps made with the hook on, and its writes
+   (the seqlock's sequence number / 2) one per step.
    The floors, in one child without torch: ``RankBoard.step()`` alone, ``RankHooks.step()`` (what torch
    calls) and the backward wrapper (around a function that does nothing), per call in a hot loop, less an
    empty loop's; the fastest of 7 runs.
