@@ -699,6 +699,14 @@ SETTINGS: tuple[Setting, ...] = (
         "least this many times the median rank's is named the slow rank.",
     ),
     Setting(
+        "slow_rank_after_s",
+        ("OTEL_FORGE_SLOW_RANK_AFTER",),
+        _float_within(0.0, 86_400.0, " s"),
+        30.0,
+        "How long a rank stays the slowest, past `slow_rank_ratio`, before it is named the slow rank: a "
+        "rank held up once (a page fault, a late batch) is not.",
+    ),
+    Setting(
         "evaluation_functions",
         ("OTEL_FORGE_EVALUATION_FUNCTIONS",),
         _functions,
@@ -884,6 +892,7 @@ class ForgeConfig:
     stall_action: str
     stall_action_after_s: float
     slow_rank_ratio: float
+    slow_rank_after_s: float
     evaluation_functions: tuple[str, ...]
     samples_per_step: float | None
     tokens_per_step: float | None

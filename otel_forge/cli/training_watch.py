@@ -66,7 +66,9 @@ class TrainingWatch:
         say: Callable[[str], None],
         interval_s: float = LOOK_INTERVAL_S,
     ) -> None:
-        policy = StallPolicy(config.stall_floor_s, config.stall_factor, config.slow_rank_ratio)
+        policy = StallPolicy(
+            config.stall_floor_s, config.stall_factor, config.slow_rank_ratio, config.slow_rank_after_s
+        )
         self.tracker = ProgressTracker(directory, policy)
         self._config = config
         self._host = host

@@ -20,7 +20,6 @@ from otel_forge.progress.board import Phase, RankProgress, read_board, start_tic
 
 NS = 1_000_000_000
 _MIN_SAMPLES = 8  # step times a rank needs before it is compared with the others
-SLOW_CONFIRM_S = 30.0  # a rank is named slow once it has been the slowest, past the ratio, this long
 
 
 class Activity(str, enum.Enum):
@@ -38,6 +37,7 @@ class StallPolicy:
     floor_s: float = 120.0
     factor: float = 10.0
     slow_rank_ratio: float = 1.2
+    slow_rank_after_s: float = 30.0  # a rank is named slow once it has been the slowest, past the ratio, this long
 
     def threshold_s(self, median_step_s: float | None) -> float:
         return max(self.floor_s, self.factor * median_step_s) if median_step_s else self.floor_s
@@ -252,7 +252,7 @@ class ProgressTracker:
             self._slow_named = None
         elif self._slow_candidate is None or self._slow_candidate[0] != slowest:
             self._slow_candidate = (slowest, now)
-        elif (now - self._slow_candidate[1]) / NS >= SLOW_CONFIRM_S and self._slow_named != slowest:
+        elif (now - self._slow_candidate[1]) / NS >= self.policy.slow_rank_after_s and self._slow_named != slowest:
             self._slow_named = slowest
             events.append(SlowRankNamed(next(v for v in views if v.rank == slowest), median))
         named = next((v for v in views if v.rank == self._slow_named), None)

@@ -263,9 +263,9 @@ def test_a_rank_blocked_in_its_own_function_is_named_as_the_stall(launch, client
 
 
 def test_a_long_checkpoint_is_no_stall_and_goodput_counts_what_the_job_did(launch, client, tmp_path) -> None:
-    # The case is a checkpoint of 100 s against the default floor; a 10 s floor and a 35 s
-    # checkpoint are the same case, two minutes shorter.
-    floor_s, checkpoint_s = 10, 35
+    # The case is a checkpoint of 100 s against the default floor; a 5 s floor and a 15 s
+    # checkpoint are the same case (three floors long), a minute and a half shorter.
+    floor_s, checkpoint_s = 5, 15
     job = launch(
         "checkpoint",
         f"--ddp --steps 200 --step-seconds 0.05 --checkpoint-at 100 --checkpoint-seconds {checkpoint_s}",
@@ -315,6 +315,7 @@ def test_a_rank_thirty_percent_slower_is_named_the_slow_rank(launch, client, tmp
     job = launch(
         "slow-rank",
         f"--ddp --steps 2000 --step-seconds 0.1 --slow-rank 1 --slow-by 0.3 --until {enough}",
+        OTEL_FORGE_SLOW_RANK_AFTER="5",  # the default 30 s: the same case, 25 s shorter
     )
     try:
         named = job.stderr.first(lambda line: "is the slow rank" in line, 120)

@@ -13,7 +13,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from otel_forge.progress.board import Phase, RankBoard, RankIdentity, RankProgress
 from otel_forge.progress.tracker import (
     NS,
-    SLOW_CONFIRM_S,
     Activity,
     ProgressTracker,
     RestartSeen,
@@ -179,7 +178,7 @@ def test_a_job_whose_ranks_ended_counts_the_rest_as_other(tmp_path: Path) -> Non
 def test_the_slow_rank_is_named_once_it_stays_slow(tmp_path: Path) -> None:
     job = Job(tmp_path, ranks=4)
     named = []
-    for _ in range(int(SLOW_CONFIRM_S) + 20):
+    for _ in range(int(StallPolicy().slow_rank_after_s) + 20):
         job.steps(1, seconds=1.0, slow={2: 0.15})  # rank 2's own work: 0.65 s vs 0.5 s (1.3x)
         progress, events = job.look()
         named += [e for e in events if isinstance(e, SlowRankNamed)]
@@ -190,7 +189,7 @@ def test_the_slow_rank_is_named_once_it_stays_slow(tmp_path: Path) -> None:
 
 def test_a_rank_under_the_ratio_is_not_named(tmp_path: Path) -> None:
     job = Job(tmp_path, ranks=4)
-    for _ in range(int(SLOW_CONFIRM_S) + 20):
+    for _ in range(int(StallPolicy().slow_rank_after_s) + 20):
         job.steps(1, seconds=1.0, slow={2: 0.05})  # 1.1x
         progress, events = job.look()
         assert not [e for e in events if isinstance(e, SlowRankNamed)]
