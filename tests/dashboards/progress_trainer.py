@@ -4,8 +4,9 @@ As CMD (``python progress_trainer.py [--steps N]``): ``otel-forge run`` hands it
 progress board (``OTEL_FORGE_PROGRESS_BOARD``); each rank here is a thread with a board file of its own
 (``RankBoard``), as a rank process would have. A step takes about 40 ms, most of it in a "collective"
 (``enter_sync`` / ``leave_sync``); rank ``SLOW_RANK`` does three times the others' own work, so the node
-names it the slow rank once it has been the slowest for ``OTEL_FORGE_SLOW_RANK_AFTER``. With ``--steps N`` every rank stops after
-N steps, as if hung in a collective: the node's training stalls. Runs until stopped.
+names it the slow rank once it has been the slowest for ``OTEL_FORGE_SLOW_RANK_AFTER``. With
+``--steps N`` every rank stops after N steps, as if hung in a collective: the node's training
+stalls. Runs until stopped.
 
 For tests: ``start_training_node`` starts ``otel-forge run [ARGS] -- python progress_trainer.py``
 (the dashboards' and the alert rules' live tests).
