@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         stop_leftovers(keep={watchdog.pid} if watchdog else (), grace_s=config.exit_grace_s)
     finally:
         if watch is not None:
-            watch.stop()  # its last look is in the agent's last collect; its tables are journaled before the end
+            watch.stop()  # its tables are journaled before the run's end
+            sampling.read_afresh("progress")  # its last look, not a collect's cached one, is the last window's
         if (monitor := sampling.monitor) is not None:
             if monitor.exporter is not None and (key := training_run.node.job_key) is not None:
                 # The server may never answer before we end: the windows wait for the job's run.
@@ -444,6 +445,12 @@ class _NodeSampling:
         if self.monitor is not None:
             known = RunInfo(training_run.experiment_id, training_run.run_name or "", training_run.experiment)
             self.monitor.attach(training_run.run_id, known)
+
+    def read_afresh(self, collector: str) -> None:
+        """The agent's next collect reads ``collector`` again, however recent its last read."""
+        agent = self.monitor.agent if self.monitor is not None else None
+        if agent is not None and agent.instruments is not None and (cache := agent.instruments.caches.get(collector)):
+            cache.expire()
 
     def stop(self) -> None:
         if self.monitor is not None:

@@ -6,8 +6,9 @@ until the process steps: a launcher, a DataLoader worker or a tool never writes 
 torch is imported (never by us), PyTorch's global optimizer step hook counts the steps; torch.save,
 safetensors and torch's distributed checkpoint mark a checkpoint, the functions the
 ``evaluation_functions`` setting names mark an evaluation; in a rank of a distributed job
-(``WORLD_SIZE`` > 1), collectives and backward passes are timed as time the rank waits for its peers. A signal (``STACKS_SIGNAL``) makes faulthandler write every
-thread's stack to a file beside the board, even while the main thread is stuck in C code.
+(``WORLD_SIZE`` > 1), collectives and backward passes are timed as time the rank waits for its
+peers. A signal (``STACKS_SIGNAL``) makes faulthandler write every thread's stack to a file beside
+the board, even while the main thread is stuck in C code.
 """
 
 from __future__ import annotations
