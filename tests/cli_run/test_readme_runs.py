@@ -80,8 +80,9 @@ def test_the_quick_start_installs_and_runs_a_job_into_a_fresh_local_store() -> N
         keys = set(run.data.metrics)
         assert "train/loss" in keys and any(key.startswith("system/") for key in keys), keys
         assert client.search_logged_models(experiment_ids=[run.info.experiment_id]), "no checkpoint logged"
-        # A run of a few seconds at the default 10 s interval: every system chart is still a line.
-        system = [key for key in keys if key.startswith("system/")]
+        # A run of a few seconds at the default 10 s interval: every system chart is still a line (a
+        # rank's progress keys begin with its first step: in a job this short, in its last window).
+        system = [key for key in keys if key.startswith("system/") and not key.startswith("system/training_rank_")]
         points = {key: len(client.get_metric_history(run.info.run_id, key)) for key in system}
         seconds = (run.info.end_time - run.info.start_time) / 1000
         assert len(points) >= 20 and min(points.values()) >= 2, (seconds, points)
