@@ -86,7 +86,7 @@ class RankBoard:
         self._q = q = memoryview(self._map).cast("q")
         q[PHASE], q[PHASE_SINCE_NS] = Phase.TRAINING, now
         self._entered_sync_ns = 0
-        self._sync_depth = 0
+        self.sync_depth = 0  # waits nested in a wait are the outer one's
 
     def step(self, *_: object) -> None:
         """One optimizer step (also PyTorch's step hook itself: its arguments are ignored). No lock: the
@@ -119,14 +119,18 @@ class RankBoard:
 
     def enter_sync(self) -> None:
         """A collective (or a backward, where DDP's collectives run) begins: its time is not the rank's own."""
-        if self._sync_depth == 0:
+        if self.sync_depth == 0:
             self._entered_sync_ns = self._clock()
-        self._sync_depth += 1
+        self.sync_depth += 1
 
     def leave_sync(self) -> None:
-        self._sync_depth -= 1
-        if self._sync_depth == 0:
-            self._q[SYNC_NS] += self._clock() - self._entered_sync_ns
+        self.sync_depth -= 1
+        if self.sync_depth == 0:
+            self.add_sync(self._clock() - self._entered_sync_ns)
+
+    def add_sync(self, ns: int) -> None:
+        """``ns`` more of waiting for the peers (``enter_sync``/``leave_sync``, or a wrapper that timed it)."""
+        self._q[SYNC_NS] += ns
 
     def enter(self, phase: Phase) -> Phase:
         """The rank checkpoints or evaluates from now; returns the phase to go back to."""

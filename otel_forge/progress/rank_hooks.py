@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -202,20 +203,24 @@ def _wrapped(function: Callable[..., Any], context: Callable[[], contextlib.Abst
 
 
 def _waiting(hooks: RankHooks, function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` timed as a wait for the peers: two clock reads on the training's hot path, no more."""
+    """``function`` timed as a wait for the peers: two clock reads and one store on the training's hot
+    path (``RankBoard.enter_sync``'s work, inlined: a call less each way)."""
     if getattr(function, _WRAPPED, False):
         return function
+    clock = time.monotonic_ns
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         board = hooks.board
-        if board is None:
+        if board is None or board.sync_depth:  # nested in another wait: the outer one times it
             return function(*args, **kwargs)
-        board.enter_sync()
+        board.sync_depth = 1
+        began = clock()
         try:
             return function(*args, **kwargs)
         finally:
-            board.leave_sync()
+            board.sync_depth = 0
+            board.add_sync(clock() - began)
 
     setattr(wrapper, _WRAPPED, True)
     return wrapper
