@@ -83,23 +83,22 @@ def _read_dumps(asked: dict[int, tuple[RankProgress, int]], wait_s: float) -> li
 
 
 def _new_text(rank: RankProgress, size: int) -> str | None:
-    """What the rank wrote past ``size``, once its dump looks complete (ends in a blank-free line)."""
+    """What the rank wrote past ``size``, once its dump looks complete: it ends a line, and a moment
+    later it is the same (faulthandler writes frame by frame)."""
+    data = _read_past(rank, size)
+    if not data or not data.endswith(b"\n"):
+        return None
+    time.sleep(0.02)
+    return data.decode(errors="replace") if _read_past(rank, size) == data else None
+
+
+def _read_past(rank: RankProgress, size: int) -> bytes | None:
     try:
         with open(rank.path.with_suffix(".stacks"), "rb") as file:
             file.seek(size)
-            data = file.read()
+            return file.read()
     except OSError:
         return None
-    if not data.endswith(b"\n"):
-        return None
-    time.sleep(0.02)  # faulthandler writes frame by frame: let it finish
-    try:
-        with open(rank.path.with_suffix(".stacks"), "rb") as file:
-            file.seek(size)
-            again = file.read()
-    except OSError:
-        return None
-    return again.decode(errors="replace") if again == data else None
 
 
 def main_thread_frames(text: str) -> tuple[Frame, ...]:
