@@ -31,12 +31,16 @@ _HEADER = struct.Struct("=4sIqqqqqqq")
 # rank's time in collectives and backward so far; a step stores only its time and these running totals
 # in the ring: the reader makes the durations.
 (SEQ, STEPS, LOGGED, LOGGED_NS, FIRST_NS, PHASE, PHASE_SINCE_NS, CHECKPOINT_NS, EVALUATION_NS, SYNC_NS,
- CHECKPOINT_END_NS) = range(_HEADER.size // 8, _HEADER.size // 8 + 11)  # fmt: skip
-_RING_SLOT = CHECKPOINT_END_NS + 1  # RING entries: a step's time, SYNC_NS then, checkpoint + evaluation time then
+ CHECKPOINT_END_NS, WAITS_EVERY) = range(_HEADER.size // 8, _HEADER.size // 8 + 12)  # fmt: skip
+_RING_SLOT = WAITS_EVERY + 1  # RING entries: a step's time, SYNC_NS then, checkpoint + evaluation time then
 SIZE = (_RING_SLOT + 3 * RING) * 8
 # faulthandler writes a rank's stacks on this signal. A realtime one: no launcher or framework we know
 # uses it (SLURM and Lightning take SIGUSR1, submitit SIGUSR2); sent only to a rank that made a board.
 STACKS_SIGNAL = signal.SIGRTMIN + 7
+# A rank's backward passes are timed as waits for its peers in one step of this many (a power of two):
+# a Python wrapper around every backward would cost the training ~2 µs a step, one in 8 a quarter of it.
+# A median of own work needs no more than the 8 steps in a ring that this leaves.
+WAITS_EVERY_STEPS = 8
 
 
 class Phase(enum.IntEnum):
@@ -87,6 +91,14 @@ class RankBoard:
         q[PHASE], q[PHASE_SINCE_NS] = Phase.TRAINING, now
         self._entered_sync_ns = 0
         self.sync_depth = 0  # waits nested in a wait are the outer one's
+        self._time_waits: Callable[[bool], None] | None = None
+
+    def time_waits_with(self, time_waits: Callable[[bool], None]) -> None:
+        """From now on ``time_waits(True)`` after one step in ``WAITS_EVERY_STEPS``, ``time_waits(False)``
+        after the next: between the two, the rank's waits are timed (the reader takes its own work from
+        those steps alone)."""
+        self._q[WAITS_EVERY] = WAITS_EVERY_STEPS
+        self._time_waits = time_waits
 
     def step(self, *_: object) -> None:
         """One optimizer step (also PyTorch's step hook itself: its arguments are ignored). No lock: the
@@ -103,6 +115,8 @@ class RankBoard:
         q[slot], q[slot + 1], q[slot + 2] = now, q[SYNC_NS], q[CHECKPOINT_NS] + q[EVALUATION_NS]
         q[STEPS] = steps + 1
         q[SEQ] = seq + 1
+        if (time_waits := self._time_waits) is not None and (after := (steps + 1) & (WAITS_EVERY_STEPS - 1)) < 2:
+            time_waits(not after)
 
     def logged(self, step: int) -> None:
         """A step the script logged (``TrainingRun.log``, ``mlflow.log_metric(step=)``)."""
@@ -182,7 +196,7 @@ class RankProgress:
     evaluation_ns: int
     checkpoint_end_ns: int  # when its last checkpoint ended (0: none yet)
     durations_ns: tuple[int, ...]  # the last step durations, oldest first
-    work_ns: tuple[int, ...]  # each one's own work
+    work_ns: tuple[int, ...]  # own work of the steps whose waits were timed
 
     @property
     def rank(self) -> int:
@@ -218,16 +232,21 @@ def _decode(path: Path, data: bytes) -> RankProgress:
     q = memoryview(data).cast("q")
     steps = q[STEPS]
     ring = [q[slot : slot + 3] for slot in (_RING_SLOT + 3 * (i % RING) for i in range(max(0, steps - RING), steps))]
-    # A step's duration less the checkpoints and evaluations since the step before; its own work less its waits.
+    # A step's duration less the checkpoints and evaluations since the step before; its own work less its
+    # waits, where they were timed: the step after the (steps) count reached a multiple of WAITS_EVERY.
     pairs = list(zip(ring, ring[1:], strict=False))
     durations = [(t - t0) - (p - p0) for (t0, _, p0), (t, _, p) in pairs]
-    waits = [s - s0 for (_, s0, _), (_, s, _) in pairs]
+    every, first = q[WAITS_EVERY] or 1, max(0, steps - RING) + 1  # the count that the first pair follows
+    work = [
+        max(0, duration - (s - s0))
+        for count, duration, ((_, s0, _), (_, s, _)) in zip(range(first, steps), durations, pairs, strict=True)
+        if count % every == 0
+    ]
     last_step = ring[-1][0] if ring else 0
     return RankProgress(
         RankIdentity(pid, rank, local_rank, world, restart, ticks), path, started, steps, q[LOGGED], q[FIRST_NS],
         last_step, max(last_step, q[LOGGED_NS], q[PHASE_SINCE_NS]), Phase(q[PHASE]), q[PHASE_SINCE_NS],
-        q[CHECKPOINT_NS], q[EVALUATION_NS], q[CHECKPOINT_END_NS], tuple(durations),
-        tuple(max(0, d - w) for d, w in zip(durations, waits, strict=True)),
+        q[CHECKPOINT_NS], q[EVALUATION_NS], q[CHECKPOINT_END_NS], tuple(durations), tuple(work),
     )  # fmt: skip
 
 

@@ -6,9 +6,9 @@ until the process steps: a launcher, a DataLoader worker or a tool never writes 
 torch is imported (never by us), PyTorch's global optimizer step hook counts the steps; torch.save,
 safetensors and torch's distributed checkpoint mark a checkpoint, the functions the
 ``evaluation_functions`` setting names mark an evaluation; in a rank of a distributed job
-(``WORLD_SIZE`` > 1), collectives and backward passes are timed as time the rank waits for its
-peers. A signal (``STACKS_SIGNAL``) makes faulthandler write every thread's stack to a file beside
-the board, even while the main thread is stuck in C code.
+(``WORLD_SIZE`` > 1), collectives, and the backward passes of one step in ``WAITS_EVERY_STEPS``, are
+timed as time the rank waits for its peers. A signal (``STACKS_SIGNAL``) makes faulthandler write
+every thread's stack to a file beside the board, even while the main thread is stuck in C code.
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ from typing import IO, Any
 
 from otel_forge.config import PROGRESS_BOARD_ENV, env_name
 from otel_forge.node import TORCHRUN_RESTART_COUNT_VAR, process_ranks
-from otel_forge.progress.board import STACKS_SIGNAL, Phase, RankBoard, RankIdentity, rank_file, start_ticks
+from otel_forge.progress.board import (
+    STACKS_SIGNAL,
+    Phase,
+    RankBoard,
+    RankIdentity,
+    rank_file,
+    start_ticks,
+)
 from otel_forge.progress.import_hooks import when_imported
 
 _logger = logging.getLogger(__name__)
@@ -65,6 +72,8 @@ class RankHooks:
         self._failed = False
         self._torch_hook: Any = None  # the handle of PyTorch's step hook, and how to register another
         self._register_torch_hook: Callable[[Callable[..., None]], Any] | None = None
+        self._autograd: Any = None  # in a distributed rank: torch.autograd, whose backward is timed at times
+        self._backward: Callable[..., Any] | None = None
         os.register_at_fork(after_in_child=self._forked)
 
     @property
@@ -107,7 +116,19 @@ class RankHooks:
             self._torch_hook.remove()
             self._torch_hook = self._register_torch_hook(board.step)
             self._register_torch_hook = None
+            if self._backward is not None:
+                board.time_waits_with(functools.partial(self._time_backward, _waiting(self, self._backward)))
         board.step()
+
+    def time_backward(self, autograd: ModuleType) -> None:
+        """Time ``autograd.backward`` (where DDP's all-reduces run) as a wait for the peers, in the steps
+        the board says: ``WAITS_EVERY_STEPS`` makes the wrapper's cost a fraction of a step's."""
+        self._autograd, self._backward = autograd, autograd.backward
+
+    def _time_backward(self, timed: Callable[..., Any], on: bool) -> None:
+        was, now = (self._backward, timed) if on else (timed, self._backward)
+        if self._autograd.backward is was:  # another library's own wrapper, put there since, stays
+            self._autograd.backward = now
 
     def logged(self, step: int) -> None:
         if (board := self.board or self.made_board()) is not None:
@@ -246,8 +267,8 @@ def _hook_torch(torch: ModuleType, hooks: RankHooks) -> None:
     if hooks.world_size <= 1:
         return  # no peers to wait for: a lone process's every backward stays as it is
     # DDP's gradients are all-reduced inside backward: a rank's backward is partly its wait for the others.
+    hooks.time_backward(torch.autograd)
     waits: Around = functools.partial(_waiting, hooks)
-    _wrap_all(torch.autograd, ("backward",), waits)
     distributed = getattr(torch, "distributed", None)
     if distributed is not None and distributed.is_available():
         _wrap_all(distributed, _COLLECTIVES, waits)
