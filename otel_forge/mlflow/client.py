@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from otel_forge.config import MLFLOW_CLIENT_DEFAULTS
 from otel_forge.mlflow.delivery.retry import Outcome
@@ -342,6 +342,25 @@ def make_client(tracking_uri: str | None) -> MlflowClient:
 
     _insecure_tls_notice(tracking_uri)
     return MlflowClient(tracking_uri)
+
+
+class _LazyClient:
+    """A ``TrackingClient`` made at its first use."""
+
+    def __init__(self, tracking_uri: str | None) -> None:
+        self._tracking_uri = tracking_uri
+        self._client: MlflowClient | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._client is None:
+            self._client = make_client(self._tracking_uri)
+        return getattr(self._client, name)
+
+
+def lazy_client(tracking_uri: str | None) -> TrackingClient:
+    """MLflow's client of ``tracking_uri``, imported and made at its first call: a process that may
+    never call the server (a rank attached to the run it was given) imports no MLflow for it."""
+    return cast("TrackingClient", _LazyClient(tracking_uri))
 
 
 def _insecure_tls_notice(tracking_uri: str | None) -> None:

@@ -1,9 +1,10 @@
 """The progress board: one small memory-mapped file per rank, written by that rank, read by the node.
 
 A rank's file is ``<board>/rank-<RANK>-<pid>.bin``: a header (who wrote it) and a live part (its
-steps, its phase, a ring of its last step times) under a sequence number that is odd while the rank
-writes (a seqlock: the reader retries a torn read, the writer never waits). A step is a handful of
-``struct.pack_into`` calls into the page cache: no system call, no lock shared with another process.
+steps, its phase, a ring of its last step times). A phase or a logged step is written under a sequence
+number that is odd meanwhile (a seqlock: the reader retries a torn read, the writer never waits); a
+step writes its ring entry before the count that makes it read. A step is a few 64-bit stores into the
+page cache: no system call, no lock shared with another process.
 Times are ``time.monotonic_ns()``, one clock for every process on the host.
 """
 
@@ -22,17 +23,17 @@ from pathlib import Path
 
 MAGIC = b"OFPB"
 VERSION = 1
-RING = 65  # step times kept: 64 durations, enough for a median and a p95
+RING = 66  # step times kept: 65 read (64 durations, enough for a median and a p95), and the next step's
 
 # magic, version, pid, rank, local_rank, world_size, restart, started_ns, start_ticks (/proc stat): 8 slots
 _HEADER = struct.Struct("=4sIqqqqqqq")
 # The live part: 64-bit slots after the header, each written alone through a memoryview (a step is a
 # few slot stores, no packing); native byte order, as one host writes and reads them. SYNC_NS is the
-# rank's time in collectives and backward so far; a step stores only its time and these running totals
-# in the ring: the reader makes the durations.
+# rank's time in collectives and backward so far, PHASES_NS in checkpoints and evaluations; a step stores
+# only its time and these two running totals in the ring: the reader makes the durations.
 (SEQ, STEPS, LOGGED, LOGGED_NS, FIRST_NS, PHASE, PHASE_SINCE_NS, CHECKPOINT_NS, EVALUATION_NS, SYNC_NS,
- CHECKPOINT_END_NS, WAITS_EVERY) = range(_HEADER.size // 8, _HEADER.size // 8 + 12)  # fmt: skip
-_RING_SLOT = WAITS_EVERY + 1  # RING entries: a step's time, SYNC_NS then, checkpoint + evaluation time then
+ CHECKPOINT_END_NS, WAITS_EVERY, PHASES_NS) = range(_HEADER.size // 8, _HEADER.size // 8 + 13)  # fmt: skip
+_RING_SLOT = PHASES_NS + 1  # RING entries: a step's time, SYNC_NS then, checkpoint + evaluation time then
 SIZE = (_RING_SLOT + 3 * RING) * 8
 # faulthandler writes a rank's stacks on this signal. A realtime one: no launcher or framework we know
 # uses it (SLURM and Lightning take SIGUSR1, submitit SIGUSR2); sent only to a rank that made a board.
@@ -92,6 +93,7 @@ class RankBoard:
         self._entered_sync_ns = 0
         self.sync_depth = 0  # waits nested in a wait are the outer one's
         self._time_waits: Callable[[bool], None] | None = None
+        self.step = self._stepper()
 
     def time_waits_with(self, time_waits: Callable[[bool], None]) -> None:
         """From now on ``time_waits(True)`` after one step in ``WAITS_EVERY_STEPS``, ``time_waits(False)``
@@ -100,23 +102,27 @@ class RankBoard:
         self._q[WAITS_EVERY] = WAITS_EVERY_STEPS
         self._time_waits = time_waits
 
-    def step(self, *_: object) -> None:
-        """One optimizer step (also PyTorch's step hook itself: its arguments are ignored). No lock: the
-        loop's thread alone steps, and a phase written meanwhile by another thread leaves the sequence
-        number even only once both are done (each ends at the number it read, plus 2)."""
-        q = self._q
-        seq = q[SEQ] + 1
-        q[SEQ] = seq
-        now = self._clock()
-        steps = q[STEPS]
-        if not steps and not q[FIRST_NS]:  # (a script that logged steps began with those)
-            q[FIRST_NS] = now
-        slot = _RING_SLOT + 3 * (steps % RING)
-        q[slot], q[slot + 1], q[slot + 2] = now, q[SYNC_NS], q[CHECKPOINT_NS] + q[EVALUATION_NS]
-        q[STEPS] = steps + 1
-        q[SEQ] = seq + 1
-        if (time_waits := self._time_waits) is not None and (after := (steps + 1) & (WAITS_EVERY_STEPS - 1)) < 2:
-            time_waits(not after)
+    def _stepper(self) -> Callable[..., None]:
+        """``step``: one optimizer step (also PyTorch's step hook itself: its arguments are ignored). A
+        closure over the map (locals, not attributes: a tenth of its cost). No lock and no sequence
+        number: the loop's thread alone steps, and it writes the ring's entry before the count that
+        makes it read (a reader's copy holds either count, each with its entries; the reader asks for
+        two copies alike, which a store that is late to show cannot give); the next step's slot is
+        never read."""
+        q, clock, board, mask = self._q, self._clock, self, WAITS_EVERY_STEPS - 1
+
+        def step(_optimizer: object = None, _args: object = None, _kwargs: object = None) -> None:
+            now = clock()
+            steps = q[STEPS]
+            if not steps and not q[FIRST_NS]:  # (a script that logged steps began with those)
+                q[FIRST_NS] = now
+            slot = _RING_SLOT + 3 * (steps % RING)
+            q[slot], q[slot + 1], q[slot + 2] = now, q[SYNC_NS], q[PHASES_NS]
+            q[STEPS] = steps + 1
+            if (time_waits := board._time_waits) is not None and (after := (steps + 1) & mask) < 2:
+                time_waits(not after)
+
+        return step
 
     def logged(self, step: int) -> None:
         """A step the script logged (``TrainingRun.log``, ``mlflow.log_metric(step=)``)."""
@@ -170,6 +176,8 @@ class RankBoard:
             q[CHECKPOINT_END_NS] = now
         elif q[PHASE] == Phase.EVALUATING:
             q[EVALUATION_NS] += spent
+        if q[PHASE] != Phase.TRAINING:
+            q[PHASES_NS] += spent
         q[PHASE], q[PHASE_SINCE_NS] = int(phase), now  # leaving or entering a phase is progress too
         q[SEQ] = seq + 1
 
@@ -231,15 +239,16 @@ def _decode(path: Path, data: bytes) -> RankProgress:
     _, _, pid, rank, local_rank, world, restart, started, ticks = _HEADER.unpack_from(data, 0)
     q = memoryview(data).cast("q")
     steps = q[STEPS]
-    ring = [q[slot : slot + 3] for slot in (_RING_SLOT + 3 * (i % RING) for i in range(max(0, steps - RING), steps))]
+    first = max(0, steps - RING + 1)  # not the slot the next step writes
+    ring = [q[slot : slot + 3] for slot in (_RING_SLOT + 3 * (i % RING) for i in range(first, steps))]
     # A step's duration less the checkpoints and evaluations since the step before; its own work less its
     # waits, where they were timed: the step after the (steps) count reached a multiple of WAITS_EVERY.
     pairs = list(zip(ring, ring[1:], strict=False))
     durations = [(t - t0) - (p - p0) for (t0, _, p0), (t, _, p) in pairs]
-    every, first = q[WAITS_EVERY] or 1, max(0, steps - RING) + 1  # the count that the first pair follows
-    work = [
+    every = q[WAITS_EVERY] or 1
+    work = [  # (the first pair follows the count first + 1)
         max(0, duration - (s - s0))
-        for count, duration, ((_, s0, _), (_, s, _)) in zip(range(first, steps), durations, pairs, strict=True)
+        for count, duration, ((_, s0, _), (_, s, _)) in zip(range(first + 1, steps), durations, pairs, strict=True)
         if count % every == 0
     ]
     last_step = ring[-1][0] if ring else 0

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_forge.config import TOLD_SPOOL_ENV, ConfigError
-from otel_forge.mlflow.client import classify, make_client, outage_cause, unanswered_reason
+from otel_forge.mlflow.client import classify, lazy_client, make_client, outage_cause, unanswered_reason
 from otel_forge.mlflow.delivery.retry import Outcome
 from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.server_probe import ServerRefused, check_connects
@@ -151,6 +151,30 @@ class RunOpener:
         """Find or make the run (explicit id > job key > new). A server that does not answer
         (refused, timed out, 5xx, 429, a refused credential) is retried with backoff until it does
         or the run is closed: the job outlives the server, and the journal keeps what it logs."""
+        run = self._given_run() or self._found_run()
+        if run is None:
+            self.machine.fire(RunEvent.REFUSED)  # no run to attach to (or closed meanwhile)
+            return None
+        self.run = run
+        try:
+            self._opened(run)
+        finally:
+            # Open once what opening it does is done: start() then finds the run described, as it waits.
+            self.machine.fire(RunEvent.OPENED)
+        return run
+
+    def _given_run(self) -> OpenRun | None:
+        """The run of a rank that only attaches to the id it was given (``otel-forge run``'s, or
+        ``MLFLOW_RUN_ID``): nothing to ask the server, so no connection and no MLflow import (its client
+        is made at its first call: a failed rank's outcome)."""
+        plan = self.plan
+        if plan.node.is_global_zero or plan.source.run_id is None or self.adopts is not None:
+            return None
+        self.machine.asked()
+        client = lazy_client(plan.tracking_uri)
+        return OpenRun(plan.source.run_id, None, plan.forge_config.experiment_id, plan.experiment, True, None, client)
+
+    def _found_run(self) -> OpenRun | None:
         pause_s = _FIRST_OPEN_RETRY_S
         # Told before the description is made (it imports MLflow: a second or more); the first
         # attempt goes on from this look, the later ones look again.
@@ -179,15 +203,6 @@ class RunOpener:
                     raise
                 self.machine.pause(pause_s)  # the opener left at close ends the pause: one last attempt
                 pause_s = min(pause_s * 2, _MAX_OPEN_RETRY_S)
-        if run is None:
-            self.machine.fire(RunEvent.REFUSED)  # no run to attach to (or closed meanwhile)
-            return None
-        self.run = run
-        try:
-            self._opened(run)
-        finally:
-            # Open once what opening it does is done: start() then finds the run described, as it waits.
-            self.machine.fire(RunEvent.OPENED)
         return run
 
     def _opened(self, run: OpenRun) -> None:

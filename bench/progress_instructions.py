@@ -1,0 +1,162 @@
+"""What the per-rank progress hook adds to a training step, in instructions (valgrind's callgrind): a
+count that the machine's other load does not move, where a shared machine's wall clock wanders by more
+than the hook costs.
+
+Run:  python -m bench.progress_instructions [--steps 500 4500] [--json]   (~8 min)
+
+The ``train`` loop of ``bench.progress_step`` (SGD on a ``Linear(8, 1)``: forward, MSE loss,
+``backward()``, ``step()``; one thread), each variant as ``bench.progress_step`` starts it (``bare``,
+``hooked`` a lone process, ``hooked-rank`` a rank of a job of 2), each under ``valgrind
+--tool=callgrind`` twice, for the two step counts: instructions per step is the difference of the two
+totals over the difference of the steps (the start, torch's import and the first steps cancel out;
+``PYTHONHASHSEED=0`` and no address randomisation (``setarch -R``), as either moves the count by more
+than the hook's; ``gc.freeze()`` after the first steps, as a collection of the import's whole heap
+comes at a different step in each variant).
+"Added" is a variant's per-step count less the bare one's; its time is estimated at the bare loop's
+own pace (its native ns per step over its instructions per step, measured in the same run): the
+hook's instructions run as fast as the training's. The hooked children are checked to have written
+one board file with every step in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.progress_step import GOAL_US, environ
+from otel_forge.progress.board import read_board
+
+VARIANTS = {"bare": (False, 1), "hooked": (True, 1), "hooked-rank": (True, 2)}
+
+TRAIN_CHILD = r"""
+import gc, sys, time
+import torch
+
+steps = int(sys.argv[1])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(32, 8), torch.randn(32, 1)
+mse = torch.nn.functional.mse_loss
+
+def run(n):
+    for _ in range(n):
+        optimizer.zero_grad()
+        mse(model(x), y).backward()
+        optimizer.step()
+
+run(2)  # the hook's first step (its board made) before the heap is frozen
+gc.freeze()  # the collector scans the loop's garbage, not the import's heap (a variant's collections vary)
+began = time.perf_counter_ns()
+run(steps)
+print((time.perf_counter_ns() - began) / steps)
+"""
+
+
+def instructions(steps: int, variant: str, workdir: Path) -> int:
+    """The whole child's instruction count under callgrind (``summary:`` of its output file)."""
+    hooked, world = VARIANTS[variant]
+    board = workdir / f"board-{variant}-{steps}" if hooked else None
+    out = workdir / f"callgrind-{variant}-{steps}.out"
+    done = subprocess.run(
+        [
+            "setarch",
+            platform.machine(),
+            "-R",
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            "-c",
+            TRAIN_CHILD,
+            str(steps),
+        ],  # fmt: skip
+        env={**environ(board, world), "PYTHONHASHSEED": "0"},  # one dict layout: the two runs differ by steps alone
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{variant} under callgrind failed: {done.stderr[-2000:]}")
+    if board is not None:
+        (rank,) = read_board(board)
+        if rank.steps != steps + 2:  # (and the 2 before the count)
+            raise SystemExit(f"{variant}: the board holds {rank.steps} steps of {steps + 2}")
+    summary = re.search(r"^summary: (\d+)", out.read_text(), re.MULTILINE)
+    assert summary is not None, out
+    return int(summary.group(1))
+
+
+def native_ns_per_step(steps: int, workdir: Path, rounds: int = 5) -> float:
+    """The bare loop's fastest pace of ``rounds`` native runs (the machine's load only adds time)."""
+    paces = []
+    for _ in range(rounds):
+        done = subprocess.run(
+            [sys.executable, "-c", TRAIN_CHILD, str(steps)],
+            env=environ(None),
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+        paces.append(float(done.stdout.split()[-1]))
+    return min(paces)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, nargs=2, default=(500, 4500), metavar=("FEW", "MANY"))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    few, many = args.steps
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-progress-instructions-") as tmp:
+        workdir = Path(tmp)
+        jobs = [(steps, variant) for variant in VARIANTS for steps in (few, many)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # the machine's 2 cores
+            counts = dict(zip(jobs, pool.map(lambda job: instructions(*job, workdir), jobs), strict=True))
+        pace_ns = native_ns_per_step(many, workdir)
+    per_step = {variant: (counts[(many, variant)] - counts[(few, variant)]) / (many - few) for variant in VARIANTS}
+    ns_per_instruction = pace_ns / per_step["bare"]
+    result = {
+        "steps": [few, many],
+        "instructions_per_step": per_step,
+        "bare_ns_per_step": pace_ns,
+        "added_instructions_per_step": {v: per_step[v] - per_step["bare"] for v in VARIANTS if v != "bare"},
+        "added_us_per_step": {
+            v: (per_step[v] - per_step["bare"]) * ns_per_instruction / 1000 for v in VARIANTS if v != "bare"
+        },
+        "seconds": round(time.monotonic() - began),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"Progress hook in instructions (callgrind), {few} and {many} `train` steps per variant; the bare loop "
+        f"natively {pace_ns / 1000:.2f} µs/step ({per_step['bare']:,.0f} instructions: "
+        f"{ns_per_instruction:.3f} ns each). {result['seconds']} s.\n"
+    )
+    print("| variant | instructions/step | added | added, at the bare loop's pace | goal ≤ 2 µs |")
+    print("|---|---:|---:|---:|---|")
+    for variant in VARIANTS:
+        added = per_step[variant] - per_step["bare"]
+        us = added * ns_per_instruction / 1000
+        met = "" if variant == "bare" else ("met" if us <= GOAL_US else "**not met**")
+        extra = "" if variant == "bare" else f"{added:+,.0f} | {us:+.2f} µs"
+        print(f"| {variant} | {per_step[variant]:,.0f} | {extra or ' | '} | {met} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""A rank given the job's run (``otel-forge run`` hands it down, or ``MLFLOW_RUN_ID``) only attaches:
+inside ``with TrainingRun()`` it imports no MLflow and opens no connection to the server; a rank that
+fails still ends the run FAILED with its outcome (its client made then)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from trun_helpers import run_script, unique
+
+RANK_SCRIPT = """
+import json, socket, sys
+connects = []
+connect = socket.socket.connect
+socket.socket.connect = lambda sock, address: (connects.append(address), connect(sock, address))[1]
+from otel_forge import TrainingRun
+
+with TrainingRun(system_metrics=False) as run:
+    run.log({{"loss": 1.0}}, step=0)
+    inside = {{"mlflow": "mlflow" in sys.modules, "connects": len(connects), "run_id": run.run_id}}
+    if {fail}:
+        print(json.dumps(inside), flush=True)
+        raise RuntimeError("rank fails")
+print(json.dumps({{**inside, "mlflow_after": "mlflow" in sys.modules, "connects_after": len(connects)}}))
+"""
+
+
+def _rank_environ(uri: str, run_id: str, rank: int, tmp_path) -> dict[str, str]:
+    return {
+        "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "RANK": str(rank), "LOCAL_RANK": str(rank % 2),
+        "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_a_rank_given_the_run_imports_no_mlflow_and_connects_to_nothing(mlflow_server, client, tmp_path, rank):
+    experiment_id = client.create_experiment(unique("thin"))
+    run_id = client.create_run(experiment_id).info.run_id
+    done = run_script(RANK_SCRIPT.format(fail=False), _rank_environ(mlflow_server.uri, run_id, rank, tmp_path))
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {
+        "mlflow": False, "connects": 0, "run_id": run_id, "mlflow_after": False, "connects_after": 0,
+    }  # fmt: skip
+    assert client.get_run(run_id).info.status == "RUNNING"  # rank 0 ends it, not rank 1
+
+
+def test_a_failing_rank_given_the_run_still_ends_it_failed_with_its_outcome(mlflow_server, client, tmp_path):
+    experiment_id = client.create_experiment(unique("thin-fails"))
+    run_id = client.create_run(experiment_id).info.run_id
+    done = run_script(RANK_SCRIPT.format(fail=True), _rank_environ(mlflow_server.uri, run_id, 1, tmp_path))
+    assert done.returncode == 1 and "rank fails" in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["mlflow"] is False  # until it failed
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["otel_forge.job.outcome"] == "FAILED"
+    assert "FAILED (rank 1" in run.data.tags["otel_forge.outcome.rank_1"]
