@@ -1,13 +1,14 @@
-"""A rank given the job's run (``otel-forge run`` hands it down, or ``MLFLOW_RUN_ID``) only attaches:
-inside ``with TrainingRun()`` it imports no MLflow and opens no connection to the server; a rank that
-fails still ends the run FAILED with its outcome (its client made then)."""
+"""Ranks other than 0 stay thin. One given the job's run (``otel-forge run`` hands it down, or
+``MLFLOW_RUN_ID``) only attaches; one that neither logs nor samples its node and knows only the job's
+key does not look for the run at all. Inside ``with TrainingRun()`` neither imports MLflow or opens a
+connection to the server; one that fails still ends the run FAILED with its outcome (found then)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from trun_helpers import run_script, unique
+from trun_helpers import popen_script, run_script, unique
 
 RANK_SCRIPT = """
 import json, socket, sys
@@ -18,6 +19,7 @@ from otel_forge import TrainingRun
 
 with TrainingRun(system_metrics=False) as run:
     run.log({{"loss": 1.0}}, step=0)
+    run.wait_open(10)  # a rank given the run has it at once; one with the job key only never looks
     inside = {{"mlflow": "mlflow" in sys.modules, "connects": len(connects), "run_id": run.run_id}}
     if {fail}:
         print(json.dumps(inside), flush=True)
@@ -26,10 +28,11 @@ print(json.dumps({{**inside, "mlflow_after": "mlflow" in sys.modules, "connects_
 """
 
 
-def _rank_environ(uri: str, run_id: str, rank: int, tmp_path) -> dict[str, str]:
+def _rank_environ(uri: str, run_id: str | None, rank: int, tmp_path, **more: str) -> dict[str, str]:
     return {
-        "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "RANK": str(rank), "LOCAL_RANK": str(rank % 2),
-        "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"),
+        "MLFLOW_TRACKING_URI": uri, "RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2", "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"),
+        **({"MLFLOW_RUN_ID": run_id} if run_id else {}), **more,
     }  # fmt: skip
 
 
@@ -55,4 +58,35 @@ def test_a_failing_rank_given_the_run_still_ends_it_failed_with_its_outcome(mlfl
     run = client.get_run(run_id)
     assert run.info.status == "FAILED"
     assert run.data.tags["otel_forge.job.outcome"] == "FAILED"
-    assert "FAILED (rank 1" in run.data.tags["otel_forge.outcome.rank_1"]
+    assert [v for k, v in run.data.tags.items() if k.startswith("otel_forge.outcome.")] == ["FAILED (rank 1)"]
+
+
+RANK_ZERO_SCRIPT = """
+import sys
+from otel_forge import TrainingRun
+
+with TrainingRun(system_metrics=False) as run:
+    run.log({"loss": 1.0}, step=0)
+    print(run.run_id, flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_rank_that_knows_only_the_job_key_looks_for_the_run_only_when_it_fails(mlflow_server, client, tmp_path):
+    job = {"OTEL_FORGE_JOB_ID": unique("job"), "MLFLOW_EXPERIMENT_NAME": unique("thin-key")}
+    zero = popen_script(RANK_ZERO_SCRIPT, _rank_environ(mlflow_server.uri, None, 0, tmp_path, **job), stdin=-1)
+    try:
+        run_id = zero.stdout.readline().strip()
+        assert run_id, zero.stderr.read()
+        for fail in (False, True):  # rank 3 (local rank 1) ends well, then another attempt of it fails
+            done = run_script(RANK_SCRIPT.format(fail=fail), _rank_environ(mlflow_server.uri, None, 3, tmp_path, **job))
+            seen = json.loads(done.stdout.splitlines()[-1])
+            assert (seen["mlflow"], seen["connects"], seen["run_id"]) == (False, 0, None), done.stderr
+            assert done.returncode == (1 if fail else 0), done.stderr
+        run = client.get_run(run_id)
+        assert run.info.status == "FAILED"
+        outcomes = [v for k, v in run.data.tags.items() if k.startswith("otel_forge.outcome.")]
+        assert outcomes == ["FAILED (rank 3)"]
+    finally:
+        zero.stdin.close()
+        zero.wait(timeout=60)

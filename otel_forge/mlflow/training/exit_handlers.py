@@ -43,7 +43,13 @@ class ExitHandlers:
         self._previous_sigterm: Callable[[int, FrameType | None], object] | int | None = None
         self._pid = os.getpid()
 
+    @property
+    def installed(self) -> bool:
+        return self in _watched
+
     def install(self) -> None:
+        if self.installed:
+            return
         self._pid = os.getpid()
         _watch_exits()
         _watched.append(self)

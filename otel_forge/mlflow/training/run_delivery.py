@@ -37,8 +37,7 @@ class RunDelivery:
             self._thread = (delivery, threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True))
             self._thread[1].start()
             journal = None
-        sample = plan.system_metrics and plan.node.runs_agent and not plan.node_sampled_by_launcher
-        sample = sample and bool(plan.owns_run or plan.requested_run_id or plan.node.job_key)
+        sample = plan.samples_node and bool(plan.owns_run or plan.requested_run_id or plan.node.job_key)
         if not (sample or journal):
             return
         config = plan.forge_config.replace(run_id=None, tracking_uri=plan.tracking_uri)

@@ -237,7 +237,7 @@ class RunOpener:
             experiment_id=plan.forge_config.experiment_id,
             source=plan.source,
             run_name=plan.run_name,
-            samples_node=plan.system_metrics and plan.node.runs_agent and not plan.node_sampled_by_launcher,
+            samples_node=plan.samples_node,
             late_after_s=plan.init_deadline_s,
             adopts=self.adopts,
         )

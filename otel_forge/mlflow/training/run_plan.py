@@ -111,6 +111,18 @@ class RunPlan:
         return self.node.is_global_zero
 
     @property
+    def samples_node(self) -> bool:
+        """This process samples its node into the run (local rank 0, where ``otel-forge run`` does not)."""
+        return self.system_metrics and self.node.runs_agent and not self.node_sampled_by_launcher
+
+    @property
+    def needs_run_only_to_end_it(self) -> bool:
+        """A rank that neither logs (not global rank 0) nor samples its node, handed no run id: it finds
+        the job's run only should it fail, to end it so; until then it imports no MLflow and asks the
+        server nothing (ranks 1 to 7 of a node of 8)."""
+        return not self.owns_run and not self.samples_node and self.source.run_id is None
+
+    @property
     def start_wait_s(self) -> float:
         """How long to wait for the run before the job starts: the setting for a tracking server,
         as long as a local store takes to create."""

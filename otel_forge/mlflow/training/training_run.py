@@ -258,12 +258,18 @@ class TrainingRun:
         ``worker``: this process ran a launcher, and that worker ended the job (``outcome.end_run``)."""
         if forked_from(self._pid):
             return  # a forked child's copy (a DataLoader worker leaving the block): the parent ends it
+        if self._machine.state is RunState.IDLE and self._exit_handlers.installed and status != "FINISHED":
+            self._begin()  # a rank that needs the run only to end it: it fails, so it finds the run now
+            self.wait_open(self.plan.end_deadline_s)
         if self._machine.state is RunState.WAITING_FOR_SCRIPT:
             self._open_waiting()  # the script named none: the run's end goes to the default experiment
         with self._lock:
             before = self._machine.fire(RunEvent.CLOSE)
-        if before is RunState.IDLE or before in CLOSED_STATES:
-            return  # never begun, or closed already
+        if before is RunState.IDLE:
+            self._exit_handlers.remove()  # never begun (a rank that needed the run only had it failed)
+            return
+        if before in CLOSED_STATES:
+            return  # closed already
         try:
             self._end(status, worker, unanswered=before is RunState.UNANSWERED)
         finally:
@@ -289,11 +295,14 @@ class TrainingRun:
         (``start_wait_s``), so that the run a framework opens inside the block is this one; until its
         description is in, this process's MLflow calls wait for it (``description_gate``). Where
         nothing names the experiment, the run opens later, in the experiment the script names
-        (``_wait_for_script``): the run a framework opens in the block is the job's."""
+        (``_wait_for_script``): the run a framework opens in the block is the job's. A rank that neither
+        logs nor samples its node, handed no run, finds the run only should it fail."""
         if self.plan.owns_run and not self.plan.source.launcher_opens and self.forge_config.start_wait_s > 0:
             waited_until = time.monotonic() + self.start_wait_s
             if self.start(self.start_wait_s) and self.described and (journal := self.journal_directory) is not None:
                 description_gate.hold_or_wait(journal, waited_until, self.tracking_uri)
+        elif self.plan.needs_run_only_to_end_it:
+            self._exit_handlers.install()  # the run is found should this rank fail (close() does)
         else:
             self._begin()
         return self
