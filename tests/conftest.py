@@ -1,8 +1,9 @@
 """Session fixtures: one real ``mlflow server``, its client, a basic-auth ``mlflow server`` and a TLS
 proxy in front of the first (started only for the tests that ask for them), and the socket watch
-(tests/socket_io.py); the ``slow`` marker on every test that needs a server process; what
-``./run-tests --no-system`` leaves out."""
+(tests/socket_io.py); the ``slow`` marker on every test that needs a server process; a ``serial`` test
+alone on the machine while the others run in two workers; what ``./run-tests --no-system`` leaves out."""
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -26,6 +27,18 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if cache := config.stash.get(_CACHE, None):
         shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _alone_if_serial(request, tmp_path_factory):
+    """A test marked ``serial`` (a throughput or timing scenario that needs the machine's cores) runs
+    while no other test does: it holds the run's lock alone, every other test shares it. The lock file
+    is in the directory all workers' temporary directories share (pytest-xdist's, else the run's own)."""
+    base = tmp_path_factory.getbasetemp()
+    lock = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(lock / "serial.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX if request.node.get_closest_marker("serial") else fcntl.LOCK_SH)
+        yield
 
 
 @pytest.fixture(scope="session")

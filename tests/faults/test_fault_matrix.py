@@ -20,7 +20,8 @@ from testkit.mlflow_server import MlflowServer
 from testkit.servers import free_port, wait_for
 from testkit.training_job import TrainingJob, otel_forge_command
 
-pytestmark = pytest.mark.slow
+# Throughput against the clock (5,000 values a second through an outage): the machine to itself.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 # Logs STEPS steps of WIDTH values, RATE steps a second, printing "step N REJECTED" once each log()

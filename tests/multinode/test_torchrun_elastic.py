@@ -128,8 +128,10 @@ def test_a_job_that_succeeds_after_a_torchrun_restart_finishes_with_the_retrys_v
         mlflow_server.uri,
         job_repo,
         tmp_path,
+        # Rank 1 fails half way: the other node must still be training when torchrun restarts the job
+        # (a node whose workers have all ended waits at torchrun's exit barrier, not in the new round).
         "--seconds",
-        "6",
+        "12",
         "--fail-first-attempt",
         "1",
         "--log-attempt",

@@ -86,12 +86,12 @@ def test_a_reader_never_sees_a_torn_write(tmp_path: Path) -> None:
         env=hermetic_environ(PYTHONPATH=str(REPO)),
     )  # fmt: skip
     try:
-        read = []
-        while len(read) < 300 and writer.poll() is None:
+        read, steps = 0, set()
+        while (read < 300 or len(steps) < 20) and writer.poll() is None:  # the writer moved meanwhile
             if (rank := read_rank(path)) is not None:
-                read.append(rank)
+                read, steps = read + 1, steps | {rank.steps}
                 assert rank.logged_step in (rank.steps, rank.steps - 1), rank
-        assert len(read) == 300 and len({rank.steps for rank in read}) > 10  # the writer moved meanwhile
+        assert read >= 300 and len(steps) >= 20
     finally:
         writer.kill()
         writer.wait()

@@ -14,7 +14,6 @@ from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG, job_tag
 from otel_forge.mlflow.training.training_run import TrainingRun
 from otel_forge.node import NodeIdentity
 from testkit.proxy import MlflowProxy
-from testkit.servers import wait_for
 
 SLURM_NODE_1 = {
     "SLURM_PROCID": "2",
@@ -78,9 +77,11 @@ def test_another_rank_finds_the_jobs_run_by_key_without_reading_the_run(mlflow_s
             node=_node({**SLURM_NODE_1, "SLURM_JOB_ID": key}),
             launch_argv=["train.py"],
         )
-        # The finder looks for the run before rank 0 has made it (or the experiment).
+        # The finder looks for the run before rank 0 has made it (or the experiment). It neither logs nor
+        # samples its node: it looks only when asked (start()), or should it fail.
         with finder, owner:
-            wait_for(lambda: finder.run_id is not None, 30, 0.05, "the finder to find the run")
+            assert finder.run_id is None
+            assert finder.start(30)
         paths = set(proxy.counts())
     assert finder.run_id == owner.run_id
     run = client.get_run(owner.run_id)

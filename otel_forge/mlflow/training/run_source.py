@@ -125,7 +125,7 @@ SOURCE_ROLES: dict[RunOrigin, SourceRoles] = {
     RunOrigin.GIVEN: SourceRoles(
         "given by id (`run_id=`, `MLFLOW_RUN_ID`, `--run-id`, a run the script has active)",
         "global rank 0's opener resumes it (a missing id is an error unless `create_if_missing`); other ranks "
-        "attach by id",
+        "attach by id (no MLflow import, no connection)",
         "rank 0's journal, where the run lacks `otel_forge.described`",
         "rank 0's companion (`otel-forge run` for CMD's journals)",
         "the delivery, from the journal's end (KILLED where its process died); a run the script has active, the script",
@@ -148,8 +148,8 @@ SOURCE_ROLES: dict[RunOrigin, SourceRoles] = {
     ),
     RunOrigin.JOB_KEY: SourceRoles(
         "found by the job's key (SLURM, torchrun, MPI, Kubernetes name the job; a requeued job)",
-        "global rank 0 makes it carrying the key (or resumes the run that does); the other ranks find it by "
-        "the key within a bounded wait",
+        "global rank 0 makes it carrying the key (or resumes the run that does); local rank 0 of each node "
+        "finds it by the key within a bounded wait; the other ranks only should they fail (or `start()`)",
         "rank 0",
         "rank 0's companion (the other ranks journal nothing; local rank 0 of each node samples its node)",
         "rank 0's delivery; a rank that fails tags its outcome and makes the run FAILED",

@@ -46,8 +46,9 @@ class TrainingRun:
     """The MLflow run of a training job: ``log``, ``register_checkpoint``, ``close``.
 
     Run the same code in every rank. Global rank 0 creates the run (or resumes the one its job key
-    names) and logs; every other process finds the run, and local rank 0 of every node samples its
-    node into it. Any process that fails ends the run FAILED. Nothing is raised into training.
+    names) and logs; local rank 0 of every node finds the run and samples its node into it; the other
+    ranks find it only when asked (``start()``) or should they fail: any process that fails ends the
+    run FAILED. Nothing is raised into training.
     ``deliver_here``: this process delivers its journal itself (``otel-forge run``, which outlives CMD).
     """
 
@@ -190,8 +191,10 @@ class TrainingRun:
         self.described = plan.owns_run and (plan.source.adds_description or not run.described)
         if self._recorder is not None:
             self._recorder.opened(run, self.described, plan.run_name if plan.source.launched else None)
-        if self._delivery is not None:
-            self._delivery.attach(run)
+        with self._lock:  # a run handed to this rank opens at once: _begin makes the delivery meanwhile
+            delivery = self._delivery
+        if delivery is not None:
+            delivery.attach(run)
         for callback in self.on_open:
             callback()
 
