@@ -120,7 +120,8 @@ def job(variant: str, ranks: int, seconds: int, uri: str, workdir: Path) -> dict
         out, err = process.communicate(timeout=120)
         if process.returncode != 0:
             raise SystemExit(f"{variant}: a rank failed: {err[-2000:]}")
-        imported.append(json.loads(out.splitlines()[-1])["mlflow"])
+        # (MLflow prints its run's address after the rank's own line)
+        imported.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["mlflow"])
     return {"processes": count, "rss_mb": rss / MB, "uss_mb": uss / MB, "ranks_with_mlflow": sum(imported)}
 
 
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-node-memory-") as tmp:
         workdir = Path(tmp)
+        (workdir / "server").mkdir()
         with MlflowServer(workdir / "server") as server:
             results = {variant: job(variant, args.ranks, args.seconds, server.uri, workdir) for variant in VARIANTS}
     bare = results["bare"]["uss_mb"]

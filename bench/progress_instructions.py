@@ -43,8 +43,8 @@ import torch
 
 steps, variant = int(sys.argv[1]), sys.argv[2]
 if variant == "noop-hook":  # torch's own dispatch to a global step hook: what any such hook costs
-    import torch.optim.optimizer
-    torch.optim.optimizer.register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
