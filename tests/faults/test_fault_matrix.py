@@ -380,19 +380,21 @@ def test_sigkill_at_random_moments_of_the_training_process_or_its_companion_lose
 # --- a server down at the job's start ---------------------------------------------------------
 
 
-def test_a_server_down_for_the_first_8_s_of_a_job_logging_5000_values_a_second_gets_every_value_once(tmp_path):
-    """``bench.outage_start`` scaled down (its 180 s outage is in docs/reliability.md): the server
-    refuses connections for the first 8 s of a job logging 5,000 values a second (plus its own
-    start: its port opens once it answers), then answers; the job logs on until its run has caught
-    up with it (lags it by 2 s at most), and 3 s more. Nothing reaches the script, nothing is
-    dropped, every value is in the run once, and the run ends FINISHED. The server is the scenario's
-    own (killed with its group after)."""
+def test_a_server_down_for_the_first_8_s_of_a_job_logging_2000_values_a_second_gets_every_value_once(tmp_path):
+    """``bench.outage_start`` scaled down (its 180 s outage at 5,000 values/s is in docs/reliability.md):
+    the server refuses connections for the first 8 s of a job logging 2,000 values a second (plus its
+    own start: its port opens once it answers), then answers; the job logs on until its run has caught
+    up with it (lags it by 2 s at most), and 3 s more. Nothing reaches the script, nothing is dropped,
+    every value is in the run once, and the run ends FINISHED. The rate is well under what a one-worker
+    sqlite server takes on a loaded 2-core machine (5,300 values/s at its slowest, measured): the
+    catch-up is the server's pace less the job's, and the test is about what arrives, not how fast
+    (``bench.outage_start`` measures that). The server is the scenario's own (killed with its group after)."""
     from testkit.outage import WIDTH as OUTAGE_WIDTH
     from testkit.outage import run_outage
 
-    result = run_outage(tmp_path, down_s=8.0, rate=5000.0, after_s=3.0, catch_up=True, catch_up_wait_s=180.0)
+    result = run_outage(tmp_path, down_s=8.0, rate=2000.0, after_s=3.0, catch_up=True, catch_up_wait_s=180.0)
     assert result.exit_code == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.dropped == 0 and result.backlog >= 8 * 5000 * 0.9, result
+    assert result.dropped == 0 and result.backlog >= 8 * 2000 * 0.9, result
     assert result.backlog_in_s is not None, f"the backlog of {result.backlog} values never reached the run"
     assert result.caught_up_s is not None, "the run never caught up with the job"
     assert result.last_in_s is not None, f"{result.in_mlflow} of {result.logged} values in the run"
