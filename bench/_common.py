@@ -5,11 +5,15 @@ the repository root as a module (``python -m bench.fleet``), and both import as 
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
+
+from testkit.mlflow_server import MlflowServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,3 +53,14 @@ def tree_cpu_s(root_pid: int | None) -> float:
             continue
         total += t.user + t.system + t.children_user + t.children_system
     return total
+
+
+@contextlib.contextmanager
+def private_server() -> Iterator[tuple[Path, MlflowServer]]:
+    """A temporary directory and a running ``mlflow server`` of its own in ``server/`` under it (sqlite,
+    127.0.0.1, one worker); both gone on the way out."""
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        (tmp / "server").mkdir()
+        with MlflowServer(tmp / "server") as server:
+            yield tmp, server

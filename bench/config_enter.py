@@ -18,13 +18,12 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench._common import REPO_ROOT, wait_until
+from bench._common import REPO_ROOT, private_server, wait_until
 from testkit.hermetic import hermetic_environ
 from testkit.mlflow_server import MlflowServer
 from testkit.proxy import MlflowProxy
@@ -109,14 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from mlflow import MlflowClient
 
-    with tempfile.TemporaryDirectory() as directory:
-        tmp = Path(directory)
-        (tmp / "server").mkdir()
-        with MlflowServer(tmp / "server") as server:
-            client = MlflowClient(server.uri)
-            one_round(server, client, 10, tmp)  # warm-up: the server's first calls import what they use
-            rounds = [one_round(server, client, args.entries, tmp) for _ in range(args.rounds)]
-            counted = one_round(server, client, args.entries, tmp, counted=True)
+    with private_server() as (tmp, server):
+        client = MlflowClient(server.uri)
+        one_round(server, client, 10, tmp)  # warm-up: the server's first calls import what they use
+        rounds = [one_round(server, client, args.entries, tmp) for _ in range(args.rounds)]
+        counted = one_round(server, client, args.entries, tmp, counted=True)
     timed = ("enter_s", "first_call_s", "params_at_first_call", "all_params_in_s")
     medians = {key: statistics.median(r[key] for r in rounds) for key in timed}
     if args.json:

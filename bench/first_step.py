@@ -27,14 +27,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from bench._common import REPO_ROOT
+from bench._common import REPO_ROOT, private_server
 from testkit.hermetic import hermetic_environ
-from testkit.mlflow_server import MlflowServer
 
 FIRST_STEP = "import time; print('first-step', time.time(), flush=True)"
 
@@ -53,7 +51,9 @@ with TrainingRun(experiment=sys.argv[1], system_metrics=False):
     {FIRST_STEP}
 """,
 }
-SCRIPTS["training_run_rank1"] = SCRIPTS["training_run"]
+SCRIPTS["training_run_rank1"] = SCRIPTS["training_run"]  # the same block, under rank 1's variables
+SCRIPTS["otel_forge_run"] = SCRIPTS["bare"]  # the bare script, as the launcher's CMD
+VARIANTS = tuple(SCRIPTS)
 RANK1 = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
          "TORCHELASTIC_RUN_ID": "first-step"}  # fmt: skip
 
@@ -68,7 +68,7 @@ def _command(variant: str, script: Path, experiment: str) -> list[str]:
 def first_step_s(variant: str, uri: str, tmp: Path) -> float:
     """Seconds from just before the variant's process starts to its first step."""
     script = tmp / f"{variant}.py"
-    script.write_text(SCRIPTS.get(variant, SCRIPTS["bare"]))
+    script.write_text(SCRIPTS[variant])
     experiment = f"first-step-{uuid.uuid4().hex[:8]}"
     extra = RANK1 if variant == "training_run_rank1" else {}
     env = hermetic_environ(
@@ -84,24 +84,18 @@ def first_step_s(variant: str, uri: str, tmp: Path) -> float:
     return float(lines[0].split()[1]) - began
 
 
-VARIANTS = ("bare", "mlflow_start_run", "training_run", "training_run_rank1", "otel_forge_run")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as directory:
-        tmp = Path(directory)
-        (tmp / "server").mkdir()
-        with MlflowServer(tmp / "server") as server:
-            for variant in VARIANTS:  # warm-up: the server's first calls import what they use; caches fill
-                first_step_s(variant, server.uri, tmp)
-            rounds = {variant: [] for variant in VARIANTS}  # type: dict[str, list[float]]
-            for _ in range(args.rounds):
-                for variant in VARIANTS:  # interleaved: a noisy moment costs every variant alike
-                    rounds[variant].append(first_step_s(variant, server.uri, tmp))
+    with private_server() as (tmp, server):
+        for variant in VARIANTS:  # warm-up: the server's first calls import what they use; caches fill
+            first_step_s(variant, server.uri, tmp)
+        rounds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        for _ in range(args.rounds):
+            for variant in VARIANTS:  # interleaved: a noisy moment costs every variant alike
+                rounds[variant].append(first_step_s(variant, server.uri, tmp))
     medians = {variant: statistics.median(values) for variant, values in rounds.items()}
     if args.json:
         print(json.dumps({"rounds": rounds, "medians": medians, "cpus": os.cpu_count()}, indent=2))
