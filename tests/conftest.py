@@ -14,19 +14,23 @@ from socket_io import socket_io  # noqa: F401 - a fixture for every test
 
 from testkit.mlflow_server import MlflowServer
 
-_CACHE = pytest.StashKey[str]()
+_OWN_DIRECTORIES = pytest.StashKey[list[str]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # What the tests' processes leave in the default spool root stays in the session's own cache: in
     # the user's ~/.cache, every later otel-forge process (a test's, the user's) would try to deliver
-    # it to a test server long gone.
-    config.stash[_CACHE] = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="otel-forge-tests-cache-")
+    # it to a test server long gone. The host's locks (one writer per node of a run) are the session's
+    # own too: a test worker's agents never make another worker's stand down.
+    own = config.stash[_OWN_DIRECTORIES] = []
+    for variable, prefix in (("XDG_CACHE_HOME", "cache"), ("XDG_RUNTIME_DIR", "runtime")):
+        own.append(tempfile.mkdtemp(prefix=f"otel-forge-tests-{prefix}-"))
+        os.environ[variable] = own[-1]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if cache := config.stash.get(_CACHE, None):
-        shutil.rmtree(cache, ignore_errors=True)
+    for directory in config.stash.get(_OWN_DIRECTORIES, []):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +39,15 @@ def _alone_if_serial(request, tmp_path_factory):
     while no other test does: it holds the run's lock alone, every other test shares it. The lock file
     is in the directory all workers' temporary directories share (pytest-xdist's, else the run's own)."""
     base = tmp_path_factory.getbasetemp()
-    lock = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    with open(lock / "serial.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX if request.node.get_closest_marker("serial") else fcntl.LOCK_SH)
+    directory = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    serial = request.node.get_closest_marker("serial") is not None
+    # A turnstile before the lock: a serial test waiting for the running test to end holds it, so
+    # the other worker starts nothing new meanwhile (flock alone lets shared holders overtake it).
+    with open(directory / "serial.turnstile", "a") as turnstile, open(directory / "serial.lock", "a") as held:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(held, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        if not serial:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
         yield
 
 
@@ -110,7 +120,7 @@ _SYSTEM_PROGRAM_TESTS = {
     "dashboards/test_dashboard_queries.py": "Prometheus",
     "integration/test_prometheus_scrape.py": "Prometheus",
     "mlflow/test_ui_reads_well.py": "Chromium",
-    "multinode/test_fleet_start_stop.py::test_a_big_jobs_first_and_last_windows[postgresql]": "PostgreSQL",
+    "multinode/test_fleet_start_stop.py": "PostgreSQL",
     "deploy/test_deploy_files.py::test_the_unit_passes_systemd_analyze_verify": "systemd-analyze",
     "deploy/test_deploy_files.py::test_verify_as_run_here_fails_a_unit_with_an_unknown_directive": "systemd-analyze",
 }
@@ -139,12 +149,31 @@ def _missing_need(item: pytest.Item, tests: Path) -> str | None:
     return None
 
 
+# Tests that build in the checkout (setuptools' build/ and egg-info): one worker runs them all.
+_CHECKOUT_BUILDS = ("test_wheel.py", "cli_run/test_readme_runs.py")
+
+
+def _worker_group(item: pytest.Item, tests: Path) -> str | None:
+    """The tests that must run on one worker (``--dist loadgroup``): those that build in the checkout,
+    and a module's tests that share a module's fixture (a framework's launch, a server stack), made
+    once; None: whichever worker is free. pytest tells a test's fixture scopes only in its fixture info."""
+    module = item.path.relative_to(tests).as_posix()
+    if module in _CHECKOUT_BUILDS:
+        return "checkout-build"
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.values() if info is not None else ()
+    shares = any(definition.scope in ("module", "package") for chain in definitions for definition in chain)
+    return module if shares else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     for item in items:
         folder = item.path.relative_to(tests).parts[0]
         if folder in _SLOW_FOLDERS or _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if (group := _worker_group(item, tests)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get(NO_SYSTEM_ENV) != "1" and os.environ.get(NO_TORCH_ENV) != "1":
         return
     kept = []

@@ -20,8 +20,7 @@ from testkit.mlflow_server import MlflowServer
 from testkit.servers import free_port, wait_for
 from testkit.training_job import TrainingJob, otel_forge_command
 
-# Throughput against the clock (5,000 values a second through an outage): the machine to itself.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 
 # Logs STEPS steps of WIDTH values, RATE steps a second, printing "step N REJECTED" once each log()
@@ -248,7 +247,7 @@ def test_a_journal_damaged_in_the_middle_or_cut_delivers_every_intact_record_onc
 # --- SIGKILL at random moments ----------------------------------------------------------------
 
 KILL_WIDTH, KILL_STEPS, KILL_RATE = 20, 200, 100  # 2,000 values a second for 2 s
-SEEDS = 20
+SEEDS = 12  # 5 training, 4 companion, 3 both: every victim, each more than once
 AT_ONCE = 6  # jobs alive together (2 cores: each job is a training process, a companion, a replay)
 
 # Logs KILL_STEPS steps of KILL_WIDTH values, KILL_RATE steps a second, printing "step N REJECTED"
@@ -356,8 +355,9 @@ def own_server(tmp_path_factory):
         server.kill()  # SIGKILL of its process group: a SIGTERM'd server takes seconds to go
 
 
+@pytest.mark.serial  # six jobs at 2,000 values a second at once: both cores
 def test_sigkill_at_random_moments_of_the_training_process_or_its_companion_loses_nothing(own_server, tmp_path):
-    """20 jobs logging 2,000 values a second, each killed (SIGKILL) at a moment its seed draws: the
+    """12 jobs logging 2,000 values a second, each killed (SIGKILL) at a moment its seed draws: the
     training process (its companion delivers and ends the run KILLED), its companion (a new one takes
     over; the job completes, FINISHED), or both at once (``otel-forge replay --all`` delivers the
     journal, KILLED). Every value whose ``log()`` returned without a drop is in its run once, with
@@ -380,6 +380,7 @@ def test_sigkill_at_random_moments_of_the_training_process_or_its_companion_lose
 # --- a server down at the job's start ---------------------------------------------------------
 
 
+@pytest.mark.serial  # the catch-up is the server's pace less the job's: the machine to itself
 def test_a_server_down_for_the_first_8_s_of_a_job_logging_2000_values_a_second_gets_every_value_once(tmp_path):
     """``bench.outage_start`` scaled down (its 180 s outage at 5,000 values/s is in docs/reliability.md):
     the server refuses connections for the first 8 s of a job logging 2,000 values a second (plus its

@@ -1,7 +1,9 @@
-"""A big job's first and last minute, against a real ``mlflow server`` on sqlite and on PostgreSQL: 32
-real ``otel-forge monitor`` agents of a 2,048-node SLURM job (node runs, 120 s windows, 8 fake GPUs
-each), each its own process group, started together, stopped together (SIGTERM), then the next job's
-agent started on the same machine, as the next job on those nodes would start.
+"""A big job's first and last minute, against a real ``mlflow server`` on PostgreSQL (as docs/fleet.md
+deploys a fleet's server; bench/fleet.py measures sqlite too, and a 2,048-node job's run on sqlite is
+tests/mlflow/test_job_run_opens.py's): 32 real ``otel-forge monitor`` agents of a 2,048-node SLURM job
+(node runs, 120 s windows, 8 fake GPUs each), each its own process group, started together, stopped
+together (SIGTERM), then the next job's agent started on the same machine, as the next job on those
+nodes would start.
 
 - the start: within 30 s every node run exists and holds a window, or, on a machine slower than this
   one's 2 cores, within the time its cores need for the agents' own CPU and 10 s (here 32 agents
@@ -43,27 +45,25 @@ HOLD_S = 30.0  # from the start to the stop: past the start bound, and a last wi
 PARENT_TAG, NODE_TAG = "mlflow.parentRunId", "otel_forge.node.id"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request, tmp_path) -> Iterator[tuple[str, MlflowServer, list[int]]]:
-    """A fresh server: (backend, server, the pids whose process trees are its CPU)."""
+@pytest.fixture
+def server(tmp_path) -> Iterator[tuple[MlflowServer, list[int]]]:
+    """A fresh server on PostgreSQL, 4 workers, as docs/fleet.md deploys one: (the server, the pids
+    whose process trees are its CPU)."""
     (tmp_path / "server").mkdir()
-    if request.param == "sqlite":
-        with MlflowServer(tmp_path / "server") as server:
-            yield "sqlite", server, [server.process.pid]
-        return
     if (why := Postgres.unavailable()) is not None:
         pytest.fail(f"PostgreSQL is needed here ({why}); ./run-tests installs it")
     postgres = Postgres().start()
     try:
         uri = postgres.create_database(f"fleet_{uuid.uuid4().hex[:8]}")
         with MlflowServer(tmp_path / "server", backend_uri=uri, workers=4) as server:
-            yield "postgresql", server, [server.process.pid, postgres.pid]
+            yield server, [server.process.pid, postgres.pid]
     finally:
         postgres.stop()
 
 
+@pytest.mark.serial  # the start's bound is the agents' own CPU over the machine's cores
 def test_a_big_jobs_first_and_last_windows(server, tmp_path) -> None:
-    backend, mlflow_server, pids = server
+    mlflow_server, pids = server
     client = MlflowClient(mlflow_server.uri)
     experiment_id = client.create_experiment(f"fleet-{uuid.uuid4().hex[:8]}")
     job_run = client.create_run(experiment_id, run_name="fleet-job").info.run_id
@@ -81,7 +81,7 @@ def test_a_big_jobs_first_and_last_windows(server, tmp_path) -> None:
         agents_cpu_s = sum(tree_cpu_s(agent.pid) for agent in agents)
         bound_s = max(START_S, agents_cpu_s / (os.cpu_count() or 1) + 10)
         assert first is not None and first - started <= bound_s, (first and first - started, bound_s, _logs(tmp_path))
-        print(f"{backend}: every node run held a window {first - started:.1f} s after the start "
+        print(f"every node run held a window {first - started:.1f} s after the start "
               f"(the agents' CPU then {agents_cpu_s:.1f} s)")  # fmt: skip
         time.sleep(max(0.0, started + HOLD_S - time.monotonic()))
     finally:
@@ -113,7 +113,7 @@ def test_a_big_jobs_first_and_last_windows(server, tmp_path) -> None:
         steps = sorted(m.step for m in history)
         assert run.info.status == "FINISHED" and steps == list(range(len(steps))) and len(steps) >= 2, (node, steps)
     per_node_minute = cpu_ms / (AGENTS * (done - started) / 60)
-    print(f"{backend}: server CPU {cpu_ms:.0f} ms, {per_node_minute:.1f} ms per node-minute")
+    print(f"server CPU {cpu_ms:.0f} ms, {per_node_minute:.1f} ms per node-minute")
 
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
