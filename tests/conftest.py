@@ -7,6 +7,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,47 @@ def mlflow_server(tmp_path_factory):
         yield server
 
 
+def _own_server(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[MlflowServer]:
+    mlflow_server = MlflowServer(tmp_path_factory.mktemp(name)).start()
+    try:
+        yield mlflow_server
+    finally:
+        mlflow_server.kill()  # SIGCONT + SIGKILL: fast, and safe whatever state the tests left it in
+
+
+@pytest.fixture(scope="session")
+def _killable_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    yield from _own_server(tmp_path_factory, "killable-server")
+
+
+@pytest.fixture
+def killable_server(_killable_server: MlflowServer) -> Iterator[MlflowServer]:
+    """A tracking server the test may kill and restart (same port, same database), shared by the tests
+    that kill it, one after the other, each in a run of its own: a server start is 6-15 s on 2 cores.
+    Whatever state a test leaves it in, the next one finds it up."""
+    _killable_server.resume()
+    if not _killable_server.healthy():
+        _killable_server.kill()
+        _killable_server.start()
+    yield _killable_server
+
+
+@pytest.fixture(scope="session")
+def _shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    yield from _own_server(tmp_path_factory, "pausable-server")
+
+
+@pytest.fixture
+def pausable_server(_shared_server: MlflowServer) -> Iterator[MlflowServer]:
+    """One server shared by the tests that only pause (SIGSTOP) and resume it, each in a run of its
+    own: a server start is 6-15 s on 2 cores. Resumed after each test, whatever the test did."""
+    assert _shared_server.healthy(), "the shared tracking server does not answer"
+    try:
+        yield _shared_server
+    finally:
+        _shared_server.resume()
+
+
 @pytest.fixture(scope="session")
 def auth_server(tmp_path_factory):
     """A real ``mlflow server --app-name basic-auth`` (testkit/auth_server.py): an admin, users READ by default."""
@@ -97,7 +139,7 @@ _SLOW_FOLDERS = {
     "multinode",
     "training_run",
 }
-_SLOW_FIXTURES = {"mlflow_server", "client", "auth_server", "tls_proxy"}
+_SLOW_FIXTURES = {"mlflow_server", "client", "auth_server", "tls_proxy", "killable_server", "pausable_server"}
 
 
 # `./run-tests --no-system` (OTEL_FORGE_NO_SYSTEM=1) installs no Debian package, and leaves out the tests
@@ -166,6 +208,7 @@ def _worker_group(item: pytest.Item, tests: Path) -> str | None:
     return module if shares else None
 
 
+@pytest.hookimpl(tryfirst=True)  # the groups are set before pytest-xdist's own hook reads them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
     for item in items:

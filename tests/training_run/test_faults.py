@@ -16,14 +16,7 @@ from trun_helpers import unique
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
 from testkit.hermetic import fail_fast_http
-from testkit.mlflow_server import MlflowServer
 from testkit.servers import wait_for
-
-
-@pytest.fixture(scope="module")
-def private_server(tmp_path_factory):
-    with MlflowServer(tmp_path_factory.mktemp("mlflow-private")) as server:
-        yield server
 
 
 @pytest.fixture
@@ -49,22 +42,22 @@ def _logs(run: TrainingRun, steps: range, socket_io: SocketIO, pause_s: float = 
 
 @pytest.mark.parametrize("fault, by", [("pause", "experiment id"), ("kill", "experiment name")])
 def test_transient_error_on_resume_waits_for_the_run_instead_of_forking(
-    fault, by, private_server, short_http, socket_io, tmp_path, monkeypatch, caplog
+    fault, by, killable_server, short_http, socket_io, tmp_path, monkeypatch, caplog
 ):
     caplog.set_level(logging.WARNING, logger="otel_forge")
     monkeypatch.chdir(tmp_path)
-    client = _client(private_server)
+    client = _client(killable_server)
     experiment = unique("faults")
     experiment_id = client.create_experiment(experiment)
     existing = client.create_run(experiment_id, run_name="existing").info.run_id
     client.log_metric(existing, "loss", 1.0, step=0)
     client.set_terminated(existing)
 
-    getattr(private_server, fault)()
+    getattr(killable_server, fault)()
     try:
         run = TrainingRun(
             {"lr": 0.1},
-            tracking_uri=private_server.uri,
+            tracking_uri=killable_server.uri,
             run_id=existing,
             system_metrics=False,
             experiment=experiment_id if by == "experiment id" else experiment,
@@ -76,7 +69,7 @@ def test_transient_error_on_resume_waits_for_the_run_instead_of_forking(
         assert run.start(timeout_s=3) is False  # not open yet: it goes on trying in the background
         _logs(run, range(1, 51), socket_io)
     finally:
-        private_server.resume() if fault == "pause" else private_server.start()
+        killable_server.resume() if fault == "pause" else killable_server.start()
     _logs(run, range(51, 61), socket_io)  # the server is back: the resume goes on
     wait_for(lambda: run.run_id is not None, 30, 0.1, "the run to resume once the server answers")
     run.close()
@@ -90,12 +83,12 @@ def test_transient_error_on_resume_waits_for_the_run_instead_of_forking(
     assert "MLflow logging disabled" not in caplog.text
 
 
-def test_hung_server_never_blocks_log_and_loses_nothing(private_server, short_http, tmp_path, monkeypatch, socket_io):
+def test_hung_server_never_blocks_log_and_loses_nothing(pausable_server, short_http, tmp_path, monkeypatch, socket_io):
     monkeypatch.chdir(tmp_path)
     experiment = unique("hung")
     run = TrainingRun(
         {"lr": 0.1},
-        tracking_uri=private_server.uri,
+        tracking_uri=pausable_server.uri,
         experiment=experiment,
         system_metrics=False,
         launch_argv=["train.py"],
@@ -105,20 +98,20 @@ def test_hung_server_never_blocks_log_and_loses_nothing(private_server, short_ht
     try:
         assert run.start()
         _logs(run, range(10), socket_io)
-        private_server.pause()
+        pausable_server.pause()
         try:
             stopped_at = time.monotonic()
             _logs(run, range(10, 130), socket_io, pause_s=0.02)  # ~2.5 s of a hung server
             while time.monotonic() - stopped_at < 3.5:
                 time.sleep(0.05)
         finally:
-            private_server.resume()
+            pausable_server.resume()
         _logs(run, range(130, 140), socket_io)
     finally:
         run.close()
     assert (socket_io.watched_calls, socket_io.operations) == (140, 0)  # log() never waited on the server
 
-    client = _client(private_server)
+    client = _client(pausable_server)
     data = client.get_run(run.run_id)
     assert data.info.status == "FINISHED"
     assert data.data.params == {"lr": "0.1"}

@@ -17,7 +17,6 @@ import pytest
 from trun_helpers import popen_script, run_script
 
 from testkit.hermetic import hermetic_environ
-from testkit.mlflow_server import MlflowServer
 from testkit.servers import REPO_ROOT, wait_for
 
 # Logs `steps` steps of `width` values each, at `rate` steps a second, printing each step once logged;
@@ -98,13 +97,6 @@ def client_factory():
     return MlflowClient
 
 
-@pytest.fixture(scope="module")
-def own_server(tmp_path_factory):
-    """A server of this module's own, which the tests stop (SIGSTOP) and resume."""
-    with MlflowServer(tmp_path_factory.mktemp("dies-server")) as server:
-        yield server
-
-
 @pytest.mark.parametrize("moment", ["before-the-first-flush", "mid-flush"])
 def test_a_killed_training_process_loses_no_value_and_its_run_ends_killed(moment, mlflow_server, client, experiment):
     # Before the first flush: 30 s flushes, killed after 100 steps. Mid-flush: a batch a step.
@@ -120,17 +112,19 @@ def test_a_killed_training_process_loses_no_value_and_its_run_ends_killed(moment
     _assert_every_step_once(client, run.info.run_id, logged)
 
 
-def test_killed_while_the_server_is_hung_everything_arrives_once_it_answers(own_server, client_factory, experiment):
-    process = _loop(own_server.uri, experiment)
-    client = client_factory(own_server.uri)
+def test_killed_while_the_server_is_hung_everything_arrives_once_it_answers(
+    pausable_server, client_factory, experiment
+):
+    process = _loop(pausable_server.uri, experiment)
+    client = client_factory(pausable_server.uri)
     try:
         _logged_until(process, 20)
-        own_server.pause()
+        pausable_server.pause()
         logged = _logged_until(process, 120)
         _kill(process)
         time.sleep(3)
     finally:
-        own_server.resume()
+        pausable_server.resume()
         process.kill()
     resumed_at = time.monotonic()
     run = _the_run(client, experiment)
@@ -140,11 +134,11 @@ def test_killed_while_the_server_is_hung_everything_arrives_once_it_answers(own_
 
 
 def test_killed_while_its_run_is_still_opening_the_run_is_made_and_holds_everything(
-    own_server, client_factory, experiment
+    pausable_server, client_factory, experiment
 ):
-    own_server.pause()  # the run cannot open: the loop starts at once and logs into the journal
+    pausable_server.pause()  # the run cannot open: the loop starts at once and logs into the journal
     try:
-        process = _loop(own_server.uri, experiment, wait=0.0, enter="")
+        process = _loop(pausable_server.uri, experiment, wait=0.0, enter="")
         try:
             logged = _logged_until(process, 60)
             _kill(process)
@@ -152,8 +146,8 @@ def test_killed_while_its_run_is_still_opening_the_run_is_made_and_holds_everyth
             process.kill()
         time.sleep(2)
     finally:
-        own_server.resume()
-    client = client_factory(own_server.uri)
+        pausable_server.resume()
+    client = client_factory(pausable_server.uri)
     run = _the_run(client, experiment)
     assert _ended(client, run.info.run_id) == "KILLED"
     _assert_every_step_once(client, run.info.run_id, logged)
@@ -237,14 +231,16 @@ def test_an_exit_outside_any_block_ends_the_run_by_its_code(how, mlflow_server, 
 
 
 @pytest.mark.parametrize("moment", ["mid-run", "server-hung"])
-def test_under_otel_forge_run_a_killed_command_loses_nothing(moment, own_server, client_factory, experiment, tmp_path):
-    client = client_factory(own_server.uri)
-    code = LOOP.format(uri=own_server.uri, experiment=experiment, steps=200, width=1, rate=50, flush=30.0, wait=15.0,
-                       enter="run.start(30)")  # fmt: skip
+def test_under_otel_forge_run_a_killed_command_loses_nothing(
+    moment, pausable_server, client_factory, experiment, tmp_path
+):
+    client = client_factory(pausable_server.uri)
+    code = LOOP.format(uri=pausable_server.uri, experiment=experiment, steps=200, width=1, rate=50, flush=30.0,
+                       wait=15.0, enter="run.start(30)")  # fmt: skip
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(code))
     env = hermetic_environ({"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"), "PYTHONPATH": str(REPO_ROOT)},
-                           prefixes=("OTEL_", "MLFLOW_"), MLFLOW_TRACKING_URI=own_server.uri)  # fmt: skip
+                           prefixes=("OTEL_", "MLFLOW_"), MLFLOW_TRACKING_URI=pausable_server.uri)  # fmt: skip
     wrapper = subprocess.Popen(
         [sys.executable, "-m", "otel_forge.cli", "run", "--no-prometheus", "--experiment", experiment, "--",
          sys.executable, "-u", str(script)],  # fmt: skip
@@ -253,16 +249,16 @@ def test_under_otel_forge_run_a_killed_command_loses_nothing(moment, own_server,
     try:
         logged = _logged_until(wrapper, 100)
         if moment == "server-hung":
-            own_server.pause()
+            pausable_server.pause()
             logged = _logged_until(wrapper, 150)
         [cmd] = [c for c in psutil.Process(wrapper.pid).children() if str(script) in " ".join(c.cmdline())]
         os.kill(cmd.pid, signal.SIGKILL)
         if moment == "server-hung":
             time.sleep(2)
-            own_server.resume()
+            pausable_server.resume()
         assert wrapper.wait(timeout=60) == 128 + signal.SIGKILL
     finally:
-        own_server.resume()
+        pausable_server.resume()
         wrapper.kill()
     run = _the_run(client, experiment)
     assert client.get_run(run.info.run_id).info.status == "KILLED"
