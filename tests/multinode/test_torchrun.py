@@ -80,6 +80,9 @@ def test_otel_forge_run_per_node_around_torchrun(spelling, mlflow_server, client
     assert loss_steps(client, run) == list(range(10))
 
 
+# The run opens only once torchrun's worker runs, within the job's 6 s and the close's drain: under
+# a second worker's load the job once ended before its run opened (its values left for a replay).
+@pytest.mark.serial
 def test_a_node_that_cannot_tell_it_hosts_the_rendezvous_opens_the_run_once_its_worker_is_rank_0(
     mlflow_server, client, job_repo, tmp_path
 ) -> None:
@@ -116,6 +119,7 @@ def test_a_node_that_cannot_tell_it_hosts_the_rendezvous_opens_the_run_once_its_
     result = subprocess.run(argv, cwd=job_repo, env=env, capture_output=True, text=True, timeout=180, check=False)
 
     assert result.returncode == 0, result.stderr
+    assert client.get_experiment_by_name(experiment) is not None, result.stderr[-3000:]
     run = the_run(client, experiment)
     assert run.info.status == "FINISHED"
     [node] = _node_prefixes(run)  # wrapper and worker: one node id
