@@ -1,7 +1,8 @@
-"""Session fixtures: one real ``mlflow server``, its client, a basic-auth ``mlflow server`` and a TLS
-proxy in front of the first (started only for the tests that ask for them), and the socket watch
-(tests/socket_io.py); the ``slow`` marker on every test that needs a server process; a ``serial`` test
-alone on the machine while the others run in two workers; what ``./run-tests --no-system`` leaves out."""
+"""Session fixtures: one real ``mlflow server``, its client, one the tests may kill and one they may
+pause, a basic-auth ``mlflow server`` and a TLS proxy in front of the first (started only for the tests
+that ask for them), and the socket watch (tests/socket_io.py); the ``slow`` marker on every test that
+needs a server process; the worker groups (pytest-xdist's ``loadgroup``); a ``serial`` test alone on
+the machine while the others run in two workers; what ``./run-tests --no-system`` leaves out."""
 
 import fcntl
 import os
@@ -85,19 +86,19 @@ def killable_server(_killable_server: MlflowServer) -> Iterator[MlflowServer]:
 
 
 @pytest.fixture(scope="session")
-def _shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+def _pausable_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
     yield from _own_server(tmp_path_factory, "pausable-server")
 
 
 @pytest.fixture
-def pausable_server(_shared_server: MlflowServer) -> Iterator[MlflowServer]:
+def pausable_server(_pausable_server: MlflowServer) -> Iterator[MlflowServer]:
     """One server shared by the tests that only pause (SIGSTOP) and resume it, each in a run of its
     own: a server start is 6-15 s on 2 cores. Resumed after each test, whatever the test did."""
-    assert _shared_server.healthy(), "the shared tracking server does not answer"
+    assert _pausable_server.healthy(), "the shared tracking server does not answer"
     try:
-        yield _shared_server
+        yield _pausable_server
     finally:
-        _shared_server.resume()
+        _pausable_server.resume()
 
 
 @pytest.fixture(scope="session")
