@@ -268,6 +268,12 @@ _NO_CONNECTION = ("connection refused", "host name not resolved", "no route to h
 _TLS_FAILED = re.compile(r"\[SSL: [A-Z0-9_]{1,64}\] (?P<reason>[^()'\"]{1,200}?)\s*(?:\(_ssl|['\")]|$)")
 
 
+def open_failure(error: BaseException, experiment: str | None) -> str:
+    """What the run's opener says of a server that did not answer: the outage's cause and fix, or
+    ``does not answer (why)``."""
+    return outage_cause(error, experiment) or f"does not answer ({unanswered_reason(error)})"
+
+
 def unanswered_reason(error: BaseException) -> str:
     """Why the tracking server did not answer, in a few words (``connection refused``, ``HTTP 503``),
     or, for an outage only the user can end, its cause and fix (``outage_cause``)."""

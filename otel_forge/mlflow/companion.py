@@ -101,6 +101,12 @@ class CompanionProcess:
             )
             self._spawn()
 
+    @property
+    def delivers(self) -> bool:
+        """A companion runs, or one will be started again: the journal is being delivered."""
+        process = self._process
+        return process is not None and (process.poll() is None or self._restarts < MOST_RESTARTS)
+
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """The run is open: the windows sampled so far, and all after, go to it."""
         with self._lock:

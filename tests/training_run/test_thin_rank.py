@@ -5,10 +5,13 @@ connection to the server; one that fails still ends the run FAILED with its outc
 
 from __future__ import annotations
 
+import getpass
 import json
+import subprocess
+import sys
 
 import pytest
-from trun_helpers import popen_script, run_script, unique
+from trun_helpers import _script_environ, popen_script, run_script, unique
 
 RANK_SCRIPT = """
 import json, socket, sys
@@ -90,3 +93,54 @@ def test_a_rank_that_knows_only_the_job_key_looks_for_the_run_only_when_it_fails
     finally:
         zero.stdin.close()
         zero.wait(timeout=60)
+
+
+RANK_ZERO_THIN_SCRIPT = """
+import json, socket, sys
+connects = []
+connect = socket.socket.connect
+socket.socket.connect = lambda sock, address: (connects.append(address), connect(sock, address))[1]
+from otel_forge import TrainingRun
+
+with TrainingRun(config={"lr": 0.1}, system_metrics=False) as run:
+    run.log({"loss": 1.0}, step=0)
+    inside = {"mlflow": "mlflow" in sys.modules, "connects": len(connects), "run_id": run.run_id}
+    import mlflow  # a framework's MLflow calls inside the block: the job's run
+
+    mlflow.log_metric("framework", 2.0, step=0)
+    inside["framework_run"] = mlflow.active_run().info.run_id
+print(json.dumps(inside))
+"""
+
+
+@pytest.mark.parametrize("key", ["job key", "new run"])
+def test_rank_zero_opens_its_run_through_the_companion_with_no_mlflow_import_and_no_connection(
+    mlflow_server, client, tmp_path, key
+):
+    """Global rank 0 journals only: its companion opens the run from the journal (a new one, or the
+    job key's) and tells it the id, before the block begins; MLflow's context tags are the script's,
+    and a framework's MLflow calls inside the block go to the job's run."""
+    experiment = unique("thin-zero")
+    job = {"OTEL_FORGE_JOB_ID": unique("job")} if key == "job key" else {}
+    script = tmp_path / "train.py"
+    script.write_text(RANK_ZERO_THIN_SCRIPT)
+    env = _rank_environ(mlflow_server.uri, None, 0, tmp_path, MLFLOW_EXPERIMENT_NAME=experiment, **job)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=_script_environ(env), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert (seen["mlflow"], seen["connects"]) == (False, 0), done.stderr
+    run = client.get_run(seen["run_id"])
+    assert seen["framework_run"] == run.info.run_id
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == experiment
+    assert {k: m for k, m in run.data.metrics.items()} == {"loss": 1.0, "framework": 2.0}
+    assert run.data.params == {"lr": "0.1"}
+    tags = run.data.tags
+    assert (tags["mlflow.source.name"], tags["mlflow.user"], tags["mlflow.runName"]) == (
+        str(script),
+        getpass.getuser(),
+        "train",
+    )
+    assert tags.get("otel_forge.job.key", "").startswith(job.get("OTEL_FORGE_JOB_ID", "otel-forge-"))

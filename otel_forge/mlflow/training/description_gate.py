@@ -17,17 +17,23 @@ itself, as it does where MLflow has no such registry.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from urllib.parse import urlsplit
 
 from otel_forge.mlflow.training.journal_cursor import wait_described
+from otel_forge.progress.import_hooks import when_imported
 
 # The threads that never wait: otel_forge's (a delivery thread, the sampler's), the run's opener.
 OWN_THREADS = ("otel-forge", "mlflow-run-owner", "mlflow-system-metrics")
+_REGISTRY = "mlflow.tracking.request_header.registry"
 _REST_SCHEMES = frozenset({"http", "https", "databricks"})  # URIs MLflow's client calls over REST
 
 
@@ -73,16 +79,26 @@ def held() -> Path | None:
 
 
 def _register() -> bool:
+    """The gate in MLflow's registry: now, where MLflow is imported; else once it is (a process that
+    never imports it makes no call to hold)."""
     global _registered
     with _registering:
         if not _registered:
-            try:
-                from mlflow.tracking.request_header.registry import _request_header_provider_registry
-            except ImportError:
+            if "mlflow" in sys.modules:
+                try:
+                    _register_in(importlib.import_module(_REGISTRY))
+                except ImportError:
+                    return False
+            elif importlib.util.find_spec("mlflow") is None:
                 return False
-            _request_header_provider_registry.register(DescriptionGate)
+            else:
+                when_imported(_REGISTRY, _register_in)
             _registered = True
     return True
+
+
+def _register_in(registry: ModuleType) -> None:
+    registry._request_header_provider_registry.register(DescriptionGate)  # noqa: SLF001 - its only name
 
 
 def _wait(pending: _Pending) -> None:

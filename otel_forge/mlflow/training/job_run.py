@@ -10,7 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from otel_forge.mlflow.client import RunGone, TrackingClient, live_run, run_gone
+from otel_forge.config import ConfigError
+from otel_forge.mlflow.client import RunGone, TrackingClient, classify, live_run, run_gone
+from otel_forge.mlflow.delivery.retry import Outcome
 from otel_forge.mlflow.training.outcome import begin_attempt
 from otel_forge.mlflow.training.rendezvous import (
     create_experiment,
@@ -21,6 +23,7 @@ from otel_forge.mlflow.training.rendezvous import (
 )
 from otel_forge.mlflow.training.run_metadata import DESCRIBED_TAG
 from otel_forge.mlflow.training.run_owner import OpenRun
+from otel_forge.mlflow.training.run_plan import is_remote
 from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.training.run_state import RunEvent, RunState
 from otel_forge.mlflow.training.script_run import ScriptRun
@@ -34,6 +37,14 @@ _ADOPT_POLL_S = 0.05
 
 class MissingRun(LookupError):
     """The run id names no run at all (deleted runs are replaced; a mistyped id is not)."""
+
+
+def transient_open_error(error: BaseException, tracking_uri: str) -> bool:
+    """An outage of a tracking server, worth waiting through for the run; a missing run, a bad setting
+    and a local store's errors are not (but a store another process holds locked)."""
+    if isinstance(error, (MissingRun, ConfigError)) or classify(error) is not Outcome.RETRY:
+        return False
+    return is_remote(tracking_uri) or "database is locked" in str(error)
 
 
 @dataclass(frozen=True)

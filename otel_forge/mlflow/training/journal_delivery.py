@@ -94,7 +94,7 @@ class JournalDelivery:
         cursor = Cursor.load(directory)
         tail = JournalTail(directory, cursor.offset, lambda: world.writer_alive(header), world.clock, pace.fsync_s)
         uri = tracking_uri or header.get("tracking_uri")
-        run = JournalRun(uri, cursor, lambda: self._source.save(), world, on_run, job_run)
+        run = JournalRun(uri, cursor, lambda: self._source.save(), world, on_run, job_run, directory)
         self._source = JournalSource(
             directory, tail, cursor, run, clock=world.clock, flush_interval_s=pace.flush_interval_s,
             patience_s=pace.patience_s, on_delivered=on_delivered,
@@ -214,6 +214,9 @@ class JournalDelivery:
         )
 
     def _notice_level(self) -> int:
+        source = self._source
+        if source.run.open_run is None and source.run.opens_for_writer and not source.tail.writer_done:
+            return logging.DEBUG  # its writer waits for the run we open, and says why there is none yet
         return logging.INFO if self._caller_reports else kept_notice_level(self.directory)
 
     @property

@@ -10,18 +10,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otel_forge.mlflow.client import classify, import_mlflow
+from otel_forge.mlflow.client import classify, import_mlflow, open_failure
 from otel_forge.mlflow.delivery.retry import Outcome
 from otel_forge.mlflow.training.delivery_world import DeliveryWorld
+from otel_forge.mlflow.training.job_run import transient_open_error
 from otel_forge.mlflow.training.journal_cursor import Cursor
 from otel_forge.mlflow.training.journal_tail import ROWS, Item, MetricRow
 from otel_forge.mlflow.training.run_journal import CHECKPOINT, END, RECORD, Record, RunEnd
+from otel_forge.mlflow.training.run_notice import RunNotice
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.training.run_state import RunEvent, RunState
 from otel_forge.node import NodeIdentity, torchrun_attempt
 from otel_forge.ratelimit import RateLimitedLogger
-from otel_forge.scrub import error_line
+from otel_forge.scrub import error_line, scrub
 
 _logger = logging.getLogger(__name__)
 
@@ -41,8 +43,11 @@ class JournalRun:
         world: DeliveryWorld,
         on_run: Callable[[OpenRun], None] | None = None,
         job_run: Callable[[], str | None] | None = None,
+        directory: Path | None = None,
     ) -> None:
         self.uri = uri
+        self._directory = directory  # the journal's: where its writer is told the run we open for it
+        self._refused = False  # the run we open for the writer cannot be opened (a missing run id)
         self._cursor = cursor
         self._save = save
         self._world = world
@@ -65,7 +70,14 @@ class JournalRun:
     def live(self, writer_done: bool) -> OpenRun:
         """The run, found (or opened) and described; ``RunNotOpenYet`` while the writer may yet open it."""
         if self.open_run is None:
-            self.open_run = self._find(writer_done)
+            try:
+                self.open_run = self._find(writer_done)
+            except RunNotOpenYet:
+                raise
+            except Exception as error:
+                self._tell_not_open(error)
+                raise
+            self._tell(RunNotice(run={**(self._cursor.run or {}), "described": self.open_run.described}))
         if self._cursor.undescribed:  # retried until every record is in: a call may fail on the way
             for kind, payload in self._cursor.describe.get("records", []):
                 Record(kind, payload).deliver(self.open_run.client, self.open_run.run_id)
@@ -147,11 +159,12 @@ class JournalRun:
     def _find(self, writer_done: bool) -> OpenRun:
         known = self._cursor.opened or self._cursor.run
         job_run = self._job_run() if self._job_run and known is None else None
-        if known is None and job_run is None and not writer_done:
+        if known is None and job_run is None and not writer_done and not self.opens_for_writer:
             raise RunNotOpenYet()  # no client before there is a run: a local store is made once, by its opener
         if self._client is None:
             self._world.check_connects(self.uri)  # a server that is down costs no MLflow import (a second)
             self._client = self._world.make_client(self.uri)
+            self._tell(RunNotice())  # the server is asked now: the writer's wait for the run counts from here
         if known is None and job_run is not None:
             # The launcher's run, opened by its own journal's delivery: this journal describes it too,
             # and names it as the script did (online, the script's TrainingRun renames the run handed to it).
@@ -173,6 +186,24 @@ class JournalRun:
         if self._on_run is not None:
             self._on_run(run)
         return run
+
+    @property
+    def opens_for_writer(self) -> bool:
+        """The writer left the run to us (``RunPlan.delivery_opens``), and has described it: open it now
+        (unless it cannot be opened: the writer, told so, disables its journal)."""
+        return bool(self._cursor.plan.get("delivery_opens")) and bool(self._cursor.describe) and not self._refused
+
+    def _tell(self, notice: RunNotice) -> None:
+        if self._directory is not None and self._cursor.plan.get("delivery_opens"):
+            notice.tell(self._directory)
+
+    def _tell_not_open(self, error: BaseException) -> None:
+        """The writer waits for the run: say why there is none yet, or will be none."""
+        if not transient_open_error(error, self.uri or ""):
+            self._refused = self._refused or bool(self._cursor.plan.get("delivery_opens"))
+            self._tell(RunNotice(refused=error_line(error)))
+        else:
+            self._tell(RunNotice(unanswered=open_failure(error, self.experiment)))
 
     def _open_from_plan(self) -> dict[str, Any]:
         """The run the training process would have opened, had the server answered while it ran."""
@@ -212,6 +243,10 @@ class JournalRun:
         tags = dict(self._cursor.describe.get("creation_tags") or self._cursor.plan.get("tags") or {})
         if job_key:
             tags[JOB_KEY_TAG] = job_key
+        if (argv := self._cursor.describe.get("context_argv")) is not None:
+            from otel_forge.mlflow.training.run_context import context_tags_of
+
+            tags = {key: scrub(str(value)) for key, value in context_tags_of(argv, tags).items()}
         return self._cursor.plan.get("run_name"), tags
 
 

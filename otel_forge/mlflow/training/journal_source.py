@@ -22,6 +22,7 @@ from otel_forge.mlflow.training.journal_tail import MARK, ROWS, Item, JournalTai
 from otel_forge.mlflow.training.run_journal import END, METRICS, RunEnd
 
 POLL_S = 0.1  # how often a quiet journal is read again
+_OPEN = Item("open", None, None)  # the run to open for its writer (``RunPlan.delivery_opens``): not a journal entry
 
 
 class JournalSource:
@@ -61,6 +62,8 @@ class JournalSource:
         self._read()
         if self.tail.control.disabled:
             return Ended.ALL
+        if self.run.open_run is None and self.run.opens_for_writer:
+            return Call(_OPEN, 0)  # at once, values or not: the writer waits for it
         if (item := self._next_item(closing)) is not None:
             return Call(item, len(item.data) if item.kind == ROWS else 0)  # counted: the values
         if self.tail.read_all and not self.tail.items:
@@ -73,7 +76,9 @@ class JournalSource:
         return POLL_S
 
     def send(self, item: Item) -> None:
-        if item.kind != MARK:
+        if item is _OPEN:
+            self.run.live(self.tail.writer_done)
+        elif item.kind != MARK:
             delivered = self.run.send(item, self.tail.writer_done)
             self.delivered_values += delivered
             if delivered and self._on_delivered is not None:
@@ -84,6 +89,8 @@ class JournalSource:
 
     def delivered(self, call: Call[Item]) -> None:
         item = call.payload
+        if item is _OPEN:
+            return
         taken = item.data if item.kind == ROWS else [item]
         for _ in taken:
             self.tail.items.popleft()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ _CALLER_FRAMES = 8  # how far up a run's creation MLflow's tag resolution is fro
 _RECENT_EXPERIMENTS = 20  # where a job's runs in other experiments are looked for, at its end
 _RUNS_NAMED = 10
 _CLAIMED_WAIT_S = 10.0  # for the run another process of the job claimed to be published
+_ARGV_LOCK = threading.Lock()  # sys.argv is the training process's while its context tags resolve
 
 
 class LaunchedRunContext(RunContextProvider):
@@ -228,6 +230,17 @@ def runs_elsewhere(client: TrackingClient, run_id: str, experiment_id: str) -> l
     return [
         (run.info.run_id, others[run.info.experiment_id]) for run in found if WARNED_AT_OPEN_TAG not in run.data.tags
     ]
+
+
+def context_tags_of(argv: Sequence[str], tags: Mapping[str, str]) -> dict[str, str]:
+    """``context_tags`` as they resolve in the process whose ``sys.argv`` is ``argv`` (MLflow names the
+    source by ``sys.argv[0]``): the companion opening the run of a training process without MLflow."""
+    with _ARGV_LOCK:
+        own, sys.argv = sys.argv, list(argv)
+        try:
+            return context_tags(tags)
+        finally:
+            sys.argv = own
 
 
 def context_tags(tags: Mapping[str, str]) -> dict[str, str]:

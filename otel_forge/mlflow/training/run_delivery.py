@@ -29,8 +29,15 @@ class RunDelivery:
         self._here = here
         self._thread: tuple[JournalDelivery, threading.Thread] | None = None
         self._companion: CompanionProcess | None = None
+        self._started = False
 
     def start(self) -> None:
+        try:
+            self._start()
+        finally:
+            self._started = True
+
+    def _start(self) -> None:
         plan, journal = self._plan, self._journal
         if journal is not None and self._here:
             delivery = JournalDelivery.for_config(journal, plan.forge_config, plan.tracking_uri)
@@ -48,6 +55,13 @@ class RunDelivery:
             self._companion = companion.start()
         except Exception as error:  # noqa: BLE001 - the journal stays for `otel-forge replay`
             _logger.warning("the otel-forge companion did not start: %s", error_line(error))
+
+    def delivers_journal(self) -> bool | None:
+        """Another process of ours delivers the journal (and opens the run, where the plan says so);
+        None until ``start`` has started it, or failed to."""
+        if not self._started:
+            return None
+        return self._journal is not None and self._companion is not None and self._companion.delivers
 
     def attach(self, run: OpenRun) -> None:
         """The run is open: the node's windows go to it."""

@@ -4,6 +4,7 @@ caller's), the launch file, the config as an artifact and as params. Secrets are
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +34,17 @@ CONFIG_ARTIFACT = "config.json"
 MAX_PARAM_KEY_CHARS = 250  # MLflow's limit
 
 
-class DescribeEntry(TypedDict):
-    """The journal's ``describe`` entry: a new run's tags, and the records that describe it."""
-
+class _DescribeFields(TypedDict):
     creation_tags: dict[str, str]
     records: list[tuple[str, object]]  # (kind, payload) of each Record, in order
+
+
+class DescribeEntry(_DescribeFields, total=False):
+    """The journal's ``describe`` entry: a new run's tags, and the records that describe it.
+    ``context_argv``: MLflow's context tags are not in ``creation_tags`` yet; the process that opens
+    the run resolves them, as for a process whose ``sys.argv`` this is."""
+
+    context_argv: list[str]
 
 
 @dataclass(frozen=True)
@@ -65,10 +72,13 @@ class RunDescription:
             records.extend(Record("params", params) for params in batches(self._param_keys(flatten_params(plain))))
         return records
 
-    def journal_entry(self, node: NodeIdentity) -> DescribeEntry:
-        """What a new run records, as the journal keeps it for whichever process opens the run."""
+    def journal_entry(self, node: NodeIdentity, resolve_context: bool = True) -> DescribeEntry:
+        """What a new run records, as the journal keeps it for whichever process opens the run;
+        ``resolve_context`` False: MLflow's context tags are left to it (no MLflow import here)."""
         records: list[tuple[str, object]] = [(record.kind, record.payload) for record in self.records(node)]
-        return {"creation_tags": self.creation_tags(node.job_key), "records": records}
+        if resolve_context:
+            return {"creation_tags": self.creation_tags(node.job_key), "records": records}
+        return {"creation_tags": self._keyed_tags(node.job_key), "records": records, "context_argv": list(sys.argv)}
 
     def new_run(self, job_key: str | None) -> tuple[str | None, dict[str, str]]:
         """A new run's name (where none is asked for) and tags."""
@@ -83,13 +93,16 @@ class RunDescription:
     def creation_tags(self, job_key: str | None) -> dict[str, str]:
         """A new run's tags: MLflow's context tags, as ``mlflow.start_run`` resolves them, under ours
         (the job key, the caller's). Ours are set again by the tags record, which adds git state."""
-        ours = self.own_tags()
-        if job_key:
-            ours[JOB_KEY_TAG] = job_key
         import_mlflow()  # under its lock, with our client defaults: run_context is MLflow's plugin module
         from otel_forge.mlflow.training.run_context import context_tags
 
-        return {key: scrub(str(value)) for key, value in context_tags(ours).items()}
+        return {key: scrub(str(value)) for key, value in context_tags(self._keyed_tags(job_key)).items()}
+
+    def _keyed_tags(self, job_key: str | None) -> dict[str, str]:
+        tags = self.own_tags()
+        if job_key:
+            tags[JOB_KEY_TAG] = job_key
+        return tags
 
     def _run_tags(self, node: NodeIdentity) -> dict[str, str]:
         tags = {

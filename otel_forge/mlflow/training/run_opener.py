@@ -7,22 +7,25 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from otel_forge.config import TOLD_SPOOL_ENV, ConfigError
-from otel_forge.mlflow.client import classify, lazy_client, make_client, outage_cause, unanswered_reason
-from otel_forge.mlflow.delivery.retry import Outcome
+from otel_forge.config import TOLD_SPOOL_ENV
+from otel_forge.mlflow.client import lazy_client, make_client, open_failure
 from otel_forge.mlflow.fluent_runs import fluent_run_id, forget_fluent_run
 from otel_forge.mlflow.server_probe import ServerRefused, check_connects
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
-from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, MissingRun
+from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, transient_open_error
 from otel_forge.mlflow.training.launched_run import make_process_run
 from otel_forge.mlflow.training.outcome import end_run
+from otel_forge.mlflow.training.run_notice import RunNotice
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
-from otel_forge.mlflow.training.run_plan import RunPlan, is_remote
+from otel_forge.mlflow.training.run_plan import RunPlan
 from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.training.run_state import RunEvent, RunState, RunStateMachine
 from otel_forge.mlflow.training.script_run import PublishedRun, ScriptRun
@@ -32,11 +35,29 @@ from otel_forge.scrub import error_line, uri_without_credentials
 _logger = logging.getLogger(__name__)
 
 _FIRST_OPEN_RETRY_S, _MAX_OPEN_RETRY_S = 1.0, 10.0
+_NOTICE_POLL_S = 0.05  # how often a process whose companion opens the run looks for its notice
+# A companion that has not asked the server by then (its start, MLflow's import) is waited for as one
+# that asks: the enter's wait for the run counts from here.
+_COMPANION_START_S = 30.0
 _DATABRICKS_AUTH_HINT = (
     "Databricks authentication: set DATABRICKS_HOST with DATABRICKS_TOKEN, or a profile in "
     "~/.databrickscfg (DATABRICKS_CONFIG_PROFILE), or OAuth M2M (DATABRICKS_CLIENT_ID and "
     "DATABRICKS_CLIENT_SECRET), or run `databricks auth login`"
 )
+
+
+class OpenedElsewhere(Exception):
+    """What the companion that opens the run (``RunPlan.delivery_opens``) told: why it has not yet, or
+    will not; or that this process closed before it told anything (it opens the run all the same)."""
+
+
+@dataclass(frozen=True)
+class CompanionOpens:
+    """Where the companion that opens the run tells it (the journal's directory), and whether a
+    companion delivers that journal (None: not started yet; False: none will, so we open it)."""
+
+    directory: Path
+    delivers: Callable[[], bool | None]
 
 
 class RunOpener:
@@ -63,6 +84,7 @@ class RunOpener:
         self.script_run_id: str | None = None  # the MLflow run the script had open when we began
         self.adopts: ScriptRun | None = None  # another process of the job claimed the run: its publication
         self._restore_environ: Callable[[], None] | None = None
+        self.companion: CompanionOpens | None = None  # where the plan leaves the open to the companion
 
     @property
     def owner(self) -> RunOwner | None:
@@ -151,7 +173,7 @@ class RunOpener:
         """Find or make the run (explicit id > job key > new). A server that does not answer
         (refused, timed out, 5xx, 429, a refused credential) is retried with backoff until it does
         or the run is closed: the job outlives the server, and the journal keeps what it logs."""
-        run = self._given_run() or self._found_run()
+        run = self._given_run() or self._companions_run() or self._found_run()
         if run is None:
             self.machine.fire(RunEvent.REFUSED)  # no run to attach to (or closed meanwhile)
             return None
@@ -173,6 +195,41 @@ class RunOpener:
         self.machine.asked()
         client = lazy_client(plan.tracking_uri)
         return OpenRun(plan.source.run_id, None, plan.forge_config.experiment_id, plan.experiment, True, None, client)
+
+    def _companions_run(self) -> OpenRun | None:
+        """The run the companion opened from the journal, as its notice tells it (no MLflow here); None
+        where no companion delivers the journal after all: this process opens the run then."""
+        if not self.plan.delivery_opens or self.companion is None:
+            return None
+        for prepare in self.before_open:
+            prepare()  # the description, which the companion opens the run with
+        began, unanswered = time.monotonic(), None
+        while True:
+            notice = RunNotice.read(self.companion.directory)
+            if notice is not None and notice.run is not None:
+                return self._noticed_run(notice.run)
+            if notice is not None or time.monotonic() - began > _COMPANION_START_S:
+                self.machine.asked()
+            if notice is not None and notice.refused is not None:
+                self._fail(OpenedElsewhere(notice.refused))
+                raise OpenedElsewhere(notice.refused)
+            if notice is not None and notice.unanswered not in (None, unanswered):
+                unanswered = notice.unanswered
+                self._unanswered(OpenedElsewhere(unanswered), unanswered)
+            if self.companion.delivers() is False:
+                _logger.debug("no companion delivers the journal: the run is opened here")
+                return None
+            if self.machine.left:
+                raise OpenedElsewhere("closed before the companion opened the run; it opens it still")
+            self.machine.pause(_NOTICE_POLL_S)
+
+    def _noticed_run(self, known: dict[str, Any]) -> OpenRun:
+        plan = self.plan
+        return OpenRun(
+            known["run_id"], known.get("run_name"), known.get("experiment_id"), known.get("experiment") or "",
+            bool(known.get("resumed")), known.get("last_step"), lazy_client(plan.tracking_uri),
+            described=bool(known.get("described")),
+        )  # fmt: skip
 
     def _found_run(self) -> OpenRun | None:
         pause_s = _FIRST_OPEN_RETRY_S
@@ -245,12 +302,14 @@ class RunOpener:
 
     def _transient(self, error: BaseException) -> bool:
         """An outage of a tracking server, worth waiting for; a local store's errors are not."""
-        if isinstance(error, (MissingRun, ConfigError)) or classify(error) is not Outcome.RETRY:
+        if not transient_open_error(error, self.plan.tracking_uri):
             return False
-        if not is_remote(self.plan.tracking_uri) and "database is locked" not in str(error):
-            return False
+        self._unanswered(error, open_failure(error, self.plan.experiment))
+        return True
+
+    def _unanswered(self, error: BaseException, cause: str) -> None:
         if self.machine.fire(RunEvent.UNANSWERED) is not RunState.OPENING:
-            return True  # told at the first failure (or closing: said at the end)
+            return  # told at the first failure (or closing: said at the end)
         if self.on_unanswered:
             for callback in self.on_unanswered:
                 callback(error)
@@ -260,9 +319,8 @@ class RunOpener:
                 "open-retry",
                 "MLflow at %s: %s; the run opens when it answers, and everything logged is kept meanwhile",
                 uri_without_credentials(self.plan.tracking_uri),
-                outage_cause(error, self.plan.experiment) or f"does not answer ({unanswered_reason(error)})",
+                cause,
             )
-        return True
 
     def _fail(self, error: BaseException) -> None:
         self.error = error

@@ -49,6 +49,8 @@ class RunPlan:
     delivered_by_launcher: bool  # `otel-forge run` delivers our journal (it reads its job's directory)
     init_deadline_s: float
     end_deadline_s: float
+    # The companion opens the run from the journal and tells us (``RunNotice``): no MLflow in this process.
+    delivery_opens: bool = False
 
     @classmethod
     def resolve(
@@ -140,6 +142,7 @@ class RunPlan:
             "source": self.source.entry(),
             "run_name": self.run_name or default_run_name,
             "named": self.run_name,  # the name the script gave: the launcher's run takes it, as online
+            "delivery_opens": self.delivery_opens,
             "tags": dict(tags),
             "node": dataclasses.asdict(self.node),
             "attempt_environ": {

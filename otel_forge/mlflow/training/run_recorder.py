@@ -64,7 +64,7 @@ class RunRecorder:
             return
         try:
             if self.journal is not None and not self._described:
-                self.journal.describe(self._description.journal_entry(plan.node))
+                self.journal.describe(self._description.journal_entry(plan.node, not plan.delivery_opens))
             self._described = True
         finally:
             self._describing.release()
@@ -85,7 +85,7 @@ class RunRecorder:
         """The run is open; ``run_name``: the name the script gives a run handed to it."""
         if self.journal is None:
             return
-        self.journal.opened({**dataclasses.asdict(run, dict_factory=_known), "describe": describe})
+        self.journal.opened({**_known(run), "describe": describe})
         if run_name and run.run_name != run_name:
             self.journal.record(Record("run_name", run_name))  # as mlflow.start_run(run_name=) would
             run.run_name = run_name
@@ -106,6 +106,7 @@ def checkpoint_model_name(run: OpenRun | None, run_name: str | None, step: int) 
     return f"{key_segment((run.run_name or run.run_id) if run else (run_name or 'run'))}-step-{step}"
 
 
-def _known(fields: list[tuple[str, object]]) -> dict[str, object]:
-    """An ``OpenRun`` as the journal keeps it: what it knows of the run, not its client."""
-    return {name: value for name, value in fields if name not in ("client", "described")}
+def _known(run: OpenRun) -> dict[str, object]:
+    """An ``OpenRun`` as the journal keeps it: what it knows of the run, not its client (which a copy
+    would make, where it is made at its first call)."""
+    return {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name not in ("client", "described")}

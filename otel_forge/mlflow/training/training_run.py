@@ -5,6 +5,7 @@ the training process dies. A facade over one object per role: ``RunPlan`` (what 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -25,7 +26,7 @@ from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
 from otel_forge.mlflow.training.run_journal import Record, RunEnd
-from otel_forge.mlflow.training.run_opener import RunOpener, claim_or_adopt
+from otel_forge.mlflow.training.run_opener import CompanionOpens, RunOpener, claim_or_adopt
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT, RunPlan, embedded_tracking_uri
 from otel_forge.mlflow.training.run_recorder import RunRecorder, checkpoint_model_name
@@ -143,7 +144,7 @@ class TrainingRun:
             script_run_id = fluent_run_id()
             if self.plan.owns_run:
                 self._opener.key_the_run(script_run_id)
-                self._recorder = recorder = RunRecorder(self.plan, self._description, self._deliver_here)
+                self._recorder = recorder = self._new_recorder(script_run_id)
                 self._opener.before_open.append(lambda: recorder.describe(self.plan))
                 self._opener.on_fail.append(recorder.disabled)
             script_origin = self.plan.source.origin is RunOrigin.SCRIPT
@@ -156,6 +157,33 @@ class TrainingRun:
             self._delivery = RunDelivery(self.plan, self.journal_directory, self._deliver_here)
             self._delivery.start()
             self._exit_handlers.install()
+
+    def _new_recorder(self, script_run_id: str | None) -> RunRecorder:
+        """The journal; where the companion can open the run from it, the plan leaves it to the
+        companion (``delivery_opens``): this process then imports no MLflow and connects to nothing."""
+        if self._companion_opens(script_run_id):
+            self._opener.plan = dataclasses.replace(self.plan, delivery_opens=True)
+        recorder = RunRecorder(self.plan, self._description, self._deliver_here)
+        if self.plan.delivery_opens and recorder.directory is None:
+            self._opener.plan = dataclasses.replace(self.plan, delivery_opens=False)  # no journal to open it from
+        elif self.plan.delivery_opens and recorder.directory is not None:
+            self._opener.companion = CompanionOpens(recorder.directory, self._companion_delivers)
+        return recorder
+
+    def _companion_opens(self, script_run_id: str | None) -> bool:
+        """A companion delivers our journal, and the run is one it can open as we would: given by id, the
+        job key's, or new. A process that has imported MLflow already opens it itself (at once)."""
+        plan = self.plan
+        return (
+            not self._deliver_here
+            and not plan.delivered_by_launcher
+            and plan.source.origin in (RunOrigin.GIVEN, RunOrigin.JOB_KEY, RunOrigin.NEW)
+            and script_run_id is None
+            and "mlflow" not in sys.modules
+        )
+
+    def _companion_delivers(self) -> bool | None:
+        return None if (delivery := self._delivery) is None else delivery.delivers_journal()
 
     def _wait_for_script(self, script: ScriptRun) -> None:
         """The script may name the experiment yet: the run opens at its first MLflow run, at our first
