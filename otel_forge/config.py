@@ -783,6 +783,9 @@ LAUNCHER_OPENS = "pending"
 SCRIPT_OPENS = "script"
 # That run again if the launcher described it just now (the command's TrainingRun adds its config).
 DESCRIBE_RUN_ENV = "OTEL_FORGE_DESCRIBE_RUN_ID"
+# The last training step the launched run held when the launcher opened it: rank 0, which attaches to
+# it without reading it, skips the steps a resumed run holds already, as its own open would have.
+LAUNCHED_LAST_STEP_ENV = "OTEL_FORGE_LAUNCHED_LAST_STEP"
 # The node the launcher samples already (NodeIdentity.sampling_key): the command's TrainingRun does not.
 SAMPLED_NODE_ENV = "OTEL_FORGE_SAMPLED_NODE"
 # The pid of the `otel-forge run` that delivers the journals its command writes in its job's directory.

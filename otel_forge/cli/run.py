@@ -389,6 +389,7 @@ def _launched_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
         experiment_id=training_run.experiment_id,
         experiment=entry.get("experiment"),
         sampled_node=node.sampling_key,
+        last_step=training_run.open_run.last_step if training_run.open_run is not None else None,
     )
 
 

@@ -100,15 +100,18 @@ import json, socket, sys
 connects = []
 connect = socket.socket.connect
 socket.socket.connect = lambda sock, address: (connects.append(address), connect(sock, address))[1]
+import otel_forge
 from otel_forge import TrainingRun
 
 with TrainingRun(config={"lr": 0.1}, system_metrics=False) as run:
     run.log({"loss": 1.0}, step=0)
-    inside = {"mlflow": "mlflow" in sys.modules, "connects": len(connects), "run_id": run.run_id}
-    import mlflow  # a framework's MLflow calls inside the block: the job's run
+    job_run_id = otel_forge.job_run_id()  # as Lightning's MLFlowLogger(run_id=...) is given it: waits for it
+    inside = {"mlflow": "mlflow" in sys.modules, "connects": len(connects), "job_run_id": job_run_id}
+    import mlflow  # a framework's MLflow calls inside the block go to the job's run: the import waits for it
 
     mlflow.log_metric("framework", 2.0, step=0)
     inside["framework_run"] = mlflow.active_run().info.run_id
+    inside["run_id"] = run.run_id
 print(json.dumps(inside))
 """
 
@@ -118,8 +121,9 @@ def test_rank_zero_opens_its_run_through_the_companion_with_no_mlflow_import_and
     mlflow_server, client, tmp_path, key
 ):
     """Global rank 0 journals only: its companion opens the run from the journal (a new one, or the
-    job key's) and tells it the id, before the block begins; MLflow's context tags are the script's,
-    and a framework's MLflow calls inside the block go to the job's run."""
+    job key's) and tells it the id; MLflow's context tags are the script's. The block begins at once,
+    and what needs the run waits for it: ``job_run_id()`` (Lightning's logger is given it) and MLflow's
+    import (a framework's calls inside the block go to the job's run)."""
     experiment = unique("thin-zero")
     job = {"OTEL_FORGE_JOB_ID": unique("job")} if key == "job key" else {}
     script = tmp_path / "train.py"
@@ -132,7 +136,7 @@ def test_rank_zero_opens_its_run_through_the_companion_with_no_mlflow_import_and
     seen = json.loads(done.stdout.splitlines()[-1])
     assert (seen["mlflow"], seen["connects"]) == (False, 0), done.stderr
     run = client.get_run(seen["run_id"])
-    assert seen["framework_run"] == run.info.run_id
+    assert seen["framework_run"] == seen["job_run_id"] == run.info.run_id
     assert run.info.status == "FINISHED"
     assert client.get_experiment(run.info.experiment_id).name == experiment
     assert {k: m for k, m in run.data.metrics.items()} == {"loss": 1.0, "framework": 2.0}
@@ -144,3 +148,29 @@ def test_rank_zero_opens_its_run_through_the_companion_with_no_mlflow_import_and
         "train",
     )
     assert tags.get("otel_forge.job.key", "").startswith(job.get("OTEL_FORGE_JOB_ID", "otel-forge-"))
+
+
+def test_rank_zero_under_otel_forge_run_attaches_to_the_launchers_run_with_no_mlflow_import(
+    mlflow_server, client, tmp_path
+):
+    """Under ``otel-forge run`` the launcher opened the run, read it and delivers CMD's journal: rank 0
+    attaches by id, as the other ranks do, and a framework's MLflow calls in the block go to that run."""
+    experiment = unique("thin-launched")
+    script = tmp_path / "train.py"
+    script.write_text(RANK_ZERO_THIN_SCRIPT)
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.uri, "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}
+    command = [sys.executable, "-m", "otel_forge.cli", "run", "--no-prometheus", "--experiment", experiment]
+    done = subprocess.run(
+        [*command, "--", sys.executable, str(script)], env=_script_environ(env), capture_output=True, text=True,
+        timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert (seen["mlflow"], seen["connects"]) == (False, 0), done.stderr
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert seen["run_id"] == seen["job_run_id"] == seen["framework_run"] == run.info.run_id
+    assert run.info.status == "FINISHED"
+    assert {k: v for k, v in run.data.metrics.items() if not k.startswith("system/")} == {
+        "loss": 1.0, "framework": 2.0,
+    }  # fmt: skip
+    assert run.data.params["lr"] == "0.1"

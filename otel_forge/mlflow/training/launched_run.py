@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from otel_forge.config import (
     DESCRIBE_RUN_ENV,
+    LAUNCHED_LAST_STEP_ENV,
     LAUNCHED_RUN_ENV,
     LAUNCHER_OPENS,
     SAMPLED_NODE_ENV,
@@ -40,6 +41,7 @@ class LaunchedRun:
     job_key: str | None = None
     sampled_node: str | None = None  # NodeIdentity.sampling_key of the node the launcher samples
     directory: str | None = None  # where the job's processes share files: the launcher's job directory
+    last_step: int | None = None  # the run's last training step when the launcher opened it
 
     @property
     def run_id(self) -> str | None:
@@ -80,6 +82,8 @@ class LaunchedRun:
             env[DESCRIBE_RUN_ENV] = self.run_id
         if self.directory is not None:
             env[env_name("spool_dir")] = self.directory
+        if self.last_step is not None and self.run_id is not None:
+            env[LAUNCHED_LAST_STEP_ENV] = str(self.last_step)
         return env
 
     @classmethod
@@ -92,6 +96,7 @@ class LaunchedRun:
         run_id = None if handed in (LAUNCHER_OPENS, SCRIPT_OPENS) else handed
         origin = RunOrigin.SCRIPT if handed == SCRIPT_OPENS else RunOrigin.LAUNCHER
         described = run_id is not None and environ.get(DESCRIBE_RUN_ENV) == run_id
+        last_step = environ.get(LAUNCHED_LAST_STEP_ENV, "")
         return cls(
             source=RunSource(origin, run_id, adds_description=described),
             tracking_uri=environ.get(env_name("tracking_uri")),
@@ -99,6 +104,7 @@ class LaunchedRun:
             job_key=environ.get(env_name("job_id")),
             sampled_node=environ.get(SAMPLED_NODE_ENV),
             directory=environ.get(env_name("spool_dir")),
+            last_step=int(last_step) if run_id is not None and last_step.isdigit() else None,
         )
 
 
@@ -106,6 +112,22 @@ def launched_run_id(environ: Mapping[str, str] | None = None) -> str | None:
     """The job's run handed to this process; None outside one or while it is still opening."""
     launched = LaunchedRun.from_environ(environ)
     return launched.run_id if launched is not None else None
+
+
+_opening: list[Callable[[], None]] = []  # each waits, bounded, for a run this process's TrainingRun opens
+
+
+def expect_process_run(wait: Callable[[], None]) -> Callable[[], None]:
+    """A ``TrainingRun`` of this process opens, in the background, the run it will make the process's:
+    ``wait_for_process_run`` calls ``wait`` until the returned function is called."""
+    _opening.append(wait)
+    return lambda: _opening.remove(wait) if wait in _opening else None
+
+
+def wait_for_process_run() -> None:
+    """Wait for the runs this process's ``TrainingRun``s are opening (``job_run_id`` asks for one)."""
+    for wait in list(_opening):
+        wait()
 
 
 def make_process_run(run_id: str, environ: MutableMapping[str, str] | None = None) -> Callable[[], None]:

@@ -21,7 +21,7 @@ from otel_forge.mlflow.server_probe import ServerRefused, check_connects
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, transient_open_error
-from otel_forge.mlflow.training.launched_run import make_process_run
+from otel_forge.mlflow.training.launched_run import LaunchedRun, make_process_run
 from otel_forge.mlflow.training.outcome import end_run
 from otel_forge.mlflow.training.run_notice import RunNotice
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
@@ -187,14 +187,27 @@ class RunOpener:
 
     def _given_run(self) -> OpenRun | None:
         """The run of a rank that only attaches to the id it was given (``otel-forge run``'s, or
-        ``MLFLOW_RUN_ID``): nothing to ask the server, so no connection and no MLflow import (its client
-        is made at its first call: a failed rank's outcome)."""
+        ``MLFLOW_RUN_ID``), rank 0 too where ``otel-forge run`` opened it and delivers its journal:
+        nothing to ask the server, so no connection and no MLflow import (its client is made at its
+        first call: a failed rank's outcome)."""
         plan = self.plan
-        if plan.node.is_global_zero or plan.source.run_id is None or self.adopts is not None:
+        if plan.source.run_id is None or self.adopts is not None:
             return None
+        last_step, described = None, False
+        if plan.node.is_global_zero:
+            launched = LaunchedRun.from_environ()
+            if not (plan.source.launched and plan.delivered_by_launcher and launched is not None):
+                return None  # rank 0 resumes it; but the launcher's, which the launcher read and delivers to
+            # What rank 0's open would read: the launcher read it, and described the run unless it was.
+            last_step, described = launched.last_step, True
+            for prepare in self.before_open:
+                prepare()  # our description, journaled before the run is: its delivery sends it first
         self.machine.asked()
         client = lazy_client(plan.tracking_uri)
-        return OpenRun(plan.source.run_id, None, plan.forge_config.experiment_id, plan.experiment, True, None, client)
+        return OpenRun(
+            plan.source.run_id, None, plan.forge_config.experiment_id, plan.experiment, True, last_step, client,
+            described=described,
+        )  # fmt: skip
 
     def _companions_run(self) -> OpenRun | None:
         """The run the companion opened from the journal, as its notice tells it (no MLflow here); None

@@ -64,7 +64,9 @@ class RunRecorder:
             return
         try:
             if self.journal is not None and not self._described:
-                self.journal.describe(self._description.journal_entry(plan.node, not plan.delivery_opens))
+                # MLflow's context tags are for a run this process may make (it imports MLflow for them).
+                resolve_context = not (plan.delivery_opens or plan.source.launched)
+                self.journal.describe(self._description.journal_entry(plan.node, resolve_context))
             self._described = True
         finally:
             self._describing.release()

@@ -34,7 +34,7 @@ from typing import Any
 from otel_forge.config import LAUNCHED_RUN_ENV, env_name
 from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run, fluent_run_id
 from otel_forge.mlflow.spool_files import make_spool_dir, spool_root, write_atomically
-from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
+from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id, wait_for_process_run
 from otel_forge.private_dirs import open_private_file
 
 _logger = logging.getLogger(__name__)
@@ -189,6 +189,9 @@ def job_run_id() -> str | None:
     """The job's run, for a framework given it by id (Lightning's ``MLFlowLogger(run_id=...)``); None
     outside one. Where the script has not named the experiment yet, asking opens the run now: by a
     ``TrainingRun`` of this process, else by ``otel-forge run``, in its default experiment."""
+    if (run_id := launched_run_id()) is not None:
+        return run_id
+    wait_for_process_run()  # a TrainingRun of ours, whose companion opens the run, makes it ours
     if (run_id := launched_run_id()) is not None:
         return run_id
     if (record := current()) is None:

@@ -22,6 +22,7 @@ from otel_forge.mlflow.spool_files import spool_root
 from otel_forge.mlflow.training import description_gate
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers, exit_status
 from otel_forge.mlflow.training.job_run import MissingRun
+from otel_forge.mlflow.training.launched_run import expect_process_run
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
@@ -35,6 +36,7 @@ from otel_forge.mlflow.training.run_state import CLOSED_STATES, RunEvent, RunSta
 from otel_forge.mlflow.training.script_run import LAUNCHER, ScriptRun, expect, stop_expecting
 from otel_forge.node import NodeIdentity
 from otel_forge.progress import rank_hooks
+from otel_forge.progress.import_hooks import when_imported
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import SecretKeys, uri_without_credentials
 
@@ -86,6 +88,7 @@ class TrainingRun:
         self.described = False
         self.ended = False  # the run's end reached the server (as far as this process knows)
         self.on_open: list[Callable[[], None]] = []  # called on the opener's thread once the run is open
+        self._stop_expecting: Callable[[], None] = lambda: None  # job_run_id() waits for our run until called
 
     plan = property(lambda self: self._opener.plan)
     forge_config = property(lambda self: self.plan.forge_config)
@@ -98,6 +101,7 @@ class TrainingRun:
     open_error = property(lambda self: self._opener.error)
     on_unanswered = property(lambda self: self._opener.on_unanswered)
     rejected = property(lambda self: self._checker.rejected)
+    open_run = property(lambda self: self._opener.run)
     run_id = property(lambda self: self._opener.run.run_id if self._opener.run else None)
     experiment_id = property(lambda self: self._opener.run.experiment_id if self._opener.run else None)
     journal_directory = property(lambda self: self._recorder.directory if self._recorder else None)
@@ -329,14 +333,28 @@ class TrainingRun:
         (``_wait_for_script``): the run a framework opens in the block is the job's. A rank that neither
         logs nor samples its node, handed no run, finds the run only should it fail."""
         if self.plan.owns_run and not self.plan.source.launcher_opens and self.forge_config.start_wait_s > 0:
-            waited_until = time.monotonic() + self.start_wait_s
-            if self.start(self.start_wait_s) and self.described and (journal := self.journal_directory) is not None:
-                description_gate.hold_or_wait(journal, waited_until, self.tracking_uri)
+            self._begin()
+            if self.plan.delivery_opens and "mlflow" not in sys.modules:
+                # No MLflow run can open in this process before MLflow is imported: the block begins
+                # now, and MLflow's import (the script's, a framework's) waits for the run instead.
+                self._stop_expecting = expect_process_run(self._wait_for_run)
+                when_imported("mlflow", lambda _: self._wait_for_run())
+            else:
+                self._wait_for_run()
         elif self.plan.needs_run_only_to_end_it:
             self._exit_handlers.install()  # the run is found should this rank fail (close() does)
         else:
             self._begin()
         return self
+
+    def _wait_for_run(self) -> None:
+        """Wait for the run a while (``start_wait_s``), then for its description (``description_gate``)."""
+        if self._machine.closed:
+            return
+        waited_until = time.monotonic() + self.start_wait_s
+        if self.start(self.start_wait_s) and self.described and (journal := self.journal_directory) is not None:
+            description_gate.hold_or_wait(journal, waited_until, self.tracking_uri)
+        self._stop_expecting()
 
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, *rest: object) -> None:
         if exc_type is None or issubclass(exc_type, SystemExit):
