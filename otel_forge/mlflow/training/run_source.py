@@ -124,16 +124,17 @@ class SourceRoles:
 SOURCE_ROLES: dict[RunOrigin, SourceRoles] = {
     RunOrigin.GIVEN: SourceRoles(
         "given by id (`run_id=`, `MLFLOW_RUN_ID`, `--run-id`, a run the script has active)",
-        "global rank 0's opener resumes it (a missing id is an error unless `create_if_missing`); other ranks "
-        "attach by id (no MLflow import, no connection)",
+        "global rank 0's companion resumes it from rank 0's journal (a missing id is an error unless "
+        "`create_if_missing`); rank 0 itself where it imported MLflow first; other ranks attach by id (no MLflow "
+        "import, no connection)",
         "rank 0's journal, where the run lacks `otel_forge.described`",
         "rank 0's companion (`otel-forge run` for CMD's journals)",
         "the delivery, from the journal's end (KILLED where its process died); a run the script has active, the script",
     ),
     RunOrigin.LAUNCHER: SourceRoles(
         "opened by the launcher (`otel-forge run`, handed to CMD in its environment)",
-        "`otel-forge run` before CMD starts; if the server did not answer, CMD finds it later by the job key "
-        "it publishes",
+        "`otel-forge run` before CMD starts (every rank attaches by id: no MLflow import, no connection); if the "
+        "server did not answer, CMD finds it later by the job key it publishes",
         "`otel-forge run`'s journal (launch file, git), and CMD's `TrainingRun` adds its config",
         "`otel-forge run` (a thread per journal in the job's directory)",
         "`otel-forge run`, from CMD's exit code",
@@ -148,16 +149,17 @@ SOURCE_ROLES: dict[RunOrigin, SourceRoles] = {
     ),
     RunOrigin.JOB_KEY: SourceRoles(
         "found by the job's key (SLURM, torchrun, MPI, Kubernetes name the job; a requeued job)",
-        "global rank 0 makes it carrying the key (or resumes the run that does); local rank 0 of each node "
-        "finds it by the key within a bounded wait; the other ranks only should they fail (or `start()`)",
+        "global rank 0's companion makes it carrying the key (or resumes the run that does) from rank 0's "
+        "journal, and tells rank 0 (`run.json`); local rank 0 of each node finds it by the key within a bounded "
+        "wait; the other ranks only should they fail (or `start()`)",
         "rank 0",
         "rank 0's companion (the other ranks journal nothing; local rank 0 of each node samples its node)",
         "rank 0's delivery; a rank that fails tags its outcome and makes the run FAILED",
     ),
     RunOrigin.NEW: SourceRoles(
         "new (nothing names it)",
-        "rank 0's opener, under a key of its own (the node's windows find the run by it), or its delivery "
-        "from the journal's plan where the process died before",
+        "rank 0's companion from the journal's plan, under a key of its own (the node's windows find the run "
+        "by it); rank 0 itself where it imported MLflow first",
         "the delivery, from the journal's description",
         "rank 0's companion",
         "the delivery (KILLED without an end)",
