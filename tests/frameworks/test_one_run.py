@@ -122,6 +122,8 @@ def test_hf_resume_with_mlflow_run_id_continues_the_loss_and_the_system_steps_in
 def test_hf_trainer_in_a_trainingrun_logs_into_it(mlflow_server, client, tmp_path) -> None:
     job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "hf_trainer.py", "trainingrun"), False)
     assert job.result.returncode == 0, job.result.stderr
+    # The rank journals only (its companion opens the run); HF's MLflow import, in train(), waits for it.
+    assert "mlflow imported as the block began: False" in job.result.stdout
     run = the_one_run(client, job)
     assert run.info.run_name == "hf-in-code"  # the name the script gave
     assert run.info.status == "FINISHED"
@@ -188,6 +190,8 @@ def test_lightning_with_the_job_run_line_logs_into_the_one_run(mlflow_server, cl
     command = script if forge else [sys.executable, "-c", _IN_TRAININGRUN.format(script=script[1:])]
     job = run_job(tmp_path, mlflow_server.uri, command, forge)
     assert job.result.returncode == 0, job.result.stderr
+    if not forge:  # MLFlowLogger(run_id=otel_forge.job_run_id()) waits for the run the companion opens
+        assert "mlflow imported as the block began: False" in job.result.stdout
     run = the_one_run(client, job)
     assert run.info.status == "FINISHED"
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 5
@@ -202,6 +206,7 @@ import runpy, sys
 import otel_forge
 sys.argv = {script!r}
 with otel_forge.TrainingRun():
+    print(f"mlflow imported as the block began: {{'mlflow' in sys.modules}}", flush=True)
     runpy.run_path(sys.argv[0], run_name="__main__")
 """
 

@@ -42,6 +42,7 @@ from otel_forge.scrub import SecretKeys, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
 
+
 __all__ = ["DEFAULT_EXPERIMENT", "MissingRun", "TrainingRun", "embedded_tracking_uri"]
 
 
@@ -88,6 +89,7 @@ class TrainingRun:
         self.described = False
         self.ended = False  # the run's end reached the server (as far as this process knows)
         self.on_open: list[Callable[[], None]] = []  # called on the opener's thread once the run is open
+        self._deferred = False  # the block began before the run opened: what needs the run waits for it
         self._stop_expecting: Callable[[], None] = lambda: None  # job_run_id() waits for our run until called
 
     plan = property(lambda self: self._opener.plan)
@@ -102,7 +104,15 @@ class TrainingRun:
     on_unanswered = property(lambda self: self._opener.on_unanswered)
     rejected = property(lambda self: self._checker.rejected)
     open_run = property(lambda self: self._opener.run)
-    run_id = property(lambda self: self._opener.run.run_id if self._opener.run else None)
+
+    @property
+    def run_id(self) -> str | None:
+        """The run's id; None until it is open. Where the block began without waiting for the run,
+        asking for its id waits for it (``start_wait_s``), as MLflow's import does."""
+        if self._deferred and threading.current_thread() is threading.main_thread():
+            self._wait_for_run()
+        return self._opener.run.run_id if self._opener.run else None
+
     experiment_id = property(lambda self: self._opener.run.experiment_id if self._opener.run else None)
     journal_directory = property(lambda self: self._recorder.directory if self._recorder else None)
 
@@ -328,7 +338,9 @@ class TrainingRun:
     def __enter__(self) -> TrainingRun:
         """Open the run: every rank finds it and its node is sampled. Rank 0 waits for it a while
         (``start_wait_s``), so that the run a framework opens inside the block is this one; until its
-        description is in, this process's MLflow calls wait for it (``description_gate``). Where
+        description is in, this process's MLflow calls wait for it (``description_gate``). Where its
+        companion opens the run and MLflow is not imported, the block begins at once, and what needs
+        the run waits for it instead: MLflow's import, ``job_run_id()``, ``run_id``. Where
         nothing names the experiment, the run opens later, in the experiment the script names
         (``_wait_for_script``): the run a framework opens in the block is the job's. A rank that neither
         logs nor samples its node, handed no run, finds the run only should it fail."""
@@ -337,7 +349,7 @@ class TrainingRun:
             if self.plan.delivery_opens and "mlflow" not in sys.modules:
                 # No MLflow run can open in this process before MLflow is imported: the block begins
                 # now, and MLflow's import (the script's, a framework's) waits for the run instead.
-                self._stop_expecting = expect_process_run(self._wait_for_run)
+                self._deferred, self._stop_expecting = True, expect_process_run(self._wait_for_run)
                 when_imported("mlflow", lambda _: self._wait_for_run())
             else:
                 self._wait_for_run()
@@ -349,12 +361,14 @@ class TrainingRun:
 
     def _wait_for_run(self) -> None:
         """Wait for the run a while (``start_wait_s``), then for its description (``description_gate``)."""
-        if self._machine.closed:
-            return
         waited_until = time.monotonic() + self.start_wait_s
-        if self.start(self.start_wait_s) and self.described and (journal := self.journal_directory) is not None:
+        if self._machine.closed:
+            pass
+        elif self.start(self.start_wait_s) and self.described and (journal := self.journal_directory) is not None:
             description_gate.hold_or_wait(journal, waited_until, self.tracking_uri)
-        self._stop_expecting()
+        if self._deferred:
+            self._deferred = False
+            self._stop_expecting()
 
     def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, *rest: object) -> None:
         if exc_type is None or issubclass(exc_type, SystemExit):

@@ -87,6 +87,7 @@ def main() -> int:
     elif args.mode == "monitor":
         around = otel_forge.monitor(prometheus=False)
     with around:
+        print(f"mlflow imported as the block began: {'mlflow' in sys.modules}", flush=True)
         train(args.step_sleep, args.fail_rank)
         if args.mode == "raise":
             raise RuntimeError("after training")
