@@ -27,13 +27,15 @@ RING = 66  # step times kept: 65 read (64 durations, enough for a median and a p
 
 # magic, version, pid, rank, local_rank, world_size, restart, started_ns, start_ticks (/proc stat): 8 slots
 _HEADER = struct.Struct("=4sIqqqqqqq")
-# The live part: 64-bit slots after the header, each written alone through a memoryview (a step is a
-# few slot stores, no packing); native byte order, as one host writes and reads them. SYNC_NS is the
+# The live part: 64-bit slots after the header, written through a memoryview (a step: its ring entry
+# packed in one call, then the count); native byte order, as one host writes and reads them. SYNC_NS is the
 # rank's time in collectives and backward so far, PHASES_NS in checkpoints and evaluations; a step stores
 # only its time and these two running totals in the ring: the reader makes the durations.
 (SEQ, STEPS, LOGGED, LOGGED_NS, FIRST_NS, PHASE, PHASE_SINCE_NS, CHECKPOINT_NS, EVALUATION_NS, SYNC_NS,
  CHECKPOINT_END_NS, WAITS_EVERY, PHASES_NS) = range(_HEADER.size // 8, _HEADER.size // 8 + 13)  # fmt: skip
 _RING_SLOT = PHASES_NS + 1  # RING entries: a step's time, SYNC_NS then, checkpoint + evaluation time then
+_ENTRY = struct.Struct("=3q")  # one ring entry, packed in one call
+_RING_OFFSET = _RING_SLOT * 8
 SIZE = (_RING_SLOT + 3 * RING) * 8
 # faulthandler writes a rank's stacks on this signal. A realtime one: no launcher or framework we know
 # uses it (SLURM and Lightning take SIGUSR1, submitit SIGUSR2); sent only to a rank that made a board.
@@ -90,6 +92,9 @@ class RankBoard:
                           identity.world_size, identity.restart, now, identity.start_ticks)  # fmt: skip
         self._q = q = memoryview(self._map).cast("q")
         q[PHASE], q[PHASE_SINCE_NS] = Phase.TRAINING, now
+        # SYNC_NS and PHASES_NS as this process wrote them last: a step reads these, not the map's
+        # slots (a memoryview's item costs ~300 instructions, an attribute's a tenth).
+        self.sync_ns = self.phases_ns = 0
         self._entered_sync_ns = 0
         self.sync_depth = 0  # waits nested in a wait are the outer one's
         self._time_waits: Callable[[bool], None] | None = None
@@ -110,16 +115,18 @@ class RankBoard:
         two copies alike, which a store that is late to show cannot give); the next step's slot is
         never read."""
         q, clock, board, mask = self._q, self._clock, self, WAITS_EVERY_STEPS - 1
+        steps = 0  # the count this process wrote: only this closure writes STEPS
 
         def step(_optimizer: object = None, _args: object = None, _kwargs: object = None) -> None:
+            nonlocal steps
             now = clock()
-            steps = q[STEPS]
             if not steps and not q[FIRST_NS]:  # (a script that logged steps began with those)
                 q[FIRST_NS] = now
             slot = _RING_SLOT + 3 * (steps % RING)
-            q[slot], q[slot + 1], q[slot + 2] = now, q[SYNC_NS], q[PHASES_NS]
-            q[STEPS] = steps + 1
-            if (time_waits := board._time_waits) is not None and (after := (steps + 1) & mask) < 2:
+            q[slot], q[slot + 1], q[slot + 2] = now, board.sync_ns, board.phases_ns
+            steps += 1
+            q[STEPS] = steps
+            if (time_waits := board._time_waits) is not None and (after := steps & mask) < 2:
                 time_waits(not after)
 
         return step
@@ -150,7 +157,8 @@ class RankBoard:
 
     def add_sync(self, ns: int) -> None:
         """``ns`` more of waiting for the peers (``enter_sync``/``leave_sync``, or a wrapper that timed it)."""
-        self._q[SYNC_NS] += ns
+        self.sync_ns += ns
+        self._q[SYNC_NS] = self.sync_ns
 
     def enter(self, phase: Phase) -> Phase:
         """The rank checkpoints or evaluates from now; returns the phase to go back to."""
@@ -177,7 +185,8 @@ class RankBoard:
         elif q[PHASE] == Phase.EVALUATING:
             q[EVALUATION_NS] += spent
         if q[PHASE] != Phase.TRAINING:
-            q[PHASES_NS] += spent
+            self.phases_ns += spent
+            q[PHASES_NS] = self.phases_ns
         q[PHASE], q[PHASE_SINCE_NS] = int(phase), now  # leaving or entering a phase is progress too
         q[SEQ] = seq + 1
 
