@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import psutil
 import pytest
 from trun_helpers import _script_environ, popen_script, run_script, unique
 
@@ -174,3 +175,76 @@ def test_rank_zero_under_otel_forge_run_attaches_to_the_launchers_run_with_no_ml
         "loss": 1.0, "framework": 2.0,
     }  # fmt: skip
     assert run.data.params["lr"] == "0.1"
+
+
+def _rank_zero(tmp_path, uri: str, script: str, **more: str) -> subprocess.Popen:
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    env = _rank_environ(uri, None, 0, tmp_path, MLFLOW_EXPERIMENT_NAME=unique("thin-fault"), **more)
+    return subprocess.Popen(
+        [sys.executable, "-u", str(path)], env=_script_environ(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+GIVEN_SCRIPT = """
+import sys
+from otel_forge import TrainingRun
+
+with TrainingRun(system_metrics=False) as run:
+    for step in range(3):
+        run.log({"loss": 1.0}, step=step)
+    print("run", run.run_id, "mlflow" in sys.modules, flush=True)
+print("done", flush=True)
+"""
+
+
+def test_rank_zero_given_a_run_that_does_not_exist_says_so_once_and_trains_on(mlflow_server, tmp_path):
+    """The companion cannot open the run (an id that names none): it tells rank 0, which says why in one
+    line, disables its journal and trains on, no traceback."""
+    missing = "0" * 31 + "1"
+    zero = _rank_zero(tmp_path, mlflow_server.uri, GIVEN_SCRIPT, MLFLOW_RUN_ID=missing)
+    out, err = zero.communicate(timeout=120)
+    assert zero.returncode == 0, err
+    assert out.splitlines() == ["run None False", "done"], err
+    said = [line for line in err.splitlines() if "MLflow logging disabled" in line]
+    assert len(said) == 1 and f"run {missing} does not exist" in said[0], err
+    assert "Traceback" not in err
+
+
+COMPANION_KILLED_SCRIPT = """
+import sys
+from otel_forge import TrainingRun
+
+with TrainingRun(system_metrics=False) as run:
+    run.log({"loss": 0.0}, step=0)
+    print("entered", flush=True)
+    sys.stdin.readline()  # the test kills the companion meanwhile
+    for step in range(1, 5):
+        run.log({"loss": float(step)}, step=step)
+    print("run", run.run_id, flush=True)
+"""
+
+
+def test_a_companion_killed_before_it_opened_the_run_is_replaced_and_the_next_one_opens_it(
+    mlflow_server, client, tmp_path
+):
+    """SIGKILL the companion that was to open rank 0's run: another takes the journal on and opens the
+    run, and rank 0 learns it from that one; nothing logged is lost."""
+    zero = _rank_zero(tmp_path, mlflow_server.uri, COMPANION_KILLED_SCRIPT)
+    try:
+        assert zero.stdout.readline().strip() == "entered", zero.stderr.read()
+        [companion] = [c for c in psutil.Process(zero.pid).children() if "otel_forge.cli.companion" in c.cmdline()]
+        companion.kill()
+        companion.wait(10)
+        zero.stdin.write("\n")
+        zero.stdin.flush()
+        out, err = zero.communicate(timeout=120)
+    finally:
+        zero.kill()
+    assert zero.returncode == 0, err
+    run_id = out.split()[-1]
+    assert f"the otel-forge companion (pid {companion.pid}) ended (signal 9)" in err
+    history = client.get_metric_history(run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(step, float(step)) for step in range(5)]
+    assert client.get_run(run_id).info.status == "FINISHED"
