@@ -29,7 +29,7 @@ with TrainingRun(config={{"lr": 0.1}}, tracking_uri={uri!r}, experiment={experim
                  forge_config=config) as run:
     for step in range({steps}):
         run.log({{"loss": float(step)}}, step=step)
-        if step == {pause_at}:
+        if step == {pause_at} and run.run_id:  # the run is open (its companion opens it meanwhile)
             print("paused", flush=True)
             sys.stdin.readline()  # the test changes the user's permission meanwhile
         time.sleep(0.05)

@@ -107,18 +107,27 @@ class TrainingRun:
 
     @property
     def run_id(self) -> str | None:
-        """The run's id; None until it is open. Where the block began without waiting for the run,
-        asking for its id waits for it (``start_wait_s``), as MLflow's import does."""
+        """The run's id; None until it is open (asked for, it waits for a run the block began without)."""
+        run = self._awaited_run()
+        return run.run_id if run else None
+
+    @property
+    def experiment_id(self) -> str | None:
+        run = self._awaited_run()
+        return run.experiment_id if run else None
+
+    journal_directory = property(lambda self: self._recorder.directory if self._recorder else None)
+
+    def _awaited_run(self) -> OpenRun | None:
+        """The open run. Where the block began without waiting for it, asking for it waits for it
+        (``start_wait_s``, on the main thread), as MLflow's import in the block does."""
         if self._deferred and threading.current_thread() is threading.main_thread():
             self._wait_for_run()
-        return self._opener.run.run_id if self._opener.run else None
-
-    experiment_id = property(lambda self: self._opener.run.experiment_id if self._opener.run else None)
-    journal_directory = property(lambda self: self._recorder.directory if self._recorder else None)
+        return self._opener.run
 
     def tracking_entry(self) -> dict[str, str] | None:
         """``{backend, run_id, experiment, tracking_uri}`` without credentials; None unless live."""
-        run = self._opener.run
+        run = self._awaited_run()
         if run is None or self._machine.closed:
             return None
         uri = uri_without_credentials(self.tracking_uri)
