@@ -200,7 +200,7 @@ class JournalRun:
     def _tell_not_open(self, error: BaseException) -> None:
         """The writer waits for the run: say why there is none yet, or will be none."""
         if not transient_open_error(error, self.uri or ""):
-            self._refused = self._refused or bool(self._cursor.plan.get("delivery_opens"))
+            self._refused = True
             self._tell(RunNotice(refused=error_line(error)))
         else:
             self._tell(RunNotice(unanswered=open_failure(error, self.experiment)))

@@ -35,7 +35,7 @@ from otel_forge.scrub import error_line, uri_without_credentials
 _logger = logging.getLogger(__name__)
 
 _FIRST_OPEN_RETRY_S, _MAX_OPEN_RETRY_S = 1.0, 10.0
-_NOTICE_POLL_S = 0.05  # how often a process whose companion opens the run looks for its notice
+_NOTICE_POLL_S, _OUTAGE_POLL_S = 0.05, 1.0  # how often a process whose companion opens the run looks for its notice
 # A companion that has not asked the server by then (its start, MLflow's import) is waited for as one
 # that asks: the enter's wait for the run counts from here.
 _COMPANION_START_S = 30.0
@@ -234,7 +234,8 @@ class RunOpener:
                 return None
             if self.machine.left:
                 raise OpenedElsewhere("closed before the companion opened the run; it opens it still")
-            self.machine.pause(_NOTICE_POLL_S)
+            # Through an outage (hours, maybe) a look a second: each takes the training's GIL a while.
+            self.machine.pause(_OUTAGE_POLL_S if unanswered else _NOTICE_POLL_S)
 
     def _noticed_run(self, known: dict[str, Any]) -> OpenRun:
         plan = self.plan
