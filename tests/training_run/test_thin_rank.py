@@ -248,3 +248,35 @@ def test_a_companion_killed_before_it_opened_the_run_is_replaced_and_the_next_on
     history = client.get_metric_history(run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(step, float(step)) for step in range(5)]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+SCRIPT_NAMES_NONE = """
+import json, sys
+from otel_forge import TrainingRun
+
+with TrainingRun(config={"lr": 0.1}, system_metrics=False) as run:
+    for step in range(3):
+        run.log({"loss": float(step)}, step=step)
+    inside = "mlflow" in sys.modules
+print(json.dumps({"mlflow": inside, "mlflow_after": "mlflow" in sys.modules}))
+"""
+
+
+def test_a_lone_process_that_names_no_experiment_leaves_the_open_to_its_companion(mlflow_server, client, tmp_path):
+    """One process, no experiment named by anything: the script could still name one (its first MLflow
+    run would be the job's), and does not; the companion opens the run in the default experiment."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT_NAMES_NONE)
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.uri, "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=_script_environ(env), capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"mlflow": False, "mlflow_after": False}, done.stderr
+    runs = client.search_runs([client.get_experiment_by_name("otel-forge").experiment_id])
+    [run] = [r for r in runs if r.data.tags.get("mlflow.source.name") == str(script)]
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1"}
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")) == [
+        (0, 0.0), (1, 1.0), (2, 2.0),
+    ]  # fmt: skip

@@ -184,7 +184,8 @@ class TrainingRun:
     def _new_recorder(self, script_run_id: str | None) -> RunRecorder:
         """The journal; where the companion can open the run from it, the plan leaves it to the
         companion (``delivery_opens``): this process then imports no MLflow and connects to nothing."""
-        if self._companion_opens(script_run_id):
+        # (A run the script may name is left to the companion, or not, once the script has had its say.)
+        if self.plan.source.origin is not RunOrigin.SCRIPT and self._companion_opens(script_run_id):
             self._opener.plan = dataclasses.replace(self.plan, delivery_opens=True)
         recorder = RunRecorder(self.plan, self._description, self._deliver_here)
         if self.plan.delivery_opens and recorder.directory is None:
@@ -195,12 +196,14 @@ class TrainingRun:
 
     def _companion_opens(self, script_run_id: str | None) -> bool:
         """A companion delivers our journal, and the run is one it can open as we would: given by id, the
-        job key's, or new. A process that has imported MLflow already opens it itself (at once)."""
+        job key's, new, or the script's that this process claimed. A process that has imported MLflow
+        already opens it itself (at once)."""
         plan = self.plan
         return (
             not self._deliver_here
             and not plan.delivered_by_launcher
-            and plan.source.origin in (RunOrigin.GIVEN, RunOrigin.JOB_KEY, RunOrigin.NEW)
+            and plan.source.origin is not RunOrigin.LAUNCHER  # its rank 0 finds the launcher's run
+            and self._opener.adopts is None
             and script_run_id is None
             and "mlflow" not in sys.modules
         )
@@ -231,7 +234,11 @@ class TrainingRun:
         opens it and publishes it, the others adopt it."""
         if script is not None:
             claimer = LAUNCHER if self._deliver_here else "TrainingRun"
-            if (plan := claim_or_adopt(script, self.plan, claimer, self._opener)) != self.plan:
+            plan = claim_or_adopt(script, self.plan, claimer, self._opener)
+            if (directory := self.journal_directory) is not None and self._companion_opens(fluent_run_id()):
+                plan = dataclasses.replace(plan, delivery_opens=True)
+                self._opener.companion = CompanionOpens(directory, self._companion_delivers)
+            if plan != self.plan:
                 self._opener.plan = plan
                 if self._recorder is not None:
                     self._recorder.plan(plan)
