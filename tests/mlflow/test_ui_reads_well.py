@@ -106,8 +106,10 @@ def user_run(mlflow_server, tmp_path_factory) -> UserRun:  # type: ignore[no-unt
     )
     result = subprocess.run(
         [sys.executable, "-m", "otel_forge.cli", "run", "--no-prometheus", "--interval", "0.3"]
-        + ["--experiment", experiment, "--", sys.executable, str(REPO_ROOT / "examples/train_with_trainingrun.py")]
-        + ["--steps", "200"],
+        # CMD stays a few windows (its Python, which imports no MLflow, is done within one): the process
+        # keys then make lines from CMD's start to its end.
+        + ["--experiment", experiment, "--", "sh", "-c", '"$@" && sleep 1.2', "sh", sys.executable]
+        + [str(REPO_ROOT / "examples/train_with_trainingrun.py"), "--steps", "200"],
         cwd=work,
         env=env,
         capture_output=True,

@@ -378,9 +378,8 @@ class TrainingRun:
     def _wait_for_run(self) -> None:
         """Wait for the run a while (``start_wait_s``), then for its description (``description_gate``)."""
         waited_until = time.monotonic() + self.start_wait_s
-        if self._machine.closed:
-            pass
-        elif self.start(self.start_wait_s) and self.described and (journal := self.journal_directory) is not None:
+        opened = not self._machine.closed and self.start(self.start_wait_s)
+        if opened and self.described and (journal := self.journal_directory) is not None:
             description_gate.hold_or_wait(journal, waited_until, self.tracking_uri)
         if self._deferred:
             self._deferred = False
