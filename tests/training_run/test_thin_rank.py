@@ -5,6 +5,7 @@ connection to the server; one that fails still ends the run FAILED with its outc
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import subprocess
@@ -212,6 +213,16 @@ def test_rank_zero_given_a_run_that_does_not_exist_says_so_once_and_trains_on(ml
     assert "Traceback" not in err
 
 
+def _companions(parent: psutil.Process) -> list[psutil.Process]:
+    """``parent``'s companions (a child that just exited, a `git` the rank ran, is a zombie: skipped)."""
+    found = []
+    for child in parent.children():
+        with contextlib.suppress(psutil.Error):
+            if "otel_forge.cli.companion" in child.cmdline():
+                found.append(child)
+    return found
+
+
 COMPANION_KILLED_SCRIPT = """
 import sys
 from otel_forge import TrainingRun
@@ -234,7 +245,7 @@ def test_a_companion_killed_before_it_opened_the_run_is_replaced_and_the_next_on
     zero = _rank_zero(tmp_path, mlflow_server.uri, COMPANION_KILLED_SCRIPT)
     try:
         assert zero.stdout.readline().strip() == "entered", zero.stderr.read()
-        [companion] = [c for c in psutil.Process(zero.pid).children() if "otel_forge.cli.companion" in c.cmdline()]
+        [companion] = _companions(psutil.Process(zero.pid))
         companion.kill()
         companion.wait(10)
         zero.stdin.write("\n")

@@ -174,11 +174,7 @@ class JournalRun:
                 known["run_name"] = name
         if known is None:
             known = self._open_from_plan()
-        run = OpenRun(
-            known["run_id"], known.get("run_name"), known.get("experiment_id"), known.get("experiment") or "",
-            bool(known.get("resumed")), known.get("last_step"), self._client,
-            described=not known.get("describe", False),
-        )  # fmt: skip
+        run = OpenRun.from_entry(known, self._client, described=not known.get("describe", False))
         if self._cursor.run is None:
             self._cursor.run = {k: v for k, v in known.items() if k != "describe"}
             self._cursor.undescribed = bool(known.get("describe"))

@@ -200,8 +200,7 @@ class RunOpener:
                 return None  # rank 0 resumes it; but the launcher's, which the launcher read and delivers to
             # What rank 0's open would read: the launcher read it, and described the run unless it was.
             last_step, described = launched.last_step, True
-            for prepare in self.before_open:
-                prepare()  # our description, journaled before the run is: its delivery sends it first
+            self._prepare()  # our description, journaled before the run is: its delivery sends it first
         self.machine.asked()
         client = lazy_client(plan.tracking_uri)
         return OpenRun(
@@ -214,13 +213,14 @@ class RunOpener:
         where no companion delivers the journal after all: this process opens the run then."""
         if not self.plan.delivery_opens or self.companion is None:
             return None
-        for prepare in self.before_open:
-            prepare()  # the description, which the companion opens the run with
+        self._prepare()  # the description, which the companion opens the run with
         began, unanswered = time.monotonic(), None
         while True:
             notice = RunNotice.read(self.companion.directory)
             if notice is not None and notice.run is not None:
-                return self._noticed_run(notice.run)
+                return OpenRun.from_entry(
+                    notice.run, lazy_client(self.plan.tracking_uri), bool(notice.run.get("described"))
+                )
             if notice is not None or time.monotonic() - began > _COMPANION_START_S:
                 self.machine.asked()
             if notice is not None and notice.refused is not None:
@@ -237,21 +237,12 @@ class RunOpener:
             # Through an outage (hours, maybe) a look a second: each takes the training's GIL a while.
             self.machine.pause(_OUTAGE_POLL_S if unanswered else _NOTICE_POLL_S)
 
-    def _noticed_run(self, known: dict[str, Any]) -> OpenRun:
-        plan = self.plan
-        return OpenRun(
-            known["run_id"], known.get("run_name"), known.get("experiment_id"), known.get("experiment") or "",
-            bool(known.get("resumed")), known.get("last_step"), lazy_client(plan.tracking_uri),
-            described=bool(known.get("described")),
-        )  # fmt: skip
-
     def _found_run(self) -> OpenRun | None:
         pause_s = _FIRST_OPEN_RETRY_S
         # Told before the description is made (it imports MLflow: a second or more); the first
         # attempt goes on from this look, the later ones look again.
         connects = not self._refused_now()
-        for prepare in self.before_open:
-            prepare()
+        self._prepare()
         finder = self._finder()
         while True:
             try:
@@ -275,6 +266,11 @@ class RunOpener:
                 self.machine.pause(pause_s)  # the opener left at close ends the pause: one last attempt
                 pause_s = min(pause_s * 2, _MAX_OPEN_RETRY_S)
         return run
+
+    def _prepare(self) -> None:
+        """What comes before the first try (the description journaled), whichever way the run opens."""
+        for prepare in self.before_open:
+            prepare()
 
     def _opened(self, run: OpenRun) -> None:
         # The process's MLflow calls (HF's callback, autolog, mlflow.log_metric) open this run.

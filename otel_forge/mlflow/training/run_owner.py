@@ -7,9 +7,9 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
     from otel_forge.mlflow.client import TrackingClient
@@ -29,6 +29,21 @@ class OpenRun:
     last_step: int | None
     client: TrackingClient = field(repr=False)
     described: bool = False  # the run already holds a job's params, tags and config
+
+    def entry(self) -> dict[str, object]:
+        """The run as a journal keeps it (its ``opened`` entry, a notice): what is known of it, not its
+        client (which a copy would make, where it is made at its first call)."""
+        return {name: getattr(self, name) for name in _ENTRY_FIELDS}
+
+    @classmethod
+    def from_entry(cls, known: Mapping[str, Any], client: TrackingClient, described: bool) -> OpenRun:
+        return cls(
+            known["run_id"], known.get("run_name"), known.get("experiment_id"), known.get("experiment") or "",
+            bool(known.get("resumed")), known.get("last_step"), client, described,
+        )  # fmt: skip
+
+
+_ENTRY_FIELDS = ("run_id", "run_name", "experiment_id", "experiment", "resumed", "last_step")
 
 
 class RunOwner:

@@ -3,7 +3,6 @@ plan, the description (on the opener's thread), the run once open, values, check
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -87,7 +86,7 @@ class RunRecorder:
         """The run is open; ``run_name``: the name the script gives a run handed to it."""
         if self.journal is None:
             return
-        self.journal.opened({**_known(run), "describe": describe})
+        self.journal.opened({**run.entry(), "describe": describe})
         if run_name and run.run_name != run_name:
             self.journal.record(Record("run_name", run_name))  # as mlflow.start_run(run_name=) would
             run.run_name = run_name
@@ -106,9 +105,3 @@ class RunRecorder:
 
 def checkpoint_model_name(run: OpenRun | None, run_name: str | None, step: int) -> str:
     return f"{key_segment((run.run_name or run.run_id) if run else (run_name or 'run'))}-step-{step}"
-
-
-def _known(run: OpenRun) -> dict[str, object]:
-    """An ``OpenRun`` as the journal keeps it: what it knows of the run, not its client (which a copy
-    would make, where it is made at its first call)."""
-    return {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name not in ("client", "described")}
