@@ -6,7 +6,7 @@ Run:  python -m bench.progress_instructions [--steps 500] [--pairs 3] [--json]  
 
 The ``train`` loop of ``bench.progress_step`` (SGD on a ``Linear(8, 1)``: forward, MSE loss,
 ``backward()``, ``step()``; one thread), started as ``bench.progress_step`` starts it hooked: a lone
-process (``hooked``) and a rank of a job of 2 (``hooked-rank``: its backward is timed one step in 8),
+process (``hooked``) and a rank of a job of 2 (``hooked-rank``: its backward is timed one step in 16),
 each one process under ``valgrind --tool=callgrind``. After the first steps (the board made) and
 ``gc.freeze()``, the process runs ``--pairs`` pairs of phases of ``--steps`` steps: its hook taken off
 (PyTorch's global step hook removed, the original ``backward`` back), then put back; callgrind dumps

@@ -13,7 +13,7 @@ is a fresh child process (``sys.executable``, the hermetic environment of the te
    ``optimizer.step()`` of SGD on one parameter of 8 values whose gradient is set once (no forward,
    no backward: the hook's cost against the smallest step torch has), and ``train``, SGD on a
    ``Linear(8, 1)`` with a forward, an MSE loss, ``backward()`` and ``step()`` (the hook times each
-   backward of one step in 8 as the rank's wait for its peers). Variants: ``bare``; ``noop-hook``,
+   backward of one step in 16 as the rank's wait for its peers). Variants: ``bare``; ``noop-hook``,
    a no-op registered with ``register_optimizer_step_post_hook`` (torch's own dispatch to a global
    hook, the part no hook avoids); ``hooked`` (a lone process: the step hook alone); and in the
    ``train`` loop ``hooked-rank``, a rank of a job of 2 (``WORLD_SIZE=2``: its backward is timed
@@ -103,7 +103,7 @@ made = warmup + size * blocks
 # Hooked: the same process with its hook taken off and put back, block by block (off, on): pairs.
 off_ns, on_ns = [], []
 if variant.startswith("hooked"):
-    # A rank's step hook puts the backward's timing wrapper in place for one step in 8: off, the bare one.
+    # A rank's step hook puts the backward's timing wrapper in place for one step in 16: off, the bare one.
     saved_hooks = dict(optimizer_module._global_optimizer_post_hooks)
     bare_backward = getattr(torch.autograd.backward, "__wrapped__", torch.autograd.backward)
     for _ in range(blocks):

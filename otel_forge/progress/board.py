@@ -3,7 +3,7 @@
 A rank's file is ``<board>/rank-<RANK>-<pid>.bin``: a header (who wrote it) and a live part (its
 steps, its phase, a ring of its last step times). A phase or a logged step is written under a sequence
 number that is odd meanwhile (a seqlock: the reader retries a torn read, the writer never waits); a
-step writes its ring entry before the count that makes it read. A step is a few 64-bit stores into the
+step writes its time before the count that makes it read. A step is two 64-bit stores into the
 page cache: no system call, no lock shared with another process.
 Times are ``time.monotonic_ns()``, one clock for every process on the host.
 """
@@ -22,28 +22,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"OFPB"
-VERSION = 1
-RING = 66  # step times kept: 65 read (64 durations, enough for a median and a p95), and the next step's
+VERSION = 2
+RING = 130  # steps kept: 129 read (128 durations, 8 of them timed), and the next step's
 
 # magic, version, pid, rank, local_rank, world_size, restart, started_ns, start_ticks (/proc stat): 8 slots
 _HEADER = struct.Struct("=4sIqqqqqqq")
-# The live part: 64-bit slots after the header, written through a memoryview (a step: its ring entry
-# packed in one call, then the count); native byte order, as one host writes and reads them. SYNC_NS is the
-# rank's time in collectives and backward so far, PHASES_NS in checkpoints and evaluations; a step stores
-# only its time and these two running totals in the ring: the reader makes the durations.
-(SEQ, STEPS, LOGGED, LOGGED_NS, FIRST_NS, PHASE, PHASE_SINCE_NS, CHECKPOINT_NS, EVALUATION_NS, SYNC_NS,
- CHECKPOINT_END_NS, WAITS_EVERY, PHASES_NS) = range(_HEADER.size // 8, _HEADER.size // 8 + 13)  # fmt: skip
-_RING_SLOT = PHASES_NS + 1  # RING entries: a step's time, SYNC_NS then, checkpoint + evaluation time then
-_ENTRY = struct.Struct("=3q")  # one ring entry, packed in one call
-_RING_OFFSET = _RING_SLOT * 8
-SIZE = (_RING_SLOT + 3 * RING) * 8
+# The live part: 64-bit slots after the header, written through a memoryview; native byte order, as one
+# host writes and reads them. Then two rings of RING entries, by the step count: each step's time (all a
+# step stores, then the count that makes it read), and what the interval after a count was not the rank's
+# own work (its tag, count + 1: an entry from an earlier lap is not this count's; its time in collectives
+# and backward; its time in checkpoints and evaluations), written by the waits and phases only.
+(SEQ, STEPS, LOGGED, LOGGED_NS, FIRST_NS, PHASE, PHASE_SINCE_NS, CHECKPOINT_NS, EVALUATION_NS,
+ CHECKPOINT_END_NS, WAITS_EVERY) = range(_HEADER.size // 8, _HEADER.size // 8 + 11)  # fmt: skip
+_STEP_TIMES = WAITS_EVERY + 1
+_INTERVALS = _STEP_TIMES + RING
+_SYNC, _PHASES = 1, 2  # an interval entry's columns after its tag
+SIZE = (_INTERVALS + 3 * RING) * 8
 # faulthandler writes a rank's stacks on this signal. A realtime one: no launcher or framework we know
 # uses it (SLURM and Lightning take SIGUSR1, submitit SIGUSR2); sent only to a rank that made a board.
 STACKS_SIGNAL = signal.SIGRTMIN + 7
 # A rank's backward passes are timed as waits for its peers in one step of this many (a power of two):
-# a Python wrapper around every backward would cost the training ~2 µs a step, one in 8 a quarter of it.
-# A median of own work needs no more than the 8 steps in a ring that this leaves.
-WAITS_EVERY_STEPS = 8
+# a Python wrapper around every backward, and its swap in and out, would cost the training ~1 µs a step,
+# one in 16 a sixteenth of it. A median of own work needs no more than the 8 steps in a ring that this leaves.
+WAITS_EVERY_STEPS = 16
 
 
 class Phase(enum.IntEnum):
@@ -92,41 +93,36 @@ class RankBoard:
                           identity.world_size, identity.restart, now, identity.start_ticks)  # fmt: skip
         self._q = q = memoryview(self._map).cast("q")
         q[PHASE], q[PHASE_SINCE_NS] = Phase.TRAINING, now
-        # SYNC_NS and PHASES_NS as this process wrote them last: a step reads these, not the map's
-        # slots (a memoryview's item costs ~300 instructions, an attribute's a tenth).
-        self.sync_ns = self.phases_ns = 0
         self._entered_sync_ns = 0
         self.sync_depth = 0  # waits nested in a wait are the outer one's
-        self._time_waits: Callable[[bool], None] | None = None
-        self.step = self._stepper()
+        self.step = self._stepper(None)
 
     def time_waits_with(self, time_waits: Callable[[bool], None]) -> None:
         """From now on ``time_waits(True)`` after one step in ``WAITS_EVERY_STEPS``, ``time_waits(False)``
         after the next: between the two, the rank's waits are timed (the reader takes its own work from
-        those steps alone)."""
+        those steps alone). A new ``step``: the one taken before it is no longer called."""
         self._q[WAITS_EVERY] = WAITS_EVERY_STEPS
-        self._time_waits = time_waits
+        self.step = self._stepper(time_waits)
 
-    def _stepper(self) -> Callable[..., None]:
+    def _stepper(self, time_waits: Callable[[bool], None] | None) -> Callable[..., None]:
         """``step``: one optimizer step (also PyTorch's step hook itself: its arguments are ignored). A
-        closure over the map (locals, not attributes: a tenth of its cost). No lock and no sequence
-        number: the loop's thread alone steps, and it writes the ring's entry before the count that
-        makes it read (a reader's copy holds either count, each with its entries; the reader asks for
-        two copies alike, which a store that is late to show cannot give); the next step's slot is
-        never read."""
-        q, clock, board, mask = self._q, self._clock, self, WAITS_EVERY_STEPS - 1
-        steps = 0  # the count this process wrote: only this closure writes STEPS
+        closure over the map (locals, not attributes: a tenth of their cost) that stores two slots (a
+        memoryview's item costs ~300 instructions): the step's time, then the count that makes it read.
+        No lock and no sequence number: the loop's thread alone steps (a reader's copy holds either count,
+        each with its time; the reader asks for two copies alike, which a store that is late to show cannot
+        give); the next step's slot is never read."""
+        q, clock, mask = self._q, self._clock, WAITS_EVERY_STEPS - 1
+        steps = q[STEPS]  # the count this process wrote: only this closure writes STEPS
 
         def step(_optimizer: object = None, _args: object = None, _kwargs: object = None) -> None:
             nonlocal steps
             now = clock()
             if not steps and not q[FIRST_NS]:  # (a script that logged steps began with those)
                 q[FIRST_NS] = now
-            slot = _RING_SLOT + 3 * (steps % RING)
-            q[slot], q[slot + 1], q[slot + 2] = now, board.sync_ns, board.phases_ns
+            q[_STEP_TIMES + steps % RING] = now
             steps += 1
             q[STEPS] = steps
-            if (time_waits := board._time_waits) is not None and (after := steps & mask) < 2:
+            if time_waits is not None and (after := steps & mask) < 2:
                 time_waits(not after)
 
         return step
@@ -157,8 +153,18 @@ class RankBoard:
 
     def add_sync(self, ns: int) -> None:
         """``ns`` more of waiting for the peers (``enter_sync``/``leave_sync``, or a wrapper that timed it)."""
-        self.sync_ns += ns
-        self._q[SYNC_NS] = self.sync_ns
+        with self._lock:
+            self._add_to_interval(_SYNC, ns)
+
+    def _add_to_interval(self, column: int, ns: int) -> None:
+        """``ns`` more in ``column`` of the interval since the last step (under the lock: a checkpoint's
+        thread adds its phase while the loop's waits add theirs)."""
+        q = self._q
+        count = q[STEPS]
+        entry = _INTERVALS + 3 * (count % RING)
+        if q[entry] != count + 1:
+            q[entry], q[entry + _SYNC], q[entry + _PHASES] = count + 1, 0, 0
+        q[entry + column] += ns
 
     def enter(self, phase: Phase) -> Phase:
         """The rank checkpoints or evaluates from now; returns the phase to go back to."""
@@ -185,8 +191,7 @@ class RankBoard:
         elif q[PHASE] == Phase.EVALUATING:
             q[EVALUATION_NS] += spent
         if q[PHASE] != Phase.TRAINING:
-            self.phases_ns += spent
-            q[PHASES_NS] = self.phases_ns
+            self._add_to_interval(_PHASES, spent)
         q[PHASE], q[PHASE_SINCE_NS] = int(phase), now  # leaving or entering a phase is progress too
         q[SEQ] = seq + 1
 
@@ -249,18 +254,18 @@ def _decode(path: Path, data: bytes) -> RankProgress:
     q = memoryview(data).cast("q")
     steps = q[STEPS]
     first = max(0, steps - RING + 1)  # not the slot the next step writes
-    ring = [q[slot : slot + 3] for slot in (_RING_SLOT + 3 * (i % RING) for i in range(first, steps))]
-    # A step's duration less the checkpoints and evaluations since the step before; its own work less its
-    # waits, where they were timed: the step after the (steps) count reached a multiple of WAITS_EVERY.
-    pairs = list(zip(ring, ring[1:], strict=False))
-    durations = [(t - t0) - (p - p0) for (t0, _, p0), (t, _, p) in pairs]
+    times = [q[_STEP_TIMES + count % RING] for count in range(first, steps)]
+    # A step's duration less the checkpoints and evaluations in its interval; its own work less its waits
+    # too, where they were timed: the interval after the count reached a multiple of WAITS_EVERY.
     every = q[WAITS_EVERY] or 1
-    work = [  # (the first pair follows the count first + 1)
-        max(0, duration - (s - s0))
-        for count, duration, ((_, s0, _), (_, s, _)) in zip(range(first + 1, steps), durations, pairs, strict=True)
-        if count % every == 0
-    ]
-    last_step = ring[-1][0] if ring else 0
+    durations, work = [], []
+    for count, t0, t in zip(range(first + 1, steps), times, times[1:], strict=False):
+        entry = _INTERVALS + 3 * (count % RING)
+        sync, phases = (q[entry + _SYNC], q[entry + _PHASES]) if q[entry] == count + 1 else (0, 0)
+        durations.append(t - t0 - phases)
+        if count % every == 0:
+            work.append(max(0, t - t0 - phases - sync))
+    last_step = times[-1] if times else 0
     return RankProgress(
         RankIdentity(pid, rank, local_rank, world, restart, ticks), path, started, steps, q[LOGGED], q[FIRST_NS],
         last_step, max(last_step, q[LOGGED_NS], q[PHASE_SINCE_NS]), Phase(q[PHASE]), q[PHASE_SINCE_NS],

@@ -113,11 +113,11 @@ class RankHooks:
         if (board := self.made_board()) is None:
             return
         if self._register_torch_hook is not None and self._torch_hook is not None:
+            if self._backward is not None:
+                board.time_waits_with(self._backward_timer(self._backward))
             self._torch_hook.remove()
             self._torch_hook = self._register_torch_hook(board.step)
             self._register_torch_hook = None
-            if self._backward is not None:
-                board.time_waits_with(functools.partial(self._time_backward, _waiting(self, self._backward)))
         board.step()
 
     def time_backward(self, autograd: ModuleType) -> None:
@@ -125,10 +125,17 @@ class RankHooks:
         the board says: ``WAITS_EVERY_STEPS`` makes the wrapper's cost a fraction of a step's."""
         self._autograd, self._backward = autograd, autograd.backward
 
-    def _time_backward(self, timed: Callable[..., Any], on: bool) -> None:
-        was, now = (self._backward, timed) if on else (timed, self._backward)
-        if self._autograd.backward is was:  # another library's own wrapper, put there since, stays
-            self._autograd.backward = now
+    def _backward_timer(self, bare: Callable[..., Any]) -> Callable[[bool], None]:
+        """The board's ``time_waits``: puts the timed backward in place (``True``) or takes it out. A closure
+        over locals, called by the step itself: one call, two compares."""
+        autograd, timed = self._autograd, _waiting(self, bare)
+
+        def time_waits(on: bool) -> None:
+            was, now = (bare, timed) if on else (timed, bare)
+            if autograd.backward is was:  # another library's own wrapper, put there since, stays
+                autograd.backward = now
+
+        return time_waits
 
     def logged(self, step: int) -> None:
         if (board := self.board or self.made_board()) is not None:
