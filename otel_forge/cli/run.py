@@ -39,6 +39,8 @@ from otel_forge.cli.rank_watch import RankZeroWatch
 from otel_forge.cli.script_run_watch import ScriptRunWatch, script_names_experiment, script_run_of
 from otel_forge.config import (
     JOURNALS_DELIVERED_BY_ENV,
+    LAUNCHED_RUN_ENV,
+    LAUNCHER_OPENS,
     MLFLOW_SYSTEM_METRICS_VAR,
     PID_NOT_STARTED,
     PROGRESS_BOARD_ENV,
@@ -51,10 +53,12 @@ from otel_forge.config import (
 from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.spool_files import kept_notice_level, remove_if_empty, spool_root, told_spool
 from otel_forge.mlflow.training.launched_run import LaunchedRun
+from otel_forge.mlflow.training.run_notice import NOTICE_FILE, RunNotice
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT
 from otel_forge.mlflow.training.run_source import RunOrigin, RunSource
 from otel_forge.mlflow.training.worker_ends import take_failed_worker
 from otel_forge.node import NodeIdentity
+from otel_forge.pipeline.agent import EndpointError, check_prometheus_port
 from otel_forge.scrub import scrub, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
@@ -134,25 +138,33 @@ def run(args: argparse.Namespace) -> int:
     board = progress_board(config, node, spool)
     # The ranks' progress is watched where the node is sampled (local rank 0's process).
     watch = _training_watch(config, node, board, training_run).start() if board and node.runs_agent else None
-    # The node is served from now on (/metrics answers while the run opens); its process tree is
-    # CMD's once CMD runs, its windows go to the run once the run is open.
-    sampling = _NodeSampling(_start_system_metrics(config, training_run.tracking_uri, node, watch))
+    # The node is served from CMD's start on (a port in use is said before it); its process tree is
+    # CMD's, its windows go to the run once the run is open.
+    if node.runs_agent:
+        check_prometheus_port(config)
+    sampling = _NodeSampling()
     training_run.on_open.append(lambda: sampling.run_opened(training_run))
     training_run.on_unanswered.append(lambda error: _say_unanswered(training_run, command, error))
     script = script_run_of(training_run, spool) if script_names else None
     if script is not None:
         _ask_server(training_run, command)
-    live = script is None and training_run.start(training_run.start_wait_s)
+    at_once = script is None and _cmd_starts_at_once(config, node, training_run)
+    if at_once:
+        training_run.begin()  # CMD's processes are told the run once it is open (_CmdNotice)
+    live = script is None and not at_once and training_run.start(training_run.start_wait_s)
     if isinstance(training_run.open_error, MissingRun):
         _end_before_cmd(training_run, sampling, "FAILED")
         source = config.source("run_id")
         raise ConfigError(
             f"invalid run_id (from {source}): {training_run.open_error}; --create-if-missing starts a new run instead"
         )
-    env = _cmd_environ(args.child_environ, training_run, node, live, sampling, script)
+    env = _cmd_environ(args.child_environ, training_run, node, live, script, at_once)
     env.update(launch.cmd_environ(node))  # the workers name this node as we do
-    if board is not None:
-        env.update(progress_environ(board, env))
+    notice = _CmdNotice(spool) if env.get(LAUNCHED_RUN_ENV) == LAUNCHER_OPENS else None
+    if notice is not None:
+        notice.follow(training_run, command)
+    if board is not None or notice is not None:
+        env.update(bootstrap_environ(env, board))
     if signals.received:
         _end_before_cmd(training_run, sampling, "KILLED")
         return 128 + signals.received[0]
@@ -174,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         _end(training_run, "FAILED", watchdogs.finish())
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
-    sampling.cmd_started(child.pid)
+    sampling.start(lambda: _start_system_metrics(config, training_run.tracking_uri, node, watch), child.pid)
     script_watch = ScriptRunWatch(script, training_run, config.experiment_wait_s).start() if script else None
     journals = _cmd_journals(training_run, spool)
     if launch.rank_pending and training_run.run_id is None:
@@ -185,12 +197,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         sleep_until(lambda: child.poll() is not None)  # a SIGTERM for CMD is passed on while it runs
         code = child.returncode
+        if at_once:  # CMD was quicker than the run's open: what it and the node left goes to the run
+            training_run.wait_open(config.close_deadline_s(node.node_count))
         if script_watch is not None:
             script_watch.finish()  # the run CMD made (or claimed), else ours in the default experiment
         watchdog = watchdogs.finish()
         # Nothing CMD left behind may touch the run once it is ended (MLflow's atexit ends it FINISHED).
         stop_leftovers(keep={watchdog.pid} if watchdog else (), grace_s=config.exit_grace_s)
     finally:
+        if notice is not None:
+            notice.remove()
         if watch is not None:
             watch.stop()  # its tables are journaled before the run's end
             sampling.read_afresh("progress")  # its last look, not a collect's cached one, is the last window's
@@ -214,6 +230,67 @@ def run(args: argparse.Namespace) -> int:
         script.remove()
     remove_if_empty(spool)
     return code if code >= 0 else 128 - code
+
+
+def _cmd_starts_at_once(config: ForgeConfig, node: NodeIdentity, training_run: Any) -> bool:
+    """CMD starts as the run opens (it is told the run once open: ``_CmdNotice``) where nothing must be
+    known first: no run id to check (a missing one fails before CMD), a job of this node alone (other
+    nodes, and workers started elsewhere, take the run from their environment), and a tracking server
+    (a local store is made once, before CMD's processes would make it too)."""
+    from otel_forge.mlflow.training.run_plan import is_remote
+
+    return config.run_id is None and (node.node_count or 1) <= 1 and is_remote(training_run.tracking_uri)
+
+
+class _CmdNotice:
+    """Tells CMD's processes, handed a run still opening (``LAUNCHER_OPENS``), what became of it: a
+    ``RunNotice`` in the job directory (their MLflow import, ``job_run_id()`` and rank 0's ``TrainingRun``
+    wait for it). Once the run is told, nothing overwrites it."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._told_run = False
+
+    def follow(self, training_run: Any, command: list[str]) -> None:
+        """Tell the run once open; an outage once the server has not answered within ``start_wait_s``
+        (said on stderr, once), or the reason the run will not open."""
+        training_run.on_open.append(lambda: self._run_opened(training_run))
+        threading.Thread(
+            target=self._tell_unopened, args=(training_run, command), name="otel-forge-cmd-notice", daemon=True
+        ).start()
+
+    def _tell_unopened(self, training_run: Any, command: list[str]) -> None:
+        from otel_forge.mlflow.training.job_run import transient_open_error
+        from otel_forge.scrub import error_line
+
+        wait_s = training_run.start_wait_s
+        if training_run.wait_open(wait_s):
+            return
+        with self._lock:
+            if self._told_run or training_run.open_run is not None:
+                return  # open meanwhile, or CMD is done
+            error = training_run.open_error
+            if error is not None and not transient_open_error(error, training_run.tracking_uri):
+                RunNotice(refused=error_line(error)).tell(self._directory)
+                return
+            # An outage: said once (a refused connection, at once, by on_unanswered), and told.
+            _say_unanswered(training_run, command, TimeoutError(f"no answer within {wait_s:.0f} s"))
+            RunNotice(unanswered=f"no answer within {wait_s:.0f} s").tell(self._directory)
+
+    def _run_opened(self, training_run: Any) -> None:
+        # "described": whether the run holds CMD's description already; not where we just described
+        # it (a new run): CMD's TrainingRun adds its own then, as when handed an open run.
+        entry = {**training_run.open_run.entry(), "described": not training_run.described}
+        with self._lock:
+            if not self._told_run:
+                RunNotice(run=entry).tell(self._directory)
+                self._told_run = True
+
+    def remove(self) -> None:
+        with self._lock:
+            self._told_run = True  # nothing more is told: CMD is done
+            (self._directory / NOTICE_FILE).unlink(missing_ok=True)
 
 
 def _ask_server(training_run: Any, command: list[str]) -> None:
@@ -323,7 +400,12 @@ def _end_before_cmd(training_run: Any, sampling: _NodeSampling, status: str) -> 
 
 
 def _cmd_environ(
-    environ: dict[str, str], training_run: Any, node: NodeIdentity, live: bool, sampling: _NodeSampling, script: Any
+    environ: dict[str, str],
+    training_run: Any,
+    node: NodeIdentity,
+    live: bool,
+    script: Any,
+    at_once: bool,
 ) -> dict[str, str]:
     """CMD's environment: the run (or how to find it once open) and who samples its node."""
     # Never another store behind the user's back: CMD talks to ours, whether the run is open or not,
@@ -347,13 +429,17 @@ def _cmd_environ(
             sampled_node=node.sampling_key,
             directory=str(script.directory),
         )
-        training_run.on_open.append(lambda: _announce(training_run, sampling))
     elif live:
         handed = _launched_run(training_run, node)
-        _announce(training_run, sampling)
+    elif at_once:
+        handed = LaunchedRun(
+            RunSource(RunOrigin.LAUNCHER),
+            tracking_uri=training_run.tracking_uri,
+            experiment=training_run.experiment,
+            sampled_node=node.sampling_key,  # we sample the node once the run opens
+        )
     elif training_run.open_error is None:
         handed = _pending_run(training_run, node)
-        training_run.on_open.append(lambda: _announce(training_run, sampling))
     else:
         return env
     env.update(handed.environ())
@@ -432,20 +518,43 @@ class _RunWatchdog:
 
 
 class _NodeSampling:
-    """The node's agent (None on a local rank that does not sample), from our start: CMD's pid roots
-    its process tree once CMD runs; its windows go to the run once the run is open."""
+    """The node's agent (None on a local rank that does not sample), started once CMD runs (CMD's
+    first step waits for nothing of it): CMD's pid roots its process tree, its windows go to the run
+    once the run is open, whichever comes first."""
 
-    def __init__(self, monitor: Any) -> None:
-        self.monitor = monitor
+    def __init__(self) -> None:
+        self.monitor: Any = None
+        self._lock = threading.Lock()
+        self._run: Any = None  # the TrainingRun, once its run is open
 
-    def cmd_started(self, pid: int) -> None:
-        if self.monitor is not None:
-            self.monitor.follow_process(pid)
+    def start(self, make: Callable[[], Any], pid: int) -> None:
+        try:
+            monitor = make()
+        except EndpointError as error:  # taken since our look before CMD: CMD trains on, unsampled
+            print(f"otel-forge: error: {error}; the node is not sampled", file=sys.stderr, flush=True)
+            return
+        if monitor is None:
+            return
+        monitor.follow_process(pid)
+        with self._lock:
+            self.monitor = monitor
+            if self._run is not None:
+                self._attach(self._run)
 
     def run_opened(self, training_run: Any) -> None:
-        if self.monitor is not None:
-            known = RunInfo(training_run.experiment_id, training_run.run_name or "", training_run.experiment)
-            self.monitor.attach(training_run.run_id, known)
+        uri = uri_without_credentials(training_run.tracking_uri)
+        run = training_run.open_run
+        with self._lock:
+            # On stderr, as all of otel-forge run's lines: CMD's stdout is the job's output (a pipe, a file).
+            print(f"otel-forge: run {run.run_id} in experiment {run.experiment} at {uri}", file=sys.stderr, flush=True)
+            self._run = training_run
+            if self.monitor is not None:
+                self._attach(training_run)
+
+    def _attach(self, training_run: Any) -> None:
+        known = RunInfo(training_run.experiment_id, training_run.run_name or "", training_run.experiment)
+        self.monitor.attach(training_run.run_id, known)
+        print(f"otel-forge: serving {self.monitor.mlflow_endpoint}", file=sys.stderr, flush=True)
 
     def read_afresh(self, collector: str) -> None:
         """The agent's next collect reads ``collector`` again, however recent its last read."""
@@ -456,18 +565,6 @@ class _NodeSampling:
     def stop(self) -> None:
         if self.monitor is not None:
             self.monitor.stop()
-
-
-def _announce(training_run: Any, sampling: _NodeSampling) -> None:
-    entry = training_run.tracking_entry() or {}
-    # On stderr, as all of otel-forge run's lines: CMD's stdout is the job's output (a pipe, a file).
-    print(
-        f"otel-forge: run {entry.get('run_id')} in experiment {entry.get('experiment')} at {entry.get('tracking_uri')}",
-        file=sys.stderr,
-        flush=True,
-    )
-    if sampling.monitor is not None:
-        print(f"otel-forge: serving {sampling.monitor.mlflow_endpoint}", file=sys.stderr, flush=True)
 
 
 def _pending_run(training_run: Any, node: NodeIdentity) -> LaunchedRun:
@@ -511,13 +608,14 @@ def progress_board(config: ForgeConfig, node: NodeIdentity, spool: Path) -> Path
     return spool.parent / f"progress-{key_segment(node.job_key)}-{key_segment(node.node_id or node.hostname)}"
 
 
-def progress_environ(board: Path, environ: dict[str, str]) -> dict[str, str]:
-    """CMD's Python processes start with the rank hook (``progress/bootstrap/sitecustomize.py``)."""
+def bootstrap_environ(environ: dict[str, str], board: Path | None) -> dict[str, str]:
+    """CMD's Python processes start with our bootstrap (``progress/bootstrap/sitecustomize.py``): the
+    rank hook, given a board, and MLflow's import waiting for a run still opening."""
     import otel_forge.progress
 
     bootstrap = str(Path(otel_forge.progress.__file__).parent / "bootstrap")
     path = os.pathsep.join(p for p in (bootstrap, environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, PROGRESS_BOARD_ENV: str(board)}
+    return {"PYTHONPATH": path, **({PROGRESS_BOARD_ENV: str(board)} if board is not None else {})}
 
 
 def _training_watch(config: ForgeConfig, node: NodeIdentity, board: Path, training_run: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -55,12 +56,29 @@ def serve_prometheus(config: ForgeConfig, rendering: PrometheusRendering) -> Pro
     try:
         return PrometheusEndpoint.serve(rendering, config.prometheus_host, config.prometheus_port)
     except OSError as error:
-        where = f"{config.prometheus_host}:{config.prometheus_port}"
-        raise EndpointError(
-            f"cannot serve Prometheus on {where} "
-            f"(prometheus_port from {config.source('prometheus_port')}): "
-            f"{error.strerror or error}; {_PORT_FIX}"
-        ) from None
+        raise _endpoint_error(config, error) from None
+
+
+def check_prometheus_port(config: ForgeConfig) -> None:
+    """``EndpointError`` now where the configured port cannot be served, for a caller that starts its agent
+    a moment later (``otel-forge run``, after CMD): bound as the endpoint binds it, and let go."""
+    if not config.prometheus or not config.prometheus_port:
+        return
+    try:
+        family = socket.getaddrinfo(
+            config.prometheus_host, config.prometheus_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0][0]
+        socket.create_server((config.prometheus_host, config.prometheus_port), family=family).close()
+    except OSError as error:
+        raise _endpoint_error(config, error) from None
+
+
+def _endpoint_error(config: ForgeConfig, error: OSError) -> EndpointError:
+    where = f"{config.prometheus_host}:{config.prometheus_port}"
+    return EndpointError(
+        f"cannot serve Prometheus on {where} "
+        f"(prometheus_port from {config.source('prometheus_port')}): {error.strerror or error}; {_PORT_FIX}"
+    )
 
 
 class Agent:

@@ -10,9 +10,13 @@ runs opened after it nest under it (``run_context``), and the command's ``Traini
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from otel_forge.config import (
     DESCRIBE_RUN_ENV,
@@ -24,7 +28,10 @@ from otel_forge.config import (
     env_name,
 )
 from otel_forge.mlflow.fluent_runs import fluent_run_id
+from otel_forge.mlflow.training.run_notice import RunNotice
 from otel_forge.mlflow.training.run_source import RunOrigin, RunSource
+
+_NOTICE_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,8 @@ class LaunchedRun:
     experiment: str | None = None  # by name (or an id, while none is known yet)
     job_key: str | None = None
     sampled_node: str | None = None  # NodeIdentity.sampling_key of the node the launcher samples
-    directory: str | None = None  # where the job's processes share files: the launcher's job directory
+    # where the job's processes share files: the launcher's job directory (its ``RunNotice`` while pending)
+    directory: str | None = None
     last_step: int | None = None  # the run's last training step when the launcher opened it
 
     @property
@@ -106,6 +114,76 @@ class LaunchedRun:
             directory=environ.get(env_name("spool_dir")),
             last_step=int(last_step) if run_id is not None and last_step.isdigit() else None,
         )
+
+    def opened(self, run: Mapping[str, Any]) -> LaunchedRun:
+        """This pending run, once the launcher opened (and described) it: ``run`` as its notice tells it."""
+        return dataclasses.replace(
+            self,
+            source=RunSource(RunOrigin.LAUNCHER, run["run_id"], adds_description=True),
+            experiment_id=run.get("experiment_id"),
+            experiment=run.get("experiment") or self.experiment,
+            last_step=run.get("last_step"),
+        )
+
+
+def launcher_notice_directory(environ: Mapping[str, str] | None = None) -> Path | None:
+    """Where the launcher tells the run it is still opening (``RunNotice``); None where none is pending."""
+    launched = LaunchedRun.from_environ(environ)
+    if launched is None or not launched.pending or not launched.directory:
+        return None
+    return Path(launched.directory)
+
+
+def take_launched_run(run: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> str:
+    """The run the launcher opened after this process started, handed as it is handed at a start: the
+    next ``mlflow.start_run()`` resumes it (unless the process started one meanwhile: it nests then)."""
+    environ = os.environ if environ is None else environ
+    launched = LaunchedRun.from_environ(environ) or LaunchedRun(RunSource(RunOrigin.LAUNCHER))
+    handed = launched.opened(run).environ()
+    if fluent_run_id() is not None:
+        handed.pop(env_name("run_id"), None)
+    environ.update(handed)
+    return str(run["run_id"])
+
+
+def await_launched_run() -> str | None:
+    """The job's run, where the launcher opens it as this process runs: its notice, waited for a little
+    longer than ``start_wait_s`` (the launcher tells an outage within it). None while it is not open (an
+    outage: the runs this process opens are its own then)."""
+    if (directory := launcher_notice_directory()) is None:
+        return launched_run_id()
+    deadline = time.monotonic() + _notice_wait_s()
+    while True:
+        notice = RunNotice.read(directory)
+        if notice is not None and notice.run is not None:
+            return take_launched_run(notice.run)
+        if notice is not None or time.monotonic() >= deadline:
+            return None
+        time.sleep(_NOTICE_POLL_S)
+
+
+def await_launched_run_at_mlflow_import() -> None:
+    """Where the launcher is still opening the job's run: MLflow's import in this process waits for it,
+    so the first run the process opens (HF's callback, ``mlflow.start_run()``) is the job's.
+    ``otel-forge run``'s bootstrap calls this in every Python process of its command."""
+    if launcher_notice_directory() is not None:
+        from otel_forge.progress.import_hooks import when_imported
+
+        when_imported("mlflow", _await_at_import)
+
+
+def _await_at_import(_mlflow: object) -> None:
+    await_launched_run()
+
+
+def _notice_wait_s() -> float:
+    from otel_forge.config import ConfigError, ForgeConfig
+
+    try:
+        wait_s = ForgeConfig.resolve().start_wait_s
+    except ConfigError:
+        wait_s = ForgeConfig.defaults().start_wait_s  # the process's own TrainingRun says what is wrong
+    return wait_s + 1.0  # the launcher's own wait, and its write
 
 
 def launched_run_id(environ: Mapping[str, str] | None = None) -> str | None:

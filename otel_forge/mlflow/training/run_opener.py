@@ -21,7 +21,7 @@ from otel_forge.mlflow.server_probe import ServerRefused, check_connects
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
 from otel_forge.mlflow.training.job_run import JobRunFinder, JobRunRequest, transient_open_error
-from otel_forge.mlflow.training.launched_run import LaunchedRun, make_process_run
+from otel_forge.mlflow.training.launched_run import LaunchedRun, make_process_run, take_launched_run
 from otel_forge.mlflow.training.outcome import end_run
 from otel_forge.mlflow.training.run_notice import RunNotice
 from otel_forge.mlflow.training.run_owner import OpenRun, RunOwner
@@ -53,11 +53,14 @@ class OpenedElsewhere(Exception):
 
 @dataclass(frozen=True)
 class CompanionOpens:
-    """Where the companion that opens the run tells it (the journal's directory), and whether a
-    companion delivers that journal (None: not started yet; False: none will, so we open it)."""
+    """Where the process that opens the run tells it (``RunNotice``), and whether it delivers our journal
+    (None: not started yet; False: none will, so we open it): the companion, from our journal's plan
+    (the journal's directory); or ``otel-forge run``, which opens the job's run as its command starts
+    (its job directory: ``launcher``; it says an outage itself)."""
 
     directory: Path
     delivers: Callable[[], bool | None]
+    launcher: bool = False
 
 
 class RunOpener:
@@ -209,27 +212,33 @@ class RunOpener:
         )  # fmt: skip
 
     def _companions_run(self) -> OpenRun | None:
-        """The run the companion opened from the journal, as its notice tells it (no MLflow here); None
+        """The run the companion (or the launcher) opened, as its notice tells it (no MLflow here); None
         where no companion delivers the journal after all: this process opens the run then."""
-        if not self.plan.delivery_opens or self.companion is None:
+        companion = self.companion
+        if companion is None or not (self.plan.delivery_opens or companion.launcher):
             return None
         self._prepare()  # the description, which the companion opens the run with
         began, unanswered = time.monotonic(), None
         while True:
-            notice = RunNotice.read(self.companion.directory)
+            notice = RunNotice.read(companion.directory)
             if notice is not None and notice.run is not None:
+                if companion.launcher:  # the process's run from now on, as had it been handed at the start
+                    take_launched_run(notice.run)
                 return OpenRun.from_entry(
                     notice.run, lazy_client(self.plan.tracking_uri), bool(notice.run.get("described"))
                 )
-            if notice is not None or time.monotonic() - began > _COMPANION_START_S:
-                self.machine.asked()
+            if companion.launcher or notice is not None or time.monotonic() - began > _COMPANION_START_S:
+                self.machine.asked()  # (the launcher asks the server from its start)
             if notice is not None and notice.refused is not None:
                 self._fail(OpenedElsewhere(notice.refused))
                 raise OpenedElsewhere(notice.refused)
             if notice is not None and notice.unanswered not in (None, unanswered):
                 unanswered = notice.unanswered
-                self._unanswered(OpenedElsewhere(unanswered), unanswered)
-            if self.companion.delivers() is False:
+                if companion.launcher:  # it said so on the job's stderr
+                    self.machine.fire(RunEvent.UNANSWERED)
+                else:
+                    self._unanswered(OpenedElsewhere(unanswered), unanswered)
+            if companion.delivers() is False:
                 _logger.debug("no companion delivers the journal: the run is opened here")
                 return None
             if self.machine.left:

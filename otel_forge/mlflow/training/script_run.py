@@ -34,7 +34,12 @@ from typing import Any
 from otel_forge.config import LAUNCHED_RUN_ENV, env_name
 from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run, fluent_run_id
 from otel_forge.mlflow.spool_files import make_spool_dir, spool_root, write_atomically
-from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id, wait_for_process_run
+from otel_forge.mlflow.training.launched_run import (
+    LaunchedRun,
+    await_launched_run,
+    launched_run_id,
+    wait_for_process_run,
+)
 from otel_forge.private_dirs import open_private_file
 
 _logger = logging.getLogger(__name__)
@@ -192,7 +197,7 @@ def job_run_id() -> str | None:
     if (run_id := launched_run_id()) is not None:
         return run_id
     wait_for_process_run()  # a TrainingRun of ours, whose companion opens the run, makes it ours
-    if (run_id := launched_run_id()) is not None:
+    if (run_id := launched_run_id() or await_launched_run()) is not None:
         return run_id
     if (record := current()) is None:
         return None

@@ -22,7 +22,7 @@ from otel_forge.mlflow.spool_files import spool_root
 from otel_forge.mlflow.training import description_gate
 from otel_forge.mlflow.training.exit_handlers import ExitHandlers, exit_status
 from otel_forge.mlflow.training.job_run import MissingRun
-from otel_forge.mlflow.training.launched_run import expect_process_run
+from otel_forge.mlflow.training.launched_run import expect_process_run, launcher_notice_directory
 from otel_forge.mlflow.training.metric_values import MetricChecker, checked_step
 from otel_forge.mlflow.training.run_delivery import RunDelivery
 from otel_forge.mlflow.training.run_description import RunDescription
@@ -133,6 +133,10 @@ class TrainingRun:
         uri = uri_without_credentials(self.tracking_uri)
         return {"backend": "mlflow", "run_id": run.run_id, "experiment": run.experiment, "tracking_uri": uri}
 
+    def begin(self) -> None:
+        """Open (or resume) the run in the background, from now on."""
+        self._begin()
+
     def start(self, timeout_s: float | None = None) -> bool:
         """Open (or resume) the run now, waiting at most ``timeout_s`` (default: the init deadline),
         or until the server fails to answer once; True when it is live (else it goes on opening)."""
@@ -192,7 +196,17 @@ class TrainingRun:
             self._opener.plan = dataclasses.replace(self.plan, delivery_opens=False)  # no journal to open it from
         elif self.plan.delivery_opens and recorder.directory is not None:
             self._opener.companion = CompanionOpens(recorder.directory, self._companion_delivers)
+        elif (directory := self._launcher_tells()) is not None:
+            self._opener.companion = CompanionOpens(directory, lambda: True, launcher=True)
         return recorder
+
+    def _launcher_tells(self) -> Path | None:
+        """Where ``otel-forge run``, still opening the job's run as it started this process, tells it
+        (``RunNotice``): to rank 0, whose journal it delivers; None elsewhere."""
+        plan = self.plan
+        if plan.owns_run and plan.source.launcher_opens and plan.delivered_by_launcher:
+            return launcher_notice_directory()
+        return None
 
     def _companion_opens(self, script_run_id: str | None) -> bool:
         """A companion delivers our journal, and the run is one it can open as we would: given by id, the
@@ -360,9 +374,10 @@ class TrainingRun:
         nothing names the experiment, the run opens later, in the experiment the script names
         (``_wait_for_script``): the run a framework opens in the block is the job's. A rank that neither
         logs nor samples its node, handed no run, finds the run only should it fail."""
-        if self.plan.owns_run and not self.plan.source.launcher_opens and self.forge_config.start_wait_s > 0:
+        told = self._launcher_tells() is not None
+        if self.plan.owns_run and (told or not self.plan.source.launcher_opens) and self.forge_config.start_wait_s > 0:
             self._begin()
-            if self.plan.delivery_opens and "mlflow" not in sys.modules:
+            if (self.plan.delivery_opens or told) and "mlflow" not in sys.modules:
                 # No MLflow run can open in this process before MLflow is imported: the block begins
                 # now, and MLflow's import (the script's, a framework's) waits for the run instead.
                 self._deferred, self._stop_expecting = True, expect_process_run(self._wait_for_run)

@@ -1,6 +1,7 @@
 """Python runs this at start in every process ``otel-forge run`` starts (this directory is first on
 CMD's ``PYTHONPATH``, as ``ddtrace-run`` and ``opentelemetry-instrument`` do it): the progress hook is
-installed, then the ``sitecustomize`` this one hides, if the environment has one, runs as before."""
+installed, and MLflow's import made to wait for the job's run where the launcher is still opening it;
+then the ``sitecustomize`` this one hides, if the environment has one, runs as before."""
 
 import importlib.util
 import os
@@ -9,10 +10,12 @@ import sys
 
 def _install() -> None:
     try:
+        from otel_forge.mlflow.training.launched_run import await_launched_run_at_mlflow_import
         from otel_forge.progress.rank_hooks import install
 
         install()
-    except Exception:  # noqa: BLE001 - the training starts whatever becomes of its hook
+        await_launched_run_at_mlflow_import()
+    except Exception:  # noqa: BLE001 - the training starts whatever becomes of its hooks
         pass
 
 
