@@ -19,7 +19,9 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
 import socket
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ _logger = logging.getLogger(__name__)
 
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 _MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "mpiexec.hydra")
+_PYTHON_LAUNCHERS = ("torchrun", "accelerate", "deepspeed")  # console scripts whose workers are Python
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 _TORCHRUN_FLAGS = ("--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path")
 # A resolver that does not answer must not hold the job's start: past this, the endpoint is not ours.
@@ -66,6 +69,16 @@ class Launch:
         if not self.workers_here or node.node_id is None:
             return {}
         return {env_name("node_id"): node.node_id}
+
+
+def runs_python(command: Sequence[str]) -> bool:
+    """Whether CMD's processes that could use the run are Python (a Python program, or a launcher
+    whose workers are): each starts with ``otel-forge run``'s bootstrap, which can tell it the run once
+    the run is open. Any other program reads its environment at its start."""
+    name = os.path.basename(command[0])
+    if name in _PYTHON_LAUNCHERS or re.fullmatch(r"python[0-9.]*", name) or command[0] == sys.executable:
+        return not any(flag in command for flag in ("--no-python", "--no_python"))  # torchrun's own
+    return False
 
 
 def _torchrun_args(command: Sequence[str]) -> list[str] | None:

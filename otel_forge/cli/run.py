@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_forge.cli.children import Watchdog, become_subreaper, dies_with_us, stop_leftovers
-from otel_forge.cli.launchers import read_launch
+from otel_forge.cli.launchers import read_launch, runs_python
 from otel_forge.cli.main_thread import sleep_until
 from otel_forge.cli.options import add_agent_options, config_from_args
 from otel_forge.cli.rank_watch import RankZeroWatch
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     script = script_run_of(training_run, spool) if script_names else None
     if script is not None:
         _ask_server(training_run, command)
-    at_once = script is None and _cmd_starts_at_once(config, node, training_run)
+    at_once = script is None and runs_python(command) and _cmd_starts_at_once(config, node, training_run)
     if at_once:
         training_run.begin()  # CMD's processes are told the run once it is open (_CmdNotice)
     live = script is None and not at_once and training_run.start(training_run.start_wait_s)
@@ -233,10 +233,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cmd_starts_at_once(config: ForgeConfig, node: NodeIdentity, training_run: Any) -> bool:
-    """CMD starts as the run opens (it is told the run once open: ``_CmdNotice``) where nothing must be
-    known first: no run id to check (a missing one fails before CMD), a job of this node alone (other
-    nodes, and workers started elsewhere, take the run from their environment), and a tracking server
-    (a local store is made once, before CMD's processes would make it too)."""
+    """CMD (Python: ``runs_python``) starts as the run opens, and is told the run once open
+    (``_CmdNotice``), where nothing must be known first: no run id to check (a missing one fails before
+    CMD), a job of this node alone (other nodes, and workers started elsewhere, take the run from their
+    environment), and a tracking server (a local store is made once, before CMD's processes would make
+    it too)."""
     from otel_forge.mlflow.training.run_plan import is_remote
 
     return config.run_id is None and (node.node_count or 1) <= 1 and is_remote(training_run.tracking_uri)

@@ -553,6 +553,61 @@ def test_cmd_sees_the_launched_run_tracking_uri_and_experiment_id(mlflow_server,
     assert env["MLFLOW_HTTP_REQUEST_TIMEOUT"] is None
 
 
+# A Python CMD as it starts, and once it imported MLflow; then its first run (a plain log_metric).
+STARTS_AT_ONCE = """
+import json, os, sys
+names = ("OTEL_FORGE_LAUNCHED_RUN_ID", "MLFLOW_RUN_ID")
+at_start = {name: os.environ.get(name) for name in names}
+import mlflow
+after_import = {name: os.environ.get(name) for name in names}
+mlflow.log_metric("loss", 0.5, step=3)
+json.dump({"at_start": at_start, "after_import": after_import, "run": mlflow.active_run().info.run_id},
+          open(sys.argv[1], "w"))
+"""
+
+
+def test_a_python_cmd_starts_as_the_run_opens_and_its_first_mlflow_run_is_the_job_run(
+    mlflow_server, client, tmp_path
+) -> None:
+    script, seen = tmp_path / "starts.py", tmp_path / "seen.json"
+    script.write_text(STARTS_AT_ONCE)
+    experiment = unique("at-once")
+    result = run_forge(
+        [*server_options(mlflow_server.uri, experiment), "--", sys.executable, str(script), str(seen)],
+        cwd=tmp_path,
+        env=forge_environ(tmp_path),
+    )
+
+    assert result.returncode == 0, result.stderr
+    run_id = run_id_of(result.stderr)
+    told = json.loads(seen.read_text())
+    # CMD did not wait for the run: it began while the run was still opening ...
+    assert told["at_start"] == {"OTEL_FORGE_LAUNCHED_RUN_ID": "pending", "MLFLOW_RUN_ID": None}
+    # ... and its MLflow import waited for it: the run CMD's first MLflow call opens is the job's.
+    assert told["after_import"] == {"OTEL_FORGE_LAUNCHED_RUN_ID": run_id, "MLFLOW_RUN_ID": run_id}
+    assert told["run"] == run_id
+    assert steps_of(client, run_id, "loss") == [3]
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    assert [r.info.run_id for r in client.search_runs([experiment_id])] == [run_id]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert beyond_announcements(result.stderr) == [], result.stderr
+    assert not any(path.name == "run.json" for path in (tmp_path / "spool").rglob("*"))  # the notice is gone
+
+
+def test_a_cmd_that_is_not_python_has_the_run_in_its_environment_from_its_start(
+    mlflow_server, client, tmp_path
+) -> None:
+    seen = tmp_path / "run_id.txt"
+    result = run_forge(
+        [*server_options(mlflow_server.uri, unique("shell")), "--", "sh", "-c", f'printf %s "$MLFLOW_RUN_ID" > {seen}'],
+        cwd=tmp_path,
+        env=forge_environ(tmp_path),
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert seen.read_text() == run_id_of(result.stderr)  # a shell reads its environment once: the run is open
+
+
 def test_cmd_inherits_the_users_mlflow_run_id_as_the_resumed_run(mlflow_server, client, tmp_path) -> None:
     seen = tmp_path / "env.json"
     experiment_id = client.create_experiment(unique("user-run-id"))

@@ -165,6 +165,8 @@ class JournalRun:
             self._world.check_connects(self.uri)  # a server that is down costs no MLflow import (a second)
             self._client = self._world.make_client(self.uri)
             self._tell(RunNotice())  # the server is asked now: the writer's wait for the run counts from here
+        if known is None and job_run is not None and not (self._cursor.describe or writer_done):
+            raise RunNotOpenYet()  # the writer describes it first (its block may log before that)
         if known is None and job_run is not None:
             # The launcher's run, opened by its own journal's delivery: this journal describes it too,
             # and names it as the script did (online, the script's TrainingRun renames the run handed to it).

@@ -14,6 +14,7 @@ from otel_forge.mlflow.training.run_description import RunDescription
 from otel_forge.mlflow.training.run_journal import Record, RunEnd, RunJournal
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_plan import RunPlan
+from otel_forge.mlflow.training.run_source import RunOrigin
 from otel_forge.scrub import error_line, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
@@ -63,8 +64,9 @@ class RunRecorder:
             return
         try:
             if self.journal is not None and not self._described:
-                # MLflow's context tags are for a run this process may make (it imports MLflow for them).
-                resolve_context = not (plan.delivery_opens or plan.source.launched)
+                # MLflow's context tags are for a run this process may make (it imports MLflow for them);
+                # not one its companion opens, or its launcher.
+                resolve_context = not (plan.delivery_opens or plan.source.origin is RunOrigin.LAUNCHER)
                 self.journal.describe(self._description.journal_entry(plan.node, resolve_context))
             self._described = True
         finally:

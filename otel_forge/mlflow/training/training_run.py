@@ -262,7 +262,8 @@ class TrainingRun:
         plan = self.plan
         self.described = plan.owns_run and (plan.source.adds_description or not run.described)
         if self._recorder is not None:
-            self._recorder.opened(run, self.described, plan.run_name if plan.source.launched else None)
+            handed = plan.source.origin is RunOrigin.LAUNCHER  # (the run the launcher opens, or opened)
+            self._recorder.opened(run, self.described, plan.run_name if handed else None)
         with self._lock:  # a run handed to this rank opens at once: _begin makes the delivery meanwhile
             delivery = self._delivery
         if delivery is not None:

@@ -1,4 +1,6 @@
-"""CMD that records what ``otel-forge run`` exported to it, then exits with the code it is given.
+"""CMD that records what ``otel-forge run`` exported to it, as a script that uses MLflow sees it (after
+``import mlflow``: a run still opening as CMD started is told by then), then exits with the code it is
+given.
 
 python write_env.py OUT.json [EXIT_CODE]
 """
@@ -8,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+import mlflow  # noqa: F401 - what a script that logs sees from here
 
 NAMES = (
     "MLFLOW_RUN_ID",
