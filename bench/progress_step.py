@@ -2,7 +2,7 @@
 
 Run:  python -m bench.progress_step [--rounds 5] [--steps 20000] [--json] [--quick]
 
-"Hooked" is what ``otel-forge run`` makes of a training process: ``otel_forge/progress/bootstrap``
+"Hooked" is what ``otel-forge run`` makes of a training process: ``otel_forge/cli/bootstrap``
 first on ``PYTHONPATH`` and ``OTEL_FORGE_PROGRESS_BOARD=<a fresh directory>``, so that its
 ``sitecustomize`` installs ``otel_forge.progress.rank_hooks`` before the script runs. Every measurement
 is a fresh child process (``sys.executable``, the hermetic environment of the tests, the repository on
@@ -54,7 +54,7 @@ from typing import Any
 from bench._common import REPO_ROOT, percentile
 from testkit.hermetic import hermetic_environ
 
-BOOTSTRAP = REPO_ROOT / "otel_forge" / "progress" / "bootstrap"
+BOOTSTRAP = REPO_ROOT / "otel_forge" / "cli" / "bootstrap"
 BOARD_ENV = "OTEL_FORGE_PROGRESS_BOARD"
 LOOPS = ("step", "train")
 VARIANTS = {"step": ("bare", "noop-hook", "hooked"), "train": ("bare", "noop-hook", "hooked", "hooked-rank")}

@@ -68,7 +68,7 @@ def test_the_wheel_installs_its_dashboards_and_collector_configs_and_doctor_name
 def test_the_wheel_carries_the_rank_hook_that_otel_forge_run_hands_its_command(installed: Path) -> None:
     # The hook is a sitecustomize.py outside any package: package data, which a wheel drops unless named.
     code = (
-        "import otel_forge.progress, pathlib; "
-        "print((pathlib.Path(otel_forge.progress.__file__).parent / 'bootstrap' / 'sitecustomize.py').is_file())"
+        "import otel_forge.cli, pathlib; "
+        "print((pathlib.Path(otel_forge.cli.__file__).parent / 'bootstrap' / 'sitecustomize.py').is_file())"
     )
     assert _run(installed / "bin" / "python", "-c", code).strip() == "True"

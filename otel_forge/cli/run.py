@@ -610,11 +610,9 @@ def progress_board(config: ForgeConfig, node: NodeIdentity, spool: Path) -> Path
 
 
 def bootstrap_environ(environ: dict[str, str], board: Path | None) -> dict[str, str]:
-    """CMD's Python processes start with our bootstrap (``progress/bootstrap/sitecustomize.py``): the
-    rank hook, given a board, and MLflow's import waiting for a run still opening."""
-    import otel_forge.progress
-
-    bootstrap = str(Path(otel_forge.progress.__file__).parent / "bootstrap")
+    """CMD's Python processes start with our bootstrap (``bootstrap/sitecustomize.py``): the rank hook,
+    given a board, and MLflow's import waiting for a run still opening."""
+    bootstrap = str(Path(__file__).parent / "bootstrap")
     path = os.pathsep.join(p for p in (bootstrap, environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, **({PROGRESS_BOARD_ENV: str(board)} if board is not None else {})}
 

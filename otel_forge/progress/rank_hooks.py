@@ -1,6 +1,6 @@
 """The per-rank hook: a training process under ``otel-forge run`` reports its progress, no code needed.
 
-``otel-forge run`` puts ``bootstrap/`` first on CMD's ``PYTHONPATH``; its ``sitecustomize`` calls
+``otel-forge run`` puts ``cli/bootstrap/`` first on CMD's ``PYTHONPATH``; its ``sitecustomize`` calls
 ``install()`` in every Python process CMD starts (the launcher's workers included). Nothing happens
 until the process steps: a launcher, a DataLoader worker or a tool never writes a board file. Once
 torch is imported (never by us), PyTorch's global optimizer step hook counts the steps; torch.save,

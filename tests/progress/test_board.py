@@ -15,7 +15,7 @@ from otel_forge.progress.import_hooks import when_imported
 from testkit.hermetic import hermetic_environ
 
 REPO = Path(__file__).resolve().parents[2]
-BOOTSTRAP = REPO / "otel_forge" / "progress" / "bootstrap"
+BOOTSTRAP = REPO / "otel_forge" / "cli" / "bootstrap"
 
 
 def _identity(rank: int = 0) -> RankIdentity:

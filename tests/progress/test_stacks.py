@@ -15,7 +15,7 @@ import pytest
 from otel_forge.progress.board import read_board
 from otel_forge.progress.stacks import main_thread_frames, odd_one_out, stacks_report, take_stacks
 
-BOOTSTRAP = Path(__file__).resolve().parents[2] / "otel_forge" / "progress" / "bootstrap"
+BOOTSTRAP = Path(__file__).resolve().parents[2] / "otel_forge" / "cli" / "bootstrap"
 
 RANK = """
 import sys, threading, time

@@ -13,7 +13,7 @@ from pathlib import Path
 from otel_forge.cli.training_watch import GOODPUT_ARTIFACT, RunNotes, TrainingWatch
 from otel_forge.config import ForgeConfig
 
-BOOTSTRAP = Path(__file__).resolve().parents[2] / "otel_forge" / "progress" / "bootstrap"
+BOOTSTRAP = Path(__file__).resolve().parents[2] / "otel_forge" / "cli" / "bootstrap"
 
 RANK = """
 import time
