@@ -8,11 +8,15 @@ and takes the wall time from just before its start to its first step (the script
 
 - ``bare``: the script alone (Python's start, its own imports: none heavy);
 - ``mlflow_start_run``: ``import mlflow``, ``set_experiment`` and ``with mlflow.start_run():``;
-- ``training_run``: ``with TrainingRun(experiment=...):`` (rank 0: it opens the run, and waits for it
-  within ``start_wait_s`` so that a framework's MLflow run in the block is the job's);
+- ``training_run``: ``with TrainingRun(experiment=...):`` (rank 0: its companion opens the run; the
+  block begins at once, and MLflow's import in it would wait for the run, within ``start_wait_s``);
 - ``training_run_rank1``: the same block in rank 1 of a torchrun job of 2 (its variables; no run to
   wait for: it journals nothing and samples nothing);
-- ``otel_forge_run``: ``otel-forge run -- python bare.py`` (the launcher opens the run first).
+- ``otel_forge_run``: ``otel-forge run -- python bare.py`` (the script starts as the launcher opens the
+  run: its MLflow import would wait for it; its node's agent starts once it runs).
+
+Python caches each module's bytecode (``PYTHONDONTWRITEBYTECODE`` is dropped): the warm-up round writes
+it, as installing a package does.
 
 Reported: each variant's median over the rounds, and what it adds to ``bare``'s median. The goal
 (issue 43) is at most 0.3 s added before the first step.
@@ -74,6 +78,7 @@ def first_step_s(variant: str, uri: str, tmp: Path) -> float:
     env = hermetic_environ(
         MLFLOW_TRACKING_URI=uri, OTEL_FORGE_SPOOL_DIR=str(tmp / "spool"), PYTHONPATH=str(REPO_ROOT), **extra
     )
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # an installed package's modules start from their bytecode
     began = time.time()
     done = subprocess.run(
         _command(variant, script, experiment), env=env, capture_output=True, text=True, timeout=300, cwd=tmp

@@ -1,14 +1,16 @@
 """``otel-forge run [options] -- CMD ...``: CMD inside an MLflow run, its node sampled meanwhile.
 
 The run is opened first and handed to CMD (``LaunchedRun``: ``MLFLOW_RUN_ID``, the tracking URI, the
-experiment), which launchers pass on to other nodes. The first run CMD's code opens is that run: a
-plain ``mlflow.log_metric``, ``mlflow.start_run()``, HF's ``MLflowCallback`` or autolog's first fit
-resume it, so the loss lands beside ``system/...``; the runs it opens after that nest under it
-(``run_context``); CMD's ``TrainingRun`` logs into it. Whatever CMD's code does to the run's status
-(MLflow ends its run FINISHED at exit), the run ends FINISHED, FAILED or KILLED from CMD's exit, after
-CMD, and ``otel-forge`` exits with CMD's code. Under a launcher every task's ``otel-forge run`` finds
-the job's one run by the job key (``TrainingRun``'s rendezvous). SIGINT/SIGTERM are forwarded;
-processes CMD leaves behind are stopped. MLflow's own system-metrics logging stands down in CMD.
+experiment), which launchers pass on to other nodes; a Python CMD of one node starts as the run opens,
+and its processes are told the run once open (``_CmdNotice``: their MLflow import waits for it). The
+first run CMD's code opens is that run: a plain ``mlflow.log_metric``, ``mlflow.start_run()``, HF's
+``MLflowCallback`` or autolog's first fit resume it, so the loss lands beside ``system/...``; the runs
+it opens after that nest under it (``run_context``); CMD's ``TrainingRun`` logs into it. Whatever CMD's
+code does to the run's status (MLflow ends its run FINISHED at exit), the run ends FINISHED, FAILED or
+KILLED from CMD's exit, after CMD, and ``otel-forge`` exits with CMD's code. Under a launcher every
+task's ``otel-forge run`` finds the job's one run by the job key (``TrainingRun``'s rendezvous).
+SIGINT/SIGTERM are forwarded; processes CMD leaves behind are stopped. MLflow's own system-metrics
+logging stands down in CMD.
 
 The run's ``mlflow.source.name`` is the first Python file on CMD's command line, as typed (the name
 MLflow gives the runs that script starts), else CMD's program; ``otel_forge.command`` has all of it.

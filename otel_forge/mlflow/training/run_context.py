@@ -25,7 +25,7 @@ from mlflow.tracking.context.abstract_context import RunContextProvider
 from mlflow.tracking.default_experiment.abstract_context import DefaultExperimentProvider
 
 from otel_forge.mlflow.training import script_run
-from otel_forge.mlflow.training.launched_run import LaunchedRun, launched_run_id
+from otel_forge.mlflow.training.launched_run import LaunchedRun, await_launched_run, launched_run_id
 from otel_forge.mlflow.training.rendezvous import JOB_KEY_TAG
 from otel_forge.mlflow.training.run_plan import DEFAULT_EXPERIMENT
 from otel_forge.node import is_first_process
@@ -161,6 +161,8 @@ def _in_a_process_of_the_job() -> None:
     launched = LaunchedRun.from_environ()
     if launched is None:
         return
+    if launched.pending and await_launched_run() is not None:  # told as MLflow is imported, from here
+        launched = LaunchedRun.from_environ() or launched
     if launched.script_opens:
         launched = _script_run_at_import(launched)
     if launched.run_id is not None and launched.sampled_node is not None:
