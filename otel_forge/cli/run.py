@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -140,17 +141,21 @@ def run(args: argparse.Namespace) -> int:
     board = progress_board(config, node, spool)
     # The ranks' progress is watched where the node is sampled (local rank 0's process).
     watch = _training_watch(config, node, board, training_run).start() if board and node.runs_agent else None
-    # The node is served from CMD's start on (a port in use is said before it); its process tree is
-    # CMD's, its windows go to the run once the run is open.
-    if node.runs_agent:
-        check_prometheus_port(config)
+    script = script_run_of(training_run, spool) if script_names else None
+    at_once = script is None and runs_python(command) and _cmd_starts_at_once(config, node, training_run)
+    # The node is served from now on (/metrics answers while the run opens), or, where CMD starts at
+    # once, from CMD's start (a port in use is said before it); its process tree is CMD's once CMD
+    # runs, its windows go to the run once the run is open.
     sampling = _NodeSampling()
+    start_sampling = functools.partial(_start_system_metrics, config, training_run.tracking_uri, node, watch)
+    if not at_once:
+        sampling.start(start_sampling())
+    elif node.runs_agent:
+        check_prometheus_port(config)
     training_run.on_open.append(lambda: sampling.run_opened(training_run))
     training_run.on_unanswered.append(lambda error: _say_unanswered(training_run, command, error))
-    script = script_run_of(training_run, spool) if script_names else None
     if script is not None:
         _ask_server(training_run, command)
-    at_once = script is None and runs_python(command) and _cmd_starts_at_once(config, node, training_run)
     if at_once:
         training_run.begin()  # CMD's processes are told the run once it is open (_CmdNotice)
     live = script is None and not at_once and training_run.start(training_run.start_wait_s)
@@ -164,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     env.update(launch.cmd_environ(node))  # the workers name this node as we do
     notice = _CmdNotice(spool) if env.get(LAUNCHED_RUN_ENV) == LAUNCHER_OPENS else None
     if notice is not None:
-        notice.follow(training_run, command)
+        notice.follow(training_run, command, waited=not at_once)
     if board is not None or notice is not None:
         env.update(bootstrap_environ(env, board))
     if signals.received:
@@ -188,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
         _end(training_run, "FAILED", watchdogs.finish())
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)
-    sampling.start(lambda: _start_system_metrics(config, training_run.tracking_uri, node, watch), child.pid)
+    sampling.cmd_started(child.pid)
+    if at_once:
+        sampling.start_after_cmd(start_sampling)
     script_watch = ScriptRunWatch(script, training_run, config.experiment_wait_s).start() if script else None
     journals = _cmd_journals(training_run, spool)
     if launch.rank_pending and training_run.run_id is None:
@@ -255,20 +262,20 @@ class _CmdNotice:
         self._lock = threading.Lock()
         self._told_run = False
 
-    def follow(self, training_run: Any, command: list[str]) -> None:
+    def follow(self, training_run: Any, command: list[str], waited: bool) -> None:
         """Tell the run once open; an outage once the server has not answered within ``start_wait_s``
-        (said on stderr, once), or the reason the run will not open."""
+        (said on stderr, once: ``waited``, we said it before CMD), or the reason the run will not open."""
         training_run.on_open.append(lambda: self._run_opened(training_run))
         threading.Thread(
-            target=self._tell_unopened, args=(training_run, command), name="otel-forge-cmd-notice", daemon=True
+            target=self._tell_unopened, args=(training_run, command, waited), name="otel-forge-cmd-notice", daemon=True
         ).start()
 
-    def _tell_unopened(self, training_run: Any, command: list[str]) -> None:
+    def _tell_unopened(self, training_run: Any, command: list[str], waited: bool) -> None:
         from otel_forge.mlflow.training.job_run import transient_open_error
         from otel_forge.scrub import error_line
 
         wait_s = training_run.start_wait_s
-        if training_run.wait_open(wait_s):
+        if training_run.wait_open(0 if waited else wait_s):
             return
         with self._lock:
             if self._told_run or training_run.open_run is not None:
@@ -277,8 +284,9 @@ class _CmdNotice:
             if error is not None and not transient_open_error(error, training_run.tracking_uri):
                 RunNotice(refused=error_line(error)).tell(self._directory)
                 return
-            # An outage: said once (a refused connection, at once, by on_unanswered), and told.
-            _say_unanswered(training_run, command, TimeoutError(f"no answer within {wait_s:.0f} s"))
+            # An outage: said once (a refused connection, at once, by on_unanswered; or before CMD), and told.
+            if not waited:
+                _say_unanswered(training_run, command, TimeoutError(f"no answer within {wait_s:.0f} s"))
             RunNotice(unanswered=f"no answer within {wait_s:.0f} s").tell(self._directory)
 
     def _run_opened(self, training_run: Any) -> None:
@@ -521,28 +529,36 @@ class _RunWatchdog:
 
 
 class _NodeSampling:
-    """The node's agent (None on a local rank that does not sample), started once CMD runs (CMD's
-    first step waits for nothing of it): CMD's pid roots its process tree, its windows go to the run
-    once the run is open, whichever comes first."""
+    """The node's agent (None on a local rank that does not sample), started before CMD or once CMD
+    runs: CMD's pid roots its process tree, its windows go to the run once the run is open, whichever
+    of the three comes first."""
 
     def __init__(self) -> None:
         self.monitor: Any = None
         self._lock = threading.Lock()
+        self._pid: int | None = None
         self._run: Any = None  # the TrainingRun, once its run is open
 
-    def start(self, make: Callable[[], Any], pid: int) -> None:
-        try:
-            monitor = make()
-        except EndpointError as error:  # taken since our look before CMD: CMD trains on, unsampled
-            print(f"otel-forge: error: {error}; the node is not sampled", file=sys.stderr, flush=True)
-            return
-        if monitor is None:
-            return
-        monitor.follow_process(pid)
+    def start(self, monitor: Any) -> None:
         with self._lock:
             self.monitor = monitor
-            if self._run is not None:
+            if monitor is not None and self._pid is not None:
+                monitor.follow_process(self._pid)
+            if monitor is not None and self._run is not None:
                 self._attach(self._run)
+
+    def start_after_cmd(self, make: Callable[[], Any]) -> None:
+        """Start it now, CMD running: a port taken since our look before CMD is said, and CMD trains on."""
+        try:
+            self.start(make())
+        except EndpointError as error:
+            print(f"otel-forge: error: {error}; the node is not sampled", file=sys.stderr, flush=True)
+
+    def cmd_started(self, pid: int) -> None:
+        with self._lock:
+            self._pid = pid
+            if self.monitor is not None:
+                self.monitor.follow_process(pid)
 
     def run_opened(self, training_run: Any) -> None:
         uri = uri_without_credentials(training_run.tracking_uri)

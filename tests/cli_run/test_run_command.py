@@ -594,6 +594,25 @@ def test_a_python_cmd_starts_as_the_run_opens_and_its_first_mlflow_run_is_the_jo
     assert not any(path.name == "run.json" for path in (tmp_path / "spool").rglob("*"))  # the notice is gone
 
 
+def test_a_prometheus_port_in_use_is_said_before_a_python_cmd_that_would_start_at_once(mlflow_server, tmp_path) -> None:
+    ran = tmp_path / "cmd-ran"
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_forge(
+            [
+                "--tracking-uri", mlflow_server.uri, "--experiment", unique("port"), "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(port), "--", sys.executable, "-c", f"open({str(ran)!r}, 'w')",
+            ],
+            cwd=tmp_path,
+            env=forge_environ(tmp_path),
+        )  # fmt: skip
+
+    assert result.returncode == USAGE_ERROR, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"otel-forge: error: cannot serve Prometheus on 127.0.0.1:{port}"), line
+    assert not ran.exists()  # CMD never started
+
+
 def test_a_cmd_that_is_not_python_has_the_run_in_its_environment_from_its_start(
     mlflow_server, client, tmp_path
 ) -> None:

@@ -10,11 +10,14 @@ import sys
 
 def _install() -> None:
     try:
-        from otel_forge.mlflow.training.launched_run import await_launched_run_at_mlflow_import
+        from otel_forge.config import LAUNCHED_RUN_ENV, LAUNCHER_OPENS
         from otel_forge.progress.rank_hooks import install
 
         install()
-        await_launched_run_at_mlflow_import()
+        if os.environ.get(LAUNCHED_RUN_ENV) == LAUNCHER_OPENS:  # (an import the other processes skip)
+            from otel_forge.mlflow.training.launched_run import await_launched_run_at_mlflow_import
+
+            await_launched_run_at_mlflow_import()
     except Exception:  # noqa: BLE001 - the training starts whatever becomes of its hooks
         pass
 
