@@ -18,7 +18,7 @@ from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.training.training_run import TrainingRun
 from testkit.hermetic import hermetic_environ
 
-HANG_S = 8.0  # otel-forge run's case: past its 2 s start wait
+HANG_S = 8.0  # otel-forge run's case: past its 2 s start wait (CMD starts at once, its TrainingRun waits)
 STEPS = 300  # one every 0.1 s
 JOB_START_HANG_S = 20.0  # TrainingRun's case: past several HTTP timeouts and retries of the open
 TRAIN = """
@@ -77,7 +77,9 @@ def test_trainingrun_opens_when_the_server_answers_and_loses_nothing(
     assert not (tmp_path / "mlflow.db").exists()
 
 
-def test_otel_forge_run_starts_cmd_after_its_wait_and_both_meet_in_one_run(pausable_server, tmp_path) -> None:
+def test_otel_forge_run_starts_a_python_cmd_as_the_run_opens_and_both_meet_in_one_run(
+    pausable_server, tmp_path
+) -> None:
     from mlflow import MlflowClient
 
     env = hermetic_environ(
@@ -120,6 +122,8 @@ def test_otel_forge_run_starts_cmd_after_its_wait_and_both_meet_in_one_run(pausa
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "logging disabled" not in result.stderr, result.stderr
     assert "already writes" not in result.stderr, result.stderr  # the node sampled once, by otel-forge
+    # CMD started at once; the outage is said once, by otel-forge run, after its start wait.
+    assert result.stderr.count("does not answer") == 1, result.stderr
     client = MlflowClient(pausable_server.uri)
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert len(runs) == 1, [r.data.tags for r in runs]

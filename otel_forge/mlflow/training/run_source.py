@@ -133,8 +133,10 @@ SOURCE_ROLES: dict[RunOrigin, SourceRoles] = {
     ),
     RunOrigin.LAUNCHER: SourceRoles(
         "opened by the launcher (`otel-forge run`, handed to CMD in its environment)",
-        "`otel-forge run` before CMD starts (every rank attaches by id: no MLflow import, no connection); if the "
-        "server did not answer, CMD finds it later by the job key it publishes",
+        "`otel-forge run`, before CMD starts, or as a Python CMD starts (one node, a tracking server, no run id): "
+        "it tells CMD's processes in `run.json` in the job directory, which their MLflow import, `job_run_id()` "
+        "and rank 0 wait for (every rank attaches by id: no MLflow import, no connection); if the server did not "
+        "answer, CMD finds it later by the job key it publishes",
         "`otel-forge run`'s journal (launch file, git), and CMD's `TrainingRun` adds its config",
         "`otel-forge run` (a thread per journal in the job's directory)",
         "`otel-forge run`, from CMD's exit code",
