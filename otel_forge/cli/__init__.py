@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -13,7 +14,6 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from typing import NoReturn
 
-from otel_forge.cli import doctor, monitor, replay, run
 from otel_forge.cli.parser import USAGE_ERROR, CommandParser
 from otel_forge.config import MLFLOW_LOGGING_LEVEL_VAR, MLFLOW_RETRIES_VAR, ConfigError
 from otel_forge.pipeline import EndpointError
@@ -39,7 +39,13 @@ class RepeatFilter(logging.Filter):
         return True
 
 
-def build_parser() -> CommandParser:
+# One module each (``otel_forge.cli.<name>``: its ``add_parser`` and its ``run``).
+COMMANDS = ("run", "monitor", "doctor", "replay")
+
+
+def build_parser(command: str | None = None) -> CommandParser:
+    """The command line's parser: every command's, or only ``command``'s where the command line names one
+    (a command's module imports what it runs: the node agent need not import ``run``'s or ``doctor``'s)."""
     parser = CommandParser(
         prog="otel-forge",
         description="Hardware metrics of a training machine, to MLflow, Prometheus and OpenTelemetry.",
@@ -47,8 +53,8 @@ def build_parser() -> CommandParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument("--version", action="version", version=f"otel-forge {version('otel-forge')}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
-    for command in (run, monitor, doctor, replay):
-        command.add_parser(commands)
+    for name in (command,) if command in COMMANDS else COMMANDS:
+        importlib.import_module(f"otel_forge.cli.{name}").add_parser(commands)
     return parser
 
 
@@ -112,7 +118,10 @@ def console_main() -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     # CMD of `otel-forge run` gets the environment as the user set it, not our defaults below.
     child_environ = dict(os.environ)
-    args = build_parser().parse_command_line(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The first word that is not a flag is the command (otel-forge's own flags take no value).
+    named = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(named).parse_command_line(argv)
     args.child_environ = child_environ
     configure_process(args.verbose)
     try:
