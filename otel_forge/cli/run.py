@@ -168,13 +168,13 @@ def run(args: argparse.Namespace) -> int:
     env = _cmd_environ(args.child_environ, training_run, node, live, script, at_once)
     env.update(launch.cmd_environ(node))  # the workers name this node as we do
     notice = _CmdNotice(spool) if env.get(LAUNCHED_RUN_ENV) == LAUNCHER_OPENS else None
-    if notice is not None:
-        notice.follow(training_run, command, waited=not at_once)
     if board is not None or notice is not None:
         env.update(bootstrap_environ(env, board))
     if signals.received:
         _end_before_cmd(training_run, sampling, "KILLED")
         return 128 + signals.received[0]
+    if notice is not None:
+        notice.follow(training_run, command, waited=not at_once)
     become_subreaper()
     watchdogs = _RunWatchdog(
         lambda: Watchdog(
@@ -190,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         child = subprocess.Popen(command, env=env, preexec_fn=dies_with_us())  # noqa: PLW1509
     except OSError as error:
         sampling.stop()
+        if notice is not None:
+            notice.remove()
         _end(training_run, "FAILED", watchdogs.finish())
         raise ConfigError(f"invalid command (from CMD): cannot run {command[0]!r}: {error.strerror}") from None
     signals.forward_to(child)

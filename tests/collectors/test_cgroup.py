@@ -188,13 +188,17 @@ def v1_cgroup(request):
     cgroup.remove()
 
 
-# A busy loop that says, at its end, the share of its CPU limit it got (its CPU time / elapsed / limit).
+# A busy loop that says, at its end, the share of its CPU limit its cgroup got meanwhile (the cgroup's
+# CPU time / elapsed / limit): the loop's, and otel-forge run's beside it (it opens the run as CMD starts).
 BUSY = """
 import time
-start = time.monotonic()
+def used_s():
+    with open({usage!r}) as usage:
+        return int(usage.read()) / 1e9
+start, used = time.monotonic(), used_s()
 while time.monotonic() < start + {seconds}:
     pass
-print("share of limit", 100 * time.process_time() / (time.monotonic() - start) / {limit})
+print("share of limit", 100 * (used_s() - used) / (time.monotonic() - start) / {limit})
 """
 
 
@@ -209,18 +213,19 @@ def test_v1_a_busy_loop_under_half_a_cpu_reads_its_limit_full_in_mlflow(v1_cgrou
     env = hermetic_environ(
         {"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"), "PYTHONPATH": str(REPO_ROOT)}, prefixes=("OTEL_", "MLFLOW_")
     )
+    busy = BUSY.format(seconds=8, limit=0.5, usage=str(v1_cgroup.directories["cpuacct"] / "cpuacct.usage"))
     forge = [sys.executable, "-m", "otel_forge.cli", "run", "--tracking-uri", mlflow_server.uri, "--experiment",
              experiment, "--no-prometheus", "--interval", "1", "--samples-per-window", "1", "--collectors",
-             "cpu,memory,cgroup", "--", sys.executable, "-c", BUSY.format(seconds=8, limit=0.5)]  # fmt: skip
+             "cpu,memory,cgroup", "--", sys.executable, "-c", busy]  # fmt: skip
     result = subprocess.run(v1_cgroup.joining(forge), env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     history = {key: [m.value for m in client.get_metric_history(run.info.run_id, f"system/{key}")] for key in (
         "cpu_utilization_percentage", "host_cpu_utilization_percentage", "container_cpu_limit_cpus",
         "container_cpu_throttled_seconds_per_second")}  # fmt: skip
-    # The loop runs through the windows but the first and the last, at its quota: about 100 % on a quiet
-    # machine; a machine busy with other work (other tests, servers) gives it less, which the loop's own
-    # CPU time says. The host view holds that other work too; the job's share of it is a quarter here.
+    # The loop runs through the windows but the first and the last, the job at its quota: about 100 % on a
+    # quiet machine; a machine busy with other work (other tests, servers) gives it less, which the
+    # cgroup's own CPU time says. The host view holds that other work too; the job's share is a quarter here.
     got = float(result.stdout.split("share of limit")[-1])
     steady = history["cpu_utilization_percentage"][1:-1]
     assert steady and abs(statistics.mean(steady) - got) <= 15 and max(steady) <= 130, (got, history)
