@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     # The ranks' progress is watched where the node is sampled (local rank 0's process).
     watch = _training_watch(config, node, board, training_run).start() if board and node.runs_agent else None
     script = script_run_of(training_run, spool) if script_names else None
-    at_once = script is None and runs_python(command) and _cmd_starts_at_once(config, node, training_run)
+    at_once = script is None and _cmd_starts_at_once(command, config, node, training_run)
     # The node is served from now on (/metrics answers while the run opens), or, where CMD starts at
     # once, from CMD's start (a port in use is said before it); its process tree is CMD's once CMD
     # runs, its windows go to the run once the run is open.
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _cmd_starts_at_once(config: ForgeConfig, node: NodeIdentity, training_run: Any) -> bool:
+def _cmd_starts_at_once(command: list[str], config: ForgeConfig, node: NodeIdentity, training_run: Any) -> bool:
     """CMD (Python: ``runs_python``) starts as the run opens, and is told the run once open
     (``_CmdNotice``), where nothing must be known first: no run id to check (a missing one fails before
     CMD), a job of this node alone (other nodes, and workers started elsewhere, take the run from their
@@ -251,7 +251,8 @@ def _cmd_starts_at_once(config: ForgeConfig, node: NodeIdentity, training_run: A
     it too)."""
     from otel_forge.mlflow.training.run_plan import is_remote
 
-    return config.run_id is None and (node.node_count or 1) <= 1 and is_remote(training_run.tracking_uri)
+    single_node = (node.node_count or 1) <= 1
+    return runs_python(command) and config.run_id is None and single_node and is_remote(training_run.tracking_uri)
 
 
 class _CmdNotice:
