@@ -12,6 +12,7 @@ import logging
 import threading
 from pathlib import Path
 
+from otel_forge.mlflow.spool_scan import left_in
 from otel_forge.mlflow.system_metrics.windows import delivery_phase_s
 from otel_forge.scrub import error_line
 
@@ -49,8 +50,6 @@ class LeftoverDelivery:
         self._stop.set()
 
     def _run(self) -> None:
-        from otel_forge.mlflow.replay import left_in
-
         if self._stop.wait(self._delay_s):
             return
         left = left_in(self.root)[: self._max_spools]

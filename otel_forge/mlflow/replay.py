@@ -3,7 +3,6 @@ windows, or a run's journal (a TrainingRun's metrics, records and end)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -16,13 +15,14 @@ from otel_forge.mlflow.delivery.engine import Delivery, DeliveryStats, Policy
 from otel_forge.mlflow.delivery.outbox import Outbox
 from otel_forge.mlflow.delivery.retry import Outcome
 from otel_forge.mlflow.spool_files import HEADER, SpoolBusy, claim, remove_if_empty, writer_alive
+from otel_forge.mlflow.spool_scan import is_launchers_journal, left_in, spools_in
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import Window
 from otel_forge.mlflow.training.journal_cursor import undelivered
 from otel_forge.mlflow.training.journal_delivery import Delivered, DeliveryPace, JournalDelivery
 from otel_forge.mlflow.training.rendezvous import find_experiment, published_run_id
-from otel_forge.mlflow.training.run_journal import is_journal, read_header
+from otel_forge.mlflow.training.run_journal import is_journal
 
 _logger = logging.getLogger(__name__)
 
@@ -77,16 +77,6 @@ def replay_in(
     remove_if_empty(path)
 
 
-def spools_in(path: Path) -> list[Path]:
-    """``path`` if it is a spool, else the spools in it (a job's directory, ``otel-forge run``'s): the
-    journals first, the launcher's before its command's (it opens the job's run, which the others
-    then find), then the windows."""
-    if (path / HEADER).exists():
-        return [path]
-    found = sorted(header.parent for header in path.glob(f"*/{HEADER}"))
-    return sorted(found, key=lambda spool: (not is_journal(spool), not is_launchers_journal(spool)))
-
-
 def kept_in(path: Path) -> tuple[int, int]:
     """The metric values (in runs' journals) and system-metrics windows the spools in ``path`` keep."""
     values = windows = 0
@@ -96,31 +86,6 @@ def kept_in(path: Path) -> tuple[int, int]:
         else:
             windows += len(WindowSpool.pending_files(spool))
     return values, windows
-
-
-def left_in(root: Path) -> list[Path]:
-    """What earlier processes left under the spool root: its spools and job directories whose
-    writers have all ended, oldest first (a spool a running process writes is its own)."""
-    if not root.is_dir():
-        return []
-    left: dict[Path, float] = {}  # entry -> when its oldest spool was made
-    for entry in root.iterdir():
-        spools = spools_in(entry) if entry.is_dir() else []
-        if spools and not any(writer_alive(_header(spool)) for spool in spools):
-            with contextlib.suppress(OSError):  # delivered by another process meanwhile: not left
-                left[entry] = min((spool / HEADER).stat().st_mtime for spool in spools)
-    return sorted(left, key=left.__getitem__)
-
-
-def _header(spool: Path) -> dict[str, Any]:
-    try:
-        return read_header(spool)
-    except (OSError, ValueError):
-        return {}
-
-
-def is_launchers_journal(path: Path) -> bool:
-    return is_journal(path) and read_header(path).get("launcher", False)
 
 
 def replay_journal(
