@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -62,13 +61,12 @@ def serve_prometheus(config: ForgeConfig, rendering: PrometheusRendering) -> Pro
 def check_prometheus_port(config: ForgeConfig) -> None:
     """``EndpointError`` now where the configured port cannot be served, for a caller that starts its agent
     a moment later (``otel-forge run``, after CMD): bound as the endpoint binds it, and let go."""
+    from otel_forge.pipeline.prometheus_endpoint import bind
+
     if not config.prometheus or not config.prometheus_port:
         return
     try:
-        family = socket.getaddrinfo(
-            config.prometheus_host, config.prometheus_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0][0]
-        socket.create_server((config.prometheus_host, config.prometheus_port), family=family).close()
+        bind(config.prometheus_host, config.prometheus_port).close()
     except OSError as error:
         raise _endpoint_error(config, error) from None
 

@@ -220,8 +220,7 @@ class PrometheusEndpoint:
     ) -> PrometheusEndpoint:
         """Bind ``host:port`` (0: a free port) and serve; raises OSError when it cannot bind."""
         limits = limits or ConnectionLimits()
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        sock = socket.create_server((host, port), family=family, backlog=limits.backlog)
+        sock = bind(host, port, limits.backlog)
         server = _MetricsServer(rendering, limits, limits.connection_cap())
         loop = asyncio.new_event_loop()
         loop.set_exception_handler(_log_loop_error)
@@ -251,3 +250,9 @@ class PrometheusEndpoint:
             self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def bind(host: str, port: int, backlog: int | None = None) -> socket.socket:
+    """A listening socket on ``host:port`` (0: a free port), as the endpoint serves it; OSError if it cannot."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, backlog=backlog)

@@ -116,10 +116,11 @@ class LaunchedRun:
         )
 
     def opened(self, run: Mapping[str, Any]) -> LaunchedRun:
-        """This pending run, once the launcher opened (and described) it: ``run`` as its notice tells it."""
+        """This pending run, once the launcher opened it: ``run`` as its notice tells it (``described``:
+        the run holds the command's description already; else the command adds its own)."""
         return dataclasses.replace(
             self,
-            source=RunSource(RunOrigin.LAUNCHER, run["run_id"], adds_description=True),
+            source=RunSource(RunOrigin.LAUNCHER, run["run_id"], adds_description=not run.get("described")),
             experiment_id=run.get("experiment_id"),
             experiment=run.get("experiment") or self.experiment,
             last_step=run.get("last_step"),
