@@ -22,22 +22,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"OFPB"
-VERSION = 2
+VERSION = 3
 RING = 130  # steps kept: 129 read (128 durations, 8 of them timed), and the next step's
 
 # magic, version, pid, rank, local_rank, world_size, restart, started_ns, start_ticks (/proc stat): 8 slots
 _HEADER = struct.Struct("=4sIqqqqqqq")
 # The live part: 64-bit slots after the header, written through a memoryview; native byte order, as one
-# host writes and reads them. Then two rings of RING entries, by the step count: each step's time (all a
+# host writes and reads them. Then three rings of RING entries, by the step count: each step's time (all a
 # step stores, then the count that makes it read), and what the interval after a count was not the rank's
-# own work (its tag, count + 1: an entry from an earlier lap is not this count's; its time in collectives
-# and backward; its time in checkpoints and evaluations), written by the waits and phases only.
+# own work, each entry a tag (count + 1: an entry from an earlier lap is not this count's) and a time: its
+# waits for the peers (collectives, backward), written by the step that ends the interval, and its
+# checkpoints and evaluations, written by the phases (a checkpoint's thread may write them meanwhile).
 (SEQ, STEPS, LOGGED, LOGGED_NS, FIRST_NS, PHASE, PHASE_SINCE_NS, CHECKPOINT_NS, EVALUATION_NS,
  CHECKPOINT_END_NS, WAITS_EVERY) = range(_HEADER.size // 8, _HEADER.size // 8 + 11)  # fmt: skip
 _STEP_TIMES = WAITS_EVERY + 1
-_INTERVALS = _STEP_TIMES + RING
-_SYNC, _PHASES = 1, 2  # an interval entry's columns after its tag
-SIZE = (_INTERVALS + 3 * RING) * 8
+_WAITS = _STEP_TIMES + RING
+_PHASES = _WAITS + 2 * RING
+SIZE = (_PHASES + 2 * RING) * 8
 # faulthandler writes a rank's stacks on this signal. A realtime one: no launcher or framework we know
 # uses it (SLURM and Lightning take SIGUSR1, submitit SIGUSR2); sent only to a rank that made a board.
 STACKS_SIGNAL = signal.SIGRTMIN + 7
@@ -95,6 +96,7 @@ class RankBoard:
         q[PHASE], q[PHASE_SINCE_NS] = Phase.TRAINING, now
         self._entered_sync_ns = 0
         self.sync_depth = 0  # waits nested in a wait are the outer one's
+        self.sync_ns = 0  # the waits of the interval since the last step, that step writes
         self.step = self._stepper(None)
 
     def time_waits_with(self, time_waits: Callable[[bool], None]) -> None:
@@ -107,11 +109,12 @@ class RankBoard:
     def _stepper(self, time_waits: Callable[[bool], None] | None) -> Callable[..., None]:
         """``step``: one optimizer step (also PyTorch's step hook itself: its arguments are ignored). A
         closure over the map (locals, not attributes: a tenth of their cost) that stores two slots (a
-        memoryview's item costs ~300 instructions): the step's time, then the count that makes it read.
+        memoryview's item costs ~300 instructions): the step's time, then the count that makes it read;
+        and before that count, where the interval that ends waited for the peers, its waits.
         No lock and no sequence number: the loop's thread alone steps (a reader's copy holds either count,
         each with its time; the reader asks for two copies alike, which a store that is late to show cannot
         give); the next step's slot is never read."""
-        q, clock, mask = self._q, self._clock, WAITS_EVERY_STEPS - 1
+        q, clock, mask, board = self._q, self._clock, WAITS_EVERY_STEPS - 1, self
         steps = q[STEPS]  # the count this process wrote: only this closure writes STEPS
 
         def step(_optimizer: object = None, _args: object = None, _kwargs: object = None) -> None:
@@ -119,11 +122,15 @@ class RankBoard:
             now = clock()
             if not steps and not q[FIRST_NS]:  # (a script that logged steps began with those)
                 q[FIRST_NS] = now
-            q[_STEP_TIMES + steps % RING] = now
+            slot = steps % RING
+            q[_STEP_TIMES + slot] = now
+            if waited := board.sync_ns:
+                q[_WAITS + 2 * slot], q[_WAITS + 2 * slot + 1] = steps + 1, waited
+                board.sync_ns = 0
             steps += 1
-            q[STEPS] = steps
             if time_waits is not None and (after := steps & mask) < 2:
                 time_waits(not after)
+            q[STEPS] = steps
 
         return step
 
@@ -152,19 +159,10 @@ class RankBoard:
             self.add_sync(self._clock() - self._entered_sync_ns)
 
     def add_sync(self, ns: int) -> None:
-        """``ns`` more of waiting for the peers (``enter_sync``/``leave_sync``, or a wrapper that timed it)."""
-        with self._lock:
-            self._add_to_interval(_SYNC, ns)
-
-    def _add_to_interval(self, column: int, ns: int) -> None:
-        """``ns`` more in ``column`` of the interval since the last step (under the lock: a checkpoint's
-        thread adds its phase while the loop's waits add theirs)."""
-        q = self._q
-        count = q[STEPS]
-        entry = _INTERVALS + 3 * (count % RING)
-        if q[entry] != count + 1:
-            q[entry], q[entry + _SYNC], q[entry + _PHASES] = count + 1, 0, 0
-        q[entry + column] += ns
+        """``ns`` more of waiting for the peers (``enter_sync``/``leave_sync``, or a wrapper that timed it),
+        in the interval the next step ends. The loop's thread waits: no lock (a wait in another thread at
+        the moment of a step may be lost, never miscounted as another interval's)."""
+        self.sync_ns += ns
 
     def enter(self, phase: Phase) -> Phase:
         """The rank checkpoints or evaluates from now; returns the phase to go back to."""
@@ -191,7 +189,10 @@ class RankBoard:
         elif q[PHASE] == Phase.EVALUATING:
             q[EVALUATION_NS] += spent
         if q[PHASE] != Phase.TRAINING:
-            self._add_to_interval(_PHASES, spent)
+            entry = _PHASES + 2 * (q[STEPS] % RING)  # the interval since the last step (under the lock)
+            if q[entry] != q[STEPS] + 1:
+                q[entry], q[entry + 1] = q[STEPS] + 1, 0
+            q[entry + 1] += spent
         q[PHASE], q[PHASE_SINCE_NS] = int(phase), now  # leaving or entering a phase is progress too
         q[SEQ] = seq + 1
 
@@ -260,8 +261,9 @@ def _decode(path: Path, data: bytes) -> RankProgress:
     every = q[WAITS_EVERY] or 1
     durations, work = [], []
     for count, t0, t in zip(range(first + 1, steps), times, times[1:], strict=False):
-        entry = _INTERVALS + 3 * (count % RING)
-        sync, phases = (q[entry + _SYNC], q[entry + _PHASES]) if q[entry] == count + 1 else (0, 0)
+        waits, phases = _WAITS + 2 * (count % RING), _PHASES + 2 * (count % RING)
+        sync = q[waits + 1] if q[waits] == count + 1 else 0
+        phases = q[phases + 1] if q[phases] == count + 1 else 0
         durations.append(t - t0 - phases)
         if count % every == 0:
             work.append(max(0, t - t0 - phases - sync))
