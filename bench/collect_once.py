@@ -13,8 +13,10 @@ this process's CPU time (``time.process_time``: every thread, the reader's, the 
 ``/metrics`` server's) over a window that starts and ends on a tick of the agent's periodic reader (the
 bench wraps ``agent.fan_out.export`` to be woken by each tick; its main thread sleeps otherwise),
 divided by the ticks in the window. The reader's timer waits one interval after each collect, so the
-"period" column is the interval plus the collect time. Everything else the bench starts runs in other
-processes, so it is not measured:
+"period" column is the interval plus the collect time. The process collector watches a sleeping child
+of the bench (``pid``), as a node agent watches a training process: watching the bench itself, it read
+the scrapers too (its children), and charged the scraped configurations ~0.5 ms an interval for them.
+Everything else the bench starts runs in other processes, so it is not measured:
 
 - sink 1, OTLP: ``http/protobuf`` to a receiver subprocess on 127.0.0.1 that answers every POST with 200,
   an empty body and ``application/x-protobuf`` (an empty ``ExportMetricsServiceResponse``; the OTLP HTTP
@@ -370,9 +372,14 @@ def agent_cases(scrape_period_s: float, stress_period_s: float) -> list[AgentCas
 
 
 class Receiver:
-    """The OTLP receiver subprocess: 200 + empty protobuf body to every POST; GET answers its POST count."""
+    """The OTLP receiver subprocess: 200 + empty protobuf body to every POST; GET answers its POST count.
+    Beside it, the process the agent's process collector watches (``pid``), as a node agent watches a
+    training process: a sleeper with no children. Not this process, whose children (the receiver, the
+    scrapers) the collector would read too, more of them in the scraped configurations."""
 
     def __init__(self, processes: Processes) -> None:
+        self.monitored = processes.start("monitored", [sys.executable, "-c", "import time; time.sleep(86400)"])
+        self.monitored_pid = self.monitored.process.pid
         self.spawned = processes.start("otlp-receiver", [sys.executable, "-c", RECEIVER])
         line = self.spawned.process.stdout.readline()  # type: ignore[union-attr]
         if not line.strip().isdigit():
@@ -415,9 +422,10 @@ def sink_factories(push_sinks: int, made: list[CountingExporter]) -> list[Callab
     return [factory(InlineCountingExporter), factory(CountingExporter)][: push_sinks - 1]
 
 
-def agent_config(case: AgentCase, interval_s: float, otlp_url: str) -> ForgeConfig:
+def agent_config(case: AgentCase, interval_s: float, otlp_url: str, monitored_pid: int) -> ForgeConfig:
     return ForgeConfig.resolve(
         environ={},
+        pid=monitored_pid,
         prometheus=case.prometheus,
         prometheus_host="127.0.0.1",
         prometheus_port=0,
@@ -480,9 +488,8 @@ def measure_window(
 def start_agent(
     case: AgentCase, args: argparse.Namespace, receiver: Receiver, made: list[CountingExporter]
 ) -> tuple[Agent, Ticks, OtlpResults]:
-    agent = Agent(
-        agent_config(case, args.interval, receiver.url), extra_exporters=sink_factories(case.push_sinks, made)
-    )
+    config = agent_config(case, args.interval, receiver.url, receiver.monitored_pid)
+    agent = Agent(config, extra_exporters=sink_factories(case.push_sinks, made))
     agent.start()
     if not agent.running or agent.fan_out is None:
         agent.shutdown()
@@ -547,6 +554,7 @@ def agent_part(args: argparse.Namespace, processes: Processes, sdk: SdkCollects)
             row["ratio_vs_otlp"] = row["cpu_ms_per_interval"] / rows[0]["cpu_ms_per_interval"]
         rounds.append(rows)
     receiver.spawned.stop()
+    receiver.monitored.stop()
     merged = [median_round(list(case_rounds)) for case_rounds in zip(*rounds, strict=True)]
     for row in merged:  # the median configuration against the median OTLP alone: one noisy baseline weighs less
         row["ratio_vs_otlp"] = row["cpu_ms_per_interval"] / merged[0]["cpu_ms_per_interval"]

@@ -36,14 +36,14 @@ def test_a_body_is_exactly_prometheus_clients_encoding_as_negotiated():
             body, headers = rendering.body(accept, None)
             encoder, content_type = choose_encoder(accept)
             assert body == encoder(rendering._latest), (attributes, accept)
-            assert headers == [("Content-Type", content_type)]
+            assert headers == (("Content-Type", content_type),)
     assert b'hw_gpu_memory_usage_bytes{_lives="y",_reserved="x",a_b="z",hw_id="GPU-0"' in body
 
 
 def test_names_units_and_label_keys_are_mapped_once_per_process_not_once_per_collect():
     import opentelemetry.exporter.prometheus as otel_prometheus
 
-    from otel_forge.pipeline.prometheus_rendering import _NAME_MAPPINGS
+    from otel_forge.pipeline.prometheus_translation import NAME_MAPPINGS as _NAME_MAPPINGS
 
     keys = {"hw.id": "GPU-0", "9lives": "y", "a:b": "z"}
     _rendering_of(keys).body(PROMETHEUS_ACCEPT, None)  # every name of these metrics seen once
@@ -76,3 +76,35 @@ def test_a_family_unchanged_since_the_last_collect_is_not_encoded_again():
     assert encoded == [8, 10, 10, 12]
     scope = 'otel_scope_name="otel_forge",otel_scope_schema_url="",otel_scope_version=""'
     assert f"system_memory_usage_bytes{{{scope}}} 3.0\n".encode() in body  # the last value, not a kept one
+
+
+def test_a_translation_that_keeps_labels_gives_the_exporters_own_families_collect_after_collect():
+    from opentelemetry.exporter.prometheus import _CustomCollector
+
+    from otel_forge.pipeline.prometheus_translation import PrometheusTranslation
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("otel_forge", "1.0")
+    cores = [{"cpu": "0"}, {"cpu": "1"}]
+    load = [0.0]
+    meter.create_observable_gauge(
+        "system.cpu.utilization", [lambda _: [Observation(load[0] + i, core) for i, core in enumerate(cores)]]
+    )
+    errors = meter.create_counter("hw.errors")
+    latency = meter.create_histogram("rpc.duration", unit="s")
+    ours = PrometheusTranslation()
+    for collect in range(6):
+        load[0] = collect / 10
+        errors.add(collect, {"error.type": "uncorrected" if collect % 2 else "corrected"})
+        latency.record(collect / 3, {"rpc.method": "get"})
+        if collect == 3:
+            cores.append({"cpu": "2"})  # a new series: its labels are built, the others' kept
+        if collect == 4:
+            cores.pop(0)  # a series gone: the rows follow
+        data = reader.get_metrics_data()
+        stock = _CustomCollector()
+        stock.add_metrics_data(data)
+        assert ours.translate(data) == list(stock.collect()), collect
+    # 3 metrics' labels built at the first collect; then only where a metric's points changed: the
+    # counter's second series (collect 1), the utilisation's new core (3) and its core gone (4)
+    assert ours.labels_built == 3 + 3

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import functools
 import logging
 import os
 import resource
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -149,11 +151,13 @@ class _MetricsServer:
         wait_s = self._limits.header_timeout_s  # a new connection: its first head within the header timeout
         while True:
             connection.waiting_since, connection.answering = time.monotonic(), False
-            first = await asyncio.wait_for(reader.read(1), wait_s)
+            with _closed_after(connection, wait_s):
+                first = await reader.read(1)
             if not first:
-                return  # the client closed
+                return  # the client closed, or the wait ran out
             try:
-                head = first + await asyncio.wait_for(reader.readuntil(_HEAD_END), self._limits.header_timeout_s)
+                with _closed_after(connection, self._limits.header_timeout_s):
+                    head = first + await reader.readuntil(_HEAD_END)
                 request = _Request.parse(head[: -len(_HEAD_END)])
             except asyncio.LimitOverrunError:
                 return await self._answer_error(connection, "431 Request Header Fields Too Large")
@@ -169,10 +173,12 @@ class _MetricsServer:
         if request.method not in ("GET", "HEAD"):
             await self._answer_error(connection, "405 Method Not Allowed", (("Allow", "GET, HEAD"),))
             return False
-        loop = asyncio.get_running_loop()
-        body, headers = await loop.run_in_executor(
-            self._renderer, self._rendering.body, request.headers.get("accept"), request.headers.get("accept-encoding")
-        )
+        accept, accept_encoding = request.headers.get("accept"), request.headers.get("accept-encoding")
+        answer = self._rendering.made_body(accept, accept_encoding)
+        if answer is None:  # the first scrape of a collect translates and encodes it: off the loop
+            loop = asyncio.get_running_loop()
+            answer = await loop.run_in_executor(self._renderer, self._rendering.body, accept, accept_encoding)
+        body, headers = answer
         keep_alive = request.keep_alive
         fields = (*headers, ("Content-Length", str(len(body))), *(() if keep_alive else (("Connection", "close"),)))
         await self._write(connection, "200 OK", fields, body if request.method == "GET" else b"")
@@ -185,18 +191,42 @@ class _MetricsServer:
         await self._write(connection, status, fields, body)
 
     async def _write(self, connection: _Connection, status: str, headers: Headers, body: bytes) -> None:
-        head = [f"HTTP/1.1 {status}", f"Date: {email.utils.formatdate(usegmt=True)}"]
+        head = [f"HTTP/1.1 {status}", f"Date: {_http_date()}"]
         head += [f"{name}: {value}" for name, value in headers]
         # Status, headers and body in one write: one send a scrape (two would wait out the scraper's
         # delayed ACK: Nagle's algorithm holds the second, ~40 ms a scrape).
         connection.writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
-        await asyncio.wait_for(connection.writer.drain(), self._limits.write_timeout_s)
+        if connection.writer.transport.get_write_buffer_size():  # the kernel did not take it all at once
+            with _closed_after(connection, self._limits.write_timeout_s):
+                await connection.writer.drain()
 
     def close_connections(self) -> None:
         for connection in self._connections:
             connection.close()
         self._connections.clear()
         self._renderer.shutdown(wait=False, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _closed_after(connection: _Connection, seconds: float) -> Iterator[None]:
+    """Close ``connection`` if the block still waits after ``seconds``: its read then ends (b"", or
+    IncompleteReadError), its drain raises ConnectionError. A timer, not ``asyncio.wait_for``, which
+    wraps each wait in a task of its own (Python < 3.12): a third of a cached scrape's CPU."""
+    timer = asyncio.get_running_loop().call_later(seconds, connection.close)
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@functools.lru_cache(maxsize=1)
+def _date_of(second: int) -> str:
+    return email.utils.formatdate(second, usegmt=True)
+
+
+def _http_date() -> str:
+    """The ``Date`` header, formatted once a second."""
+    return _date_of(int(time.time()))
 
 
 def _log_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

@@ -21,22 +21,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import opentelemetry.exporter.prometheus as otel_prometheus
-from opentelemetry.exporter.prometheus import _CustomCollector
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from otel_forge.pipeline.fanout import NonBlockingExporter
+from otel_forge.pipeline.prometheus_translation import PrometheusTranslation, memoize
 
 Encoder = Callable[[Any], bytes]  # prometheus_client's: a registry (anything with collect()) -> body
+Answer = tuple[bytes, tuple[tuple[str, str], ...]]  # a scrape's body and its headers
 
 # Level 1: a tenth of the default level's CPU for a metrics page, most of its compression.
 _GZIP_LEVEL = 1
-
-# The translation's name mappings: pure functions (a string in, its Prometheus form out) that run
-# regexes over every label key of every data point, and every metric name and unit, each collect.
-_NAME_MAPPINGS = ("sanitize_attribute", "sanitize_full_name", "map_unit")
 
 
 @dataclass
@@ -58,15 +54,6 @@ class _Rendered(_Families):
     bodies: dict[tuple[str, bool], bytes] = field(default_factory=dict)
 
 
-def _memoize_name_mapping() -> None:
-    """Memoize the translation's name mappings, once per process: the same few dozen names come
-    every collect, and re-mapping them was half the translation's CPU. Same function, same output."""
-    for name in _NAME_MAPPINGS:
-        mapping = getattr(otel_prometheus, name)
-        if not hasattr(mapping, "cache_info"):
-            setattr(otel_prometheus, name, functools.lru_cache(maxsize=4096)(mapping))
-
-
 def _cheapest(encoder: Encoder) -> Encoder:
     """``encoder`` (prometheus_client's, as negotiated), or one giving the same bytes for less CPU.
 
@@ -81,11 +68,29 @@ def _cheapest(encoder: Encoder) -> Encoder:
     return encoder
 
 
+@functools.lru_cache(maxsize=64)
+def _negotiated(accept: str, accept_encoding: str) -> tuple[str, bool]:
+    """(content type, gzip) for a scraper's ``Accept`` and ``Accept-Encoding``, as prometheus_client
+    negotiates them; a scraper sends the same headers every time."""
+    return choose_encoder(accept)[1], gzip_accepted(accept_encoding)
+
+
+@functools.lru_cache(maxsize=64)
+def _headers(content_type: str, compressed: bool) -> tuple[tuple[str, str], ...]:
+    return (("Content-Type", content_type), *((("Content-Encoding", "gzip"),) if compressed else ()))
+
+
+# prometheus_client's escaping of names and label values (regexes and replaces, a label at a time, for
+# every sample of every family it encodes): pure functions, looked up in the module at each call.
+_ESCAPES = ("escape_metric_name", "escape_label_name", "_escape", "_is_valid_legacy_metric_name")
+
+
 class _FamilyEncoding:
     """One format's encoder, fed one collect's families after another: a family equal to the last
     collect's family of that name is not encoded again, its bytes are."""
 
     def __init__(self, encoder: Encoder) -> None:
+        memoize(openmetrics, _ESCAPES)
         self._encoder = _cheapest(encoder)
         self._trailer = self._encoder(_Families())  # OpenMetrics' "# EOF" line; nothing for text
         self._last: dict[str, tuple[Any, bytes]] = {}
@@ -113,10 +118,7 @@ class PrometheusRendering(NonBlockingExporter):
 
     def __init__(self) -> None:
         super().__init__()
-        # The OTel -> Prometheus translation of opentelemetry-exporter-prometheus (names, units,
-        # target_info, otel_scope_* labels), fed one collect at a time.
-        _memoize_name_mapping()
-        self._translation = _CustomCollector()
+        self._translation = PrometheusTranslation()
         self._encodings: dict[str, _FamilyEncoding] = {}  # by content type
         self._latest: _Rendered | None = None
         self._lock = threading.Lock()
@@ -131,33 +133,40 @@ class PrometheusRendering(NonBlockingExporter):
         return sum(encoding.families_encoded for encoding in self._encodings.values())
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object) -> MetricExportResult:
-        with self._lock:
-            self._latest = _Rendered(data=metrics_data)
+        # One store, no lock: a scrape rendering the last collect holds its own reference to it, and the
+        # collect (the agent's reader) never waits for that rendering.
+        self._latest = _Rendered(data=metrics_data)
         return MetricExportResult.SUCCESS
 
-    def body(self, accept: str | None, accept_encoding: str | None) -> tuple[bytes, list[tuple[str, str]]]:
+    def made_body(self, accept: str | None, accept_encoding: str | None) -> Answer | None:
+        """The answer to a scrape with these headers if this collect's body for them is made, else None
+        (``body`` makes it): a cheap look, for a caller that must not wait on a translation."""
+        rendered = self._latest
+        if rendered is None:
+            return None
+        key = _negotiated(accept or "", accept_encoding or "")
+        body = rendered.bodies.get(key)
+        return None if body is None else (body, _headers(*key))
+
+    def body(self, accept: str | None, accept_encoding: str | None) -> Answer:
         """The body and headers answering a scrape with these ``Accept`` headers."""
         rendered = self._latest or self._first()
-        encoder, content_type = choose_encoder(accept or "")
-        compressed = gzip_accepted(accept_encoding or "")
-        key = (content_type, compressed)
+        key = content_type, compressed = _negotiated(accept or "", accept_encoding or "")
         with self._lock:  # scrapes at once: one renders, the others wait for its bytes
             body = rendered.bodies.get(key)
             if body is None:
                 self._translate(rendered)
                 encoding = self._encodings.get(content_type)
                 if encoding is None:
-                    encoding = self._encodings[content_type] = _FamilyEncoding(encoder)
+                    encoding = self._encodings[content_type] = _FamilyEncoding(choose_encoder(accept or "")[0])
                 body = encoding.encode(rendered.families)
                 rendered.bodies[key] = body = gzip.compress(body, _GZIP_LEVEL) if compressed else body
                 self.encodings += 1
-        headers = [("Content-Type", content_type)] + ([("Content-Encoding", "gzip")] if compressed else [])
-        return body, headers
+        return body, _headers(content_type, compressed)
 
     def _translate(self, rendered: _Rendered) -> None:
         if rendered.data is not None:
-            self._translation.add_metrics_data(rendered.data)
-            rendered.families, rendered.data = list(self._translation.collect()), None
+            rendered.families, rendered.data = self._translation.translate(rendered.data), None
             self.renderings += 1
 
     def _first(self) -> _Rendered:
