@@ -43,6 +43,11 @@ def _alone_if_serial(request, tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     directory = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     serial = request.node.get_closest_marker("serial") is not None
+    if serial:  # its servers start before it takes the machine: the scenario alone needs the cores
+        parameters = getattr(getattr(request.node, "callspec", None), "params", {})
+        for name in request.fixturenames:
+            if name != request.fixturename and name not in parameters:
+                request.getfixturevalue(name)
     # A turnstile before the lock: a serial test waiting for the running test to end holds it, so
     # the other worker starts nothing new meanwhile (flock alone lets shared holders overtake it).
     with open(directory / "serial.turnstile", "a") as turnstile, open(directory / "serial.lock", "a") as held:

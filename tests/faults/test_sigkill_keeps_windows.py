@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from otel_forge.mlflow.training.run_journal import is_journal
@@ -32,6 +33,8 @@ def test_windows_of_a_killed_run_survive_in_the_spool(pausable_server, tmp_path:
                 "--tracking-uri",
                 server.uri,
                 "--no-prometheus",
+                "--experiment",  # named: the run opens at once, not once the script could have named one (30 s)
+                f"outage-{uuid.uuid4().hex[:8]}",
                 "--interval",
                 "0.2",
                 "--collectors",

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from testkit.hermetic import hermetic_environ
@@ -36,6 +37,8 @@ def test_sigterm_during_an_outage_exits_while_the_server_still_hangs(pausable_se
                 "--tracking-uri",
                 server.uri,
                 "--no-prometheus",
+                "--experiment",  # named: the run opens at once, not once the script could have named one (30 s)
+                f"outage-{uuid.uuid4().hex[:8]}",
                 "--interval",
                 "0.2",
                 "--",
