@@ -31,9 +31,10 @@ _Labels = tuple[tuple[Any, ...], list[str], list[list[str]]]
 
 
 def memoize(module: ModuleType, names: Iterable[str]) -> None:
-    """Replace each of ``names``, a pure function of ``module`` (a string in, its Prometheus form out),
-    by its memoized self, once per process: the same few dozen names come every collect. Same
-    function, same output; callers that look it up in the module at each call get the memoized one."""
+    """Replace each of ``names``, a pure function of ``module`` over names and label values (a string
+    and flags in, its Prometheus form out), by its memoized self, once per process: the same few dozen
+    strings come every collect. Same function, same output; a caller that looks it up in the module
+    at each call (as the exporter and prometheus_client do) gets the memoized one."""
     for name in names:
         function = getattr(module, name)
         if not hasattr(function, "cache_info"):
