@@ -87,6 +87,7 @@ TRAINING_SETTINGS = {
 }
 SLOW_RANK_TIMEOUT_S = 60.0
 RANGE_S, STEP_S = 30, 2
+SETTLED_S = 2.0  # past the scrape timeout and the rules' evaluation
 READY_TIMEOUT_S = 60.0
 
 # Both nodes' H100s have NVML GPM (SM, tensor and DRAM activity): the faulty node's SMs idle too.
@@ -365,7 +366,10 @@ class Outcome:
 
 def evaluate(stack: Stack, dashboard: Mapping[str, Any], values: Mapping[str, Any]) -> list[Outcome]:
     outcomes = []
-    now = time.time()  # one refresh of the dashboard: every panel at the same instant, as Grafana asks
+    # One refresh of the dashboard: every panel at the same instant, as Grafana asks; an instant whose
+    # scrapes have all landed (a scrape stamped before it may still be in flight for its 1 s timeout),
+    # so that two panels read the same samples.
+    now = time.time() - SETTLED_S
     for target in targets(dashboard):
         expr = interpolate(target.expr, dashboard, values)
         outcomes.append(Outcome(target, expr, _query(stack, expr, target.instant, now)))
