@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 _logger = logging.getLogger(__name__)
@@ -134,6 +135,17 @@ def usable_runtime_dir() -> Path | None:
 
 
 _warned: set[str] = set()
+
+
+def host_state_location(leaf: str) -> tuple[Path, tuple[str, ...]]:
+    """Where host-local state shared by the user's processes lives (locks, sockets): the base we do
+    not own and the levels under it to make private, ``leaf`` last. ``$XDG_RUNTIME_DIR/otel-forge``
+    where usable (the user's own by spec, host-local, cleared at logout), else ``$TMPDIR/otel-forge-<uid>``;
+    never a home directory, which may be shared by hosts."""
+    runtime = usable_runtime_dir()
+    if runtime is not None:
+        return runtime, ("otel-forge", leaf)
+    return Path(tempfile.gettempdir()), (f"otel-forge-{os.getuid()}", leaf)
 
 
 def warn_once(error: OSError, consequence: str) -> None:

@@ -1,133 +1,117 @@
-"""``python -m otel_forge.cli.companion PARENT_PID``: a training process's companion, which samples
-its node and delivers its run's journal (otel_forge/mlflow/companion.py)."""
+"""``python -m otel_forge.cli.companion ROOT KEY``: the node's companion, which samples the node and
+delivers the runs' journals for every training process that connects (otel_forge/mlflow/companion.py;
+``CompanionLink`` says where it listens). It leaves once its last session has ended."""
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import select
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 from otel_forge.cli import configure_process
-from otel_forge.scrub import error_line
+from otel_forge.cli.companion_session import CompanionSession
+from otel_forge.mlflow.companion_link import CompanionLink, peer, receive_stderr
 
 _logger = logging.getLogger(__name__)
 
-_HUNG_CALL_MARGIN_S = 2.0
-PARENT_CHECK_S = 1.0  # how often a quiet companion checks that its training process is alive
+IDLE_S = 0.5  # how long the companion waits, its last session ended, for another before it leaves
 
 
 def main(argv: list[str]) -> int:
-    parent = int(argv[0])
-    # Ctrl-C and a scheduler's SIGTERM reach the whole group: the training process's close stops us.
+    # Ctrl-C and a scheduler's SIGTERM reach the whole group: the training processes' closes stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_process(verbose=0)
-    message = _next_message(parent)
-    if message is None or message[0] != "start":
-        return 0
-    _, config, node, sample, journal, tracking_uri = message
-    monitor = _monitor(config, node) if sample else None
-    attach = _Attach(monitor)
-    delivery = _delivery(Path(journal), config, tracking_uri, attach) if journal else None
-    delivering = threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True) if delivery else None
-    if delivering is not None:
-        delivering.start()
-    stopped, end = False, None
-    while (message := _next_message(parent)) is not None:
-        if message[0] == "attach":
-            attach(message[1], message[2])
-        elif message[0] == "stop":
-            stopped, end = True, message[1]
-            break
-    if delivery is not None and delivering is not None:
-        if stopped:
-            delivery.finish(config.close_deadline_s(node.node_count), end)
-        # The training process died: its windows wait for the run its journal opens (or gives up on).
-        while delivering.is_alive() and delivery.run_id is None:
-            delivering.join(0.1)
-    if monitor is not None:
-        if delivery is not None and delivery.run_id is None:
-            _keep_windows_for_the_run(monitor, delivery.plan)
-        monitor.stop()
-    if delivering is not None:
-        # Stopped: a call hung past the drain deadline is not waited for (the journal keeps its items).
-        delivering.join(config.close_deadline_s(node.node_count) + _HUNG_CALL_MARGIN_S if stopped else None)
-        if delivering.is_alive() and delivery is not None:
-            delivery.say_left()
+    link = CompanionLink(Path(argv[0]), argv[1])
+    listener = link.listen()  # the process that started us holds the link's lock meanwhile
+    _say_listening()
+    _serve(listener, link)
     return 0
 
 
-def _monitor(config: Any, node: Any) -> Any:
-    from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
-
-    monitor = SystemMetricsMonitor(config, node=node, run_pending=True)
-    try:
-        return monitor.start()
-    except Exception as error:  # noqa: BLE001 - the node's sampling must never cost the run
-        _logger.warning("system metrics not sampled: %s", error_line(error))
-        return None
+def _say_listening() -> None:
+    os.write(1, b"r")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
 
 
-def _keep_windows_for_the_run(monitor: Any, plan: dict[str, Any]) -> None:
-    """The run never opened here: the windows wait for it, found by its job key once replayed."""
-    key = (plan.get("node") or {}).get("job_key")
-    if key and monitor.exporter is not None:
-        monitor.exporter.keep_for_job_run(plan["experiment"], key)
+class StderrOwners:
+    """The companion's stderr is the stderr of the oldest process it serves: its lines reach a
+    terminal, and a process's stderr (a pipe someone reads to its end) is let go with its session."""
 
-
-class _Attach:
-    """The monitor's windows go to the run once, whoever learns it first: the training process
-    (it opened the run) or the journal's delivery (it opened it for a training process that died)."""
-
-    def __init__(self, monitor: Any) -> None:
-        self._monitor = monitor
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._attached = False
+        self._owners: list[int] = []  # their stderr's fds here, oldest first
 
-    def __call__(self, run_id: str, known: Any) -> None:
+    def add(self, fd: int) -> None:
         with self._lock:
-            if self._monitor is None or self._attached:
-                return
-            self._attached = True
-        self._monitor.attach(run_id, known)
+            self._owners.append(fd)
+            if len(self._owners) == 1:
+                os.dup2(fd, 2)
+
+    def remove(self, fd: int) -> None:
+        with self._lock:
+            index = self._owners.index(fd)
+            self._owners.pop(index)
+            if index == 0:
+                self._to_stderr(self._owners[0] if self._owners else None)
+            os.close(fd)
+
+    @staticmethod
+    def _to_stderr(fd: int | None) -> None:
+        if fd is not None:
+            os.dup2(fd, 2)
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
 
 
-def _delivery(journal: Path, config: Any, tracking_uri: str, attach: _Attach) -> Any:
-    from otel_forge.mlflow.client import RunInfo
-    from otel_forge.mlflow.training.journal_delivery import JournalDelivery
+def _serve(listener: socket.socket, link: CompanionLink) -> None:
+    sessions: list[threading.Thread] = []
+    owners = StderrOwners()
+    while True:
+        if select.select([listener], [], [], IDLE_S)[0]:
+            if (session := _accept(listener, owners)) is not None:
+                sessions.append(session)
+            continue
+        sessions = [session for session in sessions if session.is_alive()]
+        if sessions:
+            continue
+        with link.locked():
+            if select.select([listener], [], [], 0)[0]:
+                continue  # connected before we took the lock: served
+            link.remove()
+            listener.close()
+            return
 
-    def on_run(run: Any) -> None:
-        attach(run.run_id, RunInfo(run.experiment_id, run.run_name or "", run.experiment))
 
-    return JournalDelivery.for_config(journal, config, tracking_uri, on_run=on_run)
-
-
-def _next_message(parent: int) -> tuple[Any, ...] | None:
-    """The next message; None at the end of stdin or once the parent is gone."""
-    while not select.select([0], [], [], PARENT_CHECK_S)[0]:
-        if os.getppid() != parent:
-            return None
-    header = _read_exactly(4)
-    frame = _read_exactly(int.from_bytes(header, "big")) if len(header) == 4 else b""
-    try:
-        return pickle.loads(frame) if frame else None
-    except (pickle.UnpicklingError, EOFError):  # cut short: the parent died while writing
+def _accept(listener: socket.socket, owners: StderrOwners) -> threading.Thread | None:
+    conn, _ = listener.accept()
+    pid, uid = peer(conn)
+    if uid != os.getuid():  # the root is private: only a process of ours should reach it
+        _logger.warning("a connection from uid %d refused", uid)
+        conn.close()
         return None
+    session = threading.Thread(target=_session, args=(conn, pid, owners), name=f"otel-forge-session-{pid}")
+    session.start()
+    return session
 
 
-def _read_exactly(size: int) -> bytes:
-    """``size`` bytes of stdin, fewer only at its end."""
-    chunks: list[bytes] = []
-    while size > 0 and (chunk := os.read(0, size)):
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
+def _session(conn: socket.socket, pid: int, owners: StderrOwners) -> None:
+    if (stderr := receive_stderr(conn)) is not None:
+        owners.add(stderr)
+    try:
+        CompanionSession(conn, pid).run()
+    finally:
+        if stderr is not None:
+            owners.remove(stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A ``TrainingRun`` samples its node in a child process: the training process runs no collector, no
 SDK reader and no MLflow window call (they took its GIL from the loop), and the child stops with the
-run, or by itself once the training process is gone, its windows delivered."""
+run, or by itself once the training process is gone, its windows delivered. One such companion serves
+every training process of the node: it outlives the one that started it while another is served."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from otel_forge import ForgeConfig, TrainingRun
 from testkit.servers import wait_for
 
 CPU_KEY = "system/cpu_utilization_percentage"
-WATCH = "otel-forge-companion-watch"  # blocked in waitpid on the companion: no wake-up while it lives
+WATCH = "otel-forge-companion-watch"  # blocked in recv on the companion: no wake-up while it lives
+REAP = "otel-forge-companion-reap"  # blocked in waitpid on the companion it started
 
 
 def _samplers(parent: psutil.Process, but: frozenset[int] = frozenset()) -> list[psutil.Process]:
@@ -47,8 +49,8 @@ def test_the_node_is_sampled_by_a_child_process_and_no_thread_of_the_training_pr
         ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
     # The run's owner and the watch that stands MLflow's own sampler down (a look at
     # a dict a second): no reader, collector or exporter thread.
-    assert set(ours) <= {"mlflow-run-owner", "otel-forge-mlflow-sampler", WATCH}, ours
-    assert not sampler.is_running() or sampler.status() == psutil.STATUS_ZOMBIE  # stopped with the run
+    assert set(ours) <= {"mlflow-run-owner", "otel-forge-mlflow-sampler", WATCH, REAP}, ours
+    sampler.wait(timeout=10)  # its last session ended: it leaves
     after_close = len(client.get_metric_history(run.run_id, CPU_KEY))
     assert after_close >= 2
     assert client.get_run(run.run_id).info.status == "FINISHED"
@@ -98,6 +100,6 @@ def test_monitor_samples_the_node_in_a_companion_process_too(mlflow_server, clie
         [companion] = _samplers(psutil.Process(), earlier)
         ours = sorted(t.name for t in threading.enumerate() if t.ident not in threads_before)
     # At most the watch that stands MLflow's own sampler down: no reader, collector or exporter thread.
-    assert set(ours) <= {"otel-forge-mlflow-sampler", WATCH}, ours
-    assert not companion.is_running() or companion.status() == psutil.STATUS_ZOMBIE  # stopped with the block
+    assert set(ours) <= {"otel-forge-mlflow-sampler", WATCH, REAP}, ours
+    companion.wait(timeout=10)  # stopped with the block
     assert len(client.get_metric_history(run_id, CPU_KEY)) >= 2

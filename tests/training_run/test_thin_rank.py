@@ -19,7 +19,12 @@ RANK_SCRIPT = """
 import json, socket, sys
 connects = []
 connect = socket.socket.connect
-socket.socket.connect = lambda sock, address: (connects.append(address), connect(sock, address))[1]
+# A network connection (the node's companion is reached on a Unix socket, its address a str).
+def counted(sock, address):
+    if isinstance(address, tuple):
+        connects.append(address)
+    return connect(sock, address)
+socket.socket.connect = counted
 from otel_forge import TrainingRun
 
 with TrainingRun(system_metrics=False) as run:
@@ -101,7 +106,12 @@ RANK_ZERO_THIN_SCRIPT = """
 import json, socket, sys
 connects = []
 connect = socket.socket.connect
-socket.socket.connect = lambda sock, address: (connects.append(address), connect(sock, address))[1]
+# A network connection (the node's companion is reached on a Unix socket, its address a str).
+def counted(sock, address):
+    if isinstance(address, tuple):
+        connects.append(address)
+    return connect(sock, address)
+socket.socket.connect = counted
 import otel_forge
 from otel_forge import TrainingRun
 

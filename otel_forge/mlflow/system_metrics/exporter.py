@@ -7,6 +7,7 @@ enqueues; delivery (retries, the spool, deadlines) happens on the ``DeliveryWork
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from otel_forge.scrub import scrub, uri_without_credentials
 
 _logger = logging.getLogger(__name__)
 # An unchanged value is sent again after this many windows: a chart's line never stops for long.
+_SPOOLS = itertools.count()  # this process's window spools
 REFRESH_WINDOWS = 10
 
 
@@ -95,7 +97,8 @@ class MLflowMetricExporter(NonBlockingExporter):
         self._changed = ChangedValues(refresh_windows)
         root = spool_root(config.spool_dir)
         self.spool = WindowSpool(
-            root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}",
+            # One process may hold several (the node's companion, one per run it samples into).
+            root / f"{run_id or 'pending'}-{key_segment(node_id or 'node')}-{os.getpid()}-{next(_SPOOLS)}",
             config.spool_max_bytes,
             header={
                 "run_id": run_id,

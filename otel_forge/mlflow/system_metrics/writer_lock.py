@@ -19,26 +19,19 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 from otel_forge.mlflow.keys import key_segment
-from otel_forge.private_dirs import open_private_file, private_tree, usable_runtime_dir, warn_once
+from otel_forge.private_dirs import host_state_location, open_private_file, private_tree, warn_once
 
 _logger = logging.getLogger(__name__)
 
-
-def _default_location() -> tuple[Path, tuple[str, ...]]:
-    """The base we do not own and the levels under it we make private."""
-    runtime = usable_runtime_dir()
-    if runtime is not None:  # the user's own by spec, host-local, cleared at logout: made for this
-        return runtime, ("otel-forge", "writers")
-    return Path(tempfile.gettempdir()), (f"otel-forge-{os.getuid()}", "writers")
+_LEAF = "writers"
 
 
 def default_lock_dir() -> Path:
     """Host-local, shared by the user's processes on this host (a home directory may not be)."""
-    base, names = _default_location()
+    base, names = host_state_location(_LEAF)
     return base.joinpath(*names)
 
 
@@ -48,7 +41,7 @@ class NodeWriterLock:
     def __init__(self, run_id: str, prefix: str, directory: Path | None = None) -> None:
         """``directory``: the lock directory (its parent is the base, checked the same way);
         by default ``default_lock_dir()``."""
-        base, names = (directory.parent, (directory.name,)) if directory else _default_location()
+        base, names = (directory.parent, (directory.name,)) if directory else host_state_location(_LEAF)
         self._base, self._names = base, names
         self.path = base.joinpath(*names) / f"{key_segment(run_id)}-{key_segment(prefix.replace('/', '.'))}.lock"
         self.prefix = prefix
