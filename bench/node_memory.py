@@ -1,24 +1,28 @@
 """What a node of 8 ranks holds in memory: bare ranks, ranks in ``with TrainingRun()``, and ranks
-with MLflow's own system-metrics monitor.
+with MLflow's own system-metrics monitor; or a node of 8 runs (a sweep's trials, each its own run).
 
-Run:  python -m bench.node_memory [--ranks 8] [--seconds 30] [--json]   (~2 min)
+Run:  python -m bench.node_memory [--ranks 8] [--runs] [--backlog N] [--seconds 30] [--json]   (~2 min)
 
 A private ``mlflow server`` (sqlite, one worker). Each variant starts ``--ranks`` Python processes at
 once, each its own session, with torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID`` for the job's key) and the server in
-``MLFLOW_TRACKING_URI``; every rank runs the same script for ``--seconds`` and logs one value a
-second, as a training loop would:
+``MLFLOW_TRACKING_URI``; with ``--runs``, without them: each process is a job of its own, with a
+run of its own that it logs to and samples the node into. Every process runs the same script for
+``--seconds`` and logs one value a second, as a training loop would:
 
 - ``bare``: the loop alone (``time.sleep``);
 - ``TrainingRun``: ``with otel_forge.TrainingRun() as run: run.log(...)`` (rank 0 logs; the others
   only enter the block); otel_forge starts what it starts (the node's companion);
 - ``MLflow monitor``: every rank imports ``mlflow``, rank 0 logs in ``mlflow.start_run(
-  log_system_metrics=True)`` (MLflow's own monitor, sampling every 10 s).
+  log_system_metrics=True)`` (MLflow's own monitor, sampling every 10 s); with ``--runs``, every
+  process.
 
 At ``--seconds`` less 5 s, psutil reads each rank and every process below it: RSS and USS (the memory
 only it holds: what the node gets back if it ends), summed. "Added" is a variant's USS less the bare
 ranks', and whether ``mlflow`` is imported in each rank (``sys.modules``, printed by the rank at its
-end).
+end). The companions among them are summed apart too: however many processes it serves, a node
+has one. ``--backlog N`` adds TrainingRun again once the server is gone, each process logging N
+values at its start: the companion holds at most a bounded read-ahead of each journal.
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ from testkit.hermetic import hermetic_environ
 from testkit.mlflow_server import MlflowServer
 
 GOAL_MB = 250.0
+COMPANION = "otel_forge.cli.companion"
 MB = 1024 * 1024
 
 LOOP = """
 import json, sys, time
 {setup}
+{burst}
 for step in range({seconds}):
     {log}
     time.sleep(1)
@@ -58,7 +64,7 @@ VARIANTS = {
     ),
     "MLflow monitor": (
         "import mlflow, os\n"
-        "if os.environ['RANK'] == '0':\n"
+        "if os.environ.get('RANK', '0') == '0':\n"
         "    with mlflow.start_run(log_system_metrics=True):\n{body}\n"
         "else:\n{plain}",
         {
@@ -69,9 +75,10 @@ VARIANTS = {
 }
 
 
-def script(variant: str, seconds: int) -> str:
+def script(variant: str, seconds: int, backlog: int = 0) -> str:
     template, parts = VARIANTS[variant]
-    loop = LOOP.format(seconds=seconds, **parts)
+    burst = f"for step in range({backlog}):\n    run.log({{'burst': 1.0}}, step=step)" if backlog else ""
+    loop = LOOP.format(seconds=seconds, burst=burst, **parts)
     if variant == "bare":
         return loop
     body = "\n".join("    " + line if line else line for line in loop.splitlines())
@@ -81,16 +88,27 @@ def script(variant: str, seconds: int) -> str:
     return template.format(body=nested, plain=body)
 
 
-def job(variant: str, ranks: int, seconds: int, uri: str, workdir: Path) -> dict[str, object]:
+def _launcher(rank: int, ranks: int, job_key: str) -> dict[str, str]:
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+        "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": job_key,
+    }  # fmt: skip
+
+
+def job(
+    variant: str, ranks: int, seconds: int, uri: str, workdir: Path, runs: bool, backlog: int = 0
+) -> dict[str, object]:
     run_id = uuid.uuid4().hex
-    code = script(variant, seconds)
+    code = script(variant, seconds, backlog)
     processes = []
     for rank in range(ranks):
         env = hermetic_environ(
-            PYTHONPATH=str(REPO_ROOT), MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME=f"node-memory-{run_id}",
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-            GROUP_RANK="0", TORCHELASTIC_RUN_ID=run_id, OTEL_FORGE_SPOOL_DIR=str(workdir / "spool"),
-        )  # fmt: skip
+            PYTHONPATH=str(REPO_ROOT),
+            MLFLOW_TRACKING_URI=uri,
+            MLFLOW_EXPERIMENT_NAME=f"node-memory-{run_id}",
+            OTEL_FORGE_SPOOL_DIR=str(workdir / "spool"),
+            **({} if runs else _launcher(rank, ranks, run_id)),
+        )
         processes.append(
             subprocess.Popen(
                 [sys.executable, "-c", code],
@@ -103,7 +121,7 @@ def job(variant: str, ranks: int, seconds: int, uri: str, workdir: Path) -> dict
             )  # fmt: skip
         )
     time.sleep(max(1, seconds - 5))
-    rss = uss = count = 0
+    rss = uss = count = companions = companion_uss = 0
     for process in processes:
         try:
             tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
@@ -111,10 +129,12 @@ def job(variant: str, ranks: int, seconds: int, uri: str, workdir: Path) -> dict
             continue
         for member in tree:
             try:
-                info = member.memory_full_info()
+                info, argv = member.memory_full_info(), member.cmdline()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             rss, uss, count = rss + info.rss, uss + info.uss, count + 1
+            if COMPANION in argv:
+                companions, companion_uss = companions + 1, companion_uss + info.uss
     imported = []
     for process in processes:
         out, err = process.communicate(timeout=120)
@@ -122,33 +142,49 @@ def job(variant: str, ranks: int, seconds: int, uri: str, workdir: Path) -> dict
             raise SystemExit(f"{variant}: a rank failed: {err[-2000:]}")
         # (MLflow prints its run's address after the rank's own line)
         imported.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["mlflow"])
-    return {"processes": count, "rss_mb": rss / MB, "uss_mb": uss / MB, "ranks_with_mlflow": sum(imported)}
+    return {
+        "processes": count, "rss_mb": rss / MB, "uss_mb": uss / MB, "ranks_with_mlflow": sum(imported),
+        "companions": companions, "companion_uss_mb": companion_uss / MB,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--runs", action="store_true", help="each process a job and a run of its own")
     parser.add_argument("--seconds", type=int, default=30)
+    parser.add_argument(
+        "--backlog", type=int, default=0, metavar="N",
+        help="and TrainingRun again, each process logging N values at once to a server that is down",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-node-memory-") as tmp:
         workdir = Path(tmp)
         (workdir / "server").mkdir()
         with MlflowServer(workdir / "server") as server:
-            results = {variant: job(variant, args.ranks, args.seconds, server.uri, workdir) for variant in VARIANTS}
+            results = {
+                variant: job(variant, args.ranks, args.seconds, server.uri, workdir, args.runs) for variant in VARIANTS
+            }
+        if args.backlog:  # the server is gone: the journals' delivery waits, reading ahead as far as it may
+            down = f"TrainingRun, {args.backlog:,} values each, server down"
+            results[down] = job("TrainingRun", args.ranks, args.seconds, server.uri, workdir, args.runs, args.backlog)
     bare = results["bare"]["uss_mb"]
     for result in results.values():
         result["added_uss_mb"] = result["uss_mb"] - bare  # type: ignore[operator]
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"A node of {args.ranks} ranks, read at {max(1, args.seconds - 5)} s, each rank and what it started.\n")
-    print("| ranks | processes | RSS MB | USS MB | added USS MB | ranks that imported mlflow |")
-    print("|---|---:|---:|---:|---:|---:|")
+    shape = "runs (each its own job)" if args.runs else "ranks"
+    print(f"A node of {args.ranks} {shape}, read at {max(1, args.seconds - 5)} s, each process and what it started.\n")
+    print(
+        "| processes | all | RSS MB | USS MB | added USS MB | of it, companions (USS MB) | that imported mlflow |\n"
+        "|---|---:|---:|---:|---:|---:|---:|"
+    )
     for variant, r in results.items():
         print(
-            f"| {variant} | {r['processes']} | {r['rss_mb']:,.0f} | {r['uss_mb']:,.0f} | "
-            f"{r['added_uss_mb']:+,.0f} | {r['ranks_with_mlflow']} of {args.ranks} |"
+            f"| {variant} | {r['processes']} | {r['rss_mb']:,.0f} | {r['uss_mb']:,.0f} | {r['added_uss_mb']:+,.0f} | "
+            f"{r['companions']} ({r['companion_uss_mb']:,.0f}) | {r['ranks_with_mlflow']} of {args.ranks} |"
         )
     added = results["TrainingRun"]["added_uss_mb"]
     print(f"\nWhat otel_forge adds to the node: {added:+,.0f} MB USS (goal at most {GOAL_MB:.0f} MB).")
