@@ -93,6 +93,16 @@ def _port(text: str) -> int:
     return value
 
 
+_KEY_PREFIX = re.compile(r"[A-Za-z0-9_.\- /]{0,64}")
+
+
+def _key_prefix(text: str) -> str:
+    """The start of MLflow keys: what MLflow allows in a key, ``/`` included; empty is none."""
+    if not _KEY_PREFIX.fullmatch(text):
+        raise ValueError(f"must be up to 64 letters, digits, '_', '.', '-', ' ' or '/', got {text!r}")
+    return text
+
+
 def _bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -514,6 +524,56 @@ SETTINGS: tuple[Setting, ...] = (
         "OTLP transport: `grpc` or `http/protobuf`.",
     ),
     Setting(
+        "otlp_receiver",
+        ("OTEL_FORGE_OTLP_RECEIVER",),
+        _bool,
+        False,
+        "Receive OTLP metrics (gRPC and HTTP) into MLflow runs: a request's `x-mlflow-run-id` header, else its "
+        "resource's `mlflow.run_id` attribute, else the run this process serves.",
+    ),
+    Setting(
+        "otlp_receiver_host",
+        ("OTEL_FORGE_OTLP_RECEIVER_HOST",),
+        _host,
+        "localhost",
+        "Address the OTLP receiver binds (`0.0.0.0`: every interface).",
+    ),
+    Setting(
+        "otlp_receiver_grpc_port",
+        ("OTEL_FORGE_OTLP_RECEIVER_GRPC_PORT",),
+        _port,
+        4327,
+        "Port of the OTLP/gRPC receiver (the Collector's 4317 plus 10; 0 picks a free one).",
+    ),
+    Setting(
+        "otlp_receiver_http_port",
+        ("OTEL_FORGE_OTLP_RECEIVER_HTTP_PORT",),
+        _port,
+        4328,
+        "Port of the OTLP/HTTP receiver, `/v1/metrics` (the Collector's 4318 plus 10; 0 picks a free one).",
+    ),
+    Setting(
+        "otlp_receiver_prefix",
+        ("OTEL_FORGE_OTLP_RECEIVER_PREFIX",),
+        _key_prefix,
+        "otlp/",
+        "Prefix of the MLflow keys the received metrics become.",
+    ),
+    Setting(
+        "otlp_receiver_max_series",
+        ("OTEL_FORGE_OTLP_RECEIVER_MAX_SERIES",),
+        _int_within(1, 100_000),
+        1_000,
+        "Distinct received series (a metric and its attributes) per run; points of more are refused, and said once.",
+    ),
+    Setting(
+        "otlp_receiver_max_request_bytes",
+        ("OTEL_FORGE_OTLP_RECEIVER_MAX_REQUEST_BYTES",),
+        _byte_size,
+        4 << 20,
+        "Largest OTLP request the receiver takes (after decompression); larger ones are refused.",
+    ),
+    Setting(
         "run_id",
         ("MLFLOW_RUN_ID",),
         _optional_text,
@@ -872,6 +932,13 @@ class ForgeConfig:
     prometheus_port: int
     otlp_endpoint: str | None
     otlp_protocol: str
+    otlp_receiver: bool
+    otlp_receiver_host: str
+    otlp_receiver_grpc_port: int
+    otlp_receiver_http_port: int
+    otlp_receiver_prefix: str
+    otlp_receiver_max_series: int
+    otlp_receiver_max_request_bytes: int
     run_id: str | None
     experiment_id: str | None
     experiment_name: str | None

@@ -14,6 +14,7 @@ from otel_forge.config import ConfigError, ForgeConfig
 from otel_forge.pipeline import Agent
 
 if TYPE_CHECKING:
+    from otel_forge.mlflow.received_runs import ReceivedRuns
     from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
 
 
@@ -58,6 +59,15 @@ def _agent(config: ForgeConfig) -> Agent | SystemMetricsMonitor:
     return SystemMetricsMonitor(config)
 
 
+def _receive(config: ForgeConfig) -> ReceivedRuns | None:
+    """OTLP metrics received into the runs each request names (this agent serves none)."""
+    if not config.otlp_receiver:
+        return None
+    from otel_forge.mlflow.received_runs import ReceivedRuns
+
+    return ReceivedRuns(config, config.tracking_uri, serves_a_run=False).start()
+
+
 def _deliver_leftovers(config: ForgeConfig, node: str) -> None:
     """What ended processes left in this node's spools, in the background (a daemon thread)."""
     from otel_forge.mlflow.leftovers import LeftoverDelivery
@@ -75,12 +85,14 @@ def run(args: argparse.Namespace) -> int:
         sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
+    received = None
     try:
         agent.start()
         if not agent.node.runs_agent:
             print(f"otel-forge: local rank {agent.node.local_rank}: the agent runs on local rank 0", flush=True)
             return 0
-        for endpoint in agent.endpoints:
+        received = _receive(config) if isinstance(agent, Agent) else None  # (with a run, its monitor does)
+        for endpoint in [*agent.endpoints, *(received.receiver.endpoints if received else ())]:
             print(f"otel-forge: serving {endpoint}", flush=True)
         for name, reason in agent.absent_collectors.items():
             print(f"otel-forge: collector {name} absent: {reason}", file=sys.stderr, flush=True)
@@ -88,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
             _deliver_leftovers(config, agent.node.node_id or agent.node.hostname)
         sleep_until(lambda: bool(stopping), duration_s)
     finally:
+        if received is not None:
+            received.stop(config.close_deadline_s())
         agent.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -15,6 +15,8 @@ AGENT_FLAGS = {
     "--prometheus-port": "prometheus_port",
     "--otlp-endpoint": "otlp_endpoint",
     "--otlp-protocol": "otlp_protocol",
+    "--otlp-receiver-grpc-port": "otlp_receiver_grpc_port",
+    "--otlp-receiver-http-port": "otlp_receiver_http_port",
     "--collectors": "collectors",
     "--gpus": "gpus",
     "--node-id": "node_id",
@@ -30,6 +32,8 @@ _HELP = {
     "--prometheus-port": "port of the /metrics endpoint (0: a free one)",
     "--otlp-endpoint": "OTLP endpoint URL (enables OTLP export)",
     "--otlp-protocol": "grpc or http/protobuf",
+    "--otlp-receiver-grpc-port": "port of the OTLP/gRPC receiver, with --otlp-receiver",
+    "--otlp-receiver-http-port": "port of the OTLP/HTTP receiver, with --otlp-receiver",
     "--collectors": "collectors to run, comma-separated",
     "--gpus": "all, visible, or a list of GPU indices/UUIDs",
     "--node-id": "node id (default: from the launcher)",
@@ -55,6 +59,13 @@ def add_agent_options(parser: argparse.ArgumentParser, help_overrides: dict[str,
         const=False,
         help="do not serve a Prometheus endpoint",
     )
+    group.add_argument(
+        "--otlp-receiver",
+        dest="otlp_receiver",
+        action="store_const",
+        const=True,
+        help="receive OTLP metrics (gRPC and HTTP, on localhost) into the run (docs/otlp-receiver.md)",
+    )
 
 
 def _with_default(text: str, field: str) -> str:
@@ -69,7 +80,9 @@ def _with_default(text: str, field: str) -> str:
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> ForgeConfig:
     explicit = {field: getattr(args, field, None) for field in AGENT_FLAGS.values()}
     explicit["prometheus"] = getattr(args, "prometheus", None)
+    explicit["otlp_receiver"] = getattr(args, "otlp_receiver", None)
     explicit.update(overrides)
     names = {field: flag for flag, field in AGENT_FLAGS.items()}
     names["prometheus"] = "--no-prometheus"
+    names["otlp_receiver"] = "--otlp-receiver"
     return ForgeConfig.resolve(argument_names=names, **explicit)

@@ -22,7 +22,7 @@ from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo, asked_pause_s, classify, refuses_connections, unanswered_reason
 from otel_forge.mlflow.delivery.worker import DeliveryWorker
-from otel_forge.mlflow.keys import DataPoint, KeyMapper, key_segment, node_host_tags, system_prefix
+from otel_forge.mlflow.keys import DataPoint, KeyMapper, Sample, key_segment, node_host_tags, system_prefix
 from otel_forge.mlflow.spool_files import kept_notice_level, spool_root, writer_identity
 from otel_forge.mlflow.system_metrics.node_run import SYSTEM_PREFIX
 from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
@@ -67,6 +67,8 @@ class MLflowMetricExporter(NonBlockingExporter):
         close_spread_s: float = 0.0,
         close_deadline_s: float | None = None,
         pod: Mapping[str, str] | None = None,
+        prefix: str | None = None,
+        what: str = "system-metrics",
     ) -> None:
         """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
         from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own.
@@ -76,7 +78,9 @@ class MLflowMetricExporter(NonBlockingExporter):
         ``close_deadline_s``: how long the close waits in all (default: the config's, for one node). ``pod``:
         on Kubernetes, the node's pod (``k8s.pod.name``, ``k8s.node.name``), tagged beside its host.
         ``first_window_samples``: samples in the first window (the agent's baseline and first sample);
-        ``first_delivery_phase_s``: its delivery phase (a spread shorter than a long window's)."""
+        ``first_delivery_phase_s``: its delivery phase (a spread shorter than a long window's).
+        ``prefix``: the keys' prefix, for windows that are not the node's (received OTLP metrics: then
+        they come through ``export_sample``); ``what`` names them in the lines the exporter says."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         config = config or ForgeConfig.resolve()
@@ -91,7 +95,9 @@ class MLflowMetricExporter(NonBlockingExporter):
             config.close_deadline_s() if close_deadline_s is None else close_deadline_s,
         )
         node_run_name = key_segment(node_id or "node") if node_run else None
-        prefix = SYSTEM_PREFIX if node_run else system_prefix(node_id)
+        self._lock_prefix = prefix or system_prefix(node_id)
+        self.what = what
+        prefix = prefix or (SYSTEM_PREFIX if node_run else system_prefix(node_id))
         self._mapper = KeyMapper(prefix)
         self._folder = WindowFolder(samples_per_window, config.mlflow_stats, first_window_samples)
         self._changed = ChangedValues(refresh_windows)
@@ -141,7 +147,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         self.run_id = run_id
         experiment = (known.experiment_id or known.experiment) if known is not None else None
         self.spool.update_header(run_id=run_id, experiment=experiment)
-        self._writer_lock = NodeWriterLock(run_id, system_prefix(self.node_id))
+        self._writer_lock = NodeWriterLock(run_id, self._lock_prefix)
         self.standing_down = not self._acquire_writer_lock()
         if self.standing_down:
             self.spool.discard()  # windows the other agent writes
@@ -188,8 +194,14 @@ class MLflowMetricExporter(NonBlockingExporter):
             return MetricExportResult.FAILURE
         if self.standing_down:
             return MetricExportResult.SUCCESS
-        self._submit(self._folder.add(self._mapper.sample(_points(metrics_data)), time.time()))
+        self.export_sample(self._mapper.sample(_points(metrics_data)))
         return MetricExportResult.SUCCESS
+
+    def export_sample(self, sample: Sample) -> None:
+        """One sample of ``{key: (fold, value)}`` (whole keys, the prefix included), taken now."""
+        if forked_from(self._pid) or self._shut_down or self.worker.stopped or self.standing_down:
+            return
+        self._submit(self._folder.add(sample, time.time()))
 
     def _submit(self, window: Window | None, *, last: bool = False) -> None:
         """A closed window to the delivery worker, with only its changed values (all of them if it is
@@ -230,7 +242,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             if self.run_id is None and self._job_run is not None:
                 self._keep_for_job_run(self._job_run)
             elif (discarded := self.spool.discard()) and self.run_id is None:
-                _logger.warning("%d system-metrics window(s) discarded: the run never opened", discarded)
+                _logger.warning("%d %s window(s) discarded: the run never opened", discarded, self.what)
             return
         timeout_s = kwargs.get("timeout", timeout_millis)  # the SDK passes `timeout` (ms left)
         drain_s = min(self._schedule.drain_deadline_s, float(timeout_s) / 1000)  # type: ignore[arg-type]
@@ -246,9 +258,10 @@ class MLflowMetricExporter(NonBlockingExporter):
         self.spool.update_header(job_run=job_run)
         _logger.log(
             kept_notice_level(self.spool.path),
-            "%d system-metrics window(s) were not delivered: the run of job %s never opened; they are "
+            "%d %s window(s) were not delivered: the run of job %s never opened; they are "
             "kept in %s. Deliver them after the job's run with: otel-forge replay %s",
             kept,
+            self.what,
             job_run["job_key"],
             self.spool.path,
             self.spool.path,
@@ -258,15 +271,16 @@ class MLflowMetricExporter(NonBlockingExporter):
         if self.worker.stopped:
             # The run is gone: what waits in the spool can never be delivered.
             if discarded := self.spool.discard():
-                _logger.warning("run %s is gone: %d spooled system-metrics window(s) discarded", self.run_id, discarded)
+                _logger.warning("run %s is gone: %d spooled %s window(s) discarded", self.run_id, discarded, self.what)
             return
         self.spool.write_stats(self.delivery_counts())
         if left:
             _logger.log(
                 kept_notice_level(self.spool.path),
-                "%d system-metrics window(s) for run %s were not delivered; they are kept in %s. "
+                "%d %s window(s) for run %s were not delivered; they are kept in %s. "
                 "Deliver them with: otel-forge replay %s",
                 left,
+                self.what,
                 self.run_id,
                 self.spool.path,
                 self.spool.path,

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from otel_forge.collectors.base import Collector
 from otel_forge.collectors.inventory import node_inventory
@@ -23,6 +24,9 @@ from otel_forge.mlflow.system_metrics.windows import CLOSE_SPREAD_SHARE, FIRST_W
 from otel_forge.node import NodeIdentity
 from otel_forge.pipeline import Agent, EndpointError
 from otel_forge.scheduler_grace import close_deadline
+
+if TYPE_CHECKING:
+    from otel_forge.mlflow.received_runs import ReceivedRuns
 
 _logger = logging.getLogger(__name__)
 
@@ -96,6 +100,7 @@ class SystemMetricsMonitor:
         self._pid = os.getpid()
         self.close_deadline_s = config.close_deadline_s()
         self._leftovers: LeftoverDelivery | None = None
+        self.received: ReceivedRuns | None = None  # OTLP metrics received into runs (``otlp_receiver``)
 
     @property
     def run_id(self) -> str | None:
@@ -136,6 +141,14 @@ class SystemMetricsMonitor:
             self._watch.start()
         node = self.node.node_id or self.node.hostname
         self._leftovers = LeftoverDelivery(spool_root(self.config.spool_dir), node).start()
+        if self.config.otlp_receiver:
+            from otel_forge.mlflow.received_runs import ReceivedRuns  # grpc and protobuf, where asked for
+
+            self.received = ReceivedRuns(self.config, self.config.tracking_uri).start()
+            if self.config.run_id is not None:
+                self.received.serve(
+                    self.config.run_id, RunInfo(self.config.experiment_id, "", self.config.experiment_name)
+                )
         return self
 
     def _tracking_uri(self) -> str:
@@ -193,8 +206,11 @@ class SystemMetricsMonitor:
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """The run is open: the windows sampled so far, and all after, go to it."""
         self.config = self.config.replace(run_id=run_id)
+        known = known or RunInfo(None, "", self.config.experiment_name)
         if self.exporter is not None:
-            self.exporter.attach(run_id, known or RunInfo(None, "", self.config.experiment_name))
+            self.exporter.attach(run_id, known)
+        if self.received is not None:
+            self.received.serve(run_id, known)
 
     def follow_process(self, pid: int) -> None:
         """The monitored process tree is rooted at ``pid`` from now on (CMD, once it runs)."""
@@ -205,7 +221,8 @@ class SystemMetricsMonitor:
     def endpoints(self) -> list[str]:
         if self.agent is None or self.exporter is None:
             return []
-        return [*self.agent.endpoints, self.mlflow_endpoint]
+        received = self.received.receiver.endpoints if self.received is not None else []
+        return [*self.agent.endpoints, self.mlflow_endpoint, *received]
 
     @property
     def mlflow_endpoint(self) -> str:
@@ -223,6 +240,9 @@ class SystemMetricsMonitor:
             self._watch.stop()
         if self._leftovers is not None:
             self._leftovers.stop()
+        if self.received is not None:
+            self.received.stop(self.close_deadline_s)
+            self.received = None
         if self.agent is not None:
             self.agent.shutdown(timeout_s=self.close_deadline_s + 5)
             self.agent = None
