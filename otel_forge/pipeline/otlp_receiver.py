@@ -47,6 +47,7 @@ RUN_HEADER = "x-mlflow-run-id"
 WORKERS = 4  # requests handled at once, per transport
 IDLE_S = 5.0  # a kept-alive HTTP connection idle this long is closed: it holds a worker
 PATH = "/v1/metrics"
+_DRAIN_S, _DRAIN_BYTES = 0.2, 1 << 20  # what a refused connection may still send, read and dropped
 _GRPC_SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
 _PROTOBUF, _JSON = "application/x-protobuf", "application/json"
 _INVALID_ARGUMENT, _RESOURCE_EXHAUSTED = 3, 8  # google.rpc.Code
@@ -196,8 +197,7 @@ class _HttpServer(http.server.HTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            with contextlib.suppress(OSError):
-                request.sendall(_busy())
+            _refuse_busy(request)
             self.shutdown_request(request)
             return
         threading.Thread(
@@ -212,6 +212,18 @@ class _HttpServer(http.server.HTTPServer):
         finally:
             self.shutdown_request(request)
             self._slots.release()
+
+
+def _refuse_busy(sock: socket.socket) -> None:
+    """503 at once; then what the client still sends is read and dropped, for a short while, so that
+    closing does not reset the connection before it has read the answer."""
+    with contextlib.suppress(OSError):
+        sock.settimeout(_DRAIN_S)
+        sock.sendall(_busy())
+        sock.shutdown(socket.SHUT_WR)
+        drained = 0
+        while drained < _DRAIN_BYTES and (chunk := sock.recv(65536)):
+            drained += len(chunk)
 
 
 def _busy() -> bytes:
