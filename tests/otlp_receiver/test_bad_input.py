@@ -174,3 +174,25 @@ def test_a_flood_gets_503s_with_retry_after_and_bounded_threads_never_a_queue(tm
 def _grpc_quietly(port: int) -> None:
     with contextlib.suppress(grpc.RpcError):
         _grpc_export(port, gauges(1).SerializeToString())
+
+
+def test_a_port_in_use_costs_that_transport_only_said_in_one_line(tmp_path, caplog):
+    """A Collector (or another agent) on the HTTP port: gRPC is received, HTTP is not, and one line says
+    which port, why, and the setting that moves it."""
+    config = _config(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", config.otlp_receiver_http_port))
+        taken.listen()
+        receiver = OtlpReceiver(config, lambda request, run_id: Received()).start()
+        try:
+            assert receiver.http_port is None and receiver.grpc_port == config.otlp_receiver_grpc_port
+            assert [e.split("://")[0] for e in receiver.endpoints] == ["otlp grpc"]
+            response = ExportMetricsServiceResponse.FromString(
+                _grpc_export(receiver.grpc_port, gauges(1).SerializeToString())
+            )
+            assert not response.HasField("partial_success")
+        finally:
+            receiver.stop()
+    [line] = [r.getMessage() for r in caplog.records if r.name == "otel_forge.pipeline.otlp_receiver"]
+    assert f"port {config.otlp_receiver_http_port} could not be bound" in line
+    assert "OTLP/HTTP is not received" in line and "OTEL_FORGE_OTLP_RECEIVER_HTTP_PORT" in line
