@@ -21,6 +21,7 @@ from grafana_queries import (
     targets,
     variables,
 )
+from panel_record import RECORD, record
 
 SCHEMA_DIR = REPO_ROOT.parent / "shared" / "grafana"
 PANEL_TYPES = {"timeseries", "stat", "heatmap", "table", "state-timeline"}
@@ -259,3 +260,15 @@ def test_the_builder_runs_as_a_script(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", DASHBOARD_FILES)
+def test_the_dashboards_show_the_panels_and_queries_they_showed_when_hand_built(name: str) -> None:
+    """Built with Grafana's own builders, each dashboard has the rows, panels (type, title, place, unit,
+    thresholds, mappings, links, transformations), queries, variables and annotations of the
+    hand-built JSON it replaced (recorded in panels_and_queries.json before the change)."""
+    recorded = json.loads(RECORD.read_text())[name]
+    now = record(load(name))
+    for index, (before, after) in enumerate(zip(recorded["panels"], now["panels"], strict=True)):
+        assert after == before, (name, index, before["title"])
+    assert now == recorded
