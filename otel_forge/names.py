@@ -472,5 +472,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Kubernetes also the node's pod, namespace, node and owning job (those known)."),
     MetricSpec("otel_forge.delivery.windows", C, "{window}", "delivery", ("otel_forge.delivery.outcome",),
                "MLflow windows by outcome: delivered, retried, spooled, dropped."),
+    MetricSpec("otel_forge.otlp.received", G, "", "received", ("mlflow.run.id", "otel_forge.mlflow.key"),
+               "The latest value of each MLflow key that OTLP metrics received by this agent feed (--otlp-receiver), "
+               "by run: what the run's otlp/... charts show, on the dashboards."),
 )
 # fmt: on

@@ -210,3 +210,10 @@ def per_node(metric: str, *m: str, by: str = "") -> str:
 def per_rank(metric: str, *m: str, by: str = "") -> str:
     """One series per rank (job, instance, rank) of a per-rank metric of the selected nodes."""
     return per_node(metric, *m, by=RANK + (f", {by}" if by else ""))
+
+
+RECEIVED_NOTE = (
+    "The MLflow keys that OTLP metrics sent to the run's agents feed (otel-forge run --otlp-receiver: a "
+    "Collector, NCCL Inspector, a trainer's own OpenTelemetry SDK), with the values the run's otlp/... charts "
+    "show. Empty where nothing is sent over OTLP."
+)

@@ -30,6 +30,7 @@ from dashboard_parts.queries import (
     NODE,
     PCIE,
     PCIE_NOTE,
+    RECEIVED_NOTE,
     RUN,
     SIGNAL,
     SM_CLOCK,
@@ -82,6 +83,8 @@ def run_dashboard() -> dict[str, Any]:
 
     run_energy = in_run(f"sum by (job, instance) (increase({sel('hw.energy', *GPUS)}[$__range]))", over_range=True)
 
+    # What the agents received over OTLP for the run (--otlp-receiver): the run's otlp/... keys, by key.
+    received = f"max by (otel_forge_mlflow_key) ({sel('otel_forge.otlp.received', JOB, RUN)})"
     rows = [
         Row(
             "Run",
@@ -512,6 +515,31 @@ def run_dashboard() -> dict[str, Any]:
                     width=8,
                     description="The run's MLflow windows per interval by outcome (delivered, retried, spooled, "
                     "dropped).",
+                ),
+            ],
+        ),
+        Row(
+            "Received over OTLP",
+            [
+                Panel(
+                    "timeseries",
+                    "The run's otlp/ keys",
+                    [Query(received, "{{otel_forge_mlflow_key}}")],
+                    width=14,
+                    legend_table=True,
+                    description=RECEIVED_NOTE,
+                ),
+                Panel(
+                    "table",
+                    "The run's otlp/ keys now",
+                    [Query(received, instant=True, fmt="table")],
+                    width=10,
+                    transformations=table_of(
+                        1,
+                        exclude=["job", "instance"],
+                        rename={"otel_forge_mlflow_key": "MLflow key", "Value": "latest"},
+                    ),
+                    description=RECEIVED_NOTE,
                 ),
             ],
         ),

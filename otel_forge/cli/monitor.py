@@ -50,10 +50,13 @@ def _duration_s(text: str | None) -> float | None:
     return value
 
 
-def _agent(config: ForgeConfig) -> Agent | SystemMetricsMonitor:
-    """The plain agent, or with ``--run-id`` the agent plus the MLflow exporter into that run."""
+def _agent(config: ForgeConfig, received: ReceivedRuns | None) -> Agent | SystemMetricsMonitor:
+    """The plain agent (with what it receives over OTLP, where it does), or with ``--run-id`` the agent
+    plus the MLflow exporter into that run (which receives OTLP itself)."""
     if config.run_id is None:
-        return Agent(config)
+        from otel_forge.collectors.self_telemetry import ReceivedCollector
+
+        return Agent(config, extra_collectors=[ReceivedCollector(received.latest)] if received else ())
     from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
 
     return SystemMetricsMonitor(config)
@@ -79,19 +82,18 @@ def _deliver_leftovers(config: ForgeConfig, node: str) -> None:
 def run(args: argparse.Namespace) -> int:
     duration_s = _duration_s(args.duration)
     config = config_from_args(args)
-    agent = _agent(config)
+    received = _receive(config) if config.run_id is None else None
+    agent = _agent(config, received)
     stopping: list[int] = []  # the handler only records: it may run inside a lock the main thread holds
     previous = {
         sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum))
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
-    received = None
     try:
         agent.start()
         if not agent.node.runs_agent:
             print(f"otel-forge: local rank {agent.node.local_rank}: the agent runs on local rank 0", flush=True)
             return 0
-        received = _receive(config) if isinstance(agent, Agent) else None  # (with a run, its monitor does)
         for endpoint in [*agent.endpoints, *(received.receiver.endpoints if received else ())]:
             print(f"otel-forge: serving {endpoint}", flush=True)
         for name, reason in agent.absent_collectors.items():

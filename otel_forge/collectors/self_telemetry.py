@@ -7,7 +7,7 @@ narrow view it reads (a ``Protocol``), so this module imports neither the pipeli
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from otel_forge.collectors.base import Collector, Readings
@@ -100,3 +100,17 @@ class RunInfoCollector(Collector):
                 **self._where,
             },
         )
+
+
+class ReceivedCollector(Collector):
+    """The MLflow keys received OTLP metrics feed, their latest values by run, as Prometheus sees
+    them (``received``: ``ReceivedRuns.latest``)."""
+
+    name = "received"
+
+    def __init__(self, latest: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
+        self._latest = latest
+
+    def read(self, readings: Readings) -> None:
+        for run_id, key, value in self._latest():
+            readings.add("otel_forge.otlp.received", value, {"mlflow.run.id": run_id, "otel_forge.mlflow.key": key})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import ResourceMetrics
@@ -112,6 +112,15 @@ class ReceivedRuns:
                 ),
             )
             return sink
+
+    def latest(self) -> Iterator[tuple[str, str, float]]:
+        """(run id, MLflow key, latest value) of each key of each open run."""
+        with self._lock:
+            sinks = list(self._sinks.values())
+        for sink in sinks:
+            if (run_id := sink.exporter.run_id) is not None:
+                for key, (_fold, value) in sink.series.sample().items():
+                    yield run_id, key, value
 
     def _tick(self) -> None:
         while not self._stop.wait(self._config.sampling_interval_s):

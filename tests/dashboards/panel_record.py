@@ -2,7 +2,7 @@
 unit, thresholds, mappings, links, transformations) and each query (its expression, legend, instant
 or range, format), in order; its variables and annotations. ``panels_and_queries.json`` holds the
 record of the dashboards as they were hand-built, before Grafana's own builders made their JSON:
-``python tests/dashboards/panel_record.py`` rewrites it (only ever on purpose)."""
+``python tests/dashboards/panel_record.py --rewrite`` rewrites it (only ever on purpose)."""
 
 from __future__ import annotations
 
@@ -57,11 +57,14 @@ def record(dashboard: Mapping[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    if argv != ["--rewrite"]:
+        print(f"usage: {sys.argv[0]} --rewrite  (replaces the record of the hand-built dashboards)", file=sys.stderr)
+        return 2
     records = {path.name: record(json.loads(path.read_text())) for path in sorted(DASHBOARDS_DIR.glob("*.json"))}
     RECORD.write_text(json.dumps(records, indent=1, ensure_ascii=False) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

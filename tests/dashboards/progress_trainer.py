@@ -49,7 +49,10 @@ def train(board: Path, rank: int, steps: int | None) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, help="every rank stops after this many steps (a stall)")
+    parser.add_argument("--otlp", action="store_true", help="and send a gauge over OTLP to otel-forge's receiver")
     args = parser.parse_args(argv)
+    if args.otlp:
+        send_over_otlp()
     board = Path(os.environ[PROGRESS_BOARD_ENV])
     board.mkdir(parents=True, exist_ok=True)
     for rank in range(WORLD_SIZE):
@@ -57,6 +60,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"training on the board {board}", flush=True)
     while True:
         time.sleep(3600)
+
+
+LOADER_RATE = 128.0  # what the "data loader" reports over OTLP, samples per second
+
+
+def send_over_otlp() -> None:
+    """A data loader's gauge, exported each second by the OpenTelemetry SDK's OTLP/HTTP exporter to the
+    receiver of the ``otel-forge run`` around us (its port in ``OTEL_FORGE_OTLP_RECEIVER_HTTP_PORT``)."""
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.metrics import Observation
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    port = os.environ["OTEL_FORGE_OTLP_RECEIVER_HTTP_PORT"]
+    exporter = OTLPMetricExporter(endpoint=f"http://127.0.0.1:{port}/v1/metrics")
+    provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(exporter, export_interval_millis=1000)])
+    provider.get_meter("loader").create_observable_gauge(
+        "loader.samples_per_second", callbacks=[lambda _options: [Observation(LOADER_RATE)]]
+    )
 
 
 def start_training_node(

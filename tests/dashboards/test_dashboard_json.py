@@ -269,6 +269,8 @@ def test_the_dashboards_show_the_panels_and_queries_they_showed_when_hand_built(
     hand-built JSON it replaced (recorded in panels_and_queries.json before the change)."""
     recorded = json.loads(RECORD.read_text())[name]
     now = record(load(name))
+    # Added since (issue 44), after every panel it had: the run's keys received over OTLP.
+    now["panels"] = now["panels"][: len(recorded["panels"])]
     for index, (before, after) in enumerate(zip(recorded["panels"], now["panels"], strict=True)):
         assert after == before, (name, index, before["title"])
     assert now == recorded

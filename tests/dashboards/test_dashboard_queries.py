@@ -60,7 +60,7 @@ from grafana_queries import (
     targets,
     variables,
 )
-from progress_trainer import start_training_node
+from progress_trainer import LOADER_RATE, start_training_node
 
 from testkit.cgroups import CONTROLLERS, limited_job, v1_writable
 from testkit.infiniband_sysfs import training_node
@@ -72,6 +72,7 @@ from testkit.servers import (
     http_get,
     start_agent,
     start_prometheus,
+    wait_for,
 )
 
 DIRECT_JOB = "otel-forge"
@@ -188,8 +189,13 @@ def _start_training_node(tmp_path: Path, run_id: str, experiment_id: str, tracki
         "OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=gpu-node-2,host.name=gpu-node-2",
         "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool-node_2"),
         "MLFLOW_EXPERIMENT_ID": experiment_id,
+        # Its command sends a gauge over OTLP (progress_trainer.py --otlp): the run's otlp/ keys.
+        "OTEL_FORGE_OTLP_RECEIVER": "true",
+        "OTEL_FORGE_OTLP_RECEIVER_GRPC_PORT": str(free_port()),
+        "OTEL_FORGE_OTLP_RECEIVER_HTTP_PORT": str(free_port()),
     }
-    return start_training_node(_agent_args("node_2", run_id, tracking_uri), env, tmp_path, timeout_s=READY_TIMEOUT_S)
+    args = _agent_args("node_2", run_id, tracking_uri)
+    return start_training_node(args, env, tmp_path, trainer_args=["--otlp"], timeout_s=READY_TIMEOUT_S)
 
 
 def _ratio_gauges() -> set[str]:
@@ -404,7 +410,11 @@ def without_idle_network(stack: Stack, job: str, outcomes: Sequence[Outcome]) ->
     return [o for o in outcomes if (o.target.panel, o.target.ref_id) != NETWORK_RATIO or o.has_data]
 
 
-PROGRESS_NAMES = {builder.prometheus_name(spec) for spec in builder.SPECS.values() if spec.source == "progress"}
+# What only the training node (otel-forge run around progress_trainer.py) has: its ranks' progress, and
+# the keys its command's OTLP feeds.
+PROGRESS_NAMES = {
+    builder.prometheus_name(spec) for spec in builder.SPECS.values() if spec.source in ("progress", "received")
+}
 
 
 def progress_only(outcome: Outcome) -> bool:
@@ -772,6 +782,26 @@ def test_run_dashboard_progress_row_follows_the_training(stack: Stack, job: str)
     # Each interval's share (rate() over a few scrapes: near 1, not exactly), all of it productive.
     assert max(shares, key=shares.__getitem__) == "productive" and shares["productive"] > 0.5, shares
     assert shares["stalled"] == shares["restart_lost"] == 0, shares
+
+
+@pytest.mark.parametrize("job", TRAINING_FORMS)
+def test_run_dashboard_shows_the_keys_its_commands_otlp_feeds(stack: Stack, job: str) -> None:
+    """node_2's command sends a gauge over OTLP to otel-forge run's receiver: the run dashboard's
+    "Received over OTLP" row shows its MLflow key and value, for that run only."""
+    values = _values("otel-forge-run.json", stack, job, run=stack.training_run_id)
+    dashboard = load("otel-forge-run.json")
+    titles = set(row_panels(dashboard, "Received over OTLP"))
+
+    def received() -> dict[str, dict[str, Outcome]] | None:
+        outcomes = [o for o in evaluate(stack, dashboard, values) if o.target.panel in titles]
+        return _by_panel(outcomes) if all(o.has_data for o in outcomes) else None
+
+    row = wait_for(received, SLOW_RANK_TIMEOUT_S, interval_s=1.0, message="the run's otlp/ keys on the dashboard")
+    assert set(row) == titles
+    [(labels, value)] = _last(row["The run's otlp/ keys now"]["A"])
+    assert (labels["otel_forge_mlflow_key"], value) == ("otlp/loader.samples_per_second", LOADER_RATE)
+    other = _values("otel-forge-run.json", stack, job, run=stack.run_id)
+    assert not any(o.result for o in evaluate(stack, dashboard, other) if o.target.panel in titles)
 
 
 @pytest.mark.parametrize("job", TRAINING_FORMS)

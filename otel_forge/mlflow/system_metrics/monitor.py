@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from otel_forge.collectors.base import Collector
 from otel_forge.collectors.inventory import node_inventory
-from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, RunInfoCollector
+from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, ReceivedCollector, RunInfoCollector
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo
@@ -125,6 +125,14 @@ class SystemMetricsMonitor:
                     "no MLflow run is open yet: node %s is sampled into the first one this process opens",
                     self.node.node_id or self.node.hostname,
                 )
+        if self.config.otlp_receiver:
+            from otel_forge.mlflow.received_runs import ReceivedRuns  # grpc and protobuf, where asked for
+
+            self.received = ReceivedRuns(self.config, self.config.tracking_uri).start()
+            if self.config.run_id is not None:
+                self.received.serve(
+                    self.config.run_id, RunInfo(self.config.experiment_id, "", self.config.experiment_name)
+                )
         self.exporter = self._exporter()
         self.agent = self._agent(self.exporter)
         try:
@@ -141,14 +149,6 @@ class SystemMetricsMonitor:
             self._watch.start()
         node = self.node.node_id or self.node.hostname
         self._leftovers = LeftoverDelivery(spool_root(self.config.spool_dir), node).start()
-        if self.config.otlp_receiver:
-            from otel_forge.mlflow.received_runs import ReceivedRuns  # grpc and protobuf, where asked for
-
-            self.received = ReceivedRuns(self.config, self.config.tracking_uri).start()
-            if self.config.run_id is not None:
-                self.received.serve(
-                    self.config.run_id, RunInfo(self.config.experiment_id, "", self.config.experiment_name)
-                )
         return self
 
     def _tracking_uri(self) -> str:
@@ -201,6 +201,8 @@ class SystemMetricsMonitor:
                 self.node.kubernetes.attributes() if self.node.kubernetes is not None else None,
             ),
         ]
+        if self.received is not None:
+            collectors.append(ReceivedCollector(self.received.latest))
         return Agent(self.config, node=self.node, extra_collectors=collectors, extra_exporters=[lambda: exporter])
 
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
