@@ -12,6 +12,7 @@ import textwrap
 import threading
 
 import psutil
+import pytest
 from trun_helpers import popen_script
 
 from otel_forge import ForgeConfig, TrainingRun
@@ -32,12 +33,19 @@ def _samplers(parent: psutil.Process, but: frozenset[int] = frozenset()) -> list
     return found
 
 
+@pytest.fixture
+def own_companion(monkeypatch, tmp_path):
+    """This test's runs get a companion of their own: the node's companion is shared by processes whose
+    OTel and MLflow variables agree (companion_link.py), and an earlier test's may still be serving."""
+    monkeypatch.setenv("OTEL_FORGE_SPOOL_DIR", str(tmp_path / "spool"))
+
+
 def _running() -> frozenset[int]:
     return frozenset(child.pid for child in _samplers(psutil.Process()))
 
 
 def test_the_node_is_sampled_by_a_child_process_and_no_thread_of_the_training_process(
-    mlflow_server, client, experiment
+    mlflow_server, client, experiment, own_companion
 ):
     config = ForgeConfig.resolve(environ={}, sampling_interval_s=0.2, prometheus=False)
     threads_before = {thread.ident for thread in threading.enumerate()}
@@ -89,7 +97,7 @@ def test_a_sampler_whose_training_process_was_killed_delivers_its_windows_and_ex
     assert len(client.get_metric_history(run_id, CPU_KEY)) > windows_before
 
 
-def test_monitor_samples_the_node_in_a_companion_process_too(mlflow_server, client, experiment):
+def test_monitor_samples_the_node_in_a_companion_process_too(mlflow_server, client, experiment, own_companion):
     import otel_forge
 
     run_id = client.create_run(client.create_experiment(experiment)).info.run_id
