@@ -86,9 +86,12 @@ class CompanionProcess:
                 sock = link.connect()
         if sock is None:
             raise OSError("the otel-forge companion does not take connections")
+        try:
+            send_stderr(sock)  # first: the companion reads it before any message (a failure here is said)
+        except OSError:
+            sock.close()
+            raise
         self._sock, self.pid, self._ended = sock, peer(sock)[0], threading.Event()
-        with contextlib.suppress(OSError):
-            send_stderr(sock)
         journal = str(self.journal) if self.journal is not None else None
         self._send(("start", self.config, self.node, self.sample, journal, self.tracking_uri))
         if self._attached is not None:
