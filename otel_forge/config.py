@@ -563,7 +563,7 @@ SETTINGS: tuple[Setting, ...] = (
         "otlp_receiver_max_series",
         ("OTEL_FORGE_OTLP_RECEIVER_MAX_SERIES",),
         _int_within(1, 100_000),
-        1_000,
+        300,
         "Distinct received series (a metric and its attributes) per run; points of more are refused, and said once.",
     ),
     Setting(

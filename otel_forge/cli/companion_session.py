@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from otel_forge.mlflow.companion_link import DONE, read_message
 from otel_forge.scrub import error_line
 
@@ -83,7 +85,7 @@ class CompanionSession:
             ready = select.select(watched, [], [], None if self._pidfd is not None else CLIENT_CHECK_S)[0]
             if watched[0] in ready:
                 return read_message(self._conn)
-            if ready or not _alive(self._pid):
+            if ready or not psutil.pid_exists(self._pid):
                 return None
 
 
@@ -93,16 +95,6 @@ def _pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _monitor(config: Any, node: Any) -> Any:

@@ -64,7 +64,7 @@ def add_agent_options(parser: argparse.ArgumentParser, help_overrides: dict[str,
         dest="otlp_receiver",
         action="store_const",
         const=True,
-        help="receive OTLP metrics (gRPC and HTTP, on localhost) into the run (docs/otlp-receiver.md)",
+        help="receive OTLP metrics (gRPC and HTTP, on localhost) into the run (docs/cli.md, 'OTLP in')",
     )
 
 

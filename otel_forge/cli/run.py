@@ -669,8 +669,7 @@ def _start_system_metrics(config: ForgeConfig, tracking_uri: str, node: NodeIden
         progress.append(ProgressCollector(watch.latest, config, node.hostname, gpus, watch.energy))
     monitor = SystemMetricsMonitor(pending, node=node, run_pending=True, extra_collectors=progress)
     monitor.start()
-    received = monitor.received.receiver.endpoints if monitor.received is not None else []
-    for endpoint in [*(monitor.agent.endpoints if monitor.agent is not None else ()), *received]:
+    for endpoint in [*(monitor.agent.endpoints if monitor.agent is not None else ()), *monitor.received_endpoints]:
         print(f"otel-forge: serving {endpoint}", file=sys.stderr, flush=True)
     if not config.source("collectors").is_default:
         for name, reason in monitor.absent_collectors.items():

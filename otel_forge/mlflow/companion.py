@@ -13,9 +13,9 @@ others connect to it, and it leaves once its last session has ended. On the conn
 process's stderr, then ``start`` (the config, the node, whether to sample, the journal), ``attach``
 once the run is open, ``stop`` at close; the companion answers ``DONE`` when the session has
 ended. It ignores SIGINT and SIGTERM: a terminal's Ctrl-C or a scheduler's SIGTERM reaches the whole
-process group, and the training process's close stops its session after them. A companion that dies is started again by
-each process it served (at most ``MOST_RESTARTS`` times each), and the new one takes each journal on
-from where it was delivered up to.
+process group, and the training process's close stops its session after them. A companion that dies
+is started again by each process it served (at most ``MOST_RESTARTS`` times each), and the new one
+takes each journal on from where it was delivered up to.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import ResourceMetrics
@@ -31,10 +32,10 @@ MAX_RUNS = 64  # distinct runs one receiver delivers to: each holds an exporter 
 _SERVED = ""  # the run this process serves, whichever it is
 
 
+@dataclass(frozen=True)
 class _RunSink:
-    def __init__(self, series: ReceivedSeries, exporter: MLflowMetricExporter) -> None:
-        self.series = series
-        self.exporter = exporter
+    series: ReceivedSeries
+    exporter: MLflowMetricExporter
 
 
 class ReceivedRuns:
@@ -105,9 +106,9 @@ class ReceivedRuns:
                 MLflowMetricExporter(
                     run_id,
                     tracking_uri=self._tracking_uri,
-                    config=self._config,
+                    config=config,
                     known=served[1] if served else None,
-                    prefix=self._config.otlp_receiver_prefix,
+                    prefix=config.otlp_receiver_prefix,
                     what="OTLP",
                 ),
             )

@@ -5,7 +5,6 @@ exists; elsewhere these tests skip). Its debug exporter prints each ResourceMetr
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from testkit.hermetic import hermetic_environ
-from testkit.servers import AgentProcess, free_port, spawn_agent, wait_for
+from testkit.servers import AgentProcess, free_port, listening, spawn_agent, wait_for
 
 rotel = pytest.importorskip("rotel")
 
@@ -35,14 +34,6 @@ class Rotel:
     def resource_metrics(self) -> list[str]:
         """The dump of each ResourceMetrics received so far."""
         return self.text().split("ResourceMetrics #")[1:]
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +72,7 @@ def rotel_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rotel]
     collector = Rotel(process, grpc_port, http_port, output)
     try:
         wait_for(
-            lambda: process.poll() is None and _listening(grpc_port) and _listening(http_port),
+            lambda: process.poll() is None and listening(grpc_port) and listening(http_port),
             TIMEOUT_S,
             message=lambda: f"rotel to listen (exit {process.poll()}): {collector.text()}",
         )

@@ -17,22 +17,12 @@ from otlp_requests import gauges, post
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.received_runs import ReceivedRuns
 from testkit.hermetic import hermetic_environ
-from testkit.servers import free_port, wait_for
+from testkit.servers import free_port, listening, wait_for
 
 SENDER = Path(__file__).resolve().parent / "sender.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 rotel = pytest.importorskip("rotel")
 ROTEL_AGENT = Path(rotel.__file__).parent / "rotel-agent"
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -65,7 +55,7 @@ def test_a_collector_forwards_to_the_node_agent_and_its_metrics_land_in_the_run(
         start_new_session=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: _listening(agent_grpc) and _listening(rotel_http), 30, message="the agent and rotel")
+        wait_for(lambda: listening(agent_grpc) and listening(rotel_http), 30, message="the agent and rotel")
         sent = subprocess.run(
             [sys.executable, str(SENDER), "http"], env={**env, "OTEL_FORGE_OTLP_RECEIVER_HTTP_PORT": str(rotel_http)},
             capture_output=True, text=True, timeout=60,

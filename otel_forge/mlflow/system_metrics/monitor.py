@@ -223,8 +223,12 @@ class SystemMetricsMonitor:
     def endpoints(self) -> list[str]:
         if self.agent is None or self.exporter is None:
             return []
-        received = self.received.receiver.endpoints if self.received is not None else []
-        return [*self.agent.endpoints, self.mlflow_endpoint, *received]
+        return [*self.agent.endpoints, self.mlflow_endpoint, *self.received_endpoints]
+
+    @property
+    def received_endpoints(self) -> list[str]:
+        """Where OTLP metrics are received (``otlp_receiver``)."""
+        return self.received.receiver.endpoints if self.received is not None else []
 
     @property
     def mlflow_endpoint(self) -> str:
