@@ -3,10 +3,11 @@
 A request's metrics go to the run its ``x-mlflow-run-id`` header names (MLflow's own convention for
 OTLP traces), else to the run its resource's ``mlflow.run_id`` attribute names, else to the run this
 process serves (``serve``: the job's run of ``otel-forge run``, the node agent's ``--run-id``), which
-may open later: its windows wait in the spool meanwhile. Each run gets its ``ReceivedSeries`` and an
-``MLflowMetricExporter`` of its own under the receiver's prefix: the same windows, spool and delivery
-as the node's system metrics, so a server outage loses nothing. Once per sampling interval a thread
-hands every run's series to its exporter.
+may open later: its windows wait in the spool meanwhile. Each run gets its ``ReceivedSeries``. The
+served run's are sampled into the node's own windows where the process samples its node into that
+run (``served_sample``: one step per window with the node's ``system/`` metrics); every other run's get
+an ``MLflowMetricExporter`` of their own under the receiver's prefix, sampled once an interval by a
+thread. Either way the same windows, spool and delivery as the node's, so an outage loses nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import ResourceMetrics
 
 from otel_forge.config import ForgeConfig
 from otel_forge.mlflow.client import RunInfo
+from otel_forge.mlflow.keys import Sample
 from otel_forge.mlflow.received_series import ReceivedSeries
 from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
 from otel_forge.pipeline.otlp_receiver import RUN_HEADER, OtlpReceiver, Received
@@ -35,18 +37,22 @@ _SERVED = ""  # the run this process serves, whichever it is
 @dataclass(frozen=True)
 class _RunSink:
     series: ReceivedSeries
-    exporter: MLflowMetricExporter
+    exporter: MLflowMetricExporter | None  # None: the served run's, sampled by the node's exporter
 
 
 class ReceivedRuns:
     """The OTLP receiver (``start``, ``stop``), its requests routed to runs, and each run's series
     sampled once an interval."""
 
-    def __init__(self, config: ForgeConfig, tracking_uri: str | None, serves_a_run: bool = True) -> None:
+    def __init__(
+        self, config: ForgeConfig, tracking_uri: str | None, serves_a_run: bool = True, node_windows: bool = False
+    ) -> None:
         """``serves_a_run``: this process serves a run (False: a node agent with no run: a request
-        must name its run)."""
+        must name its run). ``node_windows``: the node's exporter takes ``served_sample`` with each
+        of its samples."""
         self._config = config
         self._serves_a_run = serves_a_run
+        self._node_windows = serves_a_run and node_windows
         self._tracking_uri = tracking_uri
         self._sinks: dict[str, _RunSink] = {}
         self._lock = threading.Lock()
@@ -65,8 +71,13 @@ class ReceivedRuns:
         with self._lock:
             self._served = (run_id, known)
             sink = self._sinks.get(_SERVED)
-        if sink is not None:
+        if sink is not None and sink.exporter is not None:
             sink.exporter.attach(run_id, known)
+
+    def served_sample(self) -> Sample:
+        """The served run's series, now (``node_windows``: the node's exporter calls it per sample)."""
+        sink = self._sinks.get(_SERVED)
+        return sink.series.sample() if sink is not None else {}
 
     def receive(self, request: ExportMetricsServiceRequest, run_id: str | None) -> Received:
         """``request``'s points into their runs; ``run_id``: its ``x-mlflow-run-id``."""
@@ -101,8 +112,12 @@ class ReceivedRuns:
             served = self._served if target == _SERVED else None
             run_id = served[0] if served else (target or None)
             config = self._config
+            series = ReceivedSeries(config.otlp_receiver_prefix, config.otlp_receiver_max_series, run_id or "(opening)")
+            if target == _SERVED and self._node_windows:
+                sink = self._sinks[target] = _RunSink(series, None)
+                return sink
             sink = self._sinks[target] = _RunSink(
-                ReceivedSeries(config.otlp_receiver_prefix, config.otlp_receiver_max_series, run_id or "(opening)"),
+                series,
                 MLflowMetricExporter(
                     run_id,
                     tracking_uri=self._tracking_uri,
@@ -118,17 +133,21 @@ class ReceivedRuns:
         """(run id, MLflow key, latest value) of each key of each open run."""
         with self._lock:
             sinks = list(self._sinks.values())
+            served = self._served[0] if self._served else None
         for sink in sinks:
-            if (run_id := sink.exporter.run_id) is not None:
+            if (run_id := sink.exporter.run_id if sink.exporter is not None else served) is not None:
                 for key, (_fold, value) in sink.series.sample().items():
                     yield run_id, key, value
 
+    def _exporting(self) -> list[tuple[ReceivedSeries, MLflowMetricExporter]]:
+        """The sinks with windows of their own."""
+        with self._lock:
+            return [(sink.series, sink.exporter) for sink in self._sinks.values() if sink.exporter is not None]
+
     def _tick(self) -> None:
         while not self._stop.wait(self._config.sampling_interval_s):
-            with self._lock:
-                sinks = list(self._sinks.values())
-            for sink in sinks:
-                sink.exporter.export_sample(sink.series.sample())
+            for series, exporter in self._exporting():
+                exporter.export_sample(series.sample())
 
     def stop(self, timeout_s: float) -> None:
         """Receive no more; the last windows delivered within ``timeout_s`` (the rest kept in the spool)."""
@@ -136,11 +155,9 @@ class ReceivedRuns:
         self._stop.set()
         if self._ticks.is_alive():
             self._ticks.join()
-        with self._lock:
-            sinks = list(self._sinks.values())
-        for sink in sinks:
-            sink.exporter.export_sample(sink.series.sample())
-            sink.exporter.shutdown(timeout_millis=timeout_s * 1000)
+        for series, exporter in self._exporting():
+            exporter.export_sample(series.sample())
+            exporter.shutdown(timeout_millis=timeout_s * 1000)
 
 
 def _attribute(resource: ResourceMetrics, name: str) -> str | None:

@@ -365,6 +365,33 @@ def test_a_node_resumes_from_its_anchor_without_reading_the_run(client, experime
     assert steps_of(client, run_id, "system/node_0/system_memory_total_megabytes") == [0, 2, 3, 5]
 
 
+def test_another_sources_keys_share_the_nodes_windows_and_its_resumed_steps(
+    mlflow_server, client, experiment_id, tmp_path
+) -> None:
+    """Received OTLP keys (``merged``) sort before the node's own: the resume still continues the
+    node's steps, and each key is at the node's step with the node's timestamp."""
+    from otel_forge.names import Fold
+
+    run_id = new_run(client, experiment_id)
+    config = ForgeConfig.resolve(environ={}, spool_dir=str(tmp_path))
+    _export_memory(MLflowMetricExporter(run_id, tracking_uri=mlflow_server.uri, node_id="node_0", config=config), 3)
+    depth = iter(range(100))
+    merged = MLflowMetricExporter(
+        run_id,
+        tracking_uri=mlflow_server.uri,
+        node_id="node_0",
+        config=config,
+        merged=lambda: {"otlp/queue.depth": (Fold.LAST, float(next(depth)))},
+    )
+    _export_memory(merged, 3)
+
+    assert merged.window_logger.first_step == 3
+    node = {m.step: m.timestamp for m in client.get_metric_history(run_id, "system/node_0/cpu_utilization_percentage")}
+    received = client.get_metric_history(run_id, "otlp/queue.depth")
+    assert sorted(m.step for m in received) == [3, 4, 5] == sorted(node)[3:]
+    assert all(node[m.step] == m.timestamp for m in received)
+
+
 # --- a run deleted while exporting --------------------------------------------------------------
 
 

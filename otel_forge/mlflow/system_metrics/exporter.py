@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry.sdk.metrics.export import Gauge, MetricExportResult, MetricsData, Sum
@@ -69,6 +69,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         pod: Mapping[str, str] | None = None,
         prefix: str | None = None,
         what: str = "system-metrics",
+        merged: Callable[[], Sample] | None = None,
     ) -> None:
         """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
         from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own.
@@ -80,7 +81,9 @@ class MLflowMetricExporter(NonBlockingExporter):
         ``first_window_samples``: samples in the first window (the agent's baseline and first sample);
         ``first_delivery_phase_s``: its delivery phase (a spread shorter than a long window's).
         ``prefix``: the keys' prefix, for windows that are not the node's (received OTLP metrics: then
-        they come through ``export_sample``); ``what`` names them in the lines the exporter says."""
+        they come through ``export_sample``); ``what`` names them in the lines the exporter says.
+        ``merged``: another source's sample (whole keys) taken with each export, into the same windows
+        (received OTLP metrics: one step per window with the node's)."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         config = config or ForgeConfig.resolve()
@@ -97,6 +100,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         node_run_name = key_segment(node_id or "node") if node_run else None
         self._lock_prefix = prefix or system_prefix(node_id)
         self.what = what
+        self._merged = merged
         prefix = prefix or (SYSTEM_PREFIX if node_run else system_prefix(node_id))
         self._mapper = KeyMapper(prefix)
         self._folder = WindowFolder(samples_per_window, config.mlflow_stats, first_window_samples)
@@ -194,7 +198,10 @@ class MLflowMetricExporter(NonBlockingExporter):
             return MetricExportResult.FAILURE
         if self.standing_down:
             return MetricExportResult.SUCCESS
-        self.export_sample(self._mapper.sample(_points(metrics_data)))
+        sample = self._mapper.sample(_points(metrics_data))
+        if self._merged is not None:
+            sample.update(self._merged())
+        self.export_sample(sample)
         return MetricExportResult.SUCCESS
 
     def export_sample(self, sample: Sample) -> None:

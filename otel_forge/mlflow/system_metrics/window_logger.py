@@ -145,7 +145,9 @@ class WindowLogger:
     def _resume_step(self, window: Window) -> int:
         if not window.values:
             return 0
-        anchor = min(key for key, _ in window.values)
+        # The node's own keys: a window may also hold another source's (received OTLP metrics, new to the run).
+        keys = [key for key, _ in window.values]
+        anchor = min((key for key in keys if key.startswith(self.prefix)), default=min(keys))
         return last_anchor_step(self._client, self.run_id, anchor) + 1  # type: ignore[arg-type]
 
     def __call__(self, window: Window) -> None:
