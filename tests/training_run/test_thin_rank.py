@@ -301,3 +301,53 @@ def test_a_lone_process_that_names_no_experiment_leaves_the_open_to_its_companio
     assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")) == [
         (0, 0.0), (1, 1.0), (2, 2.0),
     ]  # fmt: skip
+
+
+ADOPTING_SCRIPT = """
+import json, socket, sys
+connects = []
+connect = socket.socket.connect
+def counted(sock, address):
+    if isinstance(address, tuple):
+        connects.append(address)
+    return connect(sock, address)
+socket.socket.connect = counted
+from otel_forge import TrainingRun
+
+with TrainingRun(config={{"{name}_lr": 0.1}}, system_metrics=False) as run:
+    run.log({{"{name}": 1.0}}, step=0)  # the first value: the script named no experiment, the run opens now
+    run.wait_open(60)
+    seen = {{"mlflow": "mlflow" in sys.modules, "connects": len(connects), "run_id": run.run_id}}
+    print(json.dumps(seen), flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_process_adopting_the_run_another_of_its_job_claimed_imports_no_mlflow(mlflow_server, client, tmp_path):
+    """Two processes of one job (its key), the experiment left to the script: the first claims the job's
+    run and its companion opens it; the second adopts the published run through the node's companion,
+    its description added, with no MLflow import and no connection of its own."""
+    env = {
+        "MLFLOW_TRACKING_URI": mlflow_server.uri, "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"),
+        "OTEL_FORGE_JOB_ID": unique("adopted"),
+    }  # fmt: skip
+    started, seen = [], []
+    try:
+        for name in ("first", "second"):  # one after the other: the first has claimed and published the run
+            started.append(popen_script(ADOPTING_SCRIPT.format(name=name), env, cwd=tmp_path, stdin=subprocess.PIPE))
+            line = started[-1].stdout.readline()
+            assert line, started[-1].communicate(timeout=60)[1]
+            seen.append(json.loads(line))
+        first, second = seen
+    finally:
+        for process in started:
+            process.stdin.close()
+        codes = [process.wait(timeout=60) for process in started]
+    assert codes == [0, 0], [process.stderr.read() for process in started]
+    assert (second["mlflow"], second["connects"]) == (False, 0), second
+    assert (first["mlflow"], first["connects"]) == (False, 0), first
+    assert second["run_id"] == first["run_id"] is not None
+    run = client.get_run(first["run_id"])
+    assert run.data.metrics == {"first": 1.0, "second": 1.0}  # both at step 0: the adopter's is not skipped
+    assert run.data.params == {"first_lr": "0.1", "second_lr": "0.1"}  # the adopter's description added
+    assert run.info.status == "FINISHED"

@@ -127,7 +127,10 @@ class JobRunFinder:
             if (self._waits.pause(_ADOPT_POLL_S) and self._waits.left) or record.claimed() is None:
                 return None
         if resume:
-            return self._resume(client, published.run_id)
+            run = self._resume(client, published.run_id)
+            if run is not None and record.claimer_running():
+                run.last_step = None  # its claimer logs into it beside us: no step of it is ours already
+            return run
         experiment = published.experiment or self.request.experiment
         return OpenRun(published.run_id, None, published.experiment_id, experiment, True, None, client)
 

@@ -21,6 +21,7 @@ from otel_forge.mlflow.training.run_notice import RunNotice
 from otel_forge.mlflow.training.run_owner import OpenRun
 from otel_forge.mlflow.training.run_source import RunSource
 from otel_forge.mlflow.training.run_state import RunEvent, RunState
+from otel_forge.mlflow.training.script_run import ScriptRun
 from otel_forge.node import NodeIdentity, torchrun_attempt
 from otel_forge.ratelimit import RateLimitedLogger
 from otel_forge.scrub import error_line, scrub
@@ -211,6 +212,11 @@ class JournalRun:
         if not plan:
             raise RuntimeError("the journal has no plan (its writer died before writing it)")
         node = NodeIdentity(**plan["node"])
+        adopts = ScriptRun(Path(plan["adopts"]["directory"]), plan["adopts"]["key"]) if plan.get("adopts") else None
+        if adopts is not None and adopts.published() is None:
+            if adopts.claimed() is not None and not adopts.abandoned():
+                raise RunNotOpenYet()  # the process that claimed the job's run has not published it yet
+            adopts = None  # its claimer gave it up: the job key's run, or a new one, in the claim's experiment
         request = JobRunRequest(
             tracking_uri=self.uri or "",
             experiment=plan["experiment"],
@@ -219,6 +225,7 @@ class JournalRun:
             run_name=plan.get("run_name"),
             samples_node=False,
             late_after_s=60.0,
+            adopts=adopts,
         )
         finder = JobRunFinder(request, self._new_run_spec, lambda: node, _LookOnce())
         run = finder.open(self._client)
@@ -232,7 +239,8 @@ class JournalRun:
             "experiment": run.experiment,
             "resumed": run.resumed,
             "last_step": run.last_step,
-            "describe": not described and node.is_global_zero,
+            # An adopted run: its maker described it as it saw it, the writer's description is added.
+            "describe": (adopts is not None or not described) and node.is_global_zero,
         }
 
     def _new_run_spec(self, job_key: str | None) -> tuple[str | None, dict[str, str]]:

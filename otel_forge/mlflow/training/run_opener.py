@@ -85,7 +85,6 @@ class RunOpener:
         self._future: concurrent.futures.Future[OpenRun | None] | None = None
         self._warnings = RateLimitedLogger(_logger)
         self.script_run_id: str | None = None  # the MLflow run the script had open when we began
-        self.adopts: ScriptRun | None = None  # another process of the job claimed the run: its publication
         self._restore_environ: Callable[[], None] | None = None
         self.companion: CompanionOpens | None = None  # where the plan leaves the open to the companion
 
@@ -194,7 +193,7 @@ class RunOpener:
         nothing to ask the server, so no connection and no MLflow import (its client is made at its
         first call: a failed rank's outcome)."""
         plan = self.plan
-        if plan.source.run_id is None or self.adopts is not None:
+        if plan.source.run_id is None or plan.adopts is not None:
             return None
         last_step, described = None, False
         if plan.node.is_global_zero:
@@ -315,7 +314,7 @@ class RunOpener:
             run_name=plan.run_name,
             samples_node=plan.samples_node,
             late_after_s=plan.init_deadline_s,
-            adopts=self.adopts,
+            adopts=plan.adopts,
         )
         return JobRunFinder(request, self._new_run, lambda: self.plan.node, self.machine)
 
@@ -362,9 +361,9 @@ def claim_or_adopt(script: ScriptRun, plan: RunPlan, claimer: str, opener: RunOp
     elif plan.owns_run and script.abandoned():
         plan = dataclasses.replace(plan, experiment=script.claimed_experiment() or plan.experiment)
     else:
-        opener.adopts = script
         source = dataclasses.replace(plan.source, adds_description=True)
-        return dataclasses.replace(plan, experiment=script.claimed_experiment() or plan.experiment, source=source)
+        experiment = script.claimed_experiment() or plan.experiment
+        return dataclasses.replace(plan, experiment=experiment, source=source, adopts=script)
     opener.on_open.append(lambda run: script.publish(PublishedRun.of(run)))
     return plan
 

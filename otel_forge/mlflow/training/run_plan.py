@@ -14,6 +14,7 @@ from pathlib import Path
 from otel_forge.config import JOURNALS_DELIVERED_BY_ENV, ConfigError, ForgeConfig
 from otel_forge.mlflow.training.launched_run import LaunchedRun
 from otel_forge.mlflow.training.run_source import RunSource
+from otel_forge.mlflow.training.script_run import ScriptRun
 from otel_forge.node import TORCHRUN_MAX_RESTARTS_VAR, TORCHRUN_RESTART_COUNT_VAR, NodeIdentity
 
 _logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class RunPlan:
     end_deadline_s: float
     # The companion opens the run from the journal and tells us (``RunNotice``): no MLflow in this process.
     delivery_opens: bool = False
+    # Another process of the job claimed the run where the script names the experiment: its
+    # publication names the run (script_run.py).
+    adopts: ScriptRun | None = None
 
     @classmethod
     def resolve(
@@ -143,6 +147,7 @@ class RunPlan:
             "run_name": self.run_name or default_run_name,
             "named": self.run_name,  # the name the script gave: the launcher's run takes it, as online
             "delivery_opens": self.delivery_opens,
+            "adopts": {"directory": str(self.adopts.directory), "key": self.adopts.key} if self.adopts else None,
             "tags": dict(tags),
             "node": dataclasses.asdict(self.node),
             "attempt_environ": {

@@ -145,7 +145,7 @@ SOURCE_ROLES: dict[RunOrigin, SourceRoles] = {
         "the script's own (one node, no experiment named)",
         "the first process of the job to claim it (the script's first MLflow run, or a `TrainingRun`: its "
         "companion, where the process has not imported MLflow), in the experiment the script names; the others "
-        "adopt it",
+        "adopt it once it is published (a `TrainingRun`'s companion too)",
         "its maker; the others add theirs",
         "the claiming process's companion (`otel-forge run` where it wraps the job)",
         "the claiming process's delivery (`otel-forge run`, from CMD's exit code, where it wraps the job)",

@@ -97,10 +97,14 @@ class ScriptRun:
     def abandoned(self) -> bool:
         """Claimed by a process that ended without publishing the run (the server never answered it,
         or it was killed): the claim's experiment stands, and whoever comes next opens the run there."""
+        return self.claimed() is not None and self.published() is None and not self.claimer_running()
+
+    def claimer_running(self) -> bool:
+        """The process that claimed the run still runs (it logs into the run beside its adopters)."""
         import psutil
 
         claim = self.claimed()
-        return claim is not None and self.published() is None and not psutil.pid_exists(int(claim.get("pid", 0)))
+        return claim is not None and psutil.pid_exists(int(claim.get("pid", 0)))
 
     def release(self) -> None:
         """The claimed run was never made (the script's start_run failed): another may claim it."""

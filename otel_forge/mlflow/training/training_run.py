@@ -217,7 +217,6 @@ class TrainingRun:
             not self._deliver_here
             and not plan.delivered_by_launcher
             and plan.source.origin is not RunOrigin.LAUNCHER  # its rank 0 finds the launcher's run
-            and self._opener.adopts is None
             and script_run_id is None
             and "mlflow" not in sys.modules
         )
