@@ -351,3 +351,47 @@ def test_a_process_adopting_the_run_another_of_its_job_claimed_imports_no_mlflow
     assert run.data.metrics == {"first": 1.0, "second": 1.0}  # both at step 0: the adopter's is not skipped
     assert run.data.params == {"first_lr": "0.1", "second_lr": "0.1"}  # the adopter's description added
     assert run.info.status == "FINISHED"
+
+
+LATE_SCRIPT = """
+import json, socket, sys, time
+connects = []
+connect = socket.socket.connect
+def counted(sock, address):
+    if isinstance(address, tuple):
+        connects.append(address)
+    return connect(sock, address)
+socket.socket.connect = counted
+time.sleep(4)  # past otel-forge run's wait for the script to name the experiment: the launcher claims the run
+from otel_forge import TrainingRun
+
+with TrainingRun(config={"lr": 0.1}, system_metrics=False) as run:
+    run.log({"loss": 1.0}, step=0)
+    run.wait_open(60)
+    seen = {"mlflow": "mlflow" in sys.modules, "connects": len(connects), "run_id": run.run_id}
+print(json.dumps(seen))
+"""
+
+
+def test_under_otel_forge_run_a_trainingrun_adopting_the_launchers_run_imports_no_mlflow(
+    mlflow_server, client, tmp_path
+):
+    """Nothing names the experiment; the script enters its block after the launcher's wait, so the
+    launcher has claimed and opened the job's run: the block attaches to it by its published id, and the
+    launcher's delivery adds its config and values. No MLflow import, no connection in the script."""
+    script = tmp_path / "train.py"
+    script.write_text(LATE_SCRIPT)
+    env = {
+        "MLFLOW_TRACKING_URI": mlflow_server.uri, "OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"),
+        "OTEL_FORGE_EXPERIMENT_WAIT": "2",
+    }  # fmt: skip
+    command = [sys.executable, "-m", "otel_forge.cli", "run", "--no-prometheus", "--", sys.executable, str(script)]
+    done = subprocess.run(command, env=_script_environ(env), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert (seen["mlflow"], seen["connects"]) == (False, 0), done.stderr
+    run = client.get_run(seen["run_id"])
+    assert f"otel-forge: run {run.info.run_id} in experiment otel-forge" in done.stderr
+    assert run.info.status == "FINISHED"
+    assert {k: v for k, v in run.data.metrics.items() if not k.startswith("system/")} == {"loss": 1.0}
+    assert run.data.params["lr"] == "0.1"

@@ -175,7 +175,7 @@ class RunOpener:
         """Find or make the run (explicit id > job key > new). A server that does not answer
         (refused, timed out, 5xx, 429, a refused credential) is retried with backoff until it does
         or the run is closed: the job outlives the server, and the journal keeps what it logs."""
-        run = self._given_run() or self._companions_run() or self._found_run()
+        run = self._given_run() or self._published_run() or self._companions_run() or self._found_run()
         if run is None:
             self.machine.fire(RunEvent.REFUSED)  # no run to attach to (or closed meanwhile)
             return None
@@ -209,6 +209,26 @@ class RunOpener:
             plan.source.run_id, None, plan.forge_config.experiment_id, plan.experiment, True, last_step, client,
             described=described,
         )  # fmt: skip
+
+    def _published_run(self) -> OpenRun | None:
+        """Under ``otel-forge run``, the job's run another process claimed (the launcher, or a process of
+        CMD), once published: the launcher delivers our journal into it, so we attach by its id (no MLflow
+        here). None where it gave its claim up: the run is found or made here then."""
+        plan, adopts = self.plan, self.plan.adopts
+        if adopts is None or not plan.delivered_by_launcher:
+            return None
+        self._prepare()  # our description, journaled first: the launcher's delivery adds it to the run
+        while (published := adopts.published()) is None:
+            if adopts.claimed() is None or adopts.abandoned():
+                return None
+            if self.machine.left:
+                raise OpenedElsewhere("closed before the job's run was published; its launcher delivers it still")
+            self.machine.pause(_NOTICE_POLL_S)
+        self.machine.asked()
+        experiment = published.experiment or plan.experiment
+        # Its claimer logs into it beside us: no step of it is ours already (last_step None).
+        return OpenRun(published.run_id, None, published.experiment_id, experiment, True, None,
+                       lazy_client(plan.tracking_uri))  # fmt: skip
 
     def _companions_run(self) -> OpenRun | None:
         """The run the companion (or the launcher) opened, as its notice tells it (no MLflow here); None

@@ -65,8 +65,10 @@ class RunRecorder:
         try:
             if self.journal is not None and not self._described:
                 # MLflow's context tags are for a run this process may make (it imports MLflow for them);
-                # not one its companion opens, or its launcher.
-                resolve_context = not (plan.delivery_opens or plan.source.origin is RunOrigin.LAUNCHER)
+                # not one its companion opens, its launcher's, or one it adopts.
+                resolve_context = not (
+                    plan.delivery_opens or plan.source.origin is RunOrigin.LAUNCHER or plan.adopts is not None
+                )
                 self.journal.describe(self._description.journal_entry(plan.node, resolve_context))
             self._described = True
         finally:
