@@ -362,7 +362,7 @@ def counted(sock, address):
         connects.append(address)
     return connect(sock, address)
 socket.socket.connect = counted
-time.sleep(4)  # past otel-forge run's wait for the script to name the experiment: the launcher claims the run
+time.sleep(6)  # well past otel-forge run's 2 s wait for the script to name the experiment: the launcher claims
 from otel_forge import TrainingRun
 
 with TrainingRun(config={"lr": 0.1}, system_metrics=False) as run:
@@ -376,7 +376,7 @@ print(json.dumps(seen))
 def test_under_otel_forge_run_a_trainingrun_adopting_the_launchers_run_imports_no_mlflow(
     mlflow_server, client, tmp_path
 ):
-    """Nothing names the experiment; the script enters its block after the launcher's wait, so the
+    """Nothing names the experiment; the script enters its block 6 s in, after the launcher's 2 s wait, so the
     launcher has claimed and opened the job's run: the block attaches to it by its published id, and the
     launcher's delivery adds its config and values. No MLflow import, no connection in the script."""
     script = tmp_path / "train.py"

@@ -213,9 +213,9 @@ class JournalRun:
             raise RuntimeError("the journal has no plan (its writer died before writing it)")
         node = NodeIdentity(**plan["node"])
         adopts = ScriptRun(Path(plan["adopts"]["directory"]), plan["adopts"]["key"]) if plan.get("adopts") else None
+        if adopts is not None and adopts.awaited():
+            raise RunNotOpenYet()  # the process that claimed the job's run has not published it yet
         if adopts is not None and adopts.published() is None:
-            if adopts.claimed() is not None and not adopts.abandoned():
-                raise RunNotOpenYet()  # the process that claimed the job's run has not published it yet
             adopts = None  # its claimer gave it up: the job key's run, or a new one, in the claim's experiment
         request = JobRunRequest(
             tracking_uri=self.uri or "",

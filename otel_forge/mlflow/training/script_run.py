@@ -99,6 +99,10 @@ class ScriptRun:
         or it was killed): the claim's experiment stands, and whoever comes next opens the run there."""
         return self.claimed() is not None and self.published() is None and not self.claimer_running()
 
+    def awaited(self) -> bool:
+        """Claimed by a process that still runs and has not published the run yet: wait for it."""
+        return self.published() is None and self.claimer_running()
+
     def claimer_running(self) -> bool:
         """The process that claimed the run still runs (it logs into the run beside its adopters)."""
         import psutil
