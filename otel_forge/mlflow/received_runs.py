@@ -52,7 +52,7 @@ class ReceivedRuns:
         of its samples."""
         self._config = config
         self._serves_a_run = serves_a_run
-        self._node_windows = serves_a_run and node_windows
+        self.node_windows = serves_a_run and node_windows
         self._tracking_uri = tracking_uri
         self._sinks: dict[str, _RunSink] = {}
         self._lock = threading.Lock()
@@ -113,7 +113,7 @@ class ReceivedRuns:
             run_id = served[0] if served else (target or None)
             config = self._config
             series = ReceivedSeries(config.otlp_receiver_prefix, config.otlp_receiver_max_series, run_id or "(opening)")
-            if target == _SERVED and self._node_windows:
+            if target == _SERVED and self.node_windows:
                 sink = self._sinks[target] = _RunSink(series, None)
                 return sink
             sink = self._sinks[target] = _RunSink(

@@ -15,16 +15,22 @@ import psutil
 import pytest
 from trun_helpers import _script_environ, popen_script, run_script, unique
 
-RANK_SCRIPT = """
+# A script's first lines: ``connects`` counts its network connections (the node's companion is reached
+# on a Unix socket, its address a str). No braces: the scripts that follow may be ``str.format``ted.
+COUNTS_CONNECTS = """
 import json, socket, sys
 connects = []
 connect = socket.socket.connect
-# A network connection (the node's companion is reached on a Unix socket, its address a str).
 def counted(sock, address):
     if isinstance(address, tuple):
         connects.append(address)
     return connect(sock, address)
 socket.socket.connect = counted
+"""
+
+RANK_SCRIPT = (
+    COUNTS_CONNECTS
+    + """
 from otel_forge import TrainingRun
 
 with TrainingRun(system_metrics=False) as run:
@@ -36,6 +42,7 @@ with TrainingRun(system_metrics=False) as run:
         raise RuntimeError("rank fails")
 print(json.dumps({{**inside, "mlflow_after": "mlflow" in sys.modules, "connects_after": len(connects)}}))
 """
+)
 
 
 def _rank_environ(uri: str, run_id: str | None, rank: int, tmp_path, **more: str) -> dict[str, str]:
@@ -102,16 +109,9 @@ def test_a_rank_that_knows_only_the_job_key_looks_for_the_run_only_when_it_fails
         zero.wait(timeout=60)
 
 
-RANK_ZERO_THIN_SCRIPT = """
-import json, socket, sys
-connects = []
-connect = socket.socket.connect
-# A network connection (the node's companion is reached on a Unix socket, its address a str).
-def counted(sock, address):
-    if isinstance(address, tuple):
-        connects.append(address)
-    return connect(sock, address)
-socket.socket.connect = counted
+RANK_ZERO_THIN_SCRIPT = (
+    COUNTS_CONNECTS
+    + """
 import otel_forge
 from otel_forge import TrainingRun
 
@@ -126,6 +126,7 @@ with TrainingRun(config={"lr": 0.1}, system_metrics=False) as run:
     inside["run_id"] = run.run_id
 print(json.dumps(inside))
 """
+)
 
 
 @pytest.mark.parametrize("key", ["job key", "new run"])
@@ -303,15 +304,9 @@ def test_a_lone_process_that_names_no_experiment_leaves_the_open_to_its_companio
     ]  # fmt: skip
 
 
-ADOPTING_SCRIPT = """
-import json, socket, sys
-connects = []
-connect = socket.socket.connect
-def counted(sock, address):
-    if isinstance(address, tuple):
-        connects.append(address)
-    return connect(sock, address)
-socket.socket.connect = counted
+ADOPTING_SCRIPT = (
+    COUNTS_CONNECTS
+    + """
 from otel_forge import TrainingRun
 
 with TrainingRun(config={{"{name}_lr": 0.1}}, system_metrics=False) as run:
@@ -321,6 +316,7 @@ with TrainingRun(config={{"{name}_lr": 0.1}}, system_metrics=False) as run:
     print(json.dumps(seen), flush=True)
     sys.stdin.readline()
 """
+)
 
 
 def test_a_process_adopting_the_run_another_of_its_job_claimed_imports_no_mlflow(mlflow_server, client, tmp_path):
@@ -353,15 +349,10 @@ def test_a_process_adopting_the_run_another_of_its_job_claimed_imports_no_mlflow
     assert run.info.status == "FINISHED"
 
 
-LATE_SCRIPT = """
-import json, socket, sys, time
-connects = []
-connect = socket.socket.connect
-def counted(sock, address):
-    if isinstance(address, tuple):
-        connects.append(address)
-    return connect(sock, address)
-socket.socket.connect = counted
+LATE_SCRIPT = (
+    COUNTS_CONNECTS
+    + """
+import time
 time.sleep(6)  # well past otel-forge run's 2 s wait for the script to name the experiment: the launcher claims
 from otel_forge import TrainingRun
 
@@ -371,6 +362,7 @@ with TrainingRun(config={"lr": 0.1}, system_metrics=False) as run:
     seen = {"mlflow": "mlflow" in sys.modules, "connects": len(connects), "run_id": run.run_id}
 print(json.dumps(seen))
 """
+)
 
 
 def test_under_otel_forge_run_a_trainingrun_adopting_the_launchers_run_imports_no_mlflow(

@@ -176,7 +176,6 @@ class SystemMetricsMonitor:
         node = self.node.node_id or self.node.hostname
         window_s = samples_per_window * c.sampling_interval_s
         spread = (self.node.node_count or 1) > 1
-        node_run = c.mlflow_node_runs(self.node.node_count)
         return MLflowMetricExporter(
             c.run_id,
             tracking_uri=c.tracking_uri,
@@ -187,12 +186,12 @@ class SystemMetricsMonitor:
             delivery_phase_s=delivery_phase_s(node, window_s),
             first_delivery_phase_s=delivery_phase_s(node, min(window_s, FIRST_WINDOW_SPREAD_S)),
             known=RunInfo(c.experiment_id, "", c.experiment_name),
-            node_run=node_run,
+            node_run=c.mlflow_node_runs(self.node.node_count),
             # A job's nodes stop together: their last calls spread over a share of the close's deadline.
             close_spread_s=delivery_phase_s(node, self.close_deadline_s * CLOSE_SPREAD_SHARE) if spread else 0.0,
             close_deadline_s=self.close_deadline_s,
             pod=self.node.kubernetes.pod_attributes() if self.node.kubernetes is not None else None,
-            merged=self.received.served_sample if self.received is not None and not node_run else None,
+            merged=self.received.served_sample if self.received is not None and self.received.node_windows else None,
         )
 
     def _agent(self, exporter: MLflowMetricExporter) -> Agent:

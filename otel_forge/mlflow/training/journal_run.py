@@ -212,7 +212,7 @@ class JournalRun:
         if not plan:
             raise RuntimeError("the journal has no plan (its writer died before writing it)")
         node = NodeIdentity(**plan["node"])
-        adopts = ScriptRun(Path(plan["adopts"]["directory"]), plan["adopts"]["key"]) if plan.get("adopts") else None
+        adopts = ScriptRun.from_entry(plan["adopts"]) if plan.get("adopts") else None
         if adopts is not None and adopts.awaited():
             raise RunNotOpenYet()  # the process that claimed the job's run has not published it yet
         if adopts is not None and adopts.published() is None:

@@ -147,7 +147,7 @@ class RunPlan:
             "run_name": self.run_name or default_run_name,
             "named": self.run_name,  # the name the script gave: the launcher's run takes it, as online
             "delivery_opens": self.delivery_opens,
-            "adopts": {"directory": str(self.adopts.directory), "key": self.adopts.key} if self.adopts else None,
+            "adopts": self.adopts.entry() if self.adopts else None,
             "tags": dict(tags),
             "node": dataclasses.asdict(self.node),
             "attempt_environ": {

@@ -69,6 +69,14 @@ class ScriptRun:
     directory: Path
     key: str
 
+    def entry(self) -> dict[str, str]:
+        """The record as a journal's plan keeps it (the process that delivers the journal adopts it too)."""
+        return {"directory": str(self.directory), "key": self.key}
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, str]) -> ScriptRun:
+        return cls(Path(entry["directory"]), entry["key"])
+
     def _path(self, suffix: str) -> Path:
         # A key is the user's (a SLURM job id, a torchrun rendezvous id): a file name of its own.
         readable = re.sub(r"[^A-Za-z0-9_.-]", "_", self.key)[:64]
