@@ -47,7 +47,9 @@ RUN_HEADER = "x-mlflow-run-id"
 WORKERS = 4  # requests handled at once, per transport
 IDLE_S = 5.0  # a kept-alive HTTP connection idle this long is closed: it holds a worker
 PATH = "/v1/metrics"
-_DRAIN_S, _DRAIN_BYTES = 0.2, 1 << 20  # what a refused connection may still send, read and dropped
+_DRAIN_S, _DRAIN_BYTES = 0.2, 1 << 20  # what a connection refused busy may still send, read and dropped
+# A request refused for its size, unread: its body is drained on its own thread, up to this much.
+_UNREAD_DRAIN_S, _UNREAD_DRAIN_BYTES = 2.0, 64 << 20
 _GRPC_SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
 _PROTOBUF, _JSON = "application/x-protobuf", "application/json"
 _INVALID_ARGUMENT, _RESOURCE_EXHAUSTED = 3, 8  # google.rpc.Code
@@ -215,14 +217,22 @@ class _HttpServer(http.server.HTTPServer):
 
 
 def _refuse_busy(sock: socket.socket) -> None:
-    """503 at once; then what the client still sends is read and dropped, for a short while, so that
-    closing does not reset the connection before it has read the answer."""
+    """503 at once, on the accepting thread: what the client still sends is drained only briefly."""
     with contextlib.suppress(OSError):
         sock.settimeout(_DRAIN_S)
         sock.sendall(_busy())
+        _drain(sock, _DRAIN_BYTES, _DRAIN_S)
+
+
+def _drain(sock: socket.socket, limit: int, timeout_s: float) -> None:
+    """Ends the answer, then reads and drops what the client still sends (``limit`` bytes at most, each
+    read within ``timeout_s``): closing with its bytes unread would reset the connection, and a client
+    still sending would see a broken pipe instead of the answer."""
+    with contextlib.suppress(OSError):
+        sock.settimeout(timeout_s)
         sock.shutdown(socket.SHUT_WR)
         drained = 0
-        while drained < _DRAIN_BYTES and (chunk := sock.recv(65536)):
+        while drained < limit and (chunk := sock.recv(65536)):
             drained += len(chunk)
 
 
@@ -239,6 +249,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _HttpServer
     timeout = IDLE_S
+    unread_bytes = 0  # a body refused unread (413): drained once the answer is sent
+
+    def finish(self) -> None:
+        super().finish()
+        if self.unread_bytes:
+            _drain(self.request, min(self.unread_bytes, _UNREAD_DRAIN_BYTES), _UNREAD_DRAIN_S)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         _logger.debug("OTLP/HTTP: " + format, *args)
@@ -272,6 +288,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise RequestRefused(411, grpc.StatusCode.INVALID_ARGUMENT, "a Content-Length is needed")
         if int(length) > max_bytes:
             self.close_connection = True  # its body is not read
+            self.unread_bytes = int(length)
             raise RequestRefused(413, grpc.StatusCode.RESOURCE_EXHAUSTED, f"the request is over {max_bytes} bytes")
         body = self.rfile.read(int(length))
         encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
