@@ -287,6 +287,8 @@ def unanswered_reason(error: BaseException) -> str:
         return f"TLS failed ({tls.group('reason').strip()})"  # e.g. https:// to a plain HTTP port
     if (status := _http_status(error)) is not None:
         return f"HTTP {status}"
+    if isinstance(error, TimeoutError):  # a wait of ours ran out; its text, if any, says how long
+        return str(error) or "no answer in time"
     return "overloaded" if overloaded(error) else type(error).__name__
 
 

@@ -124,6 +124,7 @@ def test_otel_forge_run_starts_a_python_cmd_as_the_run_opens_and_both_meet_in_on
     assert "already writes" not in result.stderr, result.stderr  # the node sampled once, by otel-forge
     # CMD started at once; the outage is said once, by otel-forge run, after its start wait.
     assert result.stderr.count("does not answer") == 1, result.stderr
+    assert "does not answer: no answer " in result.stderr, result.stderr  # not "TimeoutError"
     client = MlflowClient(pausable_server.uri)
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert len(runs) == 1, [r.data.tags for r in runs]
