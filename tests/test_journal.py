@@ -171,14 +171,22 @@ _LAYOUTS = {
 }
 
 
+def _cuts(ends: list[int]) -> list[int]:
+    """Every size within two headers of a record's start or end or of the block boundary, where a cut
+    meets a header, a fragment or the trailer; every 61st byte elsewhere (inside a payload every cut
+    reads alike: ~33,000 cuts cost 36 s of a CI core)."""
+    marks, near = [0, *ends, BLOCK_SIZE], 2 * HEADER_SIZE + 8
+    return [size for size in range(ends[-1], -1, -1) if size % 61 == 0 or any(abs(size - m) <= near for m in marks)]
+
+
 @pytest.mark.parametrize("layout", _LAYOUTS)
-def test_a_journal_cut_at_any_byte_returns_exactly_the_records_wholly_inside(journal, layout):
+def test_a_journal_cut_at_any_boundary_or_inside_a_payload_returns_exactly_the_records_wholly_inside(journal, layout):
     payloads = [_payload(n, size) for n, size in enumerate(_LAYOUTS[layout])]
     ends = _write(journal, payloads)
     assert ends[2] < BLOCK_SIZE < ends[3]
     live, final = JournalReader(journal), JournalReader(journal)
 
-    for size in range(ends[-1], -1, -1):
+    for size in _cuts(ends):
         os.truncate(journal, size)
         whole = [(payload, end) for payload, end in zip(payloads, ends, strict=True) if end <= size]
         last_end = whole[-1][1] if whole else 0
