@@ -42,9 +42,24 @@ pytest.importorskip("lightning")
 # --- HF Trainer --------------------------------------------------------------------------------
 
 
+# MLflow's own sampler asked for, by its variables, as a user who had it on would: the tests of the
+# sampler's stand-down read the same launches as the tests of the run (an HF job is ~15 s of a core).
+MLFLOWS_SAMPLER_ON = {"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}
+HF_STEP_SLEEP = ("--step-sleep", "0.5")  # MLflow's sampler, every second, meets several steps
+
+
 @pytest.fixture(scope="module")
 def hf_under_forge(mlflow_server, tmp_path_factory) -> Job:
-    return run_job(tmp_path_factory.mktemp("hf"), mlflow_server.uri, python(SCRIPTS / "hf_trainer.py", "plain"), True)
+    """HF's ``Trainer`` under ``otel-forge run``."""
+    command = python(SCRIPTS / "hf_trainer.py", "plain", *HF_STEP_SLEEP)
+    return run_job(tmp_path_factory.mktemp("hf"), mlflow_server.uri, command, True, **MLFLOWS_SAMPLER_ON)
+
+
+@pytest.fixture(scope="module")
+def hf_in_trainingrun(mlflow_server, tmp_path_factory) -> Job:
+    """HF's ``Trainer`` inside ``with TrainingRun()``, no ``otel-forge run``."""
+    command = python(SCRIPTS / "hf_trainer.py", "trainingrun", *HF_STEP_SLEEP)
+    return run_job(tmp_path_factory.mktemp("hf"), mlflow_server.uri, command, False, **MLFLOWS_SAMPLER_ON)
 
 
 def test_hf_trainer_under_otel_forge_run_logs_its_loss_beside_the_system_metrics(hf_under_forge, client) -> None:
@@ -119,8 +134,8 @@ def test_hf_resume_with_mlflow_run_id_continues_the_loss_and_the_system_steps_in
     assert len(client.search_runs([experiment_id])) == 1
 
 
-def test_hf_trainer_in_a_trainingrun_logs_into_it(mlflow_server, client, tmp_path) -> None:
-    job = run_job(tmp_path, mlflow_server.uri, python(SCRIPTS / "hf_trainer.py", "trainingrun"), False)
+def test_hf_trainer_in_a_trainingrun_logs_into_it(hf_in_trainingrun, client) -> None:
+    job = hf_in_trainingrun
     assert job.result.returncode == 0, job.result.stderr
     # The rank journals only (its companion opens the run); HF's MLflow import, in train(), waits for it.
     assert "mlflow imported as the block began: False" in job.result.stdout
@@ -149,17 +164,10 @@ def _points_per_step(client: Any, run_id: str, key: str) -> collections.Counter:
     return collections.Counter(m.step for m in client.get_metric_history(run_id, key))
 
 
-@pytest.mark.parametrize("forge", [True, False], ids=["otel-forge-run", "trainingrun"])
-def test_mlflows_own_sampler_stands_down_and_says_so(mlflow_server, client, tmp_path, forge) -> None:
-    mode = "plain" if forge else "trainingrun"
-    job = run_job(
-        tmp_path,
-        mlflow_server.uri,
-        python(SCRIPTS / "hf_trainer.py", mode, "--step-sleep", "0.5"),
-        forge,
-        MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING="true",
-        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
-    )
+@pytest.mark.parametrize("launch", ["otel-forge-run", "trainingrun"])
+def test_mlflows_own_sampler_stands_down_and_says_so(hf_under_forge, hf_in_trainingrun, client, launch) -> None:
+    # Both launched with MLflow's sampler on (MLFLOWS_SAMPLER_ON); the module's tests share them.
+    job = {"otel-forge-run": hf_under_forge, "trainingrun": hf_in_trainingrun}[launch]
     assert job.result.returncode == 0, job.result.stderr
     said = [line for line in job.result.stderr.splitlines() if "MLflow's own system-metrics logging" in line]
     assert len(said) == 1, job.result.stderr
