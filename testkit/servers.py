@@ -7,9 +7,11 @@ Both process classes are context managers; tests hold them in fixtures that stop
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -373,7 +375,8 @@ def agent_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     # A spool root of its own: an agent delivers in the background what ended processes left in its
     # root (threads and CPU a test of the agent does not expect), and the default one holds what other
     # tests left.
-    merged["OTEL_FORGE_SPOOL_DIR"] = tempfile.mkdtemp(prefix="otel-forge-agent-spool-")
+    merged["OTEL_FORGE_SPOOL_DIR"] = spool = tempfile.mkdtemp(prefix="otel-forge-agent-spool-")
+    atexit.register(shutil.rmtree, spool, ignore_errors=True)  # not left in /tmp by every test run
     for key, value in (env or {}).items():
         if key == "PYTHONPATH" and merged.get("PYTHONPATH"):
             value = os.pathsep.join([value, merged["PYTHONPATH"]])
