@@ -215,7 +215,7 @@ class JournalRun:
         adopts = ScriptRun.from_entry(plan["adopts"]) if plan.get("adopts") else None
         if adopts is not None and adopts.awaited():
             raise RunNotOpenYet()  # the process that claimed the job's run has not published it yet
-        if adopts is not None and adopts.published() is None:
+        if adopts is not None and adopts.given_up():
             adopts = None  # its claimer gave it up: the job key's run, or a new one, in the claim's experiment
         request = JobRunRequest(
             tracking_uri=self.uri or "",

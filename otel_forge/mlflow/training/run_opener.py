@@ -219,8 +219,8 @@ class RunOpener:
             return None
         self._prepare()  # our description, journaled first: the launcher's delivery adds it to the run
         while (published := adopts.published()) is None:
-            if not adopts.awaited() and adopts.published() is None:
-                return None  # its claimer gave it up
+            if adopts.given_up():
+                return None  # the run is found or made here
             if self.machine.left:
                 raise OpenedElsewhere("closed before the job's run was published; its launcher delivers it still")
             self.machine.pause(_NOTICE_POLL_S)

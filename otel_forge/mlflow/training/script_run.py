@@ -111,6 +111,11 @@ class ScriptRun:
         """Claimed by a process that still runs and has not published the run yet: wait for it."""
         return self.published() is None and self.claimer_running()
 
+    def given_up(self) -> bool:
+        """Unpublished, its claimer gone (ended, killed, or the claim released): nobody publishes it now.
+        The claimer is looked at first: one that published as it ended is not taken for one that gave up."""
+        return not self.claimer_running() and self.published() is None
+
     def claimer_running(self) -> bool:
         """The process that claimed the run still runs (it logs into the run beside its adopters)."""
         import psutil
