@@ -108,10 +108,12 @@ def _session(conn: socket.socket, pid: int, owners: StderrOwners) -> None:
     if (stderr := receive_stderr(conn)) is not None:
         owners.add(stderr)
     try:
-        CompanionSession(conn, pid).run()
+        going_on = CompanionSession(conn, pid).run()
     finally:
         if stderr is not None:
             owners.remove(stderr)
+    if going_on is not None:
+        going_on.join()  # the companion stays while it delivers
 
 
 if __name__ == "__main__":

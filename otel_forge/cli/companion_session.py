@@ -9,17 +9,20 @@ import os
 import select
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from otel_forge.mlflow.companion_link import DONE, read_message
+from otel_forge.mlflow.delivery.engine import HUNG_AT_CLOSE_S
 from otel_forge.scrub import error_line
 
 _logger = logging.getLogger(__name__)
 
-_HUNG_CALL_MARGIN_S = 2.0
+# Past the drain deadline: a hung call is left within HUNG_AT_CLOSE_S, and the delivery ends.
+_PAST_DEADLINE_S = HUNG_AT_CLOSE_S + 1.0
 CLIENT_CHECK_S = 1.0  # how often a quiet session checks that its training process is alive, without a pidfd
 
 
@@ -31,11 +34,14 @@ class CompanionSession:
         self._pid = pid
         self._pidfd = _pidfd(pid)
 
-    def run(self) -> None:
+    def run(self) -> threading.Thread | None:
+        """Serve the session and answer ``DONE``. A delivery that goes on past the close's deadline
+        (its calls answered) is returned: the caller lets the process go (its stderr), then awaits it."""
         try:
-            self._serve()
+            return self._serve()
         except Exception as error:  # noqa: BLE001 - one session's failure leaves the others served
             _logger.warning("the session of process %d ended: %s", self._pid, error_line(error))
+            return None
         finally:
             with contextlib.suppress(OSError):
                 self._conn.sendall(DONE)
@@ -43,10 +49,10 @@ class CompanionSession:
             if self._pidfd is not None:
                 os.close(self._pidfd)
 
-    def _serve(self) -> None:
+    def _serve(self) -> threading.Thread | None:
         message = self._next_message()
         if message is None or message[0] != "start":
-            return
+            return None
         _, config, node, sample, journal, tracking_uri = message
         monitor = _monitor(config, node) if sample else None
         attach = _Attach(monitor)
@@ -61,9 +67,11 @@ class CompanionSession:
             elif message[0] == "stop":
                 stopped, end = True, message[1]
                 break
+        deadline_at = None
         if delivery is not None and delivering is not None:
             if stopped:
-                delivery.finish(config.close_deadline_s(node.node_count), end)
+                delivery.finish(deadline_s := config.close_deadline_s(node.node_count), end)
+                deadline_at = time.monotonic() + deadline_s
             # The training process died: its windows wait for the run its journal opens (or gives up on).
             while delivering.is_alive() and delivery.run_id is None:
                 delivering.join(0.1)
@@ -71,11 +79,16 @@ class CompanionSession:
             if delivery is not None and delivery.run_id is None:
                 _keep_windows_for_the_run(monitor, delivery.plan)
             monitor.stop()
-        if delivering is not None:
-            # Stopped: a call hung past the drain deadline is not waited for (the journal keeps its items).
-            delivering.join(config.close_deadline_s(node.node_count) + _HUNG_CALL_MARGIN_S if stopped else None)
-            if delivering.is_alive() and delivery is not None:
-                delivery.say_left()
+        if delivering is None or delivery is None:
+            return None
+        if deadline_at is None:
+            delivering.join()  # its training process died: the delivery has its patience
+        elif _goes_on_past(deadline_at, delivering, delivery):
+            delivery.say_going_on(os.getpid())
+            return delivering
+        elif delivering.is_alive():
+            delivery.say_left()  # neither answered nor left by the delivery past the deadline
+        return None
 
     def _next_message(self) -> tuple[Any, ...] | None:
         """The next message; None at the connection's end or once its training process is gone (a
@@ -87,6 +100,18 @@ class CompanionSession:
                 return read_message(self._conn)
             if ready or not psutil.pid_exists(self._pid):
                 return None
+
+
+def _goes_on_past(deadline_at: float, delivering: threading.Thread, delivery: Any) -> bool:
+    """Whether the delivery goes on past the close's deadline: a call answered after it. One that
+    hangs is left by the delivery itself, within ``HUNG_AT_CLOSE_S``, and says what it kept."""
+    delivering.join(max(deadline_at - time.monotonic(), 0.0))
+    delivered, until = delivery.delivered_values, time.monotonic() + _PAST_DEADLINE_S
+    while delivering.is_alive() and time.monotonic() < until:
+        if delivery.delivered_values > delivered:
+            return True
+        delivering.join(0.05)
+    return False
 
 
 def _pidfd(pid: int) -> int | None:

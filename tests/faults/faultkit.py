@@ -21,8 +21,8 @@ def steps_logged(lines: list[str]) -> dict[int, int]:
     return {int(parts[1]): int(parts[2]) for parts in (line.split() for line in lines) if parts[0] == "step"}
 
 
-def the_run(client: Any, experiment: str, timeout_s: float = 90.0) -> Any:
-    """The one run of ``experiment``, once it has ended."""
+def the_run(client: Any, experiment: str, timeout_s: float = 90.0, said: str = "") -> Any:
+    """The one run of ``experiment``, once it has ended; ``said``: the job's stderr, shown on a timeout."""
     from testkit.servers import wait_for
 
     def found() -> Any:
@@ -30,7 +30,9 @@ def the_run(client: Any, experiment: str, timeout_s: float = 90.0) -> Any:
         runs = client.search_runs([exp.experiment_id]) if exp else []
         return runs[0] if len(runs) == 1 and runs[0].info.status != "RUNNING" else None
 
-    return wait_for(found, timeout_s, 0.5, message=f"one ended run in {experiment}")
+    return wait_for(
+        found, timeout_s, 0.5, message=f"one ended run in {experiment}" + (f"; it said: {said[-2000:]}" if said else "")
+    )
 
 
 def create_run(tracking_uri: str) -> str:

@@ -80,13 +80,16 @@ def down_server(tmp_path):
 
 def test_a_backlog_logged_before_the_server_answers_is_delivered_with_the_run_opened_behind_it(down_server, tmp_path):
     """30,000 values logged while the server refuses connections; it comes up; the run opens
-    behind them in the journal (its ``opened`` entry after 300 records of 100 values). Before:
-    0 of 39,000 values arrived, the run stayed RUNNING without its params."""
+    behind them in the journal (its ``opened`` entry after 300 records of 100 values). The close's
+    drain deadline (0.1 s here) is too short for the backlog: the companion goes on delivering after
+    the process exits, and says so. Before: 0 of 39,000 values arrived, the run stayed RUNNING
+    without its params; then, past the deadline (10 s: 39,000 values on a busy CI machine), the
+    companion left the rest for a replay and the run RUNNING."""
     from mlflow import MlflowClient
 
     experiment = unique("backlog")
     code = SERVER_COMES_UP.format(uri=down_server.uri, experiment=experiment, width=WIDTH, before=300, after=90)
-    spool = {"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}
+    spool = {"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool"), "OTEL_FORGE_DRAIN_DEADLINE": "0.1"}
     process = popen_script(textwrap.dedent(code), env=spool, stdin=subprocess.PIPE)
     try:
         _line(process, "logged")
@@ -101,8 +104,9 @@ def test_a_backlog_logged_before_the_server_answers_is_delivered_with_the_run_op
     finally:
         process.kill()
     assert "Traceback" not in stderr
+    assert "are still being delivered" in stderr and "goes on after this process exits" in stderr, stderr[-2000:]
     client = MlflowClient(down_server.uri)
-    run = the_run(client, experiment)
+    run = the_run(client, experiment, said=stderr)
     assert run.info.status == "FINISHED"
     assert run.data.params.get("lr") == "0.25"
     _assert_every_value_once(client, run, 390)
@@ -140,7 +144,7 @@ def _assert_kept_arrived_and_drops_counted(client, experiment: str, lines: list[
     kept = [step for step, so_far in logged.items() if so_far == logged.get(step - 1, 0)]
     assert 0 < dropped == WIDTH * (len(logged) - len(kept)), "every drop is counted, a call's values together"
     assert f"{dropped} metric value(s) were dropped in all: {dropped} lost" in stderr
-    run = the_run(client, experiment)
+    run = the_run(client, experiment, said=stderr)
     assert run.info.status == "FINISHED"
     assert run.data.tags["otel_forge.log.rejected"] == str(dropped)
     for key in ("v0", f"v{WIDTH - 1}"):
@@ -231,7 +235,7 @@ def test_a_companion_killed_mid_job_is_replaced_and_the_run_fills_during_the_job
         process.kill()
     assert process.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
     assert "companion" in stderr and "a new one delivers" in stderr
-    run = the_run(client, experiment)
+    run = the_run(client, experiment, said=stderr)
     assert run.info.status == "FINISHED"
     _assert_every_value_once(client, run, 400)
 
@@ -328,7 +332,7 @@ def test_a_journal_whose_run_never_opened_is_given_up_in_patience_then_replayed_
     code, shown = _replay_on_a_terminal(spool)
     assert code == 0, shown[-2000:]
     client = MlflowClient(down_server.uri)
-    run = the_run(client, experiment)
+    run = the_run(client, experiment, said=shown)
     assert run.info.status == "KILLED"
     assert "and ended it KILLED" in shown
     _assert_every_value_once(client, run, 600)

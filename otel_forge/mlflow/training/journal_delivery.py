@@ -213,6 +213,22 @@ class JournalDelivery:
             self.directory,
         )
 
+    def say_going_on(self, pid: int) -> None:
+        """The one line for a delivery that goes on past the close's deadline in process ``pid``."""
+        _logger.log(
+            self._notice_level(),
+            "MLflow: %d metric value(s)%s of run %s are still being delivered to %s: the otel-forge "
+            "companion (pid %d) goes on after this process exits; what it cannot deliver stays in %s "
+            "(otel-forge replay %s)",
+            self.pending_values(),
+            "" if self.ended else " and the run's end",
+            self.run_id or "(not opened yet)",
+            self.where,
+            pid,
+            self.directory,
+            self.directory,
+        )
+
     def _notice_level(self) -> int:
         source = self._source
         if source.run.open_run is None and source.run.opens_for_writer and not source.tail.writer_done:
