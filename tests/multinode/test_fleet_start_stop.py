@@ -5,9 +5,11 @@ tests/mlflow/test_job_run_opens.py's): 32 real ``otel-forge monitor`` agents of 
 together (SIGTERM), then the next job's agent started on the same machine, as the next job on those
 nodes would start.
 
-- the start: within 30 s every node run exists and holds a window, or, on a machine slower than this
-  one's 2 cores, within the time its cores need for the agents' own CPU and 10 s (here 32 agents
-  spend 40-48 CPU-seconds before every window is in: MLflow's client is ~1 s of each);
+- the start: within 30 s every node run exists and holds a window, or, on a slower machine, within
+  the time the cores left to the test need for its own CPU (the agents', the server's) and 10 s
+  (here 32 agents spend 40-48 CPU-seconds before every window is in: MLflow's client is ~1 s of
+  each). The cores left are the machine's less what other processes used meanwhile (the other test
+  worker's), so the test runs beside the others;
 - the stop: within 90 s of it every node's last window is in its node run (from the closing agents or
   the next one), every node run FINISHED with windows 0..n-1, no window left in a spool;
 - the server's CPU per node-minute from the start to the last window in is printed (3 minutes of a
@@ -28,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 
@@ -61,7 +64,6 @@ def server(tmp_path) -> Iterator[tuple[MlflowServer, list[int]]]:
         postgres.stop()
 
 
-@pytest.mark.serial  # the start's bound is the agents' own CPU over the machine's cores
 def test_a_big_jobs_first_and_last_windows(server, tmp_path) -> None:
     mlflow_server, pids = server
     client = MlflowClient(mlflow_server.uri)
@@ -73,16 +75,17 @@ def test_a_big_jobs_first_and_last_windows(server, tmp_path) -> None:
     proxy = MlflowProxy(mlflow_server.uri)
     cpu_before = sum(tree_cpu_s(pid) for pid in pids)
 
+    cores = CoresLeft([os.getpid(), pids[1]])
     started = time.monotonic()
     agents = [_start(ours_command(job_run, proxy.uri, i, None), env, tmp_path / f"node_{i}.log")
               for i, env in enumerate(envs)]  # fmt: skip
     try:
         first = _wait(lambda: len({body["run_id"] for body in proxy.accepted(LOG_BATCH)}) >= AGENTS, START_S + 60)
-        agents_cpu_s = sum(tree_cpu_s(agent.pid) for agent in agents)
-        bound_s = max(START_S, agents_cpu_s / (os.cpu_count() or 1) + 10)
+        agents_cpu_s, (ours_s, cores_left) = sum(tree_cpu_s(agent.pid) for agent in agents), cores.used()
+        bound_s = max(START_S, ours_s / cores_left + 10)
         assert first is not None and first - started <= bound_s, (first and first - started, bound_s, _logs(tmp_path))
-        print(f"every node run held a window {first - started:.1f} s after the start "
-              f"(the agents' CPU then {agents_cpu_s:.1f} s)")  # fmt: skip
+        print(f"every node run held a window {first - started:.1f} s after the start (the agents' CPU then "
+              f"{agents_cpu_s:.1f} s, the test's {ours_s:.1f} s, {cores_left:.2f} cores left to it)")  # fmt: skip
         time.sleep(max(0.0, started + HOLD_S - time.monotonic()))
     finally:
         stopped = time.monotonic()
@@ -114,6 +117,33 @@ def test_a_big_jobs_first_and_last_windows(server, tmp_path) -> None:
         assert run.info.status == "FINISHED" and steps == list(range(len(steps))) and len(steps) >= 2, (node, steps)
     per_node_minute = cpu_ms / (AGENTS * (done - started) / 60)
     print(f"server CPU {cpu_ms:.0f} ms, {per_node_minute:.1f} ms per node-minute")
+
+
+class CoresLeft:
+    """The CPU the process trees of ``roots`` used since this was made, and the cores left to them
+    meanwhile: the machine's, less what other processes used (the kernel's counters: no other
+    process is looked at)."""
+
+    def __init__(self, roots: list[int]) -> None:
+        self._roots = roots
+        self._began = (time.monotonic(), _machine_busy_s(), self._ours_s())
+
+    def used(self) -> tuple[float, float]:
+        """(CPU seconds used by the trees, cores left to them), since this was made."""
+        began_at, busy_before, ours_before = self._began
+        ours_s = self._ours_s() - ours_before
+        others_s = max(_machine_busy_s() - busy_before - ours_s, 0.0)
+        cores = float(os.cpu_count() or 1)
+        return ours_s, max(cores - others_s / max(time.monotonic() - began_at, 1e-3), 0.5)
+
+    def _ours_s(self) -> float:
+        return sum(tree_cpu_s(pid) for pid in self._roots)
+
+
+def _machine_busy_s() -> float:
+    """The CPU seconds the cores spent busy since boot, or taken by the hypervisor (steal)."""
+    times = psutil.cpu_times()
+    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
