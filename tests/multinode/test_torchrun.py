@@ -80,9 +80,8 @@ def test_otel_forge_run_per_node_around_torchrun(spelling, mlflow_server, client
     assert loss_steps(client, run) == list(range(10))
 
 
-# The run opens only once torchrun's worker runs, within the job's 6 s and the close's drain: under
-# a second worker's load the job once ended before its run opened (its values left for a replay).
-@pytest.mark.serial
+# The run opens only once torchrun's worker runs: the worker leaves its block once the run is open
+# (under a second worker's load a 6 s job once ended before it, its values left for a replay).
 def test_a_node_that_cannot_tell_it_hosts_the_rendezvous_opens_the_run_once_its_worker_is_rank_0(
     mlflow_server, client, job_repo, tmp_path
 ) -> None:
@@ -114,6 +113,8 @@ def test_a_node_that_cannot_tell_it_hosts_the_rendezvous_opens_the_run_once_its_
         "trainingrun",
         "--seconds",
         "6",
+        "--wait-run",
+        "120",
     ]
     env = hermetic_environ({**task_environ(mlflow_server.uri, experiment, tmp_path), "OTEL_FORGE_START_WAIT": "2"})
     result = subprocess.run(argv, cwd=job_repo, env=env, capture_output=True, text=True, timeout=180, check=False)

@@ -5,7 +5,8 @@ Its rank and node come from the harness's arguments (each launcher names them di
 that resumes the run with ``mlflow.start_run()`` and exits S seconds later (MLflow's atexit ends
 the run FINISHED then). ``--fail-first-attempt R``: under torchrun ``--max-restarts``, rank R exits 1
 half way through the first attempt only; ``--log-attempt``: each step also logs ``attempt`` (torchrun's
-restart count), so what a retry logged can be told apart.
+restart count), so what a retry logged can be told apart. ``--wait-run S``: the ``TrainingRun`` task
+leaves its block only once its run is open (S seconds at most), where the run opens late.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> int:
     parser.add_argument("--orphan-s", type=float)
     parser.add_argument("--fail-first-attempt", type=int, metavar="RANK")
     parser.add_argument("--log-attempt", action="store_true")
+    parser.add_argument("--wait-run", type=float, default=0.0)
     parser.add_argument("launch_config", nargs="?")
     args = parser.parse_args()
     per_node = {int(node): float(s) for node, s in (item.split(":") for item in args.node_seconds)}
@@ -60,6 +62,9 @@ def main() -> int:
                     sys.exit(1)
             if args.raise_on_node == args.node:
                 raise RuntimeError(f"node {args.node} diverged")
+            opened_by = time.monotonic() + args.wait_run
+            while run.run_id is None and time.monotonic() < opened_by:
+                time.sleep(0.1)
     elif args.api == "mlflow" and args.rank == 0:
         import mlflow
 
