@@ -7,7 +7,7 @@ nodes would start.
 
 - the start: within 30 s every node run exists and holds a window, or, on a slower machine, within
   the time the cores left to the test need for its own CPU (the agents', the server's) and 10 s
-  (here 32 agents spend 40-48 CPU-seconds before every window is in: MLflow's client is ~1 s of
+  (here 32 agents spend 40-69 CPU-seconds before every window is in: MLflow's client is ~1 s of
   each). The cores left are the machine's less what other processes used meanwhile (the
   hypervisor's steal, on a VM);
 - the stop: within 90 s of it every node's last window is in its node run (from the closing agents or
