@@ -67,11 +67,10 @@ class CompanionSession:
             elif message[0] == "stop":
                 stopped, end = True, message[1]
                 break
-        deadline_at = None
+        deadline_s = config.close_deadline_s(node.node_count) if stopped else None
         if delivery is not None and delivering is not None:
-            if stopped:
-                delivery.finish(deadline_s := config.close_deadline_s(node.node_count), end)
-                deadline_at = time.monotonic() + deadline_s
+            if deadline_s is not None:
+                delivery.finish(deadline_s, end)
             # The training process died: its windows wait for the run its journal opens (or gives up on).
             while delivering.is_alive() and delivery.run_id is None:
                 delivering.join(0.1)
@@ -81,9 +80,9 @@ class CompanionSession:
             monitor.stop()
         if delivering is None or delivery is None:
             return None
-        if deadline_at is None:
+        if deadline_s is None:
             delivering.join()  # its training process died: the delivery has its patience
-        elif _goes_on_past(deadline_at, delivering, delivery):
+        elif _goes_on_past(deadline_s, delivering, delivery):
             delivery.say_going_on(os.getpid())
             return delivering
         elif delivering.is_alive():
@@ -102,16 +101,13 @@ class CompanionSession:
                 return None
 
 
-def _goes_on_past(deadline_at: float, delivering: threading.Thread, delivery: Any) -> bool:
-    """Whether the delivery goes on past the close's deadline: a call answered after it. One that
+def _goes_on_past(deadline_s: float, delivering: threading.Thread, delivery: Any) -> bool:
+    """Whether the delivery goes on past the close's deadline (a call answered after it). One that
     hangs is left by the delivery itself, within ``HUNG_AT_CLOSE_S``, and says what it kept."""
-    delivering.join(max(deadline_at - time.monotonic(), 0.0))
-    delivered, until = delivery.delivered_values, time.monotonic() + _PAST_DEADLINE_S
-    while delivering.is_alive() and time.monotonic() < until:
-        if delivery.delivered_values > delivered:
-            return True
+    until = time.monotonic() + deadline_s + _PAST_DEADLINE_S
+    while delivering.is_alive() and not delivery.answered_past_deadline and time.monotonic() < until:
         delivering.join(0.05)
-    return False
+    return delivering.is_alive() and delivery.answered_past_deadline
 
 
 def _pidfd(pid: int) -> int | None:

@@ -150,6 +150,7 @@ class Delivery(Generic[C]):
         self._failing = False  # the last step failed: its pause holds
         self._deadline: float | None = None  # on the clock: set by finish()
         self.ended: Ended | None = None
+        self.answered_past_deadline = False  # a call went through after finish's deadline
         self.cause: str | None = None  # why the last call failed, when it did
         self._warnings = RateLimitedLogger(_logger)
 
@@ -208,6 +209,7 @@ class Delivery(Generic[C]):
         error = self._call(call.payload)
         self._source.answered(error)
         if error is None:
+            self.answered_past_deadline |= self.past_deadline()
             self._policy.backoff.reset()
             self.stats.delivered += call.count
             self._source.delivered(call)

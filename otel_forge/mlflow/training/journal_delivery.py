@@ -151,6 +151,11 @@ class JournalDelivery:
         return self._source.delivered_values
 
     @property
+    def answered_past_deadline(self) -> bool:
+        """A call went through after ``finish``'s deadline: the delivery goes on while the server answers."""
+        return self._delivery.answered_past_deadline
+
+    @property
     def cause(self) -> str | None:
         """Why the last call failed, when it did."""
         return self._delivery.cause
@@ -200,34 +205,26 @@ class JournalDelivery:
 
     def say_left(self) -> None:
         """The one line naming what is kept in the journal, and the command that delivers it."""
+        cause = f" ({self.cause})" if self.cause else ""
         _logger.log(
             self._notice_level(),
-            "MLflow: %d metric value(s)%s of run %s were not delivered to %s%s; they are kept in %s. "
-            "Deliver them with: otel-forge replay %s",
-            self.pending_values(),
-            "" if self.ended else " and the run's end",
-            self.run_id or "(not opened yet)",
-            self.where,
-            f" ({self.cause})" if self.cause else "",
-            self.directory,
-            self.directory,
-        )
+            "MLflow: %s were not delivered to %s%s; they are kept in %s. Deliver them with: otel-forge replay %s",
+            self._undelivered(), self.where, cause, self.directory, self.directory,
+        )  # fmt: skip
 
     def say_going_on(self, pid: int) -> None:
         """The one line for a delivery that goes on past the close's deadline in process ``pid``."""
         _logger.log(
             self._notice_level(),
-            "MLflow: %d metric value(s)%s of run %s are still being delivered to %s: the otel-forge "
-            "companion (pid %d) goes on after this process exits; what it cannot deliver stays in %s "
-            "(otel-forge replay %s)",
-            self.pending_values(),
-            "" if self.ended else " and the run's end",
-            self.run_id or "(not opened yet)",
-            self.where,
-            pid,
-            self.directory,
-            self.directory,
-        )
+            "MLflow: %s are still being delivered to %s: the otel-forge companion (pid %d) goes on after this "
+            "process exits; what it cannot deliver stays in %s (otel-forge replay %s)",
+            self._undelivered(), self.where, pid, self.directory, self.directory,
+        )  # fmt: skip
+
+    def _undelivered(self) -> str:
+        """What the journal holds past its cursor, in words: values, the run's end, of which run."""
+        end = "" if self.ended else " and the run's end"
+        return f"{self.pending_values()} metric value(s){end} of run {self.run_id or '(not opened yet)'}"
 
     def _notice_level(self) -> int:
         source = self._source

@@ -105,7 +105,7 @@ class ScriptRun:
     def abandoned(self) -> bool:
         """Claimed by a process that ended without publishing the run (the server never answered it,
         or it was killed): the claim's experiment stands, and whoever comes next opens the run there."""
-        return self.claimed() is not None and self.published() is None and not self.claimer_running()
+        return self.claimed() is not None and self.given_up()
 
     def awaited(self) -> bool:
         """Claimed by a process that still runs and has not published the run yet: wait for it."""
