@@ -1,10 +1,9 @@
 """Session fixtures: one real ``mlflow server``, its client, one the tests may kill and one they may
 pause, a basic-auth ``mlflow server`` and a TLS proxy in front of the first (started only for the tests
 that ask for them), and the socket watch (tests/socket_io.py); the ``slow`` marker on every test that
-needs a server process; the worker groups (pytest-xdist's ``loadgroup``); a ``serial`` test alone on
-the machine while the others run in two workers; what ``./run-tests --no-system`` leaves out."""
+needs a server process; the worker groups (pytest-xdist's ``loadgroup``); what ``./run-tests
+--no-system`` leaves out."""
 
-import fcntl
 import os
 import shutil
 import tempfile
@@ -33,29 +32,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for directory in config.stash.get(_OWN_DIRECTORIES, []):
         shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def _alone_if_serial(request, tmp_path_factory):
-    """A test marked ``serial`` (a throughput or timing scenario that needs the machine's cores) runs
-    while no other test does: it holds the run's lock alone, every other test shares it. The lock file
-    is in the directory all workers' temporary directories share (pytest-xdist's, else the run's own)."""
-    base = tmp_path_factory.getbasetemp()
-    directory = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    serial = request.node.get_closest_marker("serial") is not None
-    if serial:  # its servers start before it takes the machine: the scenario alone needs the cores
-        parameters = getattr(getattr(request.node, "callspec", None), "params", {})
-        for name in request.fixturenames:
-            if name != request.fixturename and name not in parameters:
-                request.getfixturevalue(name)
-    # A turnstile before the lock: a serial test waiting for the running test to end holds it, so
-    # the other worker starts nothing new meanwhile (flock alone lets shared holders overtake it).
-    with open(directory / "serial.turnstile", "a") as turnstile, open(directory / "serial.lock", "a") as held:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(held, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
-        if not serial:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ nodes would start.
 - the start: within 30 s every node run exists and holds a window, or, on a slower machine, within
   the time the cores left to the test need for its own CPU (the agents', the server's) and 10 s
   (here 32 agents spend 40-69 CPU-seconds before every window is in: MLflow's client is ~1 s of
-  each). The cores left are the machine's less what other processes used meanwhile (the
-  hypervisor's steal, on a VM);
+  each). The cores left are the machine's less what other processes used meanwhile (the other test
+  worker's, the hypervisor's steal on a VM), so the test runs beside the others;
 - the stop: within 90 s of it every node's last window is in its node run (from the closing agents or
   the next one), every node run FINISHED with windows 0..n-1, no window left in a spool;
 - the server's CPU per node-minute from the start to the last window in is printed (3 minutes of a
@@ -64,9 +64,6 @@ def server(tmp_path) -> Iterator[tuple[MlflowServer, list[int]]]:
         postgres.stop()
 
 
-# 32 agents take both cores for a minute: the tests beside it would run on what is left (a 4 s job's
-# node once had no window in). Its own bound holds either way (the cores left to it).
-@pytest.mark.serial
 def test_a_big_jobs_first_and_last_windows(server, tmp_path) -> None:
     mlflow_server, pids = server
     client = MlflowClient(mlflow_server.uri)

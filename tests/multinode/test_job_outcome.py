@@ -166,7 +166,12 @@ def test_a_second_agent_for_a_node_stands_down_with_one_warning(mlflow_server, c
     env = {**task_environ(mlflow_server.uri, experiment, tmp_path), "MLFLOW_RUN_ID": run_id}
     job = Job(tmp_path, "slurm", nodes=2, tasks_per_node=1)
     monitor = _monitor(run_id, job.tasks()[0], env, job_repo, job.job_id)  # beside node 0's wrapper
-    job.start(wrapped("--seconds", "4"), lambda task: env, job_repo)
+    trained = tmp_path / "trained"
+    job.start(wrapped("--until", str(trained)), lambda task: env, job_repo)
+    # The job trains until each node has windows in the run, however loaded the machine.
+    for node in ("node_0", "node_1"):
+        wait_for(lambda node=node: len(node_steps(client, run_id, node)) >= 3, 120, 0.2, f"3 windows of {node}")
+    trained.touch()
     finished = job.wait()
     time.sleep(1.0)
     os.killpg(monitor.pid, signal.SIGTERM)

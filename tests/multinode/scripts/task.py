@@ -7,6 +7,8 @@ the run FINISHED then). ``--fail-first-attempt R``: under torchrun ``--max-resta
 half way through the first attempt only; ``--log-attempt``: each step also logs ``attempt`` (torchrun's
 restart count), so what a retry logged can be told apart. ``--wait-run S``: the ``TrainingRun`` task
 leaves its block only once its run is open (S seconds at most), where the run opens late.
+``--until PATH``: the task that neither logs nor fails trains until PATH exists (120 s at most), not
+``--seconds``: a test ends the job once what it waits for has happened.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+UNTIL_AT_MOST_S = 120.0
 
 ORPHAN = """
 import sys, time, mlflow
@@ -43,6 +48,7 @@ def main() -> int:
     parser.add_argument("--fail-first-attempt", type=int, metavar="RANK")
     parser.add_argument("--log-attempt", action="store_true")
     parser.add_argument("--wait-run", type=float, default=0.0)
+    parser.add_argument("--until", type=Path, metavar="PATH")
     parser.add_argument("launch_config", nargs="?")
     args = parser.parse_args()
     per_node = {int(node): float(s) for node, s in (item.split(":") for item in args.node_seconds)}
@@ -72,6 +78,10 @@ def main() -> int:
             for step in steps:
                 mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
                 time.sleep(seconds / args.steps)
+    elif args.until is not None:
+        until = time.monotonic() + UNTIL_AT_MOST_S
+        while not args.until.exists() and time.monotonic() < until:
+            time.sleep(0.1)
     else:
         time.sleep(seconds)
     if args.orphan_s is not None:
