@@ -1,7 +1,7 @@
 """What a node of 8 ranks holds in memory: bare ranks, ranks in ``with TrainingRun()``, and ranks
 with MLflow's own system-metrics monitor; or a node of 8 runs (a sweep's trials, each its own run).
 
-Run:  python -m bench.node_memory [--ranks 8] [--runs] [--backlog N] [--seconds 30] [--json]   (~2 min)
+Run:  python -m bench.node_memory [--ranks 8] [--runs] [--backlog N] [--gpus N] [--seconds 30] [--json]   (~2 min)
 
 A private ``mlflow server`` (sqlite, one worker). Each variant starts ``--ranks`` Python processes at
 once, each its own session, with torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -20,14 +20,18 @@ run of its own that it logs to and samples the node into. Every process runs the
 At ``--seconds`` less 5 s, psutil reads each rank and every process below it: RSS and USS (the memory
 only it holds: what the node gets back if it ends), summed. "Added" is a variant's USS less the bare
 ranks', and whether ``mlflow`` is imported in each rank (``sys.modules``, printed by the rank at its
-end). The companions among them are summed apart too: however many processes it serves, a node
-has one. ``--backlog N`` adds TrainingRun again once the server is gone, each process logging N
-values at its start: the companion holds at most a bounded read-ahead of each journal.
+end). The companions among them are summed apart too (and the CPU they used so far): however many
+processes it serves, a node has one, which samples the node once for all of them. ``--backlog N``
+adds TrainingRun again once the server is gone, each process logging N values at its start: the
+companion holds at most a bounded read-ahead of each journal. ``--gpus N``: the node's N GPUs are
+the fake NVML of ``tests/fakes`` (a read costs what the fake costs; how often they are read is what
+the companions' CPU shows).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -37,8 +41,10 @@ import uuid
 from pathlib import Path
 
 import psutil
+from mlflow import MlflowClient
 
 from bench._common import REPO_ROOT
+from testkit.gpu_fakes import fake_gpu_env
 from testkit.hermetic import hermetic_environ
 from testkit.mlflow_server import MlflowServer
 
@@ -96,10 +102,12 @@ def _launcher(rank: int, ranks: int, job_key: str) -> dict[str, str]:
 
 
 def job(
-    variant: str, ranks: int, seconds: int, uri: str, workdir: Path, runs: bool, backlog: int = 0
+    variant: str, ranks: int, seconds: int, uri: str, workdir: Path, runs: bool, backlog: int = 0, gpus: int = 0
 ) -> dict[str, object]:
     run_id = uuid.uuid4().hex
     code = script(variant, seconds, backlog)
+    # Made here: MLflow's fluent API in 8 processes at once races to create it, and all but one fail.
+    MlflowClient(uri).create_experiment(f"node-memory-{run_id}")
     processes = []
     for rank in range(ranks):
         env = hermetic_environ(
@@ -109,6 +117,8 @@ def job(
             OTEL_FORGE_SPOOL_DIR=str(workdir / "spool"),
             **({} if runs else _launcher(rank, ranks, run_id)),
         )
+        if gpus:
+            env = fake_gpu_env({"count": gpus}, base=env)
         processes.append(
             subprocess.Popen(
                 [sys.executable, "-c", code],
@@ -122,6 +132,7 @@ def job(
         )
     time.sleep(max(1, seconds - 5))
     rss = uss = count = companions = companion_uss = 0
+    companion_cpu_s = 0.0
     for process in processes:
         try:
             tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
@@ -135,6 +146,9 @@ def job(
             rss, uss, count = rss + info.rss, uss + info.uss, count + 1
             if COMPANION in argv:
                 companions, companion_uss = companions + 1, companion_uss + info.uss
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    cpu = member.cpu_times()
+                    companion_cpu_s += cpu.user + cpu.system
     imported = []
     for process in processes:
         out, err = process.communicate(timeout=120)
@@ -144,7 +158,7 @@ def job(
         imported.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["mlflow"])
     return {
         "processes": count, "rss_mb": rss / MB, "uss_mb": uss / MB, "ranks_with_mlflow": sum(imported),
-        "companions": companions, "companion_uss_mb": companion_uss / MB,
+        "companions": companions, "companion_uss_mb": companion_uss / MB, "companion_cpu_s": companion_cpu_s,
     }  # fmt: skip
 
 
@@ -157,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         "--backlog", type=int, default=0, metavar="N",
         help="and TrainingRun again, each process logging N values at once to a server that is down",
     )  # fmt: skip
+    parser.add_argument(
+        "--gpus", type=int, default=0, metavar="N",
+        help="the node has N GPUs, the fake NVML of tests/fakes: what counts is how often they are read",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-node-memory-") as tmp:
@@ -164,11 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         (workdir / "server").mkdir()
         with MlflowServer(workdir / "server") as server:
             results = {
-                variant: job(variant, args.ranks, args.seconds, server.uri, workdir, args.runs) for variant in VARIANTS
+                variant: job(variant, args.ranks, args.seconds, server.uri, workdir, args.runs, gpus=args.gpus)
+                for variant in VARIANTS
             }
         if args.backlog:  # the server is gone: the journals' delivery waits, reading ahead as far as it may
             down = f"TrainingRun, {args.backlog:,} values each, server down"
-            results[down] = job("TrainingRun", args.ranks, args.seconds, server.uri, workdir, args.runs, args.backlog)
+            results[down] = job(
+                "TrainingRun", args.ranks, args.seconds, server.uri, workdir, args.runs, args.backlog, args.gpus
+            )
     bare = results["bare"]["uss_mb"]
     for result in results.values():
         result["added_uss_mb"] = result["uss_mb"] - bare  # type: ignore[operator]
@@ -178,13 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     shape = "runs (each its own job)" if args.runs else "ranks"
     print(f"A node of {args.ranks} {shape}, read at {max(1, args.seconds - 5)} s, each process and what it started.\n")
     print(
-        "| processes | all | RSS MB | USS MB | added USS MB | of it, companions (USS MB) | that imported mlflow |\n"
-        "|---|---:|---:|---:|---:|---:|---:|"
+        "| processes | all | RSS MB | USS MB | added USS MB | of it, companions (USS MB) | companions' CPU s "
+        "| that imported mlflow |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     for variant, r in results.items():
         print(
             f"| {variant} | {r['processes']} | {r['rss_mb']:,.0f} | {r['uss_mb']:,.0f} | {r['added_uss_mb']:+,.0f} | "
-            f"{r['companions']} ({r['companion_uss_mb']:,.0f}) | {r['ranks_with_mlflow']} of {args.ranks} |"
+            f"{r['companions']} ({r['companion_uss_mb']:,.0f}) | {r['companion_cpu_s']:.1f} | "
+            f"{r['ranks_with_mlflow']} of {args.ranks} |"
         )
     added = results["TrainingRun"]["added_uss_mb"]
     print(f"\nWhat otel_forge adds to the node: {added:+,.0f} MB USS (goal at most {GOAL_MB:.0f} MB).")

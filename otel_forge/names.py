@@ -35,7 +35,8 @@ MIG_ATTRIBUTES = ("hw.parent", "otel_forge.gpu.mig.instance")
 _FS = ("system.device", "system.filesystem.mountpoint", "system.filesystem.type")
 _DISK = ("system.device", "disk.io.direction")
 _NET = ("network.interface.name", "network.io.direction")
-_PROC = ("process.pid",)
+PROCESS_PID = "process.pid"  # the root of a monitored process tree: tells the trees apart
+_PROC = (PROCESS_PID,)
 _IB = ("otel_forge.infiniband.device", "otel_forge.infiniband.port", "otel_forge.infiniband.link_layer")
 _IB_IO = _IB + ("network.io.direction",)
 _RANK = ("otel_forge.training.rank",)
@@ -382,7 +383,7 @@ METRICS: tuple[MetricSpec, ...] = (
           "pages reserved)."),
     *_gpu("otel_forge.gpu.memory.retirement.pending", G, "1", (),
           "1 while a page retirement waits for a GPU reset (or a driver reload), else 0."),
-    *_gpu("otel_forge.gpu.process.memory.usage", U, "By", (), "GPU memory used by the monitored process tree.",
+    *_gpu("otel_forge.gpu.process.memory.usage", U, "By", _PROC, "GPU memory used by a monitored process tree.",
           (K("gpu_{hw.id}_process_memory_megabytes", _MB),)),
     # NVML GPM (GPU Performance Monitoring, Hopper and newer): what the GPU did between two reads, from
     # two GPM samples, where hw.gpu.utilization only says that some kernel was running.

@@ -300,7 +300,7 @@ def test_the_run_info_metric_names_the_pod_and_the_job():
     identity = KubernetesIdentity.detect(pytorchjob_pod("llama", "worker", 0))
     assert identity is not None
     readings = Readings()
-    RunInfoCollector(_Run(), "node_1", identity.attributes()).read(readings)
+    RunInfoCollector(lambda: [_Run()], "node_1", identity.attributes()).read(readings)
     [(attributes, value)] = readings.get("otel_forge.run.info")
     assert value == 1 and attributes["otel_forge.node.id"] == "node_1" and attributes["mlflow.run.id"] == "r1"
     assert attributes["k8s.pod.name"] == "llama-worker-0" and attributes["otel_forge.k8s.job.name"] == "llama"
@@ -309,5 +309,5 @@ def test_the_run_info_metric_names_the_pod_and_the_job():
     [spec] = [spec for spec in METRICS if spec.name == "otel_forge.run.info"]
     assert set(attributes) <= set(spec.attributes)
     plain = Readings()
-    RunInfoCollector(_Run(), None).read(plain)
+    RunInfoCollector(lambda: [_Run()], None).read(plain)
     assert not any(name.startswith("k8s.") for name, _ in plain.get("otel_forge.run.info")[0][0].items())

@@ -16,6 +16,7 @@ from pathlib import Path
 from otel_forge.cli import configure_process
 from otel_forge.cli.companion_session import CompanionSession
 from otel_forge.mlflow.companion_link import CompanionLink, peer, receive_stderr
+from otel_forge.mlflow.system_metrics.node_sampling import NodeSampling
 
 _logger = logging.getLogger(__name__)
 
@@ -76,9 +77,10 @@ class StderrOwners:
 def _serve(listener: socket.socket, link: CompanionLink) -> None:
     sessions: list[threading.Thread] = []
     owners = StderrOwners()
+    sampling = NodeSampling()  # one agent for the runs it samples into
     while True:
         if select.select([listener], [], [], IDLE_S)[0]:
-            if (session := _accept(listener, owners)) is not None:
+            if (session := _accept(listener, owners, sampling)) is not None:
                 sessions.append(session)
             continue
         sessions = [session for session in sessions if session.is_alive()]
@@ -92,23 +94,23 @@ def _serve(listener: socket.socket, link: CompanionLink) -> None:
             return
 
 
-def _accept(listener: socket.socket, owners: StderrOwners) -> threading.Thread | None:
+def _accept(listener: socket.socket, owners: StderrOwners, sampling: NodeSampling) -> threading.Thread | None:
     conn, _ = listener.accept()
     pid, uid = peer(conn)
     if uid != os.getuid():  # the root is private: only a process of ours should reach it
         _logger.warning("a connection from uid %d refused", uid)
         conn.close()
         return None
-    session = threading.Thread(target=_session, args=(conn, pid, owners), name=f"otel-forge-session-{pid}")
+    session = threading.Thread(target=_session, args=(conn, pid, owners, sampling), name=f"otel-forge-session-{pid}")
     session.start()
     return session
 
 
-def _session(conn: socket.socket, pid: int, owners: StderrOwners) -> None:
+def _session(conn: socket.socket, pid: int, owners: StderrOwners, sampling: NodeSampling) -> None:
     if (stderr := receive_stderr(conn)) is not None:
         owners.add(stderr)
     try:
-        going_on = CompanionSession(conn, pid).run()
+        going_on = CompanionSession(conn, pid, sampling).run()
     finally:
         if stderr is not None:
             owners.remove(stderr)

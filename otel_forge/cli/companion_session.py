@@ -17,6 +17,7 @@ import psutil
 
 from otel_forge.mlflow.companion_link import DONE, read_message
 from otel_forge.mlflow.delivery.engine import HUNG_AT_CLOSE_S
+from otel_forge.mlflow.system_metrics.node_sampling import NodeSampling, SampledRun
 from otel_forge.scrub import error_line
 
 _logger = logging.getLogger(__name__)
@@ -29,10 +30,11 @@ CLIENT_CHECK_S = 1.0  # how often a quiet session checks that its training proce
 class CompanionSession:
     """Serves ``conn``, the connection of the training process ``pid``."""
 
-    def __init__(self, conn: socket.socket, pid: int) -> None:
+    def __init__(self, conn: socket.socket, pid: int, sampling: NodeSampling) -> None:
         self._conn = conn
         self._pid = pid
         self._pidfd = _pidfd(pid)
+        self._sampling = sampling
 
     def run(self) -> threading.Thread | None:
         """Serve the session and answer ``DONE``. A delivery that goes on past the close's deadline
@@ -54,7 +56,7 @@ class CompanionSession:
         if message is None or message[0] != "start":
             return None
         _, config, node, sample, journal, tracking_uri = message
-        monitor = _monitor(config, node) if sample else None
+        monitor = _sampled_run(self._sampling, config, node) if sample else None
         attach = _Attach(monitor)
         delivery = _delivery(Path(journal), config, tracking_uri, attach) if journal else None
         delivering = threading.Thread(target=delivery.run, name="otel-forge-journal", daemon=True) if delivery else None
@@ -118,12 +120,9 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _monitor(config: Any, node: Any) -> Any:
-    from otel_forge.mlflow.system_metrics.monitor import SystemMetricsMonitor
-
-    monitor = SystemMetricsMonitor(config, node=node, run_pending=True)
+def _sampled_run(sampling: NodeSampling, config: Any, node: Any) -> SampledRun | None:
     try:
-        return monitor.start()
+        return sampling.sample(config, node)
     except Exception as error:  # noqa: BLE001 - the node's sampling must never cost the run
         _logger.warning("system metrics not sampled: %s", error_line(error))
         return None

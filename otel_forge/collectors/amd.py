@@ -257,14 +257,13 @@ class AmdCollector(GpuCollector):
         ]
 
     def _read_process_memory(self, handle: Any) -> list[Row]:
-        used: float = 0
-        pids = self._monitored_pids()
+        used: dict[int, float] = {}
         for process in self._amdsmi.amdsmi_get_gpu_process_list(handle):
-            if isinstance(process, dict) and process.get("pid") in pids:
+            if isinstance(process, dict) and isinstance(pid := process.get("pid"), int):
                 usage = process.get("memory_usage")
                 vram = usage.get("vram_mem") if isinstance(usage, dict) else process.get("mem")
-                used += _number(vram) or 0
-        return [("otel_forge.gpu.process.memory.usage", used, {})]
+                used[pid] = used.get(pid, 0) + (_number(vram) or 0)
+        return self._process_memory(used)
 
 
 # --- opening ---------------------------------------------------------------------------------

@@ -68,6 +68,13 @@ class Collector(abc.ABC):
     def follow_process(self, pid: int) -> None:  # noqa: B027 - only sources that read processes
         """Read the process tree rooted at ``pid`` from now on (``otel-forge run``'s CMD, once it runs)."""
 
+    def add_process(self, pid: int) -> None:  # noqa: B027 - only sources that read processes
+        """Read the process tree rooted at ``pid`` too, reported apart (the node's companion: one per
+        training process it samples for)."""
+
+    def remove_process(self, pid: int) -> None:  # noqa: B027 - only sources that read processes
+        """Read the process tree rooted at ``pid`` no more."""
+
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release the source (threads, library handles). Called once."""
 

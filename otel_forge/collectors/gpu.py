@@ -33,18 +33,19 @@ import abc
 import enum
 import logging
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from otel_forge.collectors.base import CollectorUnavailable, HardwareCollector, Readings
+from otel_forge.collectors.base import AttributeValue, CollectorUnavailable, HardwareCollector, Readings
 from otel_forge.collectors.gpu_selection import DeviceKey, select_gpus
-from otel_forge.collectors.process import ProcessTree
+from otel_forge.collectors.process import MonitoredProcesses
 from otel_forge.config import ForgeConfig
+from otel_forge.names import PROCESS_PID
 from otel_forge.ratelimit import RateLimitedLogger
 
 # One reading of a field: (metric name, value, attributes beyond the GPU's own).
-Row = tuple[str, float | None, dict[str, str]]
+Row = tuple[str, float | None, dict[str, AttributeValue]]
 
 
 @dataclass
@@ -145,22 +146,30 @@ class GpuCollector(HardwareCollector):
     visible_env: ClassVar[tuple[str, ...]]
     logger: ClassVar[logging.Logger]
 
-    def __init__(self, library: Any, gpus: list[Gpu], tree: ProcessTree | None) -> None:
+    def __init__(self, library: Any, gpus: list[Gpu], processes: MonitoredProcesses | None) -> None:
         self._library = library
         self._gpus = gpus
-        self._tree = tree
-        self._pids: set[int] | None = None  # the monitored tree, found once per read when needed
+        self._processes = processes
+        self._pids: dict[int, set[int]] | None = None  # the monitored trees, walked once per read when needed
         self._warnings = RateLimitedLogger(self.logger)
         self._lock = threading.Lock()
         self._closed = False
         self._readers: dict[str, FieldReader] = {name: getattr(self, f"_read_{name}") for name in self.FIELDS}
-        if tree is None:
+        if processes is None:
             for gpu in gpus:
                 gpu.unsupported.add("process_memory")
 
     def follow_process(self, pid: int) -> None:
-        if self._tree is not None:
-            self._tree.follow(pid)
+        if self._processes is not None:
+            self._processes.follow(pid)
+
+    def add_process(self, pid: int) -> None:
+        if self._processes is not None:
+            self._processes.add(pid)
+
+    def remove_process(self, pid: int) -> None:
+        if self._processes is not None:
+            self._processes.remove(pid)
 
     # --- vendor hooks --------------------------------------------------------------------------
 
@@ -333,11 +342,15 @@ class GpuCollector(HardwareCollector):
         else:
             self._warnings.warning(name, "GPU %s: reading %s failed: %s", gpu.key, name, self._error_text(error))
 
-    def _monitored_pids(self) -> set[int]:
-        """The pids of the monitored process tree, walked at most once per read."""
+    def _process_memory(self, used: Mapping[int, float]) -> list[Row]:
+        """One row per monitored tree (by its root): what its processes use of the GPU (``used``, by
+        pid). The trees are walked at most once per read."""
         if self._pids is None:
-            self._pids = self._tree.pids() if self._tree is not None else set()
-        return self._pids
+            self._pids = self._processes.pids() if self._processes is not None else {}
+        return [
+            ("otel_forge.gpu.process.memory.usage", sum(used.get(pid, 0) for pid in pids), {PROCESS_PID: root})
+            for root, pids in self._pids.items()
+        ]
 
     # --- opening -------------------------------------------------------------------------------
 
@@ -362,9 +375,9 @@ class GpuCollector(HardwareCollector):
         return selected
 
     @classmethod
-    def _process_tree(cls, config: ForgeConfig) -> ProcessTree | None:
+    def _process_tree(cls, config: ForgeConfig) -> MonitoredProcesses | None:
         try:
-            return ProcessTree.for_config(config)
+            return MonitoredProcesses.for_config(config)
         except CollectorUnavailable as error:
             cls.logger.warning("GPU memory of the monitored processes is not reported: %s", error)
             return None

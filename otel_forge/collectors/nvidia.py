@@ -48,7 +48,7 @@ from typing import Any
 from otel_forge.collectors.base import CollectorUnavailable, Readings
 from otel_forge.collectors.gpu import Failure, FieldBatch, Gpu, GpuCollector, Row
 from otel_forge.collectors.gpu_selection import NVIDIA_VISIBLE_ENV, DeviceKey
-from otel_forge.collectors.process import ProcessTree
+from otel_forge.collectors.process import MonitoredProcesses
 from otel_forge.ratelimit import RateLimitedLogger
 
 _logger = logging.getLogger(__name__)
@@ -248,8 +248,8 @@ class NvidiaCollector(GpuCollector):
     )
     MIG_FIELDS = ("utilization", "memory", "gpm")
 
-    def __init__(self, nvml: Any, gpus: list[Gpu], tree: ProcessTree | None) -> None:
-        super().__init__(nvml, gpus, tree)
+    def __init__(self, nvml: Any, gpus: list[Gpu], processes: MonitoredProcesses | None) -> None:
+        super().__init__(nvml, gpus, processes)
         self._unsupported_errors = _error_classes(nvml, _UNSUPPORTED_ERRORS)
         self._lost_errors = _error_classes(nvml, _LOST_ERRORS)
         self._throttle_bits = _throttle_bits(nvml)
@@ -503,10 +503,10 @@ class NvidiaCollector(GpuCollector):
         ]
 
     def _read_process_memory(self, handle: Any) -> list[Row]:
-        processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        pids = self._monitored_pids()
-        used = sum(process.usedGpuMemory or 0 for process in processes if process.pid in pids)
-        return [("otel_forge.gpu.process.memory.usage", used, {})]
+        used: dict[int, float] = {}
+        for process in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            used[process.pid] = used.get(process.pid, 0) + (process.usedGpuMemory or 0)
+        return self._process_memory(used)
 
     def _read_field_values(self, handle: Any) -> FieldBatch:
         values = self._nvml.nvmlDeviceGetFieldValues(handle, self._batch_ids)
@@ -516,7 +516,7 @@ class NvidiaCollector(GpuCollector):
                 batch.errors.setdefault(entry.field, self._nvml.NVMLError(value.nvmlReturn))
                 continue
             number = self._field_number(value)
-            row = (entry.metric, None if number is None else number * entry.scale, dict(entry.attributes))
+            row: Row = (entry.metric, None if number is None else number * entry.scale, dict(entry.attributes))
             batch.rows.setdefault(entry.field, []).append(row)
         return batch
 

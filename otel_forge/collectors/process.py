@@ -1,4 +1,4 @@
-"""The monitored process tree (a root pid and its descendants): CPU, memory, threads, fds."""
+"""The monitored process trees (each a root pid and its descendants): CPU, memory, threads, fds."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import psutil
 
 from otel_forge.collectors.base import CollectorUnavailable, HardwareCollector, Readings
 from otel_forge.config import PID_NOT_STARTED, ForgeConfig
+from otel_forge.names import PROCESS_PID
 
 
 class ProcessTree:
@@ -19,29 +20,17 @@ class ProcessTree:
     kept by pid across calls; a process that exits between listing and reading is skipped.
     """
 
-    def __init__(self, pid: int | None) -> None:
-        """``pid`` None: the process is not started yet, and the tree is empty until ``follow``."""
-        self.pid: int | None = None
-        self._known: dict[int, psutil.Process] = {}
-        if pid is not None:
-            self.follow(pid)
-
-    @classmethod
-    def for_config(cls, config: ForgeConfig) -> ProcessTree:
-        return cls(None if config.pid == PID_NOT_STARTED else config.pid or os.getpid())
-
-    def follow(self, pid: int) -> None:
-        """Root the tree at ``pid`` from now on."""
+    def __init__(self, pid: int) -> None:
         try:
-            root = psutil.Process(pid)
+            self.root = psutil.Process(pid)
         except psutil.Error as error:
             raise CollectorUnavailable(f"process {pid}: {error}") from None
+        self.pid = pid
+        self._known = {pid: self.root}
         self._has_children_files = os.path.exists(f"/proc/{pid}/task/{pid}/children")
-        self.root, self._known = root, {pid: root}
-        self.pid = pid  # last: a read on the agent's thread sees a whole tree or none
 
     def pids(self) -> set[int]:
-        if self.pid is None or not self.root.is_running():
+        if not self.root.is_running():
             return set()
         if not self._has_children_files:
             try:
@@ -68,6 +57,38 @@ class ProcessTree:
         return list(self._known.values()) if pids else []
 
 
+class MonitoredProcesses:
+    """The monitored process trees, by root pid: one (``otel-forge run``'s CMD, the training process),
+    none until it runs, or one per training process the node's companion samples for. Each tree is
+    read and reported apart (``process.pid``: its root). Replaced whole on each change: a read on the
+    agent's thread sees one set or the other."""
+
+    def __init__(self, pid: int | None) -> None:
+        """``pid`` None: the process is not started yet, and no tree is read until ``follow``."""
+        self.trees: dict[int, ProcessTree] = {}
+        if pid is not None:
+            self.follow(pid)
+
+    @classmethod
+    def for_config(cls, config: ForgeConfig) -> MonitoredProcesses:
+        return cls(None if config.pid == PID_NOT_STARTED else config.pid or os.getpid())
+
+    def follow(self, pid: int) -> None:
+        """The one tree rooted at ``pid`` from now on."""
+        self.trees = {pid: ProcessTree(pid)}
+
+    def add(self, pid: int) -> None:
+        """The tree rooted at ``pid`` besides the others."""
+        self.trees = {**self.trees, pid: ProcessTree(pid)}
+
+    def remove(self, pid: int) -> None:
+        self.trees = {root: tree for root, tree in self.trees.items() if root != pid}
+
+    def pids(self) -> dict[int, set[int]]:
+        """Each tree's pids, by its root."""
+        return {root: tree.pids() for root, tree in self.trees.items()}
+
+
 def _children_of(pid: int) -> list[int]:
     children: list[int] = []
     try:
@@ -80,29 +101,46 @@ def _children_of(pid: int) -> list[int]:
 
 
 class ProcessCollector(HardwareCollector):
-    """Sums over the tree; CPU utilization is the CPU-time delta over real elapsed time."""
+    """Sums over each tree; CPU utilization is the CPU-time delta over real elapsed time."""
 
     name = "process"
 
-    def __init__(self, tree: ProcessTree) -> None:
-        self._tree = tree
+    def __init__(self, processes: MonitoredProcesses) -> None:
+        self._processes = processes
         self._logical_cpus = psutil.cpu_count() or 1
-        # Primed so the first utilization covers real time since start.
-        self._previous_cpu_s, self._previous_at_s = self._cpu_seconds(self._tree.processes()), time.monotonic()
+        self._previous: dict[int, tuple[float, float]] = {}  # root: (CPU s, monotonic s) at its last read
+        for root, tree in processes.trees.items():
+            self._prime(root, tree)
 
     @classmethod
     def create(cls, config: ForgeConfig) -> ProcessCollector:
-        return cls(ProcessTree.for_config(config))
+        return cls(MonitoredProcesses.for_config(config))
+
+    def _prime(self, root: int, tree: ProcessTree) -> None:
+        # The first utilization then covers real time since the tree was first followed.
+        self._previous[root] = (self._cpu_seconds(tree.processes()), time.monotonic())
 
     def follow_process(self, pid: int) -> None:
-        self._tree.follow(pid)
-        self._previous_cpu_s, self._previous_at_s = self._cpu_seconds(self._tree.processes()), time.monotonic()
+        self._processes.follow(pid)
+        self._previous = {}
+        self._prime(pid, self._processes.trees[pid])
+
+    def add_process(self, pid: int) -> None:
+        self._processes.add(pid)
+        self._prime(pid, self._processes.trees[pid])
+
+    def remove_process(self, pid: int) -> None:
+        self._processes.remove(pid)
+        self._previous.pop(pid, None)
 
     def read(self, readings: Readings) -> None:
-        pid, processes = self._tree.pid, self._tree.processes()
-        if pid is None or not processes:
-            return  # not started yet, or exited (e.g. `otel-forge run`'s command ended)
-        attributes = {"process.pid": pid}
+        for root, tree in self._processes.trees.items():
+            self._read_tree(root, tree.processes(), readings)
+
+    def _read_tree(self, root: int, processes: list[psutil.Process], readings: Readings) -> None:
+        if not processes:
+            return  # exited (e.g. `otel-forge run`'s command ended)
+        attributes = {PROCESS_PID: root}
         totals = {"rss": 0, "vms": 0, "threads": 0, "fds": 0, "user": 0.0, "system": 0.0}
         counted = 0
         for process in processes:
@@ -121,12 +159,11 @@ class ProcessCollector(HardwareCollector):
                 continue  # exited or became unreadable during the read
         now = time.monotonic()
         cpu_s = totals["user"] + totals["system"]
-        elapsed = now - self._previous_at_s
-        if elapsed > 0 and cpu_s >= self._previous_cpu_s:
-            readings.add(
-                "process.cpu.utilization", (cpu_s - self._previous_cpu_s) / elapsed / self._logical_cpus, attributes
-            )
-        self._previous_cpu_s, self._previous_at_s = cpu_s, now
+        previous_cpu_s, previous_at_s = self._previous.get(root, (cpu_s, now))
+        elapsed = now - previous_at_s
+        if elapsed > 0 and cpu_s >= previous_cpu_s:
+            readings.add("process.cpu.utilization", (cpu_s - previous_cpu_s) / elapsed / self._logical_cpus, attributes)
+        self._previous[root] = (cpu_s, now)
         readings.add("process.cpu.time", totals["user"], {**attributes, "cpu.mode": "user"})
         readings.add("process.cpu.time", totals["system"], {**attributes, "cpu.mode": "system"})
         readings.add("process.memory.usage", totals["rss"], attributes)

@@ -75,31 +75,34 @@ class DeliveryStatsCollector(Collector):
 
 
 class RunInfoCollector(Collector):
-    """The run this agent serves, as an info metric (value 1) that Grafana can join on; ``where``:
-    more of what names the node (on Kubernetes its pod, namespace, node and owning job: ``k8s.*``)."""
+    """The runs this agent serves, each as an info metric (value 1) that Grafana can join on;
+    ``where``: more of what names the node (on Kubernetes its pod, namespace, node and owning job:
+    ``k8s.*``)."""
 
     name = "run"
 
-    def __init__(self, run: RunIdentity, node_id: str | None, where: Mapping[str, str] | None = None) -> None:
-        self._run = run
+    def __init__(
+        self, runs: Callable[[], Iterable[RunIdentity]], node_id: str | None, where: Mapping[str, str] | None = None
+    ) -> None:
+        self._runs = runs
         self._node_id = node_id
         self._where = dict(where or {})
 
     def read(self, readings: Readings) -> None:
-        run = self._run
-        if run.experiment_id is None or run.run_id is None:
-            return  # not read from the server yet: one series per run, never a relabelled one
-        readings.add(
-            "otel_forge.run.info",
-            1,
-            {
-                "mlflow.run.id": run.run_id,
-                "mlflow.experiment.id": run.experiment_id,
-                "mlflow.run.name": run.run_name or "",
-                "otel_forge.node.id": self._node_id or "",
-                **self._where,
-            },
-        )
+        for run in self._runs():
+            if run.experiment_id is None or run.run_id is None:
+                continue  # not read from the server yet: one series per run, never a relabelled one
+            readings.add(
+                "otel_forge.run.info",
+                1,
+                {
+                    "mlflow.run.id": run.run_id,
+                    "mlflow.experiment.id": run.experiment_id,
+                    "mlflow.run.name": run.run_name or "",
+                    "otel_forge.node.id": self._node_id or "",
+                    **self._where,
+                },
+            )
 
 
 class ReceivedCollector(Collector):

@@ -1,6 +1,6 @@
 """``CompanionProcess``: a training process's session on its node's companion, the process that
-samples the node (a ``SystemMetricsMonitor``) and delivers the run's journal (a ``JournalDelivery``),
-either or both.
+samples the node (``NodeSampling``: one agent for all the runs it samples into) and delivers the
+run's journal (a ``JournalDelivery``), either or both.
 
 Neither belongs in the training process: sampling took its GIL from the loop (5-9 ms of CPU a second
 with 8 GPUs), MLflow's client 30-400 µs a value, and the training process is the one that dies (the

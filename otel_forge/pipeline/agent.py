@@ -103,6 +103,7 @@ class Agent:
         self.endpoints: list[str] = []
         self._prometheus: PrometheusEndpoint | None = None
         self.fan_out: FanOutExporter | None = None  # the one collect's sinks
+        self._fan_out_reader: MetricReader | None = None
         self._pid = os.getpid()
 
     @property
@@ -174,6 +175,7 @@ class Agent:
             if rendering is not None:
                 rendering.collect_now = reader.collect
             readers.append(reader)
+            self._fan_out_reader = reader
         return readers
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -190,6 +192,7 @@ class Agent:
         if self.meter_provider is not None:
             self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
             self.meter_provider = None
+            self._fan_out_reader = None
         if closing is not None:
             closing.join()
         if self.instruments is not None:
@@ -199,15 +202,30 @@ class Agent:
             self.collectors.close()
             self.collectors = None
 
+    def collect(self) -> None:
+        """One collect now, to the fan-out's sinks (as a scrape before the first collect does)."""
+        if self._fan_out_reader is not None and self.meter_provider is not None:
+            self._fan_out_reader.collect()
+
     def stop(self) -> None:
         """``shutdown`` with a short deadline: what the CLI calls on SIGTERM."""
         self.shutdown(timeout_s=2.0)
 
     def follow_process(self, pid: int) -> None:
         """The monitored process tree is rooted at ``pid`` from now on."""
+        self._each_collector(lambda collector: collector.follow_process(pid))
+
+    def add_process(self, pid: int) -> None:
+        """The process tree rooted at ``pid`` is monitored too, reported apart (``process.pid``)."""
+        self._each_collector(lambda collector: collector.add_process(pid))
+
+    def remove_process(self, pid: int) -> None:
+        self._each_collector(lambda collector: collector.remove_process(pid))
+
+    def _each_collector(self, change: Callable[[Collector], None]) -> None:
         for collector in self.collectors.present if self.collectors else ():
             try:
-                collector.follow_process(pid)
+                change(collector)
             except CollectorUnavailable as error:
                 _logger.warning("collector %s: the monitored process is not read: %s", collector.name, error)
 

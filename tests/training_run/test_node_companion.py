@@ -12,9 +12,10 @@ import subprocess
 import textwrap
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from trun_helpers import popen_script
 
-from testkit.servers import wait_for
+from testkit.servers import free_port, http_get, wait_for
 
 CPU_KEY = "system/cpu_utilization_percentage"
 COMPANION = "otel_forge.cli.companion"
@@ -23,7 +24,7 @@ RUN_SCRIPT = """
 import sys
 from otel_forge import ForgeConfig, TrainingRun
 
-config = ForgeConfig.resolve(sampling_interval_s=0.2, prometheus=False)
+config = ForgeConfig.resolve(sampling_interval_s=0.2, prometheus={port} is not None, prometheus_port={port} or 0)
 with TrainingRun(tracking_uri={uri!r}, experiment={experiment!r}, forge_config=config) as run:
     run.log({{"loss": 0.0}}, step=0)
     run.wait_open(30)
@@ -35,9 +36,10 @@ print("closed", flush=True)
 """
 
 
-def _start(uri: str, experiment: str, tmp_path, count: int) -> list[subprocess.Popen]:
-    """``count`` training processes, started at once, each with its run; their run ids once entered."""
-    script = textwrap.dedent(RUN_SCRIPT.format(uri=uri, experiment=experiment))
+def _start(uri: str, experiment: str, tmp_path, count: int, port: int | None = None) -> list[subprocess.Popen]:
+    """``count`` training processes, started at once, each with its run; their run ids once entered.
+    ``port``: the node's /metrics is served there (else not at all)."""
+    script = textwrap.dedent(RUN_SCRIPT.format(uri=uri, experiment=experiment, port=port))
     env = {"OTEL_FORGE_SPOOL_DIR": str(tmp_path / "spool")}
     return [popen_script(script, env, stdin=subprocess.PIPE) for _ in range(count)]
 
@@ -90,6 +92,38 @@ def test_three_runs_started_at_once_on_a_node_share_one_companion(mlflow_server,
         companion.wait(timeout=30)  # its last session ended
     finally:
         _kill_all(processes)
+    for run_id in run_ids:
+        _finished_with_every_value(client, run_id)
+
+
+def _series(port: int, family: str, label: str) -> set[str]:
+    """The values of ``label`` across the samples of ``family`` on the node's /metrics."""
+    status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+    assert status == 200, body
+    return {
+        sample.labels[label]
+        for metrics in text_string_to_metric_families(body)
+        if metrics.name == family
+        for sample in metrics.samples
+    }
+
+
+def test_the_runs_of_one_companion_are_sampled_by_one_agent_on_one_endpoint(
+    mlflow_server, client, experiment, tmp_path
+):
+    """Three runs sampled by their node's companion: one /metrics serves the three (each run's info,
+    each training process's tree), where an agent per run refused the port to all but the first."""
+    port = free_port()
+    processes = _start(mlflow_server.uri, experiment, tmp_path, 3, port=port)
+    try:
+        run_ids = {_entered(process) for process in processes}
+        pids = {str(process.pid) for process in processes}
+        wait_for(lambda: _series(port, "otel_forge_run_info", "mlflow_run_id") == run_ids, 60, 0.2, "the runs")
+        wait_for(lambda: _series(port, "process_memory_usage_bytes", "process_pid") == pids, 60, 0.2, "the trees")
+        errors = [_close(process) for process in processes]
+    finally:
+        _kill_all(processes)
+    assert not any("cannot serve Prometheus" in err for err in errors), errors
     for run_id in run_ids:
         _finished_with_every_value(client, run_id)
 

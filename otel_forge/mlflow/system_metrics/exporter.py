@@ -29,6 +29,7 @@ from otel_forge.mlflow.system_metrics.window_logger import WindowLogger
 from otel_forge.mlflow.system_metrics.window_spool import WindowSpool
 from otel_forge.mlflow.system_metrics.windows import CLOSE_SPREAD_SHARE, ChangedValues, Window, WindowFolder
 from otel_forge.mlflow.system_metrics.writer_lock import NodeWriterLock
+from otel_forge.names import PROCESS_PID
 from otel_forge.pipeline.fanout import NonBlockingExporter
 from otel_forge.scrub import scrub, uri_without_credentials
 
@@ -70,6 +71,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         prefix: str | None = None,
         what: str = "system-metrics",
         merged: Callable[[], Sample] | None = None,
+        process_pid: int | None = None,
     ) -> None:
         """``config``: the settings (statistics, spool, queue and deadlines), by default resolved
         from the environment now; ``tracking_uri`` and ``samples_per_window`` default to its own.
@@ -83,7 +85,9 @@ class MLflowMetricExporter(NonBlockingExporter):
         ``prefix``: the keys' prefix, for windows that are not the node's (received OTLP metrics: then
         they come through ``export_sample``); ``what`` names them in the lines the exporter says.
         ``merged``: another source's sample (whole keys) taken with each export, into the same windows
-        (received OTLP metrics: one step per window with the node's)."""
+        (received OTLP metrics: one step per window with the node's). ``process_pid``: of the monitored
+        process trees, the one rooted at this pid alone (the node's companion samples one per training
+        process, each into its run)."""
         # Cumulative temporality (the exporter default): counters fold as growth since start.
         super().__init__()
         config = config or ForgeConfig.resolve()
@@ -101,6 +105,7 @@ class MLflowMetricExporter(NonBlockingExporter):
         self._lock_prefix = prefix or system_prefix(node_id)
         self.what = what
         self._merged = merged
+        self._process_pid = process_pid
         prefix = prefix or (SYSTEM_PREFIX if node_run else system_prefix(node_id))
         self._mapper = KeyMapper(prefix)
         self._folder = WindowFolder(samples_per_window, config.mlflow_stats, first_window_samples)
@@ -198,7 +203,7 @@ class MLflowMetricExporter(NonBlockingExporter):
             return MetricExportResult.FAILURE
         if self.standing_down:
             return MetricExportResult.SUCCESS
-        sample = self._mapper.sample(_points(metrics_data))
+        sample = self._mapper.sample(_points(metrics_data, self._process_pid))
         if self._merged is not None:
             sample.update(self._merged())
         self.export_sample(sample)
@@ -309,14 +314,18 @@ class MLflowMetricExporter(NonBlockingExporter):
         return scrub(f"MLflowMetricExporter(run_id={self.run_id!r}, node_id={self.node_id!r})")
 
 
-def _points(metrics_data: MetricsData) -> Iterator[tuple[str, Sequence[DataPoint]]]:
+def _points(metrics_data: MetricsData, process_pid: int | None) -> Iterator[tuple[str, Sequence[DataPoint]]]:
     """(metric name, its number data points): the agent's instruments are gauges and sums alone (a
-    histogram's points hold no single value to log)."""
+    histogram's points hold no single value to log). ``process_pid``: the points of other monitored
+    process trees are left out."""
     for resource_metrics in metrics_data.resource_metrics:
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics:
                 data = metric.data
-                yield metric.name, data.data_points if isinstance(data, (Gauge, Sum)) else ()
+                points = data.data_points if isinstance(data, (Gauge, Sum)) else ()
+                if process_pid is not None:
+                    points = [p for p in points if (p.attributes or {}).get(PROCESS_PID, process_pid) == process_pid]
+                yield metric.name, points
 
 
 @dataclass(frozen=True)

@@ -9,20 +9,19 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from otel_forge.collectors.base import Collector
-from otel_forge.collectors.inventory import node_inventory
-from otel_forge.collectors.self_telemetry import DeliveryStatsCollector, ReceivedCollector, RunInfoCollector
+from otel_forge.collectors.self_telemetry import ReceivedCollector
 from otel_forge.config import ForgeConfig
 from otel_forge.forking import forked_from
 from otel_forge.mlflow.client import RunInfo
 from otel_forge.mlflow.companion import CompanionProcess
 from otel_forge.mlflow.fluent_runs import fluent_ended_run_ids, fluent_run, fluent_run_id
-from otel_forge.mlflow.leftovers import LeftoverDelivery
-from otel_forge.mlflow.spool_files import spool_root
+from otel_forge.mlflow.keys import Sample
 from otel_forge.mlflow.system_metrics.exporter import MLflowMetricExporter
 from otel_forge.mlflow.system_metrics.one_sampler import stand_down_mlflow_sampler
+from otel_forge.mlflow.system_metrics.sampled_node import SampledNode
 from otel_forge.mlflow.system_metrics.windows import CLOSE_SPREAD_SHARE, FIRST_WINDOW_SPREAD_S, delivery_phase_s
 from otel_forge.node import NodeIdentity
-from otel_forge.pipeline import Agent, EndpointError
+from otel_forge.pipeline import Agent
 from otel_forge.scheduler_grace import close_deadline
 
 if TYPE_CHECKING:
@@ -75,6 +74,39 @@ class FluentRunWatch:
         self._look()
 
 
+def run_exporter(
+    config: ForgeConfig,
+    node: NodeIdentity,
+    close_deadline_s: float,
+    *,
+    merged: Callable[[], Sample] | None = None,
+    process_pid: int | None = None,
+) -> MLflowMetricExporter:
+    """The MLflow exporter of one run's windows of ``node``, as the settings and the job's size say."""
+    samples_per_window = config.mlflow_samples_per_window(node.node_count)
+    name = node.node_id or node.hostname
+    window_s = samples_per_window * config.sampling_interval_s
+    spread = (node.node_count or 1) > 1
+    return MLflowMetricExporter(
+        config.run_id,
+        tracking_uri=config.tracking_uri,
+        node_id=node.node_id,
+        config=config,
+        samples_per_window=samples_per_window,
+        first_window_samples=2,  # the agent's baseline at its start and its first sample, a second later
+        delivery_phase_s=delivery_phase_s(name, window_s),
+        first_delivery_phase_s=delivery_phase_s(name, min(window_s, FIRST_WINDOW_SPREAD_S)),
+        known=RunInfo(config.experiment_id, "", config.experiment_name),
+        node_run=config.mlflow_node_runs(node.node_count),
+        # A job's nodes stop together: their last calls spread over a share of the close's deadline.
+        close_spread_s=delivery_phase_s(name, close_deadline_s * CLOSE_SPREAD_SHARE) if spread else 0.0,
+        close_deadline_s=close_deadline_s,
+        pod=node.kubernetes.pod_attributes() if node.kubernetes is not None else None,
+        merged=merged,
+        process_pid=process_pid,
+    )
+
+
 class SystemMetricsMonitor:
     """The agent plus the MLflow exporter (a sink of its one collect) into one run;
     ``start()``/``stop()`` or a ``with`` block.
@@ -95,11 +127,10 @@ class SystemMetricsMonitor:
         # Sampling starts now; the windows wait in the spool until ``attach`` names the run.
         self._run_pending = run_pending
         self.exporter: MLflowMetricExporter | None = None
-        self.agent: Agent | None = None
+        self._sampled: SampledNode | None = None
         self._watch: FluentRunWatch | None = None
         self._pid = os.getpid()
         self.close_deadline_s = config.close_deadline_s()
-        self._leftovers: LeftoverDelivery | None = None
         self.received: ReceivedRuns | None = None  # OTLP metrics received into runs (``otlp_receiver``)
 
     @property
@@ -107,7 +138,7 @@ class SystemMetricsMonitor:
         return self.config.run_id
 
     def start(self) -> SystemMetricsMonitor:
-        if self.agent is not None or not self.node.runs_agent:
+        if self._sampled is not None or not self.node.runs_agent:
             return self
         self._pid = os.getpid()
         self.close_deadline_s, why = close_deadline(self.config, self.node.node_count, self.node.kubernetes)
@@ -135,23 +166,21 @@ class SystemMetricsMonitor:
                 self.received.serve(
                     self.config.run_id, RunInfo(self.config.experiment_id, "", self.config.experiment_name)
                 )
-        self.exporter = self._exporter()
-        self.agent = self._agent(self.exporter)
-        try:
-            self.agent.start()
-        except EndpointError as error:
-            # A busy Prometheus port must not cost the run its system metrics.
-            _logger.warning("%s; continuing without the Prometheus endpoint", error)
-            self.config = self.config.replace(prometheus=False)
-            self.agent = self._agent(self.exporter)
-            self.agent.start()
-        if self.agent.collectors is not None:
-            self.exporter.record_inventory(node_inventory(self.agent.collectors.present, self.node.kubernetes))
+        merged = self.received.served_sample if self.received is not None and self.received.node_windows else None
+        self.exporter = run_exporter(self.config, self.node, self.close_deadline_s, merged=merged)
+        collectors = [*self._extra_collectors]
+        if self.received is not None:
+            collectors.append(ReceivedCollector(self.received.latest))
+        self._sampled = SampledNode(self.config, self.node, collectors).start()
+        self.config = self.config.replace(prometheus=self._sampled.config.prometheus)  # off where its port was busy
+        self._sampled.join(self.exporter)
         if self._watch is not None:
             self._watch.start()
-        node = self.node.node_id or self.node.hostname
-        self._leftovers = LeftoverDelivery(spool_root(self.config.spool_dir), node).start()
         return self
+
+    @property
+    def agent(self) -> Agent | None:
+        return self._sampled.agent if self._sampled is not None else None
 
     def _tracking_uri(self) -> str:
         return self.config.tracking_uri or _fluent_tracking_uri()
@@ -169,44 +198,6 @@ class SystemMetricsMonitor:
         _logger.info(
             "MLflow run %s opened: node %s is sampled into it", run_id, self.node.node_id or self.node.hostname
         )
-
-    def _exporter(self) -> MLflowMetricExporter:
-        c = self.config
-        samples_per_window = c.mlflow_samples_per_window(self.node.node_count)
-        node = self.node.node_id or self.node.hostname
-        window_s = samples_per_window * c.sampling_interval_s
-        spread = (self.node.node_count or 1) > 1
-        return MLflowMetricExporter(
-            c.run_id,
-            tracking_uri=c.tracking_uri,
-            node_id=self.node.node_id,
-            config=c,
-            samples_per_window=samples_per_window,
-            first_window_samples=2,  # the agent's baseline at its start and its first sample, a second later
-            delivery_phase_s=delivery_phase_s(node, window_s),
-            first_delivery_phase_s=delivery_phase_s(node, min(window_s, FIRST_WINDOW_SPREAD_S)),
-            known=RunInfo(c.experiment_id, "", c.experiment_name),
-            node_run=c.mlflow_node_runs(self.node.node_count),
-            # A job's nodes stop together: their last calls spread over a share of the close's deadline.
-            close_spread_s=delivery_phase_s(node, self.close_deadline_s * CLOSE_SPREAD_SHARE) if spread else 0.0,
-            close_deadline_s=self.close_deadline_s,
-            pod=self.node.kubernetes.pod_attributes() if self.node.kubernetes is not None else None,
-            merged=self.received.served_sample if self.received is not None and self.received.node_windows else None,
-        )
-
-    def _agent(self, exporter: MLflowMetricExporter) -> Agent:
-        collectors = [
-            *self._extra_collectors,
-            DeliveryStatsCollector(exporter.delivery_counts),
-            RunInfoCollector(
-                exporter.window_logger,
-                self.node.node_id,
-                self.node.kubernetes.attributes() if self.node.kubernetes is not None else None,
-            ),
-        ]
-        if self.received is not None:
-            collectors.append(ReceivedCollector(self.received.latest))
-        return Agent(self.config, node=self.node, extra_collectors=collectors, extra_exporters=[lambda: exporter])
 
     def attach(self, run_id: str, known: RunInfo | None = None) -> None:
         """The run is open: the windows sampled so far, and all after, go to it."""
@@ -243,18 +234,16 @@ class SystemMetricsMonitor:
         return self.agent.absent_collectors if self.agent else {}
 
     def stop(self) -> None:
-        if self.agent is not None and forked_from(self._pid):
+        if self._sampled is not None and forked_from(self._pid):
             return  # a forked child's copy: the parent's agent, the parent stops it
         if self._watch is not None:
             self._watch.stop()
-        if self._leftovers is not None:
-            self._leftovers.stop()
         if self.received is not None:
             self.received.stop(self.close_deadline_s)
             self.received = None
-        if self.agent is not None:
-            self.agent.shutdown(timeout_s=self.close_deadline_s + 5)
-            self.agent = None
+        if self._sampled is not None:
+            self._sampled.stop(timeout_s=self.close_deadline_s + 5)
+            self._sampled = None
 
     def __enter__(self) -> SystemMetricsMonitor:
         return self.start()
