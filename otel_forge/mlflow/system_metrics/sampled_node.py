@@ -33,12 +33,16 @@ _logger = logging.getLogger(__name__)
 
 
 class RunSinks(NonBlockingExporter):
-    """The runs' exporters as one sink of the agent's collect; runs join and leave while it runs."""
+    """The runs' exporters as one sink of the agent's collect; runs join and leave while it runs. A
+    run that left still counts in the delivery's counters (they never go down) and is served as a
+    run until its drain is done."""
 
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.Lock()
         self.exporters: tuple[MLflowMetricExporter, ...] = ()  # replaced whole: a collect sees one set
+        self._leaving: tuple[MLflowMetricExporter, ...] = ()  # draining: no more collects
+        self._left: collections.Counter[str] = collections.Counter()  # the delivery counts of runs gone
         self._alone: dict[int, MLflowMetricExporter] = {}  # by thread: the run a collect there is for
 
     def add(self, exporter: MLflowMetricExporter) -> None:
@@ -46,8 +50,16 @@ class RunSinks(NonBlockingExporter):
             self.exporters = (*self.exporters, exporter)
 
     def remove(self, exporter: MLflowMetricExporter) -> None:
+        """No more collects for ``exporter``: it drains."""
         with self._lock:
             self.exporters = tuple(e for e in self.exporters if e is not exporter)
+            self._leaving = (*self._leaving, exporter)
+
+    def retire(self, exporter: MLflowMetricExporter) -> None:
+        """``exporter`` has drained: its counts stay, it is no longer served."""
+        with self._lock:
+            self._leaving = tuple(e for e in self._leaving if e is not exporter)
+            self._left.update(exporter.delivery_counts())
 
     @contextlib.contextmanager
     def alone(self, exporter: MLflowMetricExporter) -> Iterator[None]:
@@ -68,14 +80,15 @@ class RunSinks(NonBlockingExporter):
         return MetricExportResult.SUCCESS
 
     def delivery_counts(self) -> dict[str, int]:
-        """The windows delivered, retried, spooled, dropped: the runs' together."""
-        total: collections.Counter[str] = collections.Counter()
-        for exporter in self.exporters:
+        """The windows delivered, retried, spooled, dropped: the runs' together, those gone included."""
+        with self._lock:
+            total, served = collections.Counter(self._left), (*self.exporters, *self._leaving)
+        for exporter in served:
             total.update(exporter.delivery_counts())
         return dict(total)
 
     def runs(self) -> list[WindowLogger]:
-        return [exporter.window_logger for exporter in self.exporters]
+        return [exporter.window_logger for exporter in (*self.exporters, *self._leaving)]
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return all(exporter.force_flush(timeout_millis) for exporter in self.exporters)
@@ -139,6 +152,7 @@ class SampledNode:
         if pid is not None and self.agent is not None:
             self.agent.remove_process(pid)
         exporter.shutdown(timeout_millis=timeout_s * 1000)
+        self.sinks.retire(exporter)
 
     @property
     def endpoints(self) -> list[str]:
