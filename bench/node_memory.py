@@ -1,7 +1,7 @@
 """What a node of 8 ranks holds in memory: bare ranks, ranks in ``with TrainingRun()``, and ranks
 with MLflow's own system-metrics monitor; or a node of 8 runs (a sweep's trials, each its own run).
 
-Run:  python -m bench.node_memory [--ranks 8] [--runs] [--backlog N] [--gpus N] [--seconds 30] [--json]   (~2 min)
+Run:  python -m bench.node_memory [--ranks 8] [--runs] [--srun] [--backlog N] [--gpus N] [--seconds 30] [--json]
 
 A private ``mlflow server`` (sqlite, one worker). Each variant starts ``--ranks`` Python processes at
 once, each its own session, with torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -101,9 +101,29 @@ def _launcher(rank: int, ranks: int, job_key: str) -> dict[str, str]:
     }  # fmt: skip
 
 
+def _srun_task(rank: int, ranks: int, job_key: str) -> dict[str, str]:
+    """What ``srun --ntasks-per-node=N`` gives each task of one node."""
+    job_id = str(int(job_key[:7], 16))
+    return {
+        "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0", "SLURM_NTASKS": str(ranks), "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NTASKS_PER_NODE": str(ranks),
+    }  # fmt: skip
+
+
 def job(
-    variant: str, ranks: int, seconds: int, uri: str, workdir: Path, runs: bool, backlog: int = 0, gpus: int = 0
+    variant: str,
+    ranks: int,
+    seconds: int,
+    uri: str,
+    workdir: Path,
+    runs: bool,
+    backlog: int = 0,
+    gpus: int = 0,
+    srun: bool = False,
 ) -> dict[str, object]:
+    """``srun``: each rank is ``otel-forge run -- python ...`` with SLURM's variables, as ``srun
+    otel-forge run`` starts one per task."""
     run_id = uuid.uuid4().hex
     code = script(variant, seconds, backlog)
     # Made here: MLflow's fluent API in 8 processes at once races to create it, and all but one fail.
@@ -115,13 +135,14 @@ def job(
             MLFLOW_TRACKING_URI=uri,
             MLFLOW_EXPERIMENT_NAME=f"node-memory-{run_id}",
             OTEL_FORGE_SPOOL_DIR=str(workdir / "spool"),
-            **({} if runs else _launcher(rank, ranks, run_id)),
+            **({} if runs else (_srun_task if srun else _launcher)(rank, ranks, run_id)),
         )
         if gpus:
             env = fake_gpu_env({"count": gpus}, base=env)
+        command = [sys.executable, "-c", code]
         processes.append(
             subprocess.Popen(
-                [sys.executable, "-c", code],
+                [sys.executable, "-m", "otel_forge.cli", "run", "--", *command] if srun else command,
                 env=env,
                 cwd=workdir,
                 stdout=subprocess.PIPE,
@@ -175,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gpus", type=int, default=0, metavar="N",
         help="the node has N GPUs, the fake NVML of tests/fakes: what counts is how often they are read",
     )  # fmt: skip
+    parser.add_argument(
+        "--srun", action="store_true", help="and TrainingRun again, each rank under its own `otel-forge run` (srun)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-node-memory-") as tmp:
@@ -185,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                 variant: job(variant, args.ranks, args.seconds, server.uri, workdir, args.runs, gpus=args.gpus)
                 for variant in VARIANTS
             }
+            if args.srun:
+                results["TrainingRun, each rank under srun otel-forge run"] = job(
+                    "TrainingRun", args.ranks, args.seconds, server.uri, workdir, args.runs, gpus=args.gpus, srun=True
+                )
         if args.backlog:  # the server is gone: the journals' delivery waits, reading ahead as far as it may
             down = f"TrainingRun, {args.backlog:,} values each, server down"
             results[down] = job(
