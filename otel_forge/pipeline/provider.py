@@ -85,10 +85,15 @@ def parent_only_reader(exporter: Any, first_collects_s: Sequence[float] = (), **
                 begun = time.monotonic()
                 for offset_s in first_collects_s:
                     if self._shutdown_event.wait(max(0.0, begun + offset_s - time.monotonic())):
-                        break  # the SDK's ticker collects one last time below
+                        break  # the loop below collects one last time
                     self._expire()
                     self._collect_now()
-            super()._ticker()
+            interval_s = self._export_interval_millis / 1000
+            while not self._shutdown_event.wait(interval_s):
+                self._collect_now()
+            # The last collect (a run's last sample) gets the export timeout too: the SDK's ticker gives
+            # it the interval, which a loaded machine outlasts at a short one, and the sample is lost.
+            self._collect_now()
 
         def _collect_now(self) -> None:
             try:
