@@ -51,8 +51,7 @@ class SampledRun(Protocol):
 
 @dataclasses.dataclass
 class _Shared:
-    settings: tuple[Any, ...]
-    node: NodeIdentity
+    key: tuple[Any, ...]  # what its runs agreed on: the agent's settings, the node as it names it
     sampled: SampledNode
     runs: int = 0
 
@@ -96,12 +95,12 @@ class NodeSampling:
             return SystemMetricsMonitor(config, node=node, run_pending=True).start()
         deadline_s, _ = close_deadline(config, node.node_count, node.kubernetes)
         exporter = run_exporter(config, node, deadline_s, process_pid=config.pid)
-        settings = tuple(getattr(config, name) for name in AGENT_SETTINGS)
+        key = (*(getattr(config, name) for name in AGENT_SETTINGS), *_names(node))
         with self._lock:
-            shared = next((s for s in self._shared if s.settings == settings and _same_node(s.node, node)), None)
+            shared = next((s for s in self._shared if s.key == key), None)
             if shared is None:
                 agent_config = dataclasses.replace(config.replace(run_id=None), pid=PID_NOT_STARTED)
-                shared = _Shared(settings, node, SampledNode(agent_config, node).start())
+                shared = _Shared(key, SampledNode(agent_config, node).start())
                 self._shared.append(shared)
             shared.sampled.join(exporter, config.pid)
             shared.runs += 1
@@ -118,11 +117,6 @@ class NodeSampling:
                 shared.sampled.stop(timeout_s=_STOP_MARGIN_S)  # under the lock: its port is free for the next
 
 
-def _same_node(one: NodeIdentity, other: NodeIdentity) -> bool:
-    """The same node, as the agent names it (resource, info metric, inventory)."""
-    return (one.node_id, one.hostname, one.node_count, one.kubernetes) == (
-        other.node_id,
-        other.hostname,
-        other.node_count,
-        other.kubernetes,
-    )
+def _names(node: NodeIdentity) -> tuple[Any, ...]:
+    """The node as the agent names it (its resource, the info metric, the inventory)."""
+    return (node.node_id, node.hostname, node.node_count, node.kubernetes)

@@ -154,10 +154,6 @@ class SampledNode:
         exporter.shutdown(timeout_millis=timeout_s * 1000)
         self.sinks.retire(exporter)
 
-    @property
-    def endpoints(self) -> list[str]:
-        return self.agent.endpoints if self.agent is not None else []
-
     def stop(self, timeout_s: float) -> None:
         """The agent's last collect goes to the runs still joined, which drain within ``timeout_s``."""
         if self._leftovers is not None:
