@@ -172,7 +172,6 @@ class SystemMetricsMonitor:
         if self.received is not None:
             collectors.append(ReceivedCollector(self.received.latest))
         self._sampled = SampledNode(self.config, self.node, collectors).start()
-        self.config = self.config.replace(prometheus=self._sampled.config.prometheus)  # off where its port was busy
         self._sampled.join(self.exporter)
         if self._watch is not None:
             self._watch.start()

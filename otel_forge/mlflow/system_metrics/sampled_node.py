@@ -111,6 +111,7 @@ class SampledNode:
         self._extra_collectors = extra_collectors
         self.agent: Agent | None = None
         self._leftovers: LeftoverDelivery | None = None
+        self._inventory: dict[str, object] | None = None  # read at the first run's join, given to each
 
     def start(self) -> SampledNode:
         self.agent = self._agent()
@@ -139,8 +140,10 @@ class SampledNode:
         assert self.agent is not None
         if pid is not None:
             self.agent.add_process(pid)
-        if self.agent.collectors is not None:
-            exporter.record_inventory(node_inventory(self.agent.collectors.present, self.node.kubernetes))
+        if self._inventory is None and self.agent.collectors is not None:
+            self._inventory = node_inventory(self.agent.collectors.present, self.node.kubernetes)
+        if self._inventory is not None:
+            exporter.record_inventory(self._inventory)
         self.sinks.add(exporter)
 
     def leave(self, exporter: MLflowMetricExporter, timeout_s: float, pid: int | None = None) -> None:
